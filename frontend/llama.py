@@ -1,0 +1,132 @@
+"""Build the `llm` graph of a Llama-family decoder from a `ModelConfig` and its weights.
+
+Both frontends call `build_module`, which is why a GGUF file and a Hugging Face directory
+holding the same weights import to the same IR. Weight symbols follow GGUF's tensor
+names without the `.weight` suffix (`@blk.3.attn_q`, `@blk.3.attn_q.bias`).
+
+One block, as the IR shows it (Qwen2 adds `bias` operands to the Q/K/V matmuls):
+
+```mlir
+%h = llm.rms_norm %x, %blk_0_attn_norm eps 1.000000e-05 : tensor<?x576xf32>, tensor<576xf32>
+%q = llm.matmul %h, %blk_0_attn_q : (tensor<?x576xf32>, tensor<576x576xf32>) -> tensor<?x576xf32>
+... k, v, reshape to heads, rope on q and k ...
+%a = llm.attention %qr, %kr, %v3, %pos, %kv layer 0 : (...) -> tensor<?x9x64xf32>
+%o = llm.matmul %a2, %blk_0_attn_output : ...
+%x1 = llm.add %x, %o : tensor<?x576xf32>
+... rms_norm, gate/up matmuls, silu, mul, down matmul, add ...
+```
+"""
+
+from __future__ import annotations
+
+from xdsl.dialects import builtin, func
+from xdsl.ir import Block, Operation, Region, SSAValue
+
+from llmc.errors import ModelFormatError
+from llmc.frontend.model import ModelConfig
+from llmc.ir import llm
+from llmc.ir.weights import WeightStore
+
+
+def expected_weights(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the graph needs, by symbol, with its logical shape."""
+    c = config
+    q_width, kv_width = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"token_embd": (c.vocab_size, c.hidden), "output_norm": (c.hidden,)}
+    if not c.tied_embeddings:
+        shapes["output"] = (c.vocab_size, c.hidden)
+    for i in range(c.layers):
+        b = f"blk.{i}."
+        shapes |= {
+            b + "attn_norm": (c.hidden,),
+            b + "attn_q": (q_width, c.hidden),
+            b + "attn_k": (kv_width, c.hidden),
+            b + "attn_v": (kv_width, c.hidden),
+            b + "attn_output": (c.hidden, q_width),
+            b + "ffn_norm": (c.hidden,),
+            b + "ffn_gate": (c.ffn, c.hidden),
+            b + "ffn_up": (c.ffn, c.hidden),
+            b + "ffn_down": (c.hidden, c.ffn),
+        }
+        if c.qkv_bias:
+            shapes |= {b + "attn_q.bias": (q_width,), b + "attn_k.bias": (kv_width,), b + "attn_v.bias": (kv_width,)}
+    return shapes
+
+
+def check_weights(config: ModelConfig, weights: WeightStore) -> None:
+    """Every needed tensor is present with the shape the config implies."""
+    for name, shape in expected_weights(config).items():
+        if name not in weights:
+            raise ModelFormatError(weights.source, f"missing tensor '{name}'")
+        if weights[name].shape != shape:
+            found = "x".join(map(str, weights[name].shape))
+            want = "x".join(map(str, shape))
+            raise ModelFormatError(weights.source, f"tensor '{name}' has shape {found}, the config implies {want}")
+
+
+class _GraphBuilder:
+    """Appends ops to one block, naming results for readable IR."""
+
+    def __init__(self, block: Block, weights: WeightStore):
+        self.block = block
+        self.weights = weights
+        self.loaded: dict[str, SSAValue] = {}
+
+    def add(self, op: Operation, name: str | None = None) -> SSAValue:
+        self.block.add_op(op)
+        result = op.results[0]
+        if name is not None:
+            result.name_hint = name
+        return result
+
+    def weight(self, sym: str) -> SSAValue:
+        """An `llm.weight` for `sym`, created once per function."""
+        if sym not in self.loaded:
+            w = self.weights[sym]
+            self.loaded[sym] = self.add(llm.WeightOp(sym, w.storage, w.shape))
+        return self.loaded[sym]
+
+    def linear(self, x: SSAValue, sym: str, bias: bool, name: str) -> SSAValue:
+        b = self.weight(sym + ".bias") if bias else None
+        return self.add(llm.MatmulOp(x, self.weight(sym), b), name)
+
+
+def build_module(config: ModelConfig, weights: WeightStore) -> builtin.ModuleOp:
+    """The `forward` function of the model in the `llm` dialect."""
+    check_weights(config, weights)
+    c = config
+    kv_type = llm.KVCacheType(c.layers, c.kv_heads, c.context_length, c.head_dim)
+    ids_type = llm.tensor(None, element_type=builtin.i32)
+    block = Block(arg_types=[ids_type, ids_type, kv_type])
+    tokens, pos, kv = block.args
+    tokens.name_hint, pos.name_hint, kv.name_hint = "tokens", "pos", "kv"
+    g = _GraphBuilder(block, weights)
+
+    x = g.add(llm.EmbeddingOp(tokens, g.weight("token_embd")), "x")
+    for i in range(c.layers):
+        b, n = f"blk.{i}.", f"l{i}_"
+        h = g.add(llm.RMSNormOp(x, g.weight(b + "attn_norm"), c.rms_eps), n + "attn_in")
+        q = g.linear(h, b + "attn_q", c.qkv_bias, n + "q")
+        k = g.linear(h, b + "attn_k", c.qkv_bias, n + "k")
+        v = g.linear(h, b + "attn_v", c.qkv_bias, n + "v")
+        q = g.add(llm.ReshapeOp(q, [None, c.heads, c.head_dim]), n + "q_heads")
+        k = g.add(llm.ReshapeOp(k, [None, c.kv_heads, c.head_dim]), n + "k_heads")
+        v = g.add(llm.ReshapeOp(v, [None, c.kv_heads, c.head_dim]), n + "v_heads")
+        q = g.add(llm.RopeOp(q, pos, c.rope_theta), n + "q_rot")
+        k = g.add(llm.RopeOp(k, pos, c.rope_theta), n + "k_rot")
+        a = g.add(llm.AttentionOp(q, k, v, pos, kv, i), n + "attn")
+        a = g.add(llm.ReshapeOp(a, [None, c.heads * c.head_dim]), n + "attn_flat")
+        x = g.add(llm.AddOp(x, g.linear(a, b + "attn_output", False, n + "attn_out")), n + "x_attn")
+
+        h = g.add(llm.RMSNormOp(x, g.weight(b + "ffn_norm"), c.rms_eps), n + "ffn_in")
+        gate = g.add(llm.SiluOp(g.linear(h, b + "ffn_gate", False, n + "gate")), n + "gate_act")
+        up = g.linear(h, b + "ffn_up", False, n + "up")
+        down = g.linear(g.add(llm.MulOp(gate, up), n + "gated"), b + "ffn_down", False, n + "down")
+        x = g.add(llm.AddOp(x, down), n + "x_out")
+
+    h = g.add(llm.RMSNormOp(x, g.weight("output_norm"), c.rms_eps), "final")
+    head = g.weight("token_embd" if c.tied_embeddings else "output")
+    logits = g.add(llm.LogitsOp(h, head), "logits")
+    block.add_op(func.ReturnOp(logits))
+    forward = func.FuncOp("forward", (block.arg_types, [logits.type]), Region(block))
+    return builtin.ModuleOp([forward])

@@ -1,0 +1,179 @@
+"""Numpy reference semantics for every `llm` op, and a runner for whole functions.
+
+Each op's meaning is one small function registered with `@semantics(OpClass)`; `run`
+walks a function's ops in order. This is the yardstick later stages are checked
+against (`llmc verify`), so it favours plain float32 numpy over speed.
+
+    logits = forward_logits(module, model.weights, np.array([504, 3575, 282]))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from xdsl.dialects import func
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.ir import Operation, SSAValue
+
+from llmc.ir import llm
+from llmc.ir.weights import WeightStore
+
+Semantics = Callable[..., np.ndarray]
+_SEMANTICS: dict[type[Operation], Semantics] = {}
+
+
+def semantics(op_type: type[Operation]) -> Callable[[Semantics], Semantics]:
+    """Register the numpy meaning of `op_type`: `fn(op, env, *operand_values)`."""
+
+    def register(fn: Semantics) -> Semantics:
+        _SEMANTICS[op_type] = fn
+        return fn
+
+    return register
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every layer: `[layers, kv_heads, capacity, head_dim]` each."""
+
+    keys: np.ndarray
+    values: np.ndarray
+
+    @classmethod
+    def for_type(cls, cache_type: llm.KVCacheType) -> KVCache:
+        shape = cache_type.shape
+        return cls(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+
+
+@dataclass
+class Env:
+    """What op semantics may consult besides their operands."""
+
+    weights: WeightStore
+
+
+@semantics(llm.WeightOp)
+def _weight(op: llm.WeightOp, env: Env) -> np.ndarray:
+    return env.weights.f32(op.sym_name)
+
+
+@semantics(llm.EmbeddingOp)
+def _embedding(op: llm.EmbeddingOp, env: Env, tokens: np.ndarray, table: np.ndarray) -> np.ndarray:
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= table.shape[0]):
+        raise ValueError(f"token id outside the vocabulary of {table.shape[0]}")
+    return table[tokens]
+
+
+@semantics(llm.RMSNormOp)
+def _rms_norm(op: llm.RMSNormOp, env: Env, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    eps = np.float32(op.eps.value.data)
+    return (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w).astype(np.float32)
+
+
+@semantics(llm.MatmulOp)
+def _matmul(op: llm.MatmulOp, env: Env, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    y = x @ w.T
+    return y if bias is None else y + bias
+
+
+@semantics(llm.LogitsOp)
+def _logits(op: llm.LogitsOp, env: Env, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    return x @ w.T
+
+
+@semantics(llm.ReshapeOp)
+def _reshape(op: llm.ReshapeOp, env: Env, x: np.ndarray) -> np.ndarray:
+    return x.reshape(x.shape[0], *llm.shape_of(op.result)[1:])
+
+
+def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of each position's angles, `[T, head_dim/2]`."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    angles = positions.astype(np.float32)[:, None] * inv_freq[None, :].astype(np.float32)
+    return np.cos(angles), np.sin(angles)
+
+
+@semantics(llm.RopeOp)
+def _rope(op: llm.RopeOp, env: Env, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    cos, sin = rope_tables(positions, x.shape[-1], op.theta.value.data)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+@semantics(llm.AttentionOp)
+def _attention(
+    op: llm.AttentionOp, env: Env, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, cache: KVCache
+) -> np.ndarray:
+    layer = op.layer.value.data
+    capacity = cache.keys.shape[2]
+    if positions.size and (positions.min() < 0 or positions.max() >= capacity):
+        raise ValueError(f"position outside the KV cache capacity of {capacity}")
+    cache.keys[layer][:, positions] = k.transpose(1, 0, 2)
+    cache.values[layer][:, positions] = v.transpose(1, 0, 2)
+    span = int(positions.max()) + 1 if positions.size else 0
+    keys = cache.keys[layer][:, :span]  # [kv_heads, S, D]
+    values = cache.values[layer][:, :span]
+    t, heads, d = q.shape
+    group = heads // keys.shape[0]
+    qg = q.transpose(1, 0, 2).reshape(keys.shape[0], group, t, d)  # [kv_heads, group, T, D]
+    scores = np.einsum("hgtd,hsd->hgts", qg, keys) / np.float32(np.sqrt(d))
+    future = np.arange(span)[None, :] > positions[:, None]  # [T, S]
+    scores = np.where(future, -np.inf, scores)
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs = scores / scores.sum(axis=-1, keepdims=True)
+    out = np.einsum("hgts,hsd->hgtd", probs, values)  # [kv_heads, group, T, D]
+    return out.reshape(heads, t, d).transpose(1, 0, 2).astype(np.float32)
+
+
+@semantics(llm.AddOp)
+def _add(op: llm.AddOp, env: Env, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return a + b
+
+
+@semantics(llm.MulOp)
+def _mul(op: llm.MulOp, env: Env, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return a * b
+
+
+@semantics(llm.SiluOp)
+def _silu(op: llm.SiluOp, env: Env, x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1) + np.exp(-x))
+
+
+def forward_function(module: ModuleOp, name: str = "forward") -> func.FuncOp:
+    for op in module.ops:
+        if isinstance(op, func.FuncOp) and op.sym_name.data == name:
+            return op
+    raise KeyError(f"no function @{name} in the module")
+
+
+def run(function: func.FuncOp, weights: WeightStore, *args: object) -> list[np.ndarray]:
+    """Execute `function` on numpy arguments (and a `KVCache`); returns its results."""
+    env = Env(weights)
+    values: dict[SSAValue, object] = dict(zip(function.body.block.args, args, strict=True))
+    for op in function.body.block.ops:
+        if isinstance(op, func.ReturnOp):
+            return [values[v] for v in op.operands]
+        impl = _SEMANTICS.get(type(op))
+        if impl is None:
+            raise NotImplementedError(f"no numpy semantics for {op.name}")
+        result = impl(op, env, *(values[v] for v in op.operands))
+        values[op.results[0]] = result
+    raise ValueError(f"@{function.sym_name.data} has no func.return")
+
+
+def forward_logits(module: ModuleOp, weights: WeightStore, tokens: np.ndarray, start: int = 0,
+                   cache: KVCache | None = None) -> np.ndarray:
+    """Logits of `tokens` placed at positions `start, start+1, …` (a fresh cache by default)."""
+    forward = forward_function(module)
+    cache_type = forward.function_type.inputs.data[2]
+    assert isinstance(cache_type, llm.KVCacheType)
+    cache = cache or KVCache.for_type(cache_type)
+    tokens = np.asarray(tokens, dtype=np.int32)
+    positions = np.arange(start, start + tokens.size, dtype=np.int32)
+    (logits,) = run(forward, weights, tokens, positions, cache)
+    return logits

@@ -1,0 +1,529 @@
+"""The `llm` dialect: a Llama-family decoder as a graph of tensor ops.
+
+What the model computes, independent of framework, target and quantization scheme.
+Activations are `tensor<?xDxf32>` values whose leading dimension is the token count;
+weights are symbols into the model's weight store, never dense constants:
+
+```mlir
+func.func @forward(%tokens: tensor<?xi32>, %pos: tensor<?xi32>,
+                   %kv: !llm.kv_cache<30x3x8192x64xf32>) -> tensor<?x49152xf32> {
+  %token_embd = llm.weight @token_embd q8_0 : tensor<49152x576xf32>
+  %x = llm.embedding %tokens, %token_embd : (tensor<?xi32>, tensor<49152x576xf32>) -> tensor<?x576xf32>
+  ...
+  %logits = llm.logits %h, %token_embd : (tensor<?x576xf32>, tensor<49152x576xf32>) -> tensor<?x49152xf32>
+  func.return %logits : tensor<?x49152xf32>
+}
+```
+
+Conventions: weight matrices are `[out, in]` (as stored by GGUF and Hugging Face), so
+`llm.matmul %x, %w` is `x · wᵀ`; RoPE rotates the two halves of each head
+(the Hugging Face / NeoX convention; the GGUF frontend undoes llama.cpp's row
+permutation of Q and K so that both frontends meet here).
+"""
+
+from __future__ import annotations
+
+import math
+
+from collections.abc import Sequence
+from typing import ClassVar
+from enum import StrEnum
+
+from xdsl.dialects.builtin import (
+    DYNAMIC_INDEX,
+    Float32Type,
+    FloatAttr,
+    I64,
+    IntAttr,
+    IntegerAttr,
+    SymbolRefAttr,
+    TensorType,
+    i32,
+    i64,
+)
+from xdsl.ir import (
+    Attribute,
+    Dialect,
+    ParametrizedAttribute,
+    SpacedOpaqueSyntaxAttribute,
+    SSAValue,
+    TypeAttribute,
+)
+from xdsl.irdl import (
+    AnyAttr,
+    IRDLOperation,
+    VarConstraint,
+    irdl_attr_definition,
+    irdl_op_definition,
+    operand_def,
+    opt_operand_def,
+    param_def,
+    prop_def,
+    result_def,
+    traits_def,
+)
+from xdsl.dialects.utils.enum_attribute import EnumAttribute
+from xdsl.parser import AttrParser
+from xdsl.printer import Printer
+from xdsl.traits import Pure
+from xdsl.utils.exceptions import VerifyException
+
+f32 = Float32Type()
+
+
+# --------------------------------------------------------------------------- types
+
+
+class Storage(StrEnum):
+    """How a weight is stored in the model file (and, after `quantize`, in the artifact)."""
+
+    F32 = "f32"
+    F16 = "f16"
+    BF16 = "bf16"
+    Q8_0 = "q8_0"
+    Q4_0 = "q4_0"
+    Q4_1 = "q4_1"
+    Q4_K = "q4_k"
+    Q6_K = "q6_k"
+
+
+@irdl_attr_definition
+class StorageAttr(EnumAttribute[Storage], SpacedOpaqueSyntaxAttribute):
+    """A weight's storage format: `#llm<storage q4_1>` (just `q4_1` inside `llm.weight`)."""
+
+    name = "llm.storage"
+
+
+@irdl_attr_definition
+class KVCacheType(ParametrizedAttribute, TypeAttribute):
+    """The key/value cache of every layer: `!llm.kv_cache<layers x kv_heads x capacity x head_dim x f32>`.
+
+    One value of this type is threaded through the forward function; `llm.attention`
+    writes the new rows of its layer and attends to the rows before them.
+    """
+
+    name = "llm.kv_cache"
+
+    layers: IntAttr = param_def(IntAttr)
+    kv_heads: IntAttr = param_def(IntAttr)
+    capacity: IntAttr = param_def(IntAttr)
+    head_dim: IntAttr = param_def(IntAttr)
+    element_type: Attribute = param_def(AnyAttr())
+
+    def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, element_type: Attribute = f32):
+        super().__init__(IntAttr(layers), IntAttr(kv_heads), IntAttr(capacity), IntAttr(head_dim), element_type)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.layers.data, self.kv_heads.data, self.capacity.data, self.head_dim.data)
+
+    def print_parameters(self, printer: Printer) -> None:
+        printer.print_string("<" + "x".join(str(d) for d in self.shape) + "x")
+        printer.print_attribute(self.element_type)
+        printer.print_string(">")
+
+    @classmethod
+    def parse_parameters(cls, parser: AttrParser) -> Sequence[Attribute]:
+        pos = parser.pos
+        dims, element_type = parser.parse_comma_separated_list(parser.Delimiter.ANGLE, parser.parse_ranked_shape)[0]
+        if len(dims) != 4 or any(d < 1 for d in dims):
+            parser.raise_error("!llm.kv_cache needs four static dimensions: layers x kv_heads x capacity x head_dim", pos)
+        return (*(IntAttr(d) for d in dims), element_type)
+
+    def verify(self) -> None:
+        if any(d < 1 for d in self.shape):
+            raise VerifyException(f"!llm.kv_cache dimensions must be positive, got {self.shape}")
+
+
+# ------------------------------------------------------------------ shape helpers
+
+
+def tensor(*shape: int | None, element_type: Attribute = f32) -> TensorType:
+    """`tensor(None, 576)` is `tensor<?x576xf32>`: `None` marks the token dimension."""
+    return TensorType(element_type, [DYNAMIC_INDEX if d is None else d for d in shape])
+
+
+def shape_of(value: SSAValue | Attribute) -> tuple[int | None, ...]:
+    """The shape of a tensor value or type, with `None` for a dynamic dimension."""
+    t = value.type if isinstance(value, SSAValue) else value
+    if not isinstance(t, TensorType):
+        raise VerifyException(f"expected a tensor, got {t}")
+    return tuple(None if d == DYNAMIC_INDEX else d for d in t.get_shape())
+
+
+def _dims(shape: Sequence[int | None]) -> str:
+    return "x".join("?" if d is None else str(d) for d in shape)
+
+
+class _ShapeChecks:
+    """Verifier helpers that name the op and the dimensions in their messages."""
+
+    def _fail(self, message: str) -> None:
+        raise VerifyException(f"{self.name}: {message}")
+
+    def _rank(self, what: str, value: SSAValue, rank: int) -> tuple[int | None, ...]:
+        shape = shape_of(value)
+        if len(shape) != rank:
+            self._fail(f"{what} must have rank {rank}, got tensor<{_dims(shape)}>")
+        return shape
+
+    def _element(self, what: str, value: SSAValue, element_type: Attribute = f32) -> None:
+        t = value.type
+        assert isinstance(t, TensorType)
+        if t.element_type != element_type:
+            self._fail(f"{what} must have element type {element_type}, got {t.element_type}")
+
+    def _same(self, what: str, a: int | None, b: int | None) -> None:
+        if a != b:
+            self._fail(f"{what} mismatch: {'?' if a is None else a} vs {'?' if b is None else b}")
+
+
+# ------------------------------------------------------------------------ ops
+
+
+@irdl_op_definition
+class WeightOp(IRDLOperation, _ShapeChecks):
+    """A tensor from the weight store, by symbol, with its storage format.
+
+    ```mlir
+    %w = llm.weight @blk.0.attn_q q4_1 : tensor<576x576xf32>
+    ```
+    The result type is the logical (dequantized) tensor; `storage` says how it is kept.
+    """
+
+    name = "llm.weight"
+    sym = prop_def(SymbolRefAttr)
+    storage = prop_def(StorageAttr)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    assembly_format = "$sym $storage attr-dict `:` type($result)"
+
+    def __init__(self, sym: str, storage: Storage, shape: Sequence[int]):
+        super().__init__(
+            properties={"sym": SymbolRefAttr(sym), "storage": StorageAttr(storage)},
+            result_types=[tensor(*shape)],
+        )
+        self.result.name_hint = sym.replace(".", "_")
+
+    @property
+    def sym_name(self) -> str:
+        return self.sym.root_reference.data
+
+    def verify_(self) -> None:
+        shape = shape_of(self.result)
+        if None in shape or not shape:
+            self._fail(f"weight @{self.sym_name} must have a static, non-empty shape, got tensor<{_dims(shape)}>")
+        self._element("result", self.result)
+
+
+@irdl_op_definition
+class EmbeddingOp(IRDLOperation, _ShapeChecks):
+    """Rows of an embedding table, one per token id.
+
+    ```mlir
+    %x = llm.embedding %tokens, %table : (tensor<?xi32>, tensor<49152x576xf32>) -> tensor<?x576xf32>
+    ```
+    """
+
+    name = "llm.embedding"
+    tokens = operand_def(TensorType)
+    table = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    assembly_format = "$tokens `,` $table attr-dict `:` `(` type($tokens) `,` type($table) `)` `->` type($result)"
+
+    def __init__(self, tokens: SSAValue, table: SSAValue):
+        t = shape_of(tokens)[0]
+        super().__init__(operands=[tokens, table], result_types=[tensor(t, shape_of(table)[1])])
+
+    def verify_(self) -> None:
+        (t,) = self._rank("tokens", self.tokens, 1)
+        self._element("tokens", self.tokens, i32)
+        _, d = self._rank("table", self.table, 2)
+        rt, rd = self._rank("result", self.result, 2)
+        self._same("token count (tokens vs result)", t, rt)
+        self._same("embedding width (table vs result)", d, rd)
+
+
+@irdl_op_definition
+class RMSNormOp(IRDLOperation, _ShapeChecks):
+    """Root-mean-square normalization over the last dimension, scaled by a weight.
+
+    `y = x / sqrt(mean(x²) + eps) * w`
+    ```mlir
+    %h = llm.rms_norm %x, %w eps 1.000000e-05 : tensor<?x576xf32>, tensor<576xf32>
+    ```
+    """
+
+    name = "llm.rms_norm"
+    T: ClassVar = VarConstraint("T", AnyAttr())
+    input = operand_def(T)
+    weight = operand_def(TensorType)
+    eps = prop_def(FloatAttr[Float32Type])
+    result = result_def(T)
+    traits = traits_def(Pure())
+    assembly_format = "$input `,` $weight `eps` $eps attr-dict `:` type($input) `,` type($weight)"
+
+    def __init__(self, x: SSAValue, weight: SSAValue, eps: float):
+        super().__init__(operands=[x, weight], properties={"eps": FloatAttr(eps, f32)}, result_types=[x.type])
+
+    def verify_(self) -> None:
+        x = shape_of(self.input)
+        (d,) = self._rank("weight", self.weight, 1)
+        if not x:
+            self._fail("input must have rank >= 1")
+        self._same("normalized width (input vs weight)", x[-1], d)
+
+
+@irdl_op_definition
+class MatmulOp(IRDLOperation, _ShapeChecks):
+    """Activations times a transposed weight, plus an optional bias: `x · wᵀ + b`.
+
+    ```mlir
+    %q = llm.matmul %h, %wq : (tensor<?x576xf32>, tensor<576x576xf32>) -> tensor<?x576xf32>
+    %k = llm.matmul %h, %wk bias %bk : (tensor<?x896xf32>, tensor<128x896xf32>, tensor<128xf32>) -> tensor<?x128xf32>
+    ```
+    """
+
+    name = "llm.matmul"
+    input = operand_def(TensorType)
+    weight = operand_def(TensorType)
+    bias = opt_operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    assembly_format = (
+        "$input `,` $weight (`bias` $bias^)? attr-dict `:` "
+        "`(` type($input) `,` type($weight) (`,` type($bias)^)? `)` `->` type($result)"
+    )
+
+    def __init__(self, x: SSAValue, weight: SSAValue, bias: SSAValue | None = None):
+        t = shape_of(x)[0]
+        n = shape_of(weight)[0]
+        super().__init__(operands=[x, weight, [bias] if bias else []], result_types=[tensor(t, n)])
+
+    def verify_(self) -> None:
+        t, k = self._rank("input", self.input, 2)
+        n, wk = self._rank("weight", self.weight, 2)
+        rt, rn = self._rank("result", self.result, 2)
+        self._same("reduction dimension (input vs weight)", k, wk)
+        self._same("token count (input vs result)", t, rt)
+        self._same("output width (weight vs result)", n, rn)
+        if self.bias is not None:
+            (b,) = self._rank("bias", self.bias, 1)
+            self._same("output width (weight vs bias)", n, b)
+
+
+@irdl_op_definition
+class LogitsOp(IRDLOperation, _ShapeChecks):
+    """The language-model head: next-token scores over the vocabulary, `x · wᵀ`.
+
+    A separate op from `llm.matmul` so that later phases can find the head (decode
+    only needs its last row; it is the widest matmul of the model).
+    ```mlir
+    %logits = llm.logits %h, %token_embd : (tensor<?x576xf32>, tensor<49152x576xf32>) -> tensor<?x49152xf32>
+    ```
+    """
+
+    name = "llm.logits"
+    input = operand_def(TensorType)
+    weight = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    assembly_format = "$input `,` $weight attr-dict `:` `(` type($input) `,` type($weight) `)` `->` type($result)"
+
+    def __init__(self, x: SSAValue, weight: SSAValue):
+        super().__init__(operands=[x, weight], result_types=[tensor(shape_of(x)[0], shape_of(weight)[0])])
+
+    def verify_(self) -> None:
+        t, k = self._rank("input", self.input, 2)
+        v, wk = self._rank("weight", self.weight, 2)
+        rt, rv = self._rank("result", self.result, 2)
+        self._same("hidden width (input vs weight)", k, wk)
+        self._same("token count (input vs result)", t, rt)
+        self._same("vocabulary size (weight vs result)", v, rv)
+
+
+@irdl_op_definition
+class ReshapeOp(IRDLOperation, _ShapeChecks):
+    """The same elements in another shape; the token dimension stays first.
+
+    ```mlir
+    %q3 = llm.reshape %q : tensor<?x576xf32> -> tensor<?x9x64xf32>
+    ```
+    """
+
+    name = "llm.reshape"
+    input = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    assembly_format = "$input attr-dict `:` type($input) `->` type($result)"
+
+    def __init__(self, x: SSAValue, shape: Sequence[int | None]):
+        super().__init__(operands=[x], result_types=[tensor(*shape)])
+
+    def verify_(self) -> None:
+        src, dst = shape_of(self.input), shape_of(self.result)
+        if not src or not dst:
+            self._fail("input and result must have rank >= 1")
+        self._same("leading (token) dimension", src[0], dst[0])
+        inner_src, inner_dst = src[1:], dst[1:]
+        if None in inner_src or None in inner_dst:
+            self._fail(f"only the leading dimension may be dynamic: tensor<{_dims(src)}> -> tensor<{_dims(dst)}>")
+        if math.prod(inner_src) != math.prod(inner_dst):
+            self._fail(f"element count differs: tensor<{_dims(src)}> -> tensor<{_dims(dst)}>")
+
+
+@irdl_op_definition
+class RopeOp(IRDLOperation, _ShapeChecks):
+    """Rotary position embedding of each head at each token's position.
+
+    Pairs element `i` with element `i + head_dim/2` (the rotate-half convention) and
+    rotates them by `pos · theta^(-2i/head_dim)`.
+    ```mlir
+    %qr = llm.rope %q3, %pos theta 1.000000e+05 : tensor<?x9x64xf32>, tensor<?xi32>
+    ```
+    """
+
+    name = "llm.rope"
+    T: ClassVar = VarConstraint("T", AnyAttr())
+    input = operand_def(T)
+    positions = operand_def(TensorType)
+    theta = prop_def(FloatAttr[Float32Type])
+    result = result_def(T)
+    traits = traits_def(Pure())
+    assembly_format = "$input `,` $positions `theta` $theta attr-dict `:` type($input) `,` type($positions)"
+
+    def __init__(self, x: SSAValue, positions: SSAValue, theta: float):
+        super().__init__(operands=[x, positions], properties={"theta": FloatAttr(theta, f32)}, result_types=[x.type])
+
+    def verify_(self) -> None:
+        t, _, d = self._rank("input", self.input, 3)
+        (p,) = self._rank("positions", self.positions, 1)
+        self._element("positions", self.positions, i32)
+        self._same("token count (input vs positions)", t, p)
+        if d is not None and d % 2:
+            self._fail(f"head dimension must be even, got {d}")
+
+
+@irdl_op_definition
+class AttentionOp(IRDLOperation, _ShapeChecks):
+    """Causal grouped-query attention of one layer, through the KV cache.
+
+    Writes `k` and `v` into the cache rows of layer `layer` at `positions`, then each
+    query attends to the cached rows `0..position` of its KV head
+    (`kv_head = head / (heads / kv_heads)`), scaled by `1/sqrt(head_dim)`.
+    ```mlir
+    %a = llm.attention %q, %k, %v, %pos, %kv layer 0 : (tensor<?x9x64xf32>, tensor<?x3x64xf32>,
+           tensor<?x3x64xf32>, tensor<?xi32>, !llm.kv_cache<30x3x8192x64xf32>) -> tensor<?x9x64xf32>
+    ```
+    Not pure: it writes the cache.
+    """
+
+    name = "llm.attention"
+    query = operand_def(TensorType)
+    key = operand_def(TensorType)
+    value = operand_def(TensorType)
+    positions = operand_def(TensorType)
+    kv_cache = operand_def(KVCacheType)
+    layer = prop_def(IntegerAttr[I64])
+    result = result_def(TensorType)
+    assembly_format = (
+        "$query `,` $key `,` $value `,` $positions `,` $kv_cache `layer` $layer attr-dict `:` "
+        "`(` type($query) `,` type($key) `,` type($value) `,` type($positions) `,` type($kv_cache) `)` "
+        "`->` type($result)"
+    )
+
+    def __init__(self, q: SSAValue, k: SSAValue, v: SSAValue, positions: SSAValue, kv_cache: SSAValue, layer: int):
+        super().__init__(
+            operands=[q, k, v, positions, kv_cache],
+            properties={"layer": IntegerAttr(layer, i64)},
+            result_types=[q.type],
+        )
+
+    def verify_(self) -> None:
+        t, h, d = self._rank("query", self.query, 3)
+        kt, kh, kd = self._rank("key", self.key, 3)
+        vt, vh, vd = self._rank("value", self.value, 3)
+        (p,) = self._rank("positions", self.positions, 1)
+        self._element("positions", self.positions, i32)
+        for what, dim in (("key", kt), ("value", vt), ("positions", p)):
+            self._same(f"token count (query vs {what})", t, dim)
+        self._same("kv heads (key vs value)", kh, vh)
+        self._same("head dimension (query vs key)", d, kd)
+        self._same("head dimension (query vs value)", d, vd)
+        if None in (h, kh) or kh == 0 or h % kh:
+            self._fail(f"query heads ({h}) must be a multiple of kv heads ({kh})")
+        if self.result.type != self.query.type:
+            self._fail(f"result type {self.result.type} must equal the query type {self.query.type}")
+        cache = self.kv_cache.type
+        assert isinstance(cache, KVCacheType)
+        layers, ckh, _, cd = cache.shape
+        self._same("kv heads (key vs kv_cache)", kh, ckh)
+        self._same("head dimension (key vs kv_cache)", kd, cd)
+        if not 0 <= self.layer.value.data < layers:
+            self._fail(f"layer {self.layer.value.data} is outside the cache's {layers} layers")
+
+
+class _ElementwiseOp(IRDLOperation, _ShapeChecks):
+    """Binary elementwise ops on tensors of one type."""
+
+    T: ClassVar = VarConstraint("T", AnyAttr())
+    lhs = operand_def(T)
+    rhs = operand_def(T)
+    result = result_def(T)
+    traits = traits_def(Pure())
+    assembly_format = "$lhs `,` $rhs attr-dict `:` type($result)"
+
+    def __init__(self, lhs: SSAValue, rhs: SSAValue):
+        super().__init__(operands=[lhs, rhs], result_types=[lhs.type])
+
+
+@irdl_op_definition
+class AddOp(_ElementwiseOp):
+    """Elementwise sum, e.g. a residual connection.
+
+    ```mlir
+    %x1 = llm.add %x0, %attn_out : tensor<?x576xf32>
+    ```
+    """
+
+    name = "llm.add"
+
+
+@irdl_op_definition
+class MulOp(_ElementwiseOp):
+    """Elementwise product, e.g. the gate of a SwiGLU feed-forward.
+
+    ```mlir
+    %gu = llm.mul %g, %u : tensor<?x1536xf32>
+    ```
+    """
+
+    name = "llm.mul"
+
+
+@irdl_op_definition
+class SiluOp(IRDLOperation, _ShapeChecks):
+    """The SiLU activation, `x · sigmoid(x)`.
+
+    ```mlir
+    %g = llm.silu %gate : tensor<?x1536xf32>
+    ```
+    """
+
+    name = "llm.silu"
+    T: ClassVar = VarConstraint("T", AnyAttr())
+    input = operand_def(T)
+    result = result_def(T)
+    traits = traits_def(Pure())
+    assembly_format = "$input attr-dict `:` type($input)"
+
+    def __init__(self, x: SSAValue):
+        super().__init__(operands=[x], result_types=[x.type])
+
+
+LLM = Dialect(
+    "llm",
+    [WeightOp, EmbeddingOp, RMSNormOp, MatmulOp, LogitsOp, ReshapeOp, RopeOp, AttentionOp, AddOp, MulOp, SiluOp],
+    [StorageAttr, KVCacheType],
+)

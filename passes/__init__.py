@@ -1,0 +1,1 @@
+"""Passes, one file each, and the named phases that string them together."""

@@ -1,0 +1,69 @@
+"""Named phases and the runner that applies them, with IR dumps after every pass.
+
+| phase    | passes                      | IR after it |
+|----------|-----------------------------|-------------|
+| import   | (the frontend builds it)    | `llm`       |
+| optimize | verify, canonicalize, dce, verify | `llm` |
+
+The module records the last phase it went through in its `llm.phase` attribute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from xdsl.dialects.builtin import ModuleOp, StringAttr
+from xdsl.passes import ModulePass
+
+from llmc.errors import UsageError
+from llmc.ir.text import context, print_module
+from llmc.passes.registry import get_pass
+
+PHASES: dict[str, tuple[str, ...]] = {
+    "import": (),
+    "optimize": ("verify", "canonicalize", "dce", "verify"),
+}
+
+
+def phases_through(last: str) -> list[str]:
+    """The phases from the first through `last`."""
+    if last not in PHASES:
+        raise UsageError(f"unknown phase '{last}' (phases: {', '.join(PHASES)})")
+    names = list(PHASES)
+    return names[: names.index(last) + 1]
+
+
+class IRDumper:
+    """Called after every pass: prints the IR to a stream and/or writes numbered files."""
+
+    def __init__(self, print_to: Callable[[str], None] | None = None, directory: Path | None = None):
+        self.print_to = print_to
+        self.directory = directory
+        self.count = 0
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, label: str, module: ModuleOp) -> None:
+        if self.print_to is None and self.directory is None:
+            return
+        text = print_module(module)
+        if self.print_to is not None:
+            self.print_to(f"// -----// IR Dump After {label} //----- //\n{text}")
+        if self.directory is not None:
+            (self.directory / f"{self.count:02d}-{label.replace(' ', '-')}.mlir").write_text(text)
+        self.count += 1
+
+
+def run_passes(module: ModuleOp, passes: Sequence[ModulePass], dump: IRDumper | None = None) -> None:
+    ctx = context()
+    for p in passes:
+        p.apply(ctx, module)
+        if dump:
+            dump(p.name, module)
+
+
+def run_phase(module: ModuleOp, phase: str, dump: IRDumper | None = None) -> None:
+    """Apply one phase's passes in place and record the phase on the module."""
+    run_passes(module, [get_pass(name) for name in PHASES[phase]], dump)
+    module.attributes["llm.phase"] = StringAttr(phase)

@@ -36,11 +36,15 @@ def _progress(message: str) -> None:
 def cmd_ir(args: argparse.Namespace) -> int:
     from llmc.frontend import import_model, load_model
     from llmc.ir.text import print_module
-    from llmc.passes.pipeline import phases_through, run_phase
+    from llmc.passes.pipeline import IRDumper, phases_through, run_phase
 
+    dump = IRDumper(
+        print_to=(lambda s: print(s, file=sys.stderr, end="")) if args.print_ir_after_all else None,
+        directory=Path(args.dump_ir) if args.dump_ir else None,
+    )
     module = import_model(load_model(args.model))
     for phase in phases_through(args.phase):
-        run_phase(module, phase)
+        run_phase(module, phase, dump)
     _out(print_module(module, generic=args.generic), args.output)
     return 0
 
@@ -117,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the last phase to run (default: import)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the IR to FILE instead of stdout")
     p.add_argument("--generic", action="store_true", help="print the generic op form instead of the custom one")
+    p.add_argument("--print-ir-after-all", action="store_true", help="print the IR to stderr after every pass")
+    p.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass to DIR as numbered .mlir files")
     p.set_defaults(run=cmd_ir)
 
     p = sub.add_parser("opt", parents=[common], help="parse, verify, transform and print IR",

@@ -31,7 +31,7 @@ class FoldReshapeChain(RewritePattern):
     def match_and_rewrite(self, op: llm.ReshapeOp, rewriter: PatternRewriter) -> None:
         producer = op.input.owner
         if isinstance(producer, llm.ReshapeOp):
-            rewriter.replace_op(op, llm.ReshapeOp(producer.input, llm.shape_of(op.result)))
+            rewriter.replace(op, llm.ReshapeOp(producer.input, llm.shape_of(op.result)))
 
 
 class EraseIdentityReshape(RewritePattern):
@@ -40,7 +40,7 @@ class EraseIdentityReshape(RewritePattern):
     @op_type_rewrite_pattern
     def match_and_rewrite(self, op: llm.ReshapeOp, rewriter: PatternRewriter) -> None:
         if op.input.type == op.result.type:
-            rewriter.replace_op(op, [], [op.input])
+            rewriter.replace(op, [], [op.input])
 
 
 @dataclass(frozen=True)

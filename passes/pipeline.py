@@ -64,6 +64,8 @@ def run_passes(module: ModuleOp, passes: Sequence[ModulePass], dump: IRDumper | 
 
 
 def run_phase(module: ModuleOp, phase: str, dump: IRDumper | None = None) -> None:
-    """Apply one phase's passes in place and record the phase on the module."""
+    """Apply one phase's passes in place, record the phase on the module, dump its IR."""
     run_passes(module, [get_pass(name) for name in PHASES[phase]], dump)
     module.attributes["llm.phase"] = StringAttr(phase)
+    if dump:
+        dump(f"phase-{phase}", module)

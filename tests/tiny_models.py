@@ -1,0 +1,255 @@
+"""Tiny random-weight decoders written by the tests, as GGUF files and as HF directories.
+
+`TinySpec` fixes the shapes; `random_weights` draws one set of weights (Hugging Face
+names, `[out, in]` matrices); `write_hf` and `write_gguf` store the same weights the way
+each ecosystem does (GGUF with llama.cpp's Q/K row permutation and optional block
+quantization), so both frontends can be checked against each other and against
+transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import save_file
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    arch: str = "llama"  # "llama" or "qwen2"
+    hidden: int = 32
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 8
+    ffn: int = 48
+    tied: bool = True
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    context_length: int = 64
+    seed: int = 0
+    # GGUF storage per tensor kind ("attn_q", "token_embd", ...); f32 when absent
+    gguf_storage: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.arch == "qwen2"
+
+
+# ------------------------------------------------------------------ tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character table (byte-level BPE alphabet)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ 2", "Ġ c", "a p"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def vocabulary() -> tuple[list[str], list[str]]:
+    """Token strings (specials first, then the 256 byte symbols, then merged pairs) and merges."""
+    tokens = SPECIAL_TOKENS + sorted(_bytes_to_unicode().values())
+    for merge in MERGES:
+        tokens.append(merge.replace(" ", ""))
+    return tokens, MERGES
+
+
+VOCAB_SIZE = len(vocabulary()[0])
+
+
+def hf_tokenizer_json() -> str:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tokens, merges = vocabulary()
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ")) for m in merges]))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok.to_str()
+
+
+# --------------------------------------------------------------------- weights
+
+
+def random_weights(spec: TinySpec) -> dict[str, np.ndarray]:
+    """One set of float32 weights under Hugging Face names."""
+    rng = np.random.default_rng(spec.seed)
+    q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    w = {"model.embed_tokens.weight": rng.standard_normal((VOCAB_SIZE, spec.hidden)).astype(np.float32)}
+    for i in range(spec.layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm(spec.hidden)
+        w[p + "self_attn.q_proj.weight"] = mat(q, spec.hidden)
+        w[p + "self_attn.k_proj.weight"] = mat(kv, spec.hidden)
+        w[p + "self_attn.v_proj.weight"] = mat(kv, spec.hidden)
+        if spec.qkv_bias:
+            for name, n in (("q", q), ("k", kv), ("v", kv)):
+                w[p + f"self_attn.{name}_proj.bias"] = (0.1 * rng.standard_normal(n)).astype(np.float32)
+        w[p + "self_attn.o_proj.weight"] = mat(spec.hidden, q)
+        w[p + "post_attention_layernorm.weight"] = norm(spec.hidden)
+        w[p + "mlp.gate_proj.weight"] = mat(spec.ffn, spec.hidden)
+        w[p + "mlp.up_proj.weight"] = mat(spec.ffn, spec.hidden)
+        w[p + "mlp.down_proj.weight"] = mat(spec.hidden, spec.ffn)
+    w["model.norm.weight"] = norm(spec.hidden)
+    if not spec.tied:
+        w["lm_head.weight"] = mat(VOCAB_SIZE, spec.hidden)
+    return w
+
+
+def write_hf(spec: TinySpec, weights: dict[str, np.ndarray], directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM" if spec.arch == "llama" else "Qwen2ForCausalLM"],
+        "model_type": spec.arch,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.ffn,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": VOCAB_SIZE,
+        "rms_norm_eps": spec.rms_eps,
+        "rope_theta": spec.rope_theta,
+        "max_position_embeddings": spec.context_length,
+        "tie_word_embeddings": spec.tied,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    }
+    if spec.arch == "qwen2":
+        config["use_sliding_window"] = False
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(weights, str(directory / "model.safetensors"))
+    (directory / "tokenizer.json").write_text(hf_tokenizer_json())
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE})
+    )
+    return directory
+
+
+# ----------------------------------------------------------------------- GGUF
+
+_GGUF_NAMES = {
+    "input_layernorm.weight": "attn_norm",
+    "self_attn.q_proj.weight": "attn_q",
+    "self_attn.k_proj.weight": "attn_k",
+    "self_attn.v_proj.weight": "attn_v",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output",
+    "post_attention_layernorm.weight": "ffn_norm",
+    "mlp.gate_proj.weight": "ffn_gate",
+    "mlp.up_proj.weight": "ffn_up",
+    "mlp.down_proj.weight": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    """GGUF tensor name (with `.weight` where GGUF has it) of a Hugging Face name."""
+    top = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm", "lm_head.weight": "output"}
+    if hf_name in top:
+        return top[hf_name] + ".weight"
+    _, _, layer, rest = hf_name.split(".", 3)
+    name = _GGUF_NAMES[rest]
+    return f"blk.{layer}.{name}" + ("" if name.endswith(".bias") else ".weight")
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter reorders Q/K rows for its interleaved RoPE."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _storage(spec: TinySpec, gguf_tensor: str) -> str:
+    if gguf_tensor.endswith(".bias"):
+        return "f32"
+    kind = gguf_tensor.removesuffix(".weight").split(".")[-1]
+    return dict(spec.gguf_storage).get(kind, "f32")
+
+
+def write_gguf(spec: TinySpec, weights: dict[str, np.ndarray], path: Path, pre: str = "smollm") -> Path:
+    """A GGUF file of these weights; tensors listed in `spec.gguf_storage` are quantized."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(spec.layers)
+    writer.add_context_length(spec.context_length)
+    writer.add_embedding_length(spec.hidden)
+    writer.add_feed_forward_length(spec.ffn)
+    writer.add_head_count(spec.heads)
+    writer.add_head_count_kv(spec.kv_heads)
+    writer.add_rope_dimension_count(spec.head_dim)
+    writer.add_rope_freq_base(spec.rope_theta)
+    writer.add_layer_norm_rms_eps(spec.rms_eps)
+    writer.add_vocab_size(VOCAB_SIZE)
+    tokens, merges = vocabulary()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    for hf, w in weights.items():
+        name = gguf_name(hf)
+        if ".attn_q." in name:
+            w = llama_cpp_permute(w, spec.heads)
+        elif ".attn_k." in name:
+            w = llama_cpp_permute(w, spec.kv_heads)
+        storage = _storage(spec, name)
+        if storage == "f32":
+            writer.add_tensor(name, w)
+        elif storage == "f16":
+            writer.add_tensor(name, w.astype(np.float16))
+        else:
+            qtype = gguf.GGMLQuantizationType[storage.upper()]
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def dequantized_like_gguf(spec: TinySpec, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The weights after the GGUF storage round trip: what a GGUF import should compute with."""
+    out = {}
+    for hf, w in weights.items():
+        name = gguf_name(hf)
+        storage = _storage(spec, name)
+        if storage == "f16":
+            w = w.astype(np.float16).astype(np.float32)
+        elif storage != "f32":
+            qtype = gguf.GGMLQuantizationType[storage.upper()]
+            w = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype).reshape(w.shape)
+        out[hf] = w.astype(np.float32)
+    return out

@@ -21,7 +21,9 @@ from llmc.ir.llm import Storage
 from llmc.ir.weights import Weight, WeightStore
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# Architectures whose converter permuted Q/K rows for llama.cpp's interleaved RoPE.
+_PERMUTED_QK = ("llama",)
 
 _STORAGE = {
     GGMLQuantizationType.F32: Storage.F32,
@@ -80,7 +82,7 @@ def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, half, 2).transpose(0, 2, 1).reshape(rows)
 
 
-def _weights(path: Path, reader: GGUFReader, heads: int, kv_heads: int) -> WeightStore:
+def _weights(path: Path, reader: GGUFReader, heads: int, kv_heads: int, permuted_qk: bool) -> WeightStore:
     store = WeightStore(path)
     for t in reader.tensors:
         if t.tensor_type not in _STORAGE:
@@ -92,7 +94,7 @@ def _weights(path: Path, reader: GGUFReader, heads: int, kv_heads: int) -> Weigh
         if storage is Storage.BF16:
             data = data.view(np.uint16)
         row_order = None
-        if name.endswith((".attn_q", ".attn_k", ".attn_q.bias", ".attn_k.bias")):
+        if permuted_qk and name.endswith((".attn_q", ".attn_k", ".attn_q.bias", ".attn_k.bias")):
             n_heads = heads if ".attn_q" in name else kv_heads
             if shape[0] % (2 * n_heads):
                 raise ModelFormatError(path, f"tensor '{t.name}' has {shape[0]} rows, not a multiple of 2 x {n_heads} heads")
@@ -116,7 +118,10 @@ def load_gguf(path: Path) -> Model:
         raise ModelFormatError(path, f"invalid head counts: {heads} heads, {kv_heads} KV heads")
     if hidden % heads:
         raise ModelFormatError(path, f"embedding length {hidden} is not a multiple of {heads} heads")
-    weights = _weights(path, reader, heads, kv_heads)
+    scaling = meta.get(a + "rope.scaling.type", "none")
+    if scaling != "none" or float(meta.get(a + "rope.scaling.factor", 1.0)) not in (0.0, 1.0):
+        raise ModelFormatError(path, f"RoPE scaling ({scaling}) is not supported yet")
+    weights = _weights(path, reader, heads, kv_heads, arch in _PERMUTED_QK)
     if "token_embd" not in weights:
         raise ModelFormatError(path, "missing tensor 'token_embd'")
     tokens = meta.get("tokenizer.ggml.tokens")

@@ -76,7 +76,9 @@ def _read_safetensors(path: Path, store: WeightStore) -> None:
             continue
         name = ir_name(hf_name)
         if name is None:
-            continue
+            if hf_name.endswith("rotary_emb.inv_freq"):  # a buffer some checkpoints save; recomputed from theta
+                continue
+            raise ModelFormatError(path, f"tensor '{hf_name}' is not part of a supported architecture")
         try:
             dtype, storage = _DTYPES[info["dtype"]]
             shape = tuple(int(d) for d in info["shape"])
@@ -113,9 +115,12 @@ def _config(path: Path, cfg: dict) -> ModelConfig:
             rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
             rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             context_length=int(cfg.get("max_position_embeddings", 2048)),
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", arch == "qwen2")),
-            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2",
         )
+        for flag in ("mlp_bias",) + (("attention_bias",) if arch == "llama" else ()):
+            if cfg.get(flag):
+                raise ModelFormatError(path, f"config.json sets {flag}, which llmc does not support yet")
     except KeyError as e:
         raise ModelFormatError(path, f"config.json lacks {e.args[0]!r}") from e
     except (TypeError, ValueError) as e:

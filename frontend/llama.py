@@ -54,8 +54,12 @@ def expected_weights(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_weights(config: ModelConfig, weights: WeightStore) -> None:
-    """Every needed tensor is present with the shape the config implies."""
-    for name, shape in expected_weights(config).items():
+    """Every needed tensor is present with the shape the config implies, and no other."""
+    expected = expected_weights(config)
+    for name in weights:
+        if name not in expected:
+            raise ModelFormatError(weights.source, f"unexpected tensor '{name}' (not part of a supported architecture)")
+    for name, shape in expected.items():
         if name not in weights:
             raise ModelFormatError(weights.source, f"missing tensor '{name}'")
         if weights[name].shape != shape:

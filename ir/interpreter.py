@@ -66,10 +66,17 @@ def _embedding(op: llm.EmbeddingOp, env: Env, tokens: np.ndarray, table: np.ndar
     return table[tokens]
 
 
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * w).astype(np.float32)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1) + np.exp(-x))
+
+
 @semantics(llm.RMSNormOp)
 def _rms_norm(op: llm.RMSNormOp, env: Env, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    eps = np.float32(op.eps.value.data)
-    return (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w).astype(np.float32)
+    return rms_norm(x, w, op.eps.value.data)
 
 
 @semantics(llm.MatmulOp)
@@ -95,20 +102,23 @@ def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.
     return np.cos(angles), np.sin(angles)
 
 
-@semantics(llm.RopeOp)
-def _rope(op: llm.RopeOp, env: Env, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
+    """Rotate-half RoPE of `x [T, heads, head_dim]` at `positions [T]`."""
     half = x.shape[-1] // 2
-    cos, sin = rope_tables(positions, x.shape[-1], op.theta.value.data)
+    cos, sin = rope_tables(positions, x.shape[-1], theta)
     cos, sin = cos[:, None, :], sin[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-@semantics(llm.AttentionOp)
-def _attention(
-    op: llm.AttentionOp, env: Env, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, cache: KVCache
-) -> np.ndarray:
-    layer = op.layer.value.data
+@semantics(llm.RopeOp)
+def _rope(op: llm.RopeOp, env: Env, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    return rope(x, positions, op.theta.value.data)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, cache: KVCache,
+              layer: int) -> np.ndarray:
+    """Write `k`, `v` into the cache rows of `layer` at `positions`, then causal GQA of `q`."""
     capacity = cache.keys.shape[2]
     if positions.size and (positions.min() < 0 or positions.max() >= capacity):
         raise ValueError(f"position outside the KV cache capacity of {capacity}")
@@ -129,6 +139,18 @@ def _attention(
     return out.reshape(heads, t, d).transpose(1, 0, 2).astype(np.float32)
 
 
+@semantics(llm.AttentionOp)
+def _attention(
+    op: llm.AttentionOp, env: Env, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, cache: KVCache
+) -> np.ndarray:
+    return attention(q, k, v, positions, cache, op.layer.value.data)
+
+
+@semantics(llm.LastTokenOp)
+def _last_token(op: llm.LastTokenOp, env: Env, x: np.ndarray) -> np.ndarray:
+    return x[-1:]
+
+
 @semantics(llm.AddOp)
 def _add(op: llm.AddOp, env: Env, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return a + b
@@ -141,7 +163,7 @@ def _mul(op: llm.MulOp, env: Env, a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 @semantics(llm.SiluOp)
 def _silu(op: llm.SiluOp, env: Env, x: np.ndarray) -> np.ndarray:
-    return x / (np.float32(1) + np.exp(-x))
+    return silu(x)
 
 
 def forward_function(module: ModuleOp, name: str = "forward") -> func.FuncOp:

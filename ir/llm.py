@@ -464,6 +464,30 @@ class AttentionOp(IRDLOperation, _ShapeChecks):
             self._fail(f"layer {self.layer.value.data} is outside the cache's {layers} layers")
 
 
+@irdl_op_definition
+class LastTokenOp(IRDLOperation, _ShapeChecks):
+    """The row of the last token: what generation needs from a prompt chunk.
+
+    ```mlir
+    %last = llm.last_token %h : tensor<?x576xf32> -> tensor<1x576xf32>
+    ```
+    """
+
+    name = "llm.last_token"
+    input = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    assembly_format = "$input attr-dict `:` type($input) `->` type($result)"
+
+    def __init__(self, x: SSAValue):
+        super().__init__(operands=[x], result_types=[tensor(1, *shape_of(x)[1:])])
+
+    def verify_(self) -> None:
+        src, dst = shape_of(self.input), shape_of(self.result)
+        if len(src) < 1 or dst != (1, *src[1:]):
+            self._fail(f"result must be tensor<1x...> of the input's row: tensor<{_dims(src)}> -> tensor<{_dims(dst)}>")
+
+
 class _ElementwiseOp(IRDLOperation, _ShapeChecks):
     """Binary elementwise ops on tensors of one type."""
 
@@ -524,6 +548,9 @@ class SiluOp(IRDLOperation, _ShapeChecks):
 
 LLM = Dialect(
     "llm",
-    [WeightOp, EmbeddingOp, RMSNormOp, MatmulOp, LogitsOp, ReshapeOp, RopeOp, AttentionOp, AddOp, MulOp, SiluOp],
+    [
+        WeightOp, EmbeddingOp, RMSNormOp, MatmulOp, LogitsOp, ReshapeOp, RopeOp, AttentionOp, LastTokenOp,
+        AddOp, MulOp, SiluOp,
+    ],
     [StorageAttr, KVCacheType],
 )

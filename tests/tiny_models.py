@@ -198,7 +198,7 @@ def _storage(spec: TinySpec, gguf_tensor: str) -> str:
 def write_gguf(spec: TinySpec, weights: dict[str, np.ndarray], path: Path, pre: str = "smollm") -> Path:
     """A GGUF file of these weights; tensors listed in `spec.gguf_storage` are quantized."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), spec.arch)
     writer.add_block_count(spec.layers)
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.hidden)
@@ -221,7 +221,9 @@ def write_gguf(spec: TinySpec, weights: dict[str, np.ndarray], path: Path, pre: 
     writer.add_chat_template(CHAT_TEMPLATE)
     for hf, w in weights.items():
         name = gguf_name(hf)
-        if ".attn_q." in name:
+        if spec.arch == "qwen2":
+            pass  # Qwen2 keeps Hugging Face's rotate-half RoPE: no permutation
+        elif ".attn_q." in name:
             w = llama_cpp_permute(w, spec.heads)
         elif ".attn_k." in name:
             w = llama_cpp_permute(w, spec.kv_heads)

@@ -17,12 +17,13 @@ from xdsl.utils.exceptions import ParseError, VerifyException
 
 from llmc.errors import LlmcError
 from llmc.ir.llm import LLM
+from llmc.ir.tgt import TGT
 
 
 def context() -> Context:
-    """A context that knows `builtin`, `func` and `llm`."""
+    """A context that knows `builtin`, `func`, `llm` and `tgt`."""
     ctx = Context()
-    for dialect in (builtin.Builtin, func.Func, LLM):
+    for dialect in (builtin.Builtin, func.Func, LLM, TGT):
         ctx.load_dialect(dialect)
     return ctx
 

@@ -1,9 +1,12 @@
 """Named phases and the runner that applies them, with IR dumps after every pass.
 
-| phase    | passes                      | IR after it |
-|----------|-----------------------------|-------------|
-| import   | (the frontend builds it)    | `llm`       |
-| optimize | verify, canonicalize, dce, verify | `llm` |
+| phase    | passes                            | IR after it                     |
+|----------|-----------------------------------|---------------------------------|
+| import   | (the frontend builds it)          | `llm`, `@forward`               |
+| optimize | verify, canonicalize, dce, verify | `llm`                           |
+| split    | split                             | `llm`, prefill/prefill_kv/decode|
+| group    | group (none with `--no-group`)    | `llm` with `llm.group` marks    |
+| lower    | lower, plan-memory, verify        | `tgt`                           |
 
 The module records the last phase it went through in its `llm.phase` attribute.
 """
@@ -11,6 +14,7 @@ The module records the last phase it went through in its `llm.phase` attribute.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from xdsl.dialects.builtin import ModuleOp, StringAttr
@@ -18,12 +22,41 @@ from xdsl.passes import ModulePass
 
 from llmc.errors import UsageError
 from llmc.ir.text import context, print_module
+from llmc.passes.base import PHASE_ORDER
 from llmc.passes.registry import get_pass
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Options of the phases that take any."""
+
+    prefill_chunk: int = 128
+    max_seq: int = 0  # 0: the model's context length, capped at 4096
+    group: bool = True
+
 
 PHASES: dict[str, tuple[str, ...]] = {
     "import": (),
     "optimize": ("verify", "canonicalize", "dce", "verify"),
+    "split": ("split",),
+    "group": ("group",),
+    "lower": ("lower", "plan-memory", "verify"),
 }
+assert tuple(PHASES) == PHASE_ORDER
+
+
+def phase_passes(phase: str, options: CompileOptions) -> list[ModulePass]:
+    passes = []
+    for name in PHASES[phase]:
+        if name == "split":
+            from llmc.passes.split import SplitPass
+
+            passes.append(SplitPass(prefill_chunk=options.prefill_chunk, max_seq=options.max_seq))
+        elif name == "group" and not options.group:
+            continue
+        else:
+            passes.append(get_pass(name))
+    return passes
 
 
 def phases_through(last: str) -> list[str]:
@@ -63,9 +96,10 @@ def run_passes(module: ModuleOp, passes: Sequence[ModulePass], dump: IRDumper | 
             dump(p.name, module)
 
 
-def run_phase(module: ModuleOp, phase: str, dump: IRDumper | None = None) -> None:
+def run_phase(module: ModuleOp, phase: str, dump: IRDumper | None = None,
+              options: CompileOptions = CompileOptions()) -> None:
     """Apply one phase's passes in place, record the phase on the module, dump its IR."""
-    run_passes(module, [get_pass(name) for name in PHASES[phase]], dump)
+    run_passes(module, phase_passes(phase, options), dump)
     module.attributes["llm.phase"] = StringAttr(phase)
     if dump:
         dump(f"phase-{phase}", module)

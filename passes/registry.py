@@ -27,10 +27,38 @@ def _dce() -> type[ModulePass]:
     return DeadCodeEliminationPass
 
 
+def _split() -> type[ModulePass]:
+    from llmc.passes.split import SplitPass
+
+    return SplitPass
+
+
+def _group() -> type[ModulePass]:
+    from llmc.passes.group import GroupPass
+
+    return GroupPass
+
+
+def _lower() -> type[ModulePass]:
+    from llmc.passes.lower import LowerPass
+
+    return LowerPass
+
+
+def _plan_memory() -> type[ModulePass]:
+    from llmc.passes.plan_memory import PlanMemoryPass
+
+    return PlanMemoryPass
+
+
 PASSES: dict[str, Callable[[], type[ModulePass]]] = {
     "verify": _verify,
     "canonicalize": _canonicalize,
     "dce": _dce,
+    "split": _split,
+    "group": _group,
+    "lower": _lower,
+    "plan-memory": _plan_memory,
 }
 
 

@@ -1,0 +1,54 @@
+"""What every llmc pass shares: the phase order, the phase check, finding functions.
+
+A module records the last phase it went through (`llm.phase`); a pass that needs IR of
+a later phase refuses an earlier one with a message that says which phase to run:
+
+    llmc: error: pass 'lower' needs IR after phase 'group'; this module is at phase 'optimize'
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from xdsl.context import Context
+from xdsl.dialects import func
+from xdsl.dialects.builtin import ModuleOp, StringAttr
+from xdsl.passes import ModulePass
+
+from llmc.errors import LlmcError
+
+PHASE_ORDER = ("import", "optimize", "split", "group", "lower")
+
+
+def module_phase(module: ModuleOp) -> str | None:
+    attr = module.attributes.get("llm.phase")
+    return attr.data if isinstance(attr, StringAttr) else None
+
+
+class LlmcPass(ModulePass):
+    """A module pass that checks the module's phase before running."""
+
+    requires_phase: ClassVar[str | None] = None
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        phase = module_phase(op)
+        if self.requires_phase and phase in PHASE_ORDER:
+            if PHASE_ORDER.index(phase) < PHASE_ORDER.index(self.requires_phase):
+                raise LlmcError(
+                    f"pass '{self.name}' needs IR after phase '{self.requires_phase}'; this module is at phase '{phase}'"
+                )
+        self.run(ctx, op)
+
+    def run(self, ctx: Context, module: ModuleOp) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def function(module: ModuleOp, name: str) -> func.FuncOp:
+        for op in module.ops:
+            if isinstance(op, func.FuncOp) and op.sym_name.data == name:
+                return op
+        raise LlmcError(f"the module has no function @{name}")
+
+    @staticmethod
+    def functions(module: ModuleOp) -> list[func.FuncOp]:
+        return [op for op in module.ops if isinstance(op, func.FuncOp)]

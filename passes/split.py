@@ -1,0 +1,118 @@
+"""`split`: one `@forward` becomes the three entry points a generation loop calls.
+
+- `@prefill`: a prompt chunk of at most `prefill_chunk` tokens at positions 0.. (no history);
+- `@prefill_kv`: a chunk that attends to the history already in the cache;
+- `@decode`: one token against the cache (every token shape becomes 1).
+
+All three keep the signature `(%tokens, %pos, %kv)` with the KV cache resized to
+`max_seq` rows, and return only the last token's logits:
+
+```mlir
+func.func @decode(%tokens: tensor<1xi32>, %pos: tensor<1xi32>, %kv: !llm.kv_cache<30x3x4096x64xf32>)
+    -> tensor<1x49152xf32> attributes {llm.max_tokens = 1 : i64, llm.stage = "decode"} {
+  ...
+  %last = llm.last_token %final : tensor<?x576xf32> -> tensor<1x576xf32>   // prefill stages only
+  %logits = llm.logits %last, %token_embd : (...) -> tensor<1x49152xf32>
+```
+The positions of a chunk are consecutive; the stage attribute tells later phases whether
+the cache holds history to read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from xdsl.context import Context
+from xdsl.dialects import builtin, func
+from xdsl.dialects.builtin import DYNAMIC_INDEX, IntegerAttr, ModuleOp, StringAttr, TensorType, i64
+from xdsl.ir import Attribute, Block, Region, SSAValue
+
+from llmc.errors import UsageError
+from llmc.ir import llm
+from llmc.passes.base import LlmcPass
+
+STAGES = ("prefill", "prefill_kv", "decode")
+DEFAULT_MAX_SEQ_CAP = 4096
+
+
+def retyped(function: func.FuncOp, name: str, subst: Callable[[Attribute], Attribute]) -> func.FuncOp:
+    """A copy of `function` named `name` whose argument and result types go through `subst`."""
+    old_block = function.body.block
+    block = Block(arg_types=[subst(a.type) for a in old_block.args])
+    mapping: dict[SSAValue, SSAValue] = {}
+    for old, new in zip(old_block.args, block.args):
+        new.name_hint = old.name_hint
+        mapping[old] = new
+    for op in old_block.ops:
+        new_op = type(op).create(
+            operands=[mapping[v] for v in op.operands],
+            result_types=[subst(r.type) for r in op.results],
+            properties=dict(op.properties),
+            attributes=dict(op.attributes),
+        )
+        for old, new in zip(op.results, new_op.results):
+            new.name_hint = old.name_hint
+            mapping[old] = new
+        block.add_op(new_op)
+    outputs = [subst(t) for t in function.function_type.outputs.data]
+    return func.FuncOp(name, (block.arg_types, outputs), Region(block))
+
+
+def _last_token_logits(function: func.FuncOp) -> None:
+    """Make `llm.logits` read only the last token's row, and the function return that."""
+    for op in list(function.body.block.ops):
+        if isinstance(op, llm.LogitsOp):
+            last = llm.LastTokenOp(op.input)
+            last.result.name_hint = "last"
+            function.body.block.insert_op_before(last, op)
+            logits = llm.LogitsOp(last.result, op.weight)
+            logits.result.name_hint = op.result.name_hint
+            function.body.block.insert_op_before(logits, op)
+            op.result.replace_all_uses_with(logits.result)
+            function.body.block.erase_op(op)
+    ret = function.body.block.last_op
+    assert isinstance(ret, func.ReturnOp)
+    function.function_type = builtin.FunctionType.from_lists(
+        function.function_type.inputs.data, [v.type for v in ret.operands]
+    )
+
+
+@dataclass(frozen=True)
+class SplitPass(LlmcPass):
+    name = "split"
+    requires_phase = "optimize"
+
+    prefill_chunk: int = 128
+    max_seq: int = 0  # 0: the model's context length, capped at DEFAULT_MAX_SEQ_CAP
+
+    def run(self, ctx: Context, module: ModuleOp) -> None:
+        forward = self.function(module, "forward")
+        cache = forward.function_type.inputs.data[2]
+        assert isinstance(cache, llm.KVCacheType)
+        layers, kv_heads, context_length, head_dim = cache.shape
+        max_seq = self.max_seq or min(context_length, DEFAULT_MAX_SEQ_CAP)
+        if not 1 <= max_seq <= context_length:
+            raise UsageError(f"--max-seq must be in 1..{context_length} (the model's context length), got {max_seq}")
+        if not 1 <= self.prefill_chunk <= max_seq:
+            raise UsageError(f"--prefill-chunk must be in 1..{max_seq} (--max-seq), got {self.prefill_chunk}")
+        new_cache = llm.KVCacheType(layers, kv_heads, max_seq, head_dim, cache.element_type)
+
+        for stage in STAGES:
+            tokens = 1 if stage == "decode" else None
+
+            def subst(t: Attribute, tokens: int | None = tokens) -> Attribute:
+                if t == cache:
+                    return new_cache
+                if isinstance(t, TensorType) and DYNAMIC_INDEX in t.get_shape():
+                    return llm.tensor(*[tokens if d == DYNAMIC_INDEX else d for d in t.get_shape()],
+                                      element_type=t.element_type)
+                return t
+
+            entry = retyped(forward, stage, subst)
+            if stage != "decode":
+                _last_token_logits(entry)
+            entry.attributes["llm.stage"] = StringAttr(stage)
+            entry.attributes["llm.max_tokens"] = IntegerAttr(1 if stage == "decode" else self.prefill_chunk, i64)
+            module.body.block.insert_op_before(entry, forward)
+        module.body.block.erase_op(forward)

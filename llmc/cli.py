@@ -3,6 +3,9 @@
     llmc ir MODEL [--phase import|optimize] [-o FILE]     print a model's IR
     llmc opt FILE.mlir [-p PASS,PASS] [--print-ir-after-all]   parse, verify, run passes, print
     llmc verify MODEL [--prompt TEXT] [--tolerance COS]   compare every stage with the source model
+    llmc compile MODEL --target cpu [-o DIR] [...]        compile to an artifact directory
+    llmc run DIR -p TEXT [-n N] [--chat] [sampling]       generate text with an artifact
+    llmc bench DIR                                        prefill and decode tokens/s
 
 MODEL is a `.gguf` file, a Hugging Face directory, or a known name (`smollm2-135m`).
 Errors in the input or options print one line and exit with code 2; `--debug` shows
@@ -71,32 +74,87 @@ def cmd_opt(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from llmc.frontend import import_model, load_model
-    from llmc.frontend.reference import reference_logits, reference_name
-    from llmc.ir.interpreter import forward_logits
-    from llmc.passes.pipeline import phases_through, run_phase
-    from llmc.verify import verify_stages
+    from llmc.verify import verify_model
 
-    if not 0.0 < args.tolerance <= 1.0:
-        raise UsageError(f"--tolerance must be in (0, 1], got {args.tolerance}")
-    model = load_model(args.model)
-    tokens = model.tokenizer.encode(args.prompt)
-    if not tokens:
-        raise UsageError("--prompt gives no tokens")
-    c = model.config
-    print(f"model    {model.source} ({c.arch}, {c.layers} layers, hidden {c.hidden}, vocab {c.vocab_size})")
-    print(f"prompt   {args.prompt!r} ({len(tokens)} tokens)")
-    start = time.perf_counter()
-    reference = reference_logits(model.source, tokens)
-    _progress(f"reference computed in {time.perf_counter() - start:.1f} s")
-    module = import_model(model)
-    for phase in phases_through("optimize"):
-        run_phase(module, phase)
-    stages = {"llm": lambda: forward_logits(module, model.weights, tokens)}
-    ok = verify_stages(reference, stages, args.tolerance, reference_name(), print)
+    artifact = Path(args.artifact) if args.artifact else None
+    ok = verify_model(args.model, args.prompt, args.tolerance, artifact, print, _progress)
     if not ok:
         print(f"FAILED: a stage has cosine below {args.tolerance}", file=sys.stderr)
     return 0 if ok else 1
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _default_output(model: str) -> Path:
+    return Path(Path(model.rstrip("/")).stem + ".llmc")
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from llmc.compile import BackendOptions, compile_model
+    from llmc.passes.pipeline import CompileOptions, IRDumper
+
+    options = CompileOptions(prefill_chunk=args.prefill_chunk or 0, max_seq=args.max_seq or 0, group=not args.no_group)
+    dump = IRDumper(
+        print_to=(lambda s: print(s, file=sys.stderr, end="")) if args.print_ir_after_all else None,
+        directory=Path(args.dump_ir) if args.dump_ir else None,
+    )
+    out = Path(args.output) if args.output else (None if args.compile_to else _default_output(args.model))
+    result = compile_model(args.model, out, options, BackendOptions(args.target, args.cpu), args.compile_to, dump,
+                           progress=_progress)
+    if isinstance(result, str):
+        _out(result, args.output)
+    return 0
+
+
+def _sampling(args: argparse.Namespace):
+    from llmc.runtime.sampling import SamplingOptions
+
+    options = SamplingOptions(args.temperature, args.top_k, args.top_p, args.seed)
+    try:
+        options.check()
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    return options
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from llmc.runtime.generate import TextCodec, generate, stream_text
+    from llmc.runtime.session import Session
+
+    sampling = _sampling(args)
+    session = Session(Path(args.artifact), check_files=not args.no_verify)
+    codec = TextCodec.for_session(session)
+    prompt = codec.chat(args.prompt) if args.chat else args.prompt
+    ids = codec.encode(prompt)
+    if not ids:
+        raise UsageError("the prompt gives no tokens")
+    start = time.perf_counter()
+    tokens = stream_text(codec, generate(session, codec, ids, args.n, sampling),
+                         lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    elapsed = time.perf_counter() - start
+    print()
+    _progress(f"[{len(ids)} prompt tokens, {len(tokens)} generated in {elapsed:.2f} s]")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from llmc.runtime.bench import benchmark
+
+    result = benchmark(Path(args.artifact), args.prompt_tokens, args.decode_tokens, args.repeat)
+    print(result.report())
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,7 +201,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="The capital of France is", help="text to run (default: %(default)r)")
     p.add_argument("--tolerance", type=float, default=0.9999, metavar="COS",
                    help="lowest acceptable cosine similarity per stage (default: %(default)s)")
+    p.add_argument("--artifact", metavar="DIR",
+                   help="check this compiled artifact of MODEL (default: compile one to a temporary directory)")
     p.set_defaults(run=cmd_verify)
+
+    p = sub.add_parser("compile", parents=[common], help="compile a model to an artifact",
+                       description="Compile a model through every phase into an artifact directory "
+                                   "(manifest.json, weights.bin, kernels.so, tokenizer.json) that 'llmc run' executes.")
+    p.add_argument("model", metavar="MODEL", help=model_help)
+    p.add_argument("--target", default="cpu", choices=["cpu", "cuda"], help="code generation target (default: cpu)")
+    p.add_argument("-o", "--output", metavar="DIR",
+                   help="artifact directory (default: MODEL's name + .llmc); with --compile-to, the IR file")
+    p.add_argument("--max-seq", type=_positive, metavar="N",
+                   help="KV cache capacity in tokens (default: the model's context length, at most 4096)")
+    p.add_argument("--prefill-chunk", type=_positive, metavar="N",
+                   help="most tokens one prefill call takes; longer prompts go in chunks (default: 128, "
+                        "at most --max-seq)")
+    p.add_argument("--no-group", action="store_true", help="skip layer grouping: one kernel per op (to compare)")
+    p.add_argument("--cpu", default="native", metavar="NAME",
+                   help="CPU to generate code for: 'native' (this machine) or an LLVM CPU name such as x86-64-v3")
+    p.add_argument("--compile-to", metavar="PHASE", choices=["import", "optimize", "split", "group", "lower"],
+                   help="stop after PHASE and print its IR (to -o FILE if given)")
+    p.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass to DIR as numbered .mlir files")
+    p.add_argument("--print-ir-after-all", action="store_true", help="print the IR to stderr after every pass")
+    p.set_defaults(run=cmd_compile)
+
+    p = sub.add_parser("run", parents=[common], help="generate text with a compiled artifact",
+                       description="Load an artifact and generate text, streaming it as it comes.")
+    p.add_argument("artifact", metavar="DIR", help="an artifact directory from 'llmc compile'")
+    p.add_argument("-p", "--prompt", required=True, help="the prompt text")
+    p.add_argument("-n", type=_non_negative, default=128, metavar="N", help="most tokens to generate (default: 128)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: 0)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K likeliest (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass in (0, 1] (default: 1)")
+    p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact's files")
+    p.set_defaults(run=cmd_run)
+
+    p = sub.add_parser("bench", parents=[common], help="measure prefill and decode speed of an artifact",
+                       description="Prefill tokens/s on a prompt of --prompt-tokens tokens and decode tokens/s "
+                                   "over --decode-tokens tokens, best of --repeat runs.")
+    p.add_argument("artifact", metavar="DIR", help="an artifact directory from 'llmc compile'")
+    p.add_argument("--prompt-tokens", type=_positive, default=512, metavar="N", help="prefill length (default: 512)")
+    p.add_argument("--decode-tokens", type=_positive, default=128, metavar="N", help="decode steps (default: 128)")
+    p.add_argument("--repeat", type=_positive, default=3, metavar="N", help="runs; the best is reported (default: 3)")
+    p.set_defaults(run=cmd_bench)
     return parser
 
 

@@ -4,16 +4,24 @@ One row per stage, like TPU-MLIR's per-stage tensor comparison:
 
     stage    cosine     max|err|   top-1
     source   reference  (transformers 5.24.0 fp32)
-    llm      1.000000   1.84e-05   5/5 (100%)
+    llm      1.000000   9.06e-05   5/5 (100%)
+    tgt      1.000000   9.54e-05   5/5 (100%)
+    artifact 1.000000   1.03e-04   5/5 (100%)
 
-`cosine` is the lowest cosine similarity over positions; `top-1` counts positions whose
-arg-max agrees with the reference.
+`llm` runs the whole prompt through `@forward`. `tgt` (the numpy kernels over the
+planned arena) and `artifact` (the compiled code) run the entry points teacher-forced:
+`prefill` on the first token, then `decode` on each next one, so every position has
+logits. `cosine` is the lowest cosine similarity over positions; `top-1` counts
+positions whose arg-max agrees with the reference.
 """
 
 from __future__ import annotations
 
+import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -60,3 +68,64 @@ def verify_stages(
         emit(agreement.row(name))
         ok &= agreement.cosine >= tolerance
     return ok
+
+
+def teacher_forced(feed: Callable[[list[int], int], np.ndarray], tokens: list[int]) -> np.ndarray:
+    """Logits `[T, vocab]` from an entry-point runner: prefill the first token, decode the rest."""
+    return np.stack([feed(tokens[:1], 0)] + [feed([t], i) for i, t in enumerate(tokens[1:], 1)])
+
+
+def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None,
+                 emit: Callable[[str], None], progress: Callable[[str], None]) -> bool:
+    """Print the model, the prompt and one row per stage; True when every stage passes."""
+    from llmc.compile import BackendOptions, build_cpu_artifact
+    from llmc.errors import UsageError
+    from llmc.frontend import import_model, load_model
+    from llmc.frontend.reference import reference_logits, reference_name
+    from llmc.ir import tgt
+    from llmc.ir.interpreter import KVCache, forward_logits
+    from llmc.ir.tgt_interpreter import run_entry
+    from llmc.passes.base import LlmcPass
+    from llmc.passes.pipeline import PHASES, CompileOptions, run_phase
+    from llmc.runtime.session import Session
+
+    if not 0.0 < tolerance <= 1.0:
+        raise UsageError(f"--tolerance must be in (0, 1], got {tolerance}")
+    model = load_model(spec)
+    tokens = model.tokenizer.encode(prompt)
+    if not tokens:
+        raise UsageError("--prompt gives no tokens")
+    c = model.config
+    emit(f"model    {model.source} ({c.arch}, {c.layers} layers, hidden {c.hidden}, vocab {c.vocab_size})")
+    emit(f"prompt   {prompt!r} ({len(tokens)} tokens)")
+    start = time.perf_counter()
+    reference = reference_logits(model.source, tokens)
+    progress(f"reference computed in {time.perf_counter() - start:.1f} s")
+
+    module = import_model(model)
+    max_seq = min(c.context_length, max(64, len(tokens)))
+    options = CompileOptions(prefill_chunk=min(128, max_seq), max_seq=max_seq)
+    for phase in ("import", "optimize"):
+        run_phase(module, phase, options=options)
+    llm_logits = forward_logits(module, model.weights, tokens)
+    for phase in list(PHASES)[2:]:
+        run_phase(module, phase, options=options)
+    entries = {name: LlmcPass.function(module, name) for name in ("prefill", "decode")}
+    cache_shape = tgt.dims(entries["decode"].body.block.args[3])
+    cache = KVCache(np.zeros(cache_shape, np.float32), np.zeros(cache_shape, np.float32))
+
+    def tgt_feed(chunk: list[int], start: int) -> np.ndarray:
+        entry = entries["prefill" if start == 0 else "decode"]
+        return run_entry(entry, model.weights, np.asarray(chunk, np.int32), start, cache)[0]
+
+    stages: dict[str, Callable[[], np.ndarray]] = {
+        "llm": lambda: llm_logits,
+        "tgt": lambda: teacher_forced(tgt_feed, tokens),
+    }
+    with tempfile.TemporaryDirectory(prefix="llmc-verify-") as tmp:
+        if artifact is None:
+            artifact = build_cpu_artifact(module, model, Path(tmp) / "artifact", BackendOptions(), {}, progress)
+        session = Session(artifact)
+        stages["artifact"] = lambda: teacher_forced(lambda chunk, start: session.feed(chunk), tokens)
+        return verify_stages(reference, stages, tolerance, reference_name(), emit)
+

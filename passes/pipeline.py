@@ -30,7 +30,7 @@ from llmc.passes.registry import get_pass
 class CompileOptions:
     """Options of the phases that take any."""
 
-    prefill_chunk: int = 128
+    prefill_chunk: int = 0  # 0: 128, at most max_seq
     max_seq: int = 0  # 0: the model's context length, capped at 4096
     group: bool = True
 

@@ -34,6 +34,7 @@ from llmc.passes.base import LlmcPass
 
 STAGES = ("prefill", "prefill_kv", "decode")
 DEFAULT_MAX_SEQ_CAP = 4096
+DEFAULT_PREFILL_CHUNK = 128
 
 
 def retyped(function: func.FuncOp, name: str, subst: Callable[[Attribute], Attribute]) -> func.FuncOp:
@@ -83,7 +84,7 @@ class SplitPass(LlmcPass):
     name = "split"
     requires_phase = "optimize"
 
-    prefill_chunk: int = 128
+    prefill_chunk: int = 0  # 0: DEFAULT_PREFILL_CHUNK, at most max_seq
     max_seq: int = 0  # 0: the model's context length, capped at DEFAULT_MAX_SEQ_CAP
 
     def run(self, ctx: Context, module: ModuleOp) -> None:
@@ -94,8 +95,9 @@ class SplitPass(LlmcPass):
         max_seq = self.max_seq or min(context_length, DEFAULT_MAX_SEQ_CAP)
         if not 1 <= max_seq <= context_length:
             raise UsageError(f"--max-seq must be in 1..{context_length} (the model's context length), got {max_seq}")
-        if not 1 <= self.prefill_chunk <= max_seq:
-            raise UsageError(f"--prefill-chunk must be in 1..{max_seq} (--max-seq), got {self.prefill_chunk}")
+        chunk = self.prefill_chunk or min(DEFAULT_PREFILL_CHUNK, max_seq)
+        if not 1 <= chunk <= max_seq:
+            raise UsageError(f"--prefill-chunk must be in 1..{max_seq} (--max-seq), got {chunk}")
         new_cache = llm.KVCacheType(layers, kv_heads, max_seq, head_dim, cache.element_type)
 
         for stage in STAGES:
@@ -113,6 +115,6 @@ class SplitPass(LlmcPass):
             if stage != "decode":
                 _last_token_logits(entry)
             entry.attributes["llm.stage"] = StringAttr(stage)
-            entry.attributes["llm.max_tokens"] = IntegerAttr(1 if stage == "decode" else self.prefill_chunk, i64)
+            entry.attributes["llm.max_tokens"] = IntegerAttr(1 if stage == "decode" else chunk, i64)
             module.body.block.insert_op_before(entry, forward)
         module.body.block.erase_op(forward)

@@ -33,7 +33,8 @@ def test_every_phase_round_trips(tiny, spec: TinySpec, phase: str) -> None:
     verify_module(again)
     assert print_module(again) == text
     generic = print_module(module, generic=True)
-    assert '"llm.weight"' in generic and "#llm<storage f32>" in generic
+    weight_op = '"tgt.weight"' if phase == "lower" else '"llm.weight"'
+    assert weight_op in generic and "#llm<storage f32>" in generic
     from_generic = parse_module(generic)
     assert print_module(from_generic) == text
     assert print_module(from_generic, generic=True) == generic

@@ -1,0 +1,86 @@
+"""A loaded artifact ready to run: weights mapped, kernels loaded, KV cache and arena allocated once.
+
+`Session.feed(tokens)` runs a prompt through `prefill` (first chunk of an empty cache)
+and `prefill_kv` (every later chunk), or one token through `decode`, and returns the
+logits of the last token. Each call is one native call into `kernels.so`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+
+from llmc.errors import LlmcError
+from llmc.runtime.artifact import ENTRY_POINTS, ArtifactError, Manifest, load_manifest
+
+_ENTRY_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 5
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+class CapacityError(LlmcError):
+    """More tokens than the KV cache holds."""
+
+
+class Session:
+    """One conversation's state on a CPU artifact."""
+
+    def __init__(self, directory: Path, check_files: bool = True):
+        self.manifest: Manifest = load_manifest(directory, check_files)
+        if self.manifest.target != "cpu":
+            raise ArtifactError(f"{directory}: a '{self.manifest.target}' artifact; this runtime runs 'cpu' artifacts")
+        self.weights = np.memmap(self.manifest.file("weights"), dtype=np.uint8, mode="r")
+        try:
+            self.library = ctypes.CDLL(str(self.manifest.file("kernels")))
+        except OSError as e:
+            raise ArtifactError(f"{self.manifest.file('kernels')}: cannot load: {e}") from e
+        self.entries = {}
+        for name in ENTRY_POINTS:
+            fn = getattr(self.library, self.manifest.entry_points[name]["symbol"])
+            fn.argtypes, fn.restype = _ENTRY_ARGS, None
+            self.entries[name] = fn
+        kv = self.manifest.kv_cache
+        self.capacity = kv["shape"][2]
+        self.k_cache = np.zeros(kv["shape"], np.float32)
+        self.v_cache = np.zeros(kv["shape"], np.float32)
+        self.arena = np.zeros(max(e["arena_bytes"] for e in self.manifest.entry_points.values()) + 64, np.uint8)
+        self.vocab_size = self.manifest.model["vocab_size"]
+        self.logits = np.zeros(self.vocab_size, np.float32)
+        self.chunk = self.manifest.entry_points["prefill"]["max_tokens"]
+        self.tokens = np.zeros(self.chunk, np.int32)
+        self.position = 0
+
+    def reset(self) -> None:
+        """Forget the conversation (the cache rows are overwritten as new tokens arrive)."""
+        self.position = 0
+
+    def _call(self, entry: str, tokens: np.ndarray) -> None:
+        n = len(tokens)
+        self.tokens[:n] = tokens
+        weights = self.weights.ctypes.data
+        self.entries[entry](_ptr(self.tokens), n, self.position, _ptr(self.k_cache), _ptr(self.v_cache),
+                            _ptr(self.logits), _ptr(self.arena), weights)
+        self.position += n
+
+    def feed(self, tokens: list[int] | np.ndarray) -> np.ndarray:
+        """Run `tokens` after the ones already fed; returns the last token's logits (a copy)."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if tokens.size == 0:
+            raise ValueError("no tokens to feed")
+        if self.position + tokens.size > self.capacity:
+            raise CapacityError(
+                f"{self.position + tokens.size} tokens exceed the KV cache capacity of {self.capacity} "
+                f"(compile with a larger --max-seq)"
+            )
+        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
+            raise ValueError(f"token id outside the vocabulary of {self.vocab_size}")
+        if tokens.size == 1 and self.position > 0:
+            self._call("decode", tokens)
+        else:
+            for begin in range(0, tokens.size, self.chunk):
+                self._call("prefill" if self.position == 0 else "prefill_kv", tokens[begin : begin + self.chunk])
+        return self.logits.copy()

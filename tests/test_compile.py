@@ -1,0 +1,239 @@
+"""Compiled artifacts of tiny models against the `llm` interpreter, and the runtime around them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmc.cli import main
+from llmc.compile import BackendOptions, compile_model
+from llmc.frontend import import_model, load_model
+from llmc.ir.interpreter import forward_logits
+from llmc.passes.pipeline import CompileOptions
+from llmc.runtime.artifact import ArtifactError
+from llmc.runtime.session import CapacityError, Session
+from llmc.verify import teacher_forced
+from tiny_models import TinySpec
+
+SPECS = {
+    "gqa": TinySpec(context_length=64),
+    "qwen2-bias-untied-odd-heads": TinySpec(arch="qwen2", heads=3, kv_heads=1, hidden=24, tied=False, context_length=64),
+}
+TOKENS = [5, 17, 42, 100, 150, 7, 9, 11, 200, 3, 4, 66, 250]
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny, tmp_path_factory) -> Callable[..., Path]:
+    """`artifact(spec, chunk=4, group=True)` → a compiled artifact directory, built once."""
+    root = tmp_path_factory.mktemp("artifacts")
+    built: dict[tuple, Path] = {}
+
+    def build(spec: TinySpec, chunk: int = 4, group: bool = True) -> Path:
+        key = (spec, chunk, group)
+        if key not in built:
+            out = root / f"a{len(built)}"
+            compile_model(str(tiny(spec, "gguf")), out, CompileOptions(prefill_chunk=chunk, max_seq=32, group=group),
+                          BackendOptions(), progress=lambda _: None)
+            built[key] = out
+        return built[key]
+
+    return build
+
+
+def _reference(tiny, spec: TinySpec, tokens: list[int]) -> np.ndarray:
+    model = load_model(str(tiny(spec, "gguf")))
+    return forward_logits(import_model(model), model.weights, tokens)
+
+
+def _close(actual: np.ndarray, expected: np.ndarray) -> None:
+    scale = np.abs(expected).max()
+    assert np.abs(actual - expected).max() <= 1e-4 * scale
+    assert (actual.argmax(-1) == expected.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("group", [True, False], ids=["grouped", "no-group"])
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+def test_compiled_logits_match_the_interpreter(tiny, artifact, spec: TinySpec, group: bool) -> None:
+    """Teacher-forced prefill + decode logits at every position equal the `llm` interpreter's."""
+    session = Session(artifact(spec, group=group))
+    logits = teacher_forced(lambda chunk, start: session.feed(chunk), TOKENS)
+    _close(logits, _reference(tiny, spec, TOKENS))
+
+
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+def test_prefill_then_decode_equals_longer_prefill(tiny, artifact, spec: TinySpec) -> None:
+    session = Session(artifact(spec, chunk=16))
+    n, k = 6, 5
+    session.feed(TOKENS[:n])
+    for token in TOKENS[n : n + k - 1]:
+        session.feed([token])
+    stepwise = session.feed([TOKENS[n + k - 1]])
+    session.reset()
+    whole = session.feed(TOKENS[: n + k])
+    assert np.abs(stepwise - whole).max() <= 1e-4 * np.abs(whole).max()
+    _close(whole[None], _reference(tiny, spec, TOKENS[: n + k])[-1:])
+
+
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+def test_chunked_prefill_equals_unchunked(artifact, spec: TinySpec) -> None:
+    """13 tokens in chunks of 4 (prefill, then prefill_kv ×3) equal one prefill of 16 rows."""
+    chunked = Session(artifact(spec, chunk=4)).feed(TOKENS)
+    whole = Session(artifact(spec, chunk=16)).feed(TOKENS)
+    assert np.abs(chunked - whole).max() <= 1e-5 * np.abs(whole).max()
+
+
+def test_grouping_fuses_kernels(tiny, artifact) -> None:
+    grouped = json.loads((artifact(SPECS["gqa"]) / "manifest.json").read_text())
+    plain = json.loads((artifact(SPECS["gqa"], group=False) / "manifest.json").read_text())
+    assert grouped["compile_options"]["group"] and not plain["compile_options"]["group"]
+    ir_grouped = compile_model(str(tiny(SPECS["gqa"], "gguf")), None, CompileOptions(prefill_chunk=4, max_seq=32),
+                               BackendOptions(), compile_to="lower", progress=lambda _: None)
+    ir_plain = compile_model(str(tiny(SPECS["gqa"], "gguf")), None,
+                             CompileOptions(prefill_chunk=4, max_seq=32, group=False), BackendOptions(),
+                             compile_to="lower", progress=lambda _: None)
+    assert "tgt.swiglu" in ir_grouped and "accumulate" in ir_grouped and "tgt.rms_norm" not in ir_grouped
+    assert "tgt.swiglu" not in ir_plain and "tgt.rms_norm" in ir_plain and "tgt.rope" in ir_plain
+    assert ir_grouped.count("tgt.") < ir_plain.count("tgt.")
+
+
+def test_run_cli_generates_and_streams(artifact, capsys) -> None:
+    directory = artifact(SPECS["gqa"])
+    assert main(["run", str(directory), "-p", "the cat", "-n", "6", "--temperature", "0.8", "--seed", "3"]) == 0
+    first = capsys.readouterr()
+    assert main(["run", str(directory), "-p", "the cat", "-n", "6", "--temperature", "0.8", "--seed", "3"]) == 0
+    assert capsys.readouterr().out == first.out  # seeded sampling is reproducible
+    assert "prompt tokens" in first.err
+
+
+def test_top_k_one_is_greedy(artifact, capsys) -> None:
+    directory = str(artifact(SPECS["gqa"]))
+    main(["run", directory, "-p", "in 2018", "-n", "8"])
+    greedy = capsys.readouterr().out
+    main(["run", directory, "-p", "in 2018", "-n", "8", "--temperature", "5", "--top-k", "1", "--seed", "1"])
+    assert capsys.readouterr().out == greedy
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--top-p", "0"], "top-p must be in (0, 1]"),
+        (["--top-p", "1.5"], "top-p must be in (0, 1]"),
+        (["--top-k", "-2"], "top-k must be >= 0"),
+    ],
+)
+def test_bad_sampling_options_are_one_line(artifact, capsys, args: list[str], message: str) -> None:
+    assert main(["run", str(artifact(SPECS["gqa"])), "-p", "x", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_prompt_longer_than_the_cache_is_refused(artifact, capsys) -> None:
+    directory = artifact(SPECS["gqa"])
+    with pytest.raises(CapacityError, match="KV cache"):
+        Session(directory).feed(list(range(33)))
+    assert main(["run", str(directory), "-p", "the " * 40]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "KV cache holds 32" in err
+
+
+def test_generation_stops_at_capacity(artifact, capsys) -> None:
+    assert main(["run", str(artifact(SPECS["gqa"])), "-p", "the cat", "-n", "100"]) == 0
+    assert "generated" in capsys.readouterr().err
+
+
+def test_modified_artifact_is_refused(artifact, tmp_path, capsys) -> None:
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(artifact(SPECS["gqa"]), copy)
+    weights = copy / "weights.bin"
+    data = bytearray(weights.read_bytes())
+    data[100] ^= 1
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="do not match the manifest"):
+        Session(copy)
+    assert main(["run", str(copy), "-p", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "weights.bin" in err
+
+
+def test_unknown_schema_is_refused(artifact, tmp_path) -> None:
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(artifact(SPECS["gqa"]), copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["schema_version"] = 99
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="schema version 99"):
+        Session(copy)
+
+
+def test_compile_cli_options(tiny, tmp_path, capsys) -> None:
+    model = str(tiny(SPECS["gqa"], "gguf"))
+    assert main(["compile", model, "--target", "cuda"]) == 2
+    assert "not built yet" in capsys.readouterr().err
+    assert main(["compile", model, "--compile-to", "lower", "--prefill-chunk", "4", "--max-seq", "32"]) == 0
+    captured = capsys.readouterr()
+    assert 'llm.phase = "lower"' in captured.out and "tgt.attention" in captured.out
+    assert "lower" in captured.err  # progress per phase
+    assert main(["compile", model, "--max-seq", "1000"]) == 2
+    assert "--max-seq must be in 1..64" in capsys.readouterr().err
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    assert main(["compile", model, "-o", str(busy), "--max-seq", "32"]) == 2
+    assert "holds no llmc artifact" in capsys.readouterr().err
+    assert (busy / "notes.txt").exists()
+    dumps = tmp_path / "dumps"
+    assert main(["compile", model, "-o", str(tmp_path / "a"), "--max-seq", "32", "--dump-ir", str(dumps)]) == 0
+    names = sorted(p.name for p in dumps.iterdir())
+    assert names[0] == "00-phase-import.mlir" and any("plan-memory" in n for n in names)
+
+
+BLOCK_COMPILER = textwrap.dedent(
+    """
+    import sys
+    from importlib.abc import MetaPathFinder
+
+    BLOCKED = ("xdsl", "llvmlite", "torch", "transformers", "gguf",
+               "llmc.frontend", "llmc.ir", "llmc.passes", "llmc.backends", "llmc.compile")
+
+    class Block(MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+                raise ImportError(f"blocked: {name}")
+            return None
+
+    sys.meta_path.insert(0, Block())
+    from llmc.cli import main
+    code = main(sys.argv[1:])
+    assert not any(m.startswith(("xdsl", "llvmlite", "torch")) for m in sys.modules)
+    sys.exit(code)
+    """
+)
+
+
+def test_runtime_runs_without_the_compiler_stack(artifact) -> None:
+    directory = artifact(SPECS["gqa"])
+    proc = subprocess.run(
+        [sys.executable, "-c", BLOCK_COMPILER, "run", str(directory), "-p", "the cat", "-n", "4"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "4 generated" in proc.stderr or "generated" in proc.stderr
+    bench = subprocess.run(
+        [sys.executable, "-c", BLOCK_COMPILER, "bench", str(directory), "--prompt-tokens", "8",
+         "--decode-tokens", "4", "--repeat", "1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert bench.returncode == 0, bench.stderr
+    assert "tokens/s" in bench.stdout

@@ -18,6 +18,7 @@ from llmc.runtime.session import Session
 
 @dataclass(frozen=True)
 class BenchResult:
+    vocab_size: int
     prompt_tokens: int
     decode_tokens: int
     prefill_tokens_per_s: float
@@ -45,4 +46,4 @@ def benchmark(directory: Path, prompt_tokens: int = 512, decode_tokens: int = 12
         for _ in range(decode_tokens):
             logits = session.feed([int(np.argmax(logits))])
         best_decode = min(best_decode, time.perf_counter() - start)
-    return BenchResult(prompt_tokens, decode_tokens, prompt_tokens / best_prefill, decode_tokens / best_decode)
+    return BenchResult(session.vocab_size, prompt_tokens, decode_tokens, prompt_tokens / best_prefill, decode_tokens / best_decode)

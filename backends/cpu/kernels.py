@@ -1,0 +1,742 @@
+"""CPU kernel emitters: fp32 kernels of a Llama-style decoder as `llvmlite.ir` functions.
+
+Every kernel is one LLVM function specialised to its static shape (sizes, eps, theta,
+layer are baked in as constants); only the token count `n` and the position `start`
+arrive at run time. Kernels are plain loop nests whose floating-point additions and
+multiplications carry fast-math flags (reassoc/contract/nsz/arcp, never nnan/ninf), so
+LLVM's loop vectoriser turns the reductions into SIMD code at O3; loops where in-place
+use must stay fast (elementwise ops, the scaling pass of RMSNorm) and attention's rows
+of D are written with explicit `<16 x float>` vectors instead. Short static loops whose
+full unrolling would only cost compile time carry `llvm.loop.unroll.disable`.
+
+matmul/swiglu are register-tiled (4 rows × 4 columns of one weight, or × 2 columns of
+gate and up) inside blocks of up to 64 rows, so prefill reuses each weight tile from L1
+and decode (n = 1) streams every weight row once. `attention(…, layer)` is a thin
+per-layer wrapper around one shared body per shape, so 30 layers compile it once. exp
+is inline (Cephes polynomial), so silu and softmax vectorise and need no libm; RoPE
+calls libm's cos/sin once per (position, frequency).
+
+    module = ir.Module("kernels")
+    lib = KernelLibrary(module)
+    f = lib.matmul(576, 192, has_norm=True, eps=1e-5, accumulate=True)  # @matmul_k576_n192_norm_eps1em05_acc
+    g = lib.matmul(576, 192, has_norm=True, eps=1e-5, accumulate=True)  # the same function again
+
+Signatures (all pointers `float*` unless noted, rows are row-major, `n` ≥ 1 rows):
+
+    embedding(D)                 void(i32* tokens, i64 n, float* table, float* out)
+    rms_norm(D, eps)             void(x, i64 n, w, out)                  out may equal x
+    matmul(K, N, ...)            void(x, i64 n, w, bias, norm_w, out)    w is [N, K]
+    swiglu(K, N, ...)            void(x, i64 n, w_gate, w_up, norm_w, out)
+    rope(H, D, theta)            void(x, i64 n, i64 start)               in place on [n, H, D]
+    attention(H, KVH, D, S, ...) void(q, k, v, i64 n, i64 start, k_cache, v_cache, out)
+    add(W) / mul(W)              void(a, b, out, i64 n)                  out may equal a or b
+    silu(W)                      void(x, out, i64 n)                     out may equal x
+
+Buffers of different arguments must not overlap, except where noted above (pointer
+arguments of matmul, swiglu, attention, rope and embedding are `noalias`). Null is
+fine for `bias` / `norm_w` when the kernel does not use them. Kernels do not check
+their inputs: token ids must lie in the table, and attention skips rows whose position
+would reach S (keep start + n ≤ S); the runtime validates both before calling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import numpy as np
+from llvmlite import ir
+
+F32 = ir.FloatType()
+F64 = ir.DoubleType()
+I32 = ir.IntType(32)
+I64 = ir.IntType(64)
+VOID = ir.VoidType()
+FPTR = F32.as_pointer()
+I32PTR = I32.as_pointer()
+
+# Flags on reductions and products: reassociation (vectorised sums), contraction (FMA).
+# nnan/ninf are left out on purpose: softmax starts from -inf and IEEE infinities pass.
+FAST = ("reassoc", "contract", "nsz", "arcp")
+CONTRACT = ("contract",)
+VW = 16  # width of the explicit vectors; LLVM splits them on narrower targets
+
+# matmul register tile: R rows × C output columns per weight matrix; R·C·len(weights)
+# accumulators live in (vector) registers during the K loop.
+TILE_ROWS = 4
+TILE_COLS = {1: 4, 2: 2}
+# Rows per block: the x rows of one block stay in L2 while every weight tile passes.
+BLOCK_BYTES = 192 * 1024
+MAX_BLOCK_ROWS = 64
+
+
+def _fmt(value: float) -> str:
+    """A float as an identifier fragment: distinct floats give distinct text."""
+    text = repr(float(value))
+    if text.endswith(".0"):
+        text = text[:-2]
+    return text.replace("-", "m").replace("+", "").replace(".", "p")
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
+    """`1 / theta^(2i/D)` in float32, computed the way the numpy interpreter does."""
+    return (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))).astype(np.float32)
+
+
+def _chunks(length: int) -> list[tuple[int, int]]:
+    """(offset, width) of the vector chunks covering a static row: VW wide, then the rest."""
+    out = [(o, VW) for o in range(0, length - length % VW, VW)]
+    if length % VW:
+        out.append((length - length % VW, length % VW))
+    return out
+
+
+class _LoopID(ir.values.MDValue):
+    """A distinct, self-referencing loop ID node: `!n = distinct !{!n, !props...}`."""
+
+    def __init__(self, module: ir.Module, props: Sequence[ir.values.MDValue]):
+        super().__init__(module, [], name=str(len(module.metadata)))
+        self.operands = (self, *props)
+
+    def descr(self, buf):
+        buf += ("distinct !{{ {0} }}".format(", ".join(op.get_reference() for op in self.operands)), "\n")
+
+    __hash__ = object.__hash__
+
+    def __eq__(self, other):
+        return self is other
+
+    def __ne__(self, other):
+        return self is not other
+
+
+class _Body:
+    """A function being emitted: an entry block for allocas, a builder, loop helpers."""
+
+    def __init__(self, module: ir.Module, fn: ir.Function):
+        self.module = module
+        self.fn = fn
+        entry = fn.append_basic_block("entry")
+        self._entry = ir.IRBuilder(entry)
+        self._first = fn.append_basic_block("start")
+        self.b = ir.IRBuilder(self._first)
+
+    def finish(self) -> None:
+        self.b.ret_void()
+        self._entry.branch(self._first)
+
+    # constants and memory -------------------------------------------------------
+
+    @staticmethod
+    def i64(value: int | ir.Value) -> ir.Value:
+        return ir.Constant(I64, value) if isinstance(value, int) else value
+
+    @staticmethod
+    def f32(value: float) -> ir.Constant:
+        return ir.Constant(F32, float(np.float32(value)))
+
+    def const(self, ty: ir.Type, value: float) -> ir.Constant:
+        if isinstance(ty, ir.VectorType):
+            return ir.Constant(ty, [float(np.float32(value))] * ty.count)
+        return self.f32(value)
+
+    def splat(self, value: ir.Value, ty: ir.Type) -> ir.Value:
+        """`value` (a float) broadcast to `ty` (float or a float vector)."""
+        if not isinstance(ty, ir.VectorType):
+            return value
+        b = self.b
+        one = b.insert_element(ir.Constant(ir.VectorType(F32, 1), None), value, ir.Constant(I32, 0))
+        return b.shuffle_vector(one, ir.Constant(ir.VectorType(F32, 1), None),
+                                ir.Constant(ir.VectorType(I32, ty.count), [0] * ty.count))
+
+    def alloca(self, ty: ir.Type, count: int | None = None, name: str = "") -> ir.Value:
+        """A stack slot in the entry block (static size: no stack growth in loops)."""
+        if count is None:
+            return self._entry.alloca(ty, name=name)
+        arr = self._entry.alloca(ir.ArrayType(ty, count), name=name)
+        return self._entry.bitcast(arr, ty.as_pointer())
+
+    def ptr(self, base: ir.Value, index: int | ir.Value) -> ir.Value:
+        return self.b.gep(base, [self.i64(index)], inbounds=True)
+
+    def load(self, base: ir.Value, index: int | ir.Value = 0) -> ir.Value:
+        return self.b.load(self.ptr(base, index), align=4)
+
+    def store(self, value: ir.Value, base: ir.Value, index: int | ir.Value = 0) -> None:
+        self.b.store(value, self.ptr(base, index), align=4)
+
+    def vload(self, base: ir.Value, index: ir.Value, width: int = VW) -> ir.Value:
+        p = self.b.bitcast(self.ptr(base, index), ir.VectorType(F32, width).as_pointer())
+        return self.b.load(p, align=4)
+
+    def vstore(self, value: ir.Value, base: ir.Value, index: ir.Value) -> None:
+        p = self.b.bitcast(self.ptr(base, index), value.type.as_pointer())
+        self.b.store(value, p, align=4)
+
+    # integer arithmetic on i64 -------------------------------------------------------
+
+    def add(self, a, c) -> ir.Value:
+        return self.b.add(self.i64(a), self.i64(c), flags=("nsw",))
+
+    def sub(self, a, c) -> ir.Value:
+        return self.b.sub(self.i64(a), self.i64(c), flags=("nsw",))
+
+    def mul(self, a, c) -> ir.Value:
+        return self.b.mul(self.i64(a), self.i64(c), flags=("nsw",))
+
+    def smin(self, a, c) -> ir.Value:
+        a, c = self.i64(a), self.i64(c)
+        return self.b.select(self.b.icmp_signed("<", a, c), a, c)
+
+    def smax(self, a, c) -> ir.Value:
+        a, c = self.i64(a), self.i64(c)
+        return self.b.select(self.b.icmp_signed(">", a, c), a, c)
+
+    # float arithmetic (fast-math flags by default) -----------------------------------
+
+    def fadd(self, a, c, flags=FAST):
+        return self.b.fadd(a, c, flags=flags)
+
+    def fsub(self, a, c, flags=FAST):
+        return self.b.fsub(a, c, flags=flags)
+
+    def fmul(self, a, c, flags=FAST):
+        return self.b.fmul(a, c, flags=flags)
+
+    def intrinsic(self, name: str, *args: ir.Value, flags=()) -> ir.Value:
+        ty = args[0].type
+        if isinstance(ty, ir.VectorType):
+            suffix = f"v{ty.count}{ty.element.intrinsic_name}"
+        else:
+            suffix = ty.intrinsic_name
+        full = f"{name}.{suffix}"
+        fn = self.module.globals.get(full)
+        if fn is None:
+            fn = ir.Function(self.module, ir.FunctionType(ty, [ty] * len(args)), name=full)
+        return self.b.call(fn, list(args), fastmath=flags)
+
+    def exp(self, x: ir.Value) -> ir.Value:
+        """e**x for a float or float vector, inline and vectorisable (Cephes expf, ~1 ulp).
+
+        The argument is clamped to [-87, 88] so the result stays a finite normal number.
+        """
+        b, ty = self.b, x.type
+        c = lambda v: self.const(ty, v)  # noqa: E731
+        x = self.intrinsic("llvm.minnum", x, c(88.0))
+        x = self.intrinsic("llvm.maxnum", x, c(-87.0))
+        fx = self.intrinsic("llvm.floor", b.fadd(b.fmul(x, c(1.44269504088896341)), c(0.5)))
+        # x - fx*ln2 in two steps (Cody–Waite); no reassoc here, or the split is undone
+        r = b.fsub(x, b.fmul(fx, c(0.693359375)))
+        r = b.fsub(r, b.fmul(fx, c(-2.12194440e-4)))
+        y = c(1.9875691500e-4)
+        for coeff in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+            y = b.fadd(b.fmul(y, r, flags=CONTRACT), c(coeff), flags=CONTRACT)
+        y = b.fadd(b.fmul(y, b.fmul(r, r), flags=CONTRACT), r, flags=CONTRACT)
+        y = b.fadd(y, c(1.0))
+        ity = ir.VectorType(I32, ty.count) if isinstance(ty, ir.VectorType) else I32
+        k = b.fptosi(fx, ity)
+        bias = ir.Constant(ity, [127] * ty.count) if isinstance(ty, ir.VectorType) else ir.Constant(I32, 127)
+        shift = ir.Constant(ity, [23] * ty.count) if isinstance(ty, ir.VectorType) else ir.Constant(I32, 23)
+        pow2 = b.bitcast(b.shl(b.add(k, bias), shift), ty)
+        return b.fmul(y, pow2)
+
+    def reduce_vector(self, v: ir.Value) -> ir.Value:
+        """The sum of a float vector's lanes (a tree: reassoc)."""
+        ty = v.type
+        name = f"llvm.vector.reduce.fadd.v{ty.count}f32"
+        fn = self.module.globals.get(name)
+        if fn is None:
+            fn = ir.Function(self.module, ir.FunctionType(F32, [F32, ty]), name=name)
+        return self.b.call(fn, [self.f32(-0.0), v], fastmath=FAST)
+
+    def vdot(self, a: Sequence[ir.Value], c: Sequence[ir.Value]) -> ir.Value:
+        """Σ a·c over matching vector chunks (full chunks summed as vectors first)."""
+        groups: dict[int, list[ir.Value]] = {}
+        for x, y in zip(a, c):
+            groups.setdefault(x.type.count, []).append(self.fmul(x, y))
+        total = None
+        for terms in groups.values():
+            while len(terms) > 1:  # pairwise: short dependency chains
+                terms = [self.fadd(terms[i], terms[i + 1]) if i + 1 < len(terms) else terms[i]
+                         for i in range(0, len(terms), 2)]
+            r = self.reduce_vector(terms[0])
+            total = r if total is None else self.fadd(total, r)
+        return total
+
+    def silu(self, x: ir.Value) -> ir.Value:
+        """x / (1 + e**-x)."""
+        one = self.const(x.type, 1.0)
+        e = self.exp(self.b.fneg(x))
+        return self.b.fdiv(x, self.b.fadd(one, e), flags=("arcp",))
+
+    # control flow ---------------------------------------------------------------------
+
+    def _no_unroll(self) -> _LoopID:
+        prop = self.module.add_metadata([ir.MetaDataString(self.module, "llvm.loop.unroll.disable")])
+        return _LoopID(self.module, [prop])
+
+    @contextmanager
+    def loop(self, start: int | ir.Value, stop: int | ir.Value, step: int = 1, name: str = "i",
+             unroll: bool = True) -> Iterator[ir.Value]:
+        """`for (i = start; i < stop; i += step)` over i64; yields `i`. `unroll=False`
+        keeps LLVM from unrolling it (vectorising and interleaving still happen): for
+        short static loops whose full unrolling would only cost compile time."""
+        b = self.b
+        start, stop = self.i64(start), self.i64(stop)
+        head = b.append_basic_block(f"{name}.head")
+        body = b.append_basic_block(f"{name}.body")
+        done = b.append_basic_block(f"{name}.done")
+        pre = b.block
+        b.branch(head)
+        b.position_at_end(head)
+        i = b.phi(I64, name=name)
+        i.add_incoming(start, pre)
+        b.cbranch(b.icmp_signed("<", i, stop), body, done)
+        b.position_at_end(body)
+        yield i
+        nxt = b.add(i, self.i64(step), name=f"{name}.next", flags=("nsw",))
+        i.add_incoming(nxt, b.block)
+        latch = b.branch(head)
+        if not unroll:
+            latch.set_metadata("llvm.loop", self._no_unroll())
+        b.position_at_end(done)
+
+    def reduce_sum(self, count: int | ir.Value, term: Callable[[ir.Value], ir.Value], name: str = "s",
+                   unroll: bool = True) -> ir.Value:
+        """Σ term(i) for i < count, as a fast-math reduction the vectoriser widens."""
+        acc = self.alloca(F32, name=f"{name}.acc")
+        self.b.store(self.f32(0.0), acc)
+        with self.loop(0, count, name=name, unroll=unroll) as i:
+            self.b.store(self.fadd(self.b.load(acc), term(i)), acc)
+        return self.b.load(acc)
+
+    def vec_map(self, count: int | ir.Value, inputs: Sequence[ir.Value], out: ir.Value,
+                op: Callable[[list[ir.Value]], ir.Value], name: str = "e") -> None:
+        """out[i] = op(in0[i], in1[i], …) for i < count, in explicit vectors of VW then a
+        scalar tail; `out` may be one of the inputs (each chunk is loaded before it is
+        stored). `op` receives floats or float vectors."""
+        b = self.b
+        count = self.i64(count)
+        vec_end = b.and_(count, self.i64(-VW))
+        with self.loop(0, vec_end, VW, name=f"{name}.v", unroll=False) as i:
+            self.vstore(op([self.vload(p, i) for p in inputs]), out, i)
+        if isinstance(count, ir.Constant) and count.constant % VW == 0:
+            return
+        with self.loop(vec_end, count, name=f"{name}.t", unroll=False) as i:
+            self.store(op([self.load(p, i) for p in inputs]), out, i)
+
+
+class KernelLibrary:
+    """Emits kernels into `module`, once per distinct set of static parameters.
+
+    `linkage` is that of every emitted function: "" (external, callable through
+    ctypes from the shared library) or "internal" (callable only from functions of the
+    same module, which lets LLVM inline them and drop unused ones). `prefix` is
+    prepended to every function name.
+    """
+
+    def __init__(self, module: ir.Module, *, linkage: str = "", prefix: str = ""):
+        self.module = module
+        self.linkage = linkage
+        self.prefix = prefix
+        self._cache: dict[tuple, ir.Function] = {}
+
+    # plumbing ----------------------------------------------------------------------
+
+    def _new(self, key: tuple, name: str, args: Sequence[tuple[str, ir.Type]], noalias: bool,
+             linkage: str | None = None) -> tuple[ir.Function, _Body]:
+        name = self.prefix + name
+        if name in self.module.globals:
+            name = self.module.get_unique_name(name)
+        fnty = ir.FunctionType(VOID, [t for _, t in args])
+        fn = ir.Function(self.module, fnty, name=name)
+        fn.linkage = self.linkage if linkage is None else linkage
+        fn.attributes.add("nounwind")
+        for arg, (arg_name, ty) in zip(fn.args, args):
+            arg.name = arg_name
+            if noalias and isinstance(ty, ir.PointerType):
+                arg.add_attribute("noalias")
+        self._cache[key] = fn
+        return fn, _Body(self.module, fn)
+
+    def _cached(self, key: tuple) -> ir.Function | None:
+        return self._cache.get(key)
+
+    def functions(self) -> list[ir.Function]:
+        """Every kernel emitted so far, in emission order (internal helpers left out)."""
+        return [fn for key, fn in self._cache.items() if not key[0].endswith("_impl")]
+
+    # kernels -----------------------------------------------------------------------
+
+    def embedding(self, D: int) -> ir.Function:
+        """`void(i32* tokens, i64 n, float* table, float* out)`: out[t] = table[tokens[t]]."""
+        key = ("embedding", D)
+        if (fn := self._cached(key)) is not None:
+            return fn
+        fn, f = self._new(key, f"embedding_d{D}",
+                          [("tokens", I32PTR), ("n", I64), ("table", FPTR), ("out", FPTR)], True)
+        tokens, n, table, out = fn.args
+        with f.loop(0, n, name="t") as t:
+            tok = f.b.sext(f.load(tokens, t), I64)
+            src = f.ptr(table, f.mul(tok, D))
+            dst = f.ptr(out, f.mul(t, D))
+            with f.loop(0, D, name="d") as d:
+                f.store(f.load(src, d), dst, d)
+        f.finish()
+        return fn
+
+    def _inv_rms(self, f: _Body, row: ir.Value, D: int, eps: float) -> ir.Value:
+        """1 / sqrt(mean(row²) + eps)."""
+        def square(k: ir.Value) -> ir.Value:
+            v = f.load(row, k)
+            return f.fmul(v, v)
+
+        ss = f.reduce_sum(D, square, name="ss", unroll=False)
+        mean = f.fmul(ss, f.f32(1.0 / D))
+        root = f.intrinsic("llvm.sqrt", f.b.fadd(mean, f.f32(eps)))
+        return f.b.fdiv(f.f32(1.0), root)
+
+    def rms_norm(self, D: int, eps: float) -> ir.Function:
+        """`void(float* x, i64 n, float* w, float* out)`: out[t] = x[t] / rms(x[t]) * w."""
+        key = ("rms_norm", D, float(eps))
+        if (fn := self._cached(key)) is not None:
+            return fn
+        fn, f = self._new(key, f"rms_norm_d{D}_eps{_fmt(eps)}",
+                          [("x", FPTR), ("n", I64), ("w", FPTR), ("out", FPTR)], False)
+        x, n, w, out = fn.args
+        w.add_attribute("noalias")
+        with f.loop(0, n, name="t") as t:
+            row = f.ptr(x, f.mul(t, D))
+            inv = self._inv_rms(f, row, D, eps)
+            dst = f.ptr(out, f.mul(t, D))
+            f.vec_map(D, [row, w], dst, lambda v: f.fmul(f.fmul(v[0], f.splat(inv, v[0].type)), v[1]), name="k")
+        f.finish()
+        return fn
+
+    def _gemm(self, f: _Body, x: ir.Value, rows: ir.Value, K: int, N: int, weights: Sequence[ir.Value],
+              norm_w: ir.Value | None, eps: float,
+              finish: Callable[[list[ir.Value], list[ir.Value], list[list[list[ir.Value]]]], None]) -> None:
+        """For every tile of rows ts and columns js: finish(ts, js, vals) with
+        vals[w][r][c] = x̂[ts[r]] · weights[w][js[c]], x̂ being x RMS-normalised with norm_w
+        when given (the scale 1/rms is applied to the finished dot product, norm_w[k]
+        inside it, so no normalised row is stored)."""
+        b = f.b
+        nw = len(weights)
+        R, C = TILE_ROWS, TILE_COLS[nw]
+        assert R & (R - 1) == 0, "TILE_ROWS must be a power of two"
+        TB = max(R, min(MAX_BLOCK_ROWS, BLOCK_BYTES // (4 * K)) // R * R)
+        inv = f.alloca(F32, TB, name="inv_rms") if norm_w is not None else None
+
+        def tile(t0: ir.Value, t: ir.Value, r: int, j0: ir.Value, c: int) -> None:
+            accs = [[[f.alloca(F32, name=f"acc{wi}_{ri}_{ci}") for ci in range(c)] for ri in range(r)]
+                    for wi in range(nw)]
+            zero = f.f32(0.0)
+            for plane in accs:
+                for acc_row in plane:
+                    for acc in acc_row:
+                        b.store(zero, acc)
+            xrows = [f.ptr(x, f.mul(f.add(t, ri), K)) for ri in range(r)]
+            wrows = [[f.ptr(W, f.mul(f.add(j0, ci), K)) for ci in range(c)] for W in weights]
+            with f.loop(0, K, name="k") as k:
+                xs = [f.load(xr, k) for xr in xrows]
+                if norm_w is not None:
+                    g = f.load(norm_w, k)
+                    xs = [f.fmul(xv, g) for xv in xs]
+                for wi in range(nw):
+                    for ci in range(c):
+                        wv = f.load(wrows[wi][ci], k)
+                        for ri in range(r):
+                            acc = accs[wi][ri][ci]
+                            b.store(f.fadd(b.load(acc), f.fmul(xs[ri], wv)), acc)
+            ts = [f.add(t, ri) for ri in range(r)]
+            js = [f.add(j0, ci) for ci in range(c)]
+            vals = [[[b.load(accs[wi][ri][ci]) for ci in range(c)] for ri in range(r)] for wi in range(nw)]
+            if inv is not None:
+                for ri in range(r):
+                    scale = f.load(inv, f.sub(ts[ri], t0))
+                    for wi in range(nw):
+                        vals[wi][ri] = [f.fmul(v, scale) for v in vals[wi][ri]]
+            finish(ts, js, vals)
+
+        def column_tiles(t0: ir.Value, t_end: ir.Value, j0: ir.Value, c: int) -> None:
+            span = f.sub(t_end, t0)
+            t_split = f.add(t0, b.and_(span, f.i64(-R)))  # R is a power of two
+            with f.loop(t0, t_split, R, name="tr") as t:
+                tile(t0, t, R, j0, c)
+            with f.loop(t_split, t_end, name="t1") as t:
+                tile(t0, t, 1, j0, c)
+
+        with f.loop(0, rows, TB, name="tb") as t0:
+            t_end = f.smin(f.add(t0, TB), rows)
+            if inv is not None:
+                with f.loop(t0, t_end, name="tn") as t:
+                    f.store(self._inv_rms(f, f.ptr(x, f.mul(t, K)), K, eps), inv, f.sub(t, t0))
+            n_main = N // C * C
+            if n_main:
+                with f.loop(0, n_main, C, name="j") as j0:
+                    column_tiles(t0, t_end, j0, C)
+            if N % C:
+                column_tiles(t0, t_end, f.i64(n_main), N % C)
+
+    def matmul(self, K: int, N: int, has_norm: bool = False, eps: float = 1e-5, has_bias: bool = False,
+               accumulate: bool = False, last_row: bool = False) -> ir.Function:
+        """`void(float* x, i64 n, float* w, float* bias, float* norm_w, float* out)`.
+
+        out[t, j] (+)= x̂[t] · w[j] (+ bias[j]) with w [N, K]; x̂ = rms_norm(x, norm_w, eps)
+        when has_norm, else x. last_row: only row n-1 of x, written to out row 0.
+        """
+        key = ("matmul", K, N, bool(has_norm), float(eps) if has_norm else None, bool(has_bias),
+               bool(accumulate), bool(last_row))
+        if (fn := self._cached(key)) is not None:
+            return fn
+        name = f"matmul_k{K}_n{N}"
+        if has_norm:
+            name += f"_norm_eps{_fmt(eps)}"
+        name += "_bias" * has_bias + "_acc" * accumulate + "_last" * last_row
+        fn, f = self._new(key, name, [("x", FPTR), ("n", I64), ("w", FPTR), ("bias", FPTR), ("norm_w", FPTR),
+                                      ("out", FPTR)], True)
+        x, n, w, bias, norm_w, out = fn.args
+        rows = n
+        if last_row:
+            x = f.ptr(x, f.mul(f.sub(n, 1), K))
+            rows = f.i64(1)
+
+        def finish(ts: list[ir.Value], js: list[ir.Value], vals: list[list[list[ir.Value]]]) -> None:
+            biases = [f.load(bias, j) for j in js] if has_bias else None
+            for ri, t in enumerate(ts):
+                for ci, j in enumerate(js):
+                    v = vals[0][ri][ci]
+                    if biases is not None:
+                        v = f.b.fadd(v, biases[ci])
+                    idx = f.add(f.mul(t, N), j)
+                    if accumulate:
+                        v = f.b.fadd(f.load(out, idx), v)
+                    f.store(v, out, idx)
+
+        self._gemm(f, x, rows, K, N, [w], norm_w if has_norm else None, eps, finish)
+        f.finish()
+        return fn
+
+    def swiglu(self, K: int, N: int, has_norm: bool = False, eps: float = 1e-5) -> ir.Function:
+        """`void(float* x, i64 n, float* w_gate, float* w_up, float* norm_w, float* out)`:
+        out[t, j] = silu(x̂[t]·w_gate[j]) * (x̂[t]·w_up[j]), both weights [N, K]."""
+        key = ("swiglu", K, N, bool(has_norm), float(eps) if has_norm else None)
+        if (fn := self._cached(key)) is not None:
+            return fn
+        name = f"swiglu_k{K}_n{N}" + (f"_norm_eps{_fmt(eps)}" if has_norm else "")
+        fn, f = self._new(key, name, [("x", FPTR), ("n", I64), ("w_gate", FPTR), ("w_up", FPTR), ("norm_w", FPTR),
+                                      ("out", FPTR)], True)
+        x, n, wg, wu, norm_w, out = fn.args
+
+        def finish(ts: list[ir.Value], js: list[ir.Value], vals: list[list[list[ir.Value]]]) -> None:
+            # the tile's gate values go through one vector silu (exp is the costly part)
+            b = f.b
+            cells = [(ri, ci) for ri in range(len(ts)) for ci in range(len(js))]
+            g = ir.Constant(ir.VectorType(F32, len(cells)), None)
+            for i, (ri, ci) in enumerate(cells):
+                g = b.insert_element(g, vals[0][ri][ci], ir.Constant(I32, i))
+            act = f.silu(g)
+            for i, (ri, ci) in enumerate(cells):
+                y = b.fmul(b.extract_element(act, ir.Constant(I32, i)), vals[1][ri][ci])
+                f.store(y, out, f.add(f.mul(ts[ri], N), js[ci]))
+
+        self._gemm(f, x, n, K, N, [wg, wu], norm_w if has_norm else None, eps, finish)
+        f.finish()
+        return fn
+
+    def _inv_freq_table(self, D: int, theta: float) -> ir.Value:
+        name = f"{self.prefix}rope_inv_freq_d{D}_theta{_fmt(theta)}"
+        if name not in self.module.globals:
+            values = rope_inv_freq(D, theta)
+            ty = ir.ArrayType(F32, len(values))
+            g = ir.GlobalVariable(self.module, ty, name=name)
+            g.initializer = ir.Constant(ty, [float(v) for v in values])
+            g.global_constant = True
+            g.linkage = "internal"
+        return self.module.globals[name]
+
+    def _rope_tables(self, f: _Body, D: int, theta: float) -> tuple[ir.Value, ir.Value, Callable[[ir.Value], None]]:
+        """Stack tables cos/sin[D/2] and a function that fills them for a position."""
+        half = D // 2
+        cos_t = f.alloca(F32, half, name="rope_cos")
+        sin_t = f.alloca(F32, half, name="rope_sin")
+        table = self._inv_freq_table(D, theta)
+
+        def fill(pos: ir.Value) -> None:
+            b = f.b
+            p = b.sitofp(pos, F32)
+            freqs = b.bitcast(table, FPTR)
+            with f.loop(0, half, name="ri", unroll=False) as i:
+                angle = b.fpext(b.fmul(p, f.load(freqs, i)), F64)  # f32 product, as numpy
+                f.store(b.fptrunc(f.intrinsic("llvm.cos", angle), F32), cos_t, i)
+                f.store(b.fptrunc(f.intrinsic("llvm.sin", angle), F32), sin_t, i)
+
+        return cos_t, sin_t, fill
+
+    @staticmethod
+    def _rope_apply(f: _Body, base: ir.Value, heads: int, D: int, cos_t: ir.Value, sin_t: ir.Value) -> None:
+        """Rotate-half RoPE of `heads` rows of D floats at `base`, with filled tables."""
+        b, half = f.b, D // 2
+        with f.loop(0, heads, name="rh", unroll=False) as h:
+            row = f.ptr(base, f.mul(h, D))
+            with f.loop(0, half, name="rd", unroll=False) as i:
+                i2 = f.add(i, half)
+                x1, x2 = f.load(row, i), f.load(row, i2)
+                c, s = f.load(cos_t, i), f.load(sin_t, i)
+                f.store(b.fsub(b.fmul(x1, c), b.fmul(x2, s)), row, i)
+                f.store(b.fadd(b.fmul(x2, c), b.fmul(x1, s)), row, i2)
+
+    def rope(self, H: int, D: int, theta: float) -> ir.Function:
+        """`void(float* x, i64 n, i64 start)`: rotate-half RoPE in place on x [n, H, D]
+        at positions start, start+1, …"""
+        if D % 2:
+            raise ValueError(f"rope needs an even head dimension, got {D}")
+        key = ("rope", H, D, float(theta))
+        if (fn := self._cached(key)) is not None:
+            return fn
+        fn, f = self._new(key, f"rope_h{H}_d{D}_theta{_fmt(theta)}", [("x", FPTR), ("n", I64), ("start", I64)], True)
+        x, n, start = fn.args
+        cos_t, sin_t, fill = self._rope_tables(f, D, theta)
+        with f.loop(0, n, name="t") as t:
+            fill(f.add(start, t))
+            self._rope_apply(f, f.ptr(x, f.mul(t, H * D)), H, D, cos_t, sin_t)
+        f.finish()
+        return fn
+
+    def attention(self, H: int, KVH: int, D: int, S: int, layer: int, rope: bool = False,
+                  theta: float = 10000.0) -> ir.Function:
+        """`void(float* q, float* k, float* v, i64 n, i64 start, float* k_cache,
+        float* v_cache, float* out)`.
+
+        q [n, H, D], k and v [n, KVH, D]; caches [layers, KVH, S, D]. With `rope`, q and k
+        are rotated in place first. Rows of k, v go to cache positions start..start+n-1,
+        then each query row t attends causally to positions 0..start+t (GQA: query head h
+        reads kv head h / (H/KVH)); out [n, H, D]. Rows whose position would be ≥ S are
+        skipped (the caller must keep start + n ≤ S).
+        """
+        if H % KVH:
+            raise ValueError(f"attention needs heads divisible by kv heads, got {H} and {KVH}")
+        key = ("attention", H, KVH, D, S, layer, bool(rope), float(theta) if rope else None)
+        if (fn := self._cached(key)) is not None:
+            return fn
+        impl = self._attention_impl(H, KVH, D, S, rope, theta)
+        name = f"attention_h{H}_kvh{KVH}_d{D}_s{S}_l{layer}" + (f"_rope_theta{_fmt(theta)}" if rope else "")
+        fn, f = self._new(key, name, [("q", FPTR), ("k", FPTR), ("v", FPTR), ("n", I64), ("start", I64),
+                                      ("k_cache", FPTR), ("v_cache", FPTR), ("out", FPTR)], True)
+        q, k, v, n, start, k_cache, v_cache, out = fn.args
+        off = layer * KVH * S * D
+        f.b.call(impl, [q, k, v, n, start, f.ptr(k_cache, off), f.ptr(v_cache, off), out])
+        f.finish()
+        return fn
+
+    def _attention_impl(self, H: int, KVH: int, D: int, S: int, rope: bool, theta: float) -> ir.Function:
+        """The body of `attention`, on one layer's cache slice [KVH, S, D]: shared by the
+        per-layer wrappers, so a 30-layer model compiles it once."""
+        key = ("attention_impl", H, KVH, D, S, bool(rope), float(theta) if rope else None)
+        if (fn := self._cached(key)) is not None:
+            return fn
+        name = f"attention_h{H}_kvh{KVH}_d{D}_s{S}" + (f"_rope_theta{_fmt(theta)}" if rope else "") + "_impl"
+        fn, f = self._new(key, name, [("q", FPTR), ("k", FPTR), ("v", FPTR), ("n", I64), ("start", I64),
+                                      ("k_cache", FPTR), ("v_cache", FPTR), ("out", FPTR)], True,
+                          linkage="internal")
+        q, k, v, n, start, k_cache, v_cache, out = fn.args
+        b = f.b
+        G = H // KVH
+        rows = f.smin(n, f.smax(f.sub(S, start), 0))
+        # 1. RoPE and the cache write
+        if rope:
+            cos_t, sin_t, fill = self._rope_tables(f, D, theta)
+        with f.loop(0, rows, name="t") as t:
+            pos = f.add(start, t)
+            if rope:
+                fill(pos)
+                self._rope_apply(f, f.ptr(q, f.mul(t, H * D)), H, D, cos_t, sin_t)
+                self._rope_apply(f, f.ptr(k, f.mul(t, KVH * D)), KVH, D, cos_t, sin_t)
+            with f.loop(0, KVH, name="ch", unroll=False) as h:
+                src = f.mul(f.add(f.mul(t, KVH), h), D)
+                dst = f.mul(f.add(f.mul(h, S), pos), D)
+                with f.loop(0, D, name="cd", unroll=False) as d:
+                    f.store(f.load(k, f.add(src, d)), k_cache, f.add(dst, d))
+                    f.store(f.load(v, f.add(src, d)), v_cache, f.add(dst, d))
+
+        # 2. causal GQA: the G query heads of one kv head share each K/V row. Rows of D
+        # are handled as explicit vector chunks (q and the output accumulators stay in
+        # registers across the position loop; LLVM only has to vectorise softmax).
+        chunks = _chunks(D)
+        scores = f.alloca(F32, G * S, name="scores")
+        accs = [[f.alloca(ir.VectorType(F32, w), name=f"acc{g}_{o}") for o, w in chunks] for g in range(G)]
+        inv_sum = f.alloca(F32, G, name="inv_sum")
+        mx = f.alloca(F32, name="max")
+        scale = f.f32(1.0 / np.sqrt(np.float32(D)))
+        with f.loop(0, rows, name="t") as t:
+            span = f.add(f.add(start, t), 1)
+            with f.loop(0, KVH, name="h") as h:
+                kv_base = f.mul(h, S * D)
+                kbase = f.ptr(k_cache, kv_base)
+                vbase = f.ptr(v_cache, kv_base)
+                row_offs = [f.mul(f.add(f.mul(t, H), f.add(f.mul(h, G), g)), D) for g in range(G)]
+                qv = [[f.vload(q, f.add(off, o), w) for o, w in chunks] for off in row_offs]
+                # scores[g, s] = q_g · k_s / sqrt(D)
+                with f.loop(0, span, name="s") as s:
+                    krow = f.mul(s, D)
+                    kv = [f.vload(kbase, f.add(krow, o), w) for o, w in chunks]
+                    for g in range(G):
+                        dot = f.vdot(qv[g], kv)
+                        f.store(b.fmul(dot, scale), scores, f.add(s, g * S))
+                # softmax per query head (max-subtracted), then the weighted sum of V rows
+                # (one copy of the softmax code, looping over the G heads at run time)
+                with f.loop(0, G, name="sg", unroll=False) as g:
+                    srow = f.ptr(scores, f.mul(g, S))
+                    b.store(f.f32(float("-inf")), mx)
+                    with f.loop(0, span, name="m") as s:
+                        b.store(f.intrinsic("llvm.maxnum", b.load(mx), f.load(srow, s)), mx)
+                    m = b.load(mx)
+                    total = f.reduce_sum(span, lambda s: self._exp_store(f, srow, s, m), name="e")
+                    f.store(b.fdiv(f.f32(1.0), total), inv_sum, g)
+                inv_sums = [f.load(inv_sum, g) for g in range(G)]
+                for g in range(G):
+                    for a, (_, w) in zip(accs[g], chunks):
+                        b.store(f.const(ir.VectorType(F32, w), 0.0), a)
+                with f.loop(0, span, name="pv") as s:
+                    vrow = f.mul(s, D)
+                    vv = [f.vload(vbase, f.add(vrow, o), w) for o, w in chunks]
+                    for g in range(G):
+                        p = f.load(scores, f.add(s, g * S))
+                        for a, x in zip(accs[g], vv):
+                            b.store(f.fadd(b.load(a), f.fmul(f.splat(p, x.type), x)), a)
+                for g in range(G):
+                    for a, (o, w) in zip(accs[g], chunks):
+                        y = f.fmul(b.load(a), f.splat(inv_sums[g], a.type.pointee))
+                        f.vstore(y, out, f.add(row_offs[g], o))
+        f.finish()
+        return fn
+
+    @staticmethod
+    def _exp_store(f: _Body, row: ir.Value, s: ir.Value, m: ir.Value) -> ir.Value:
+        e = f.exp(f.b.fsub(f.load(row, s), m))
+        f.store(e, row, s)
+        return e
+
+    def _elementwise(self, kind: str, W: int, arity: int,
+                     op: Callable[[_Body, list[ir.Value]], ir.Value]) -> ir.Function:
+        key = (kind, W)
+        if (fn := self._cached(key)) is not None:
+            return fn
+        names = ["a", "b"][:arity] if arity == 2 else ["x"]
+        fn, f = self._new(key, f"{kind}_{W}", [*[(a, FPTR) for a in names], ("out", FPTR), ("n", I64)], False)
+        *ins, out, n = fn.args
+        f.vec_map(f.mul(n, W), ins, out, lambda vals: op(f, vals), name="e")
+        f.finish()
+        return fn
+
+    def add(self, W: int) -> ir.Function:
+        """`void(float* a, float* b, float* out, i64 n)`: out = a + b over n rows of W."""
+        return self._elementwise("add", W, 2, lambda f, v: f.b.fadd(v[0], v[1]))
+
+    def mul(self, W: int) -> ir.Function:
+        """`void(float* a, float* b, float* out, i64 n)`: out = a * b over n rows of W."""
+        return self._elementwise("mul", W, 2, lambda f, v: f.b.fmul(v[0], v[1]))
+
+    def silu(self, W: int) -> ir.Function:
+        """`void(float* x, float* out, i64 n)`: out = x / (1 + e**-x) over n rows of W."""
+        return self._elementwise("silu", W, 1, lambda f, v: f.silu(v[0]))

@@ -1,0 +1,187 @@
+"""LLVM IR → object code → shared library, for the host (or a named x86 CPU).
+
+    tm = target_machine()                      # the host CPU and its features
+    obj = compile_to_object(module, tm)        # parse, verify, O3, emit
+    link_shared([obj], "build/kernels-3f2a.so")
+
+llvmlite keeps one global LLVM context, so parsing, optimising and emitting are
+serialised by a lock; targets are initialised once, on first use. The system C
+compiler (`$CC`, else `cc`) links the objects; libm is linked (kernels may call
+`cos`/`sin`).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import llvmlite.binding as llvm
+from llvmlite import ir
+
+from llmc.errors import LlmcError
+
+
+class ToolchainError(LlmcError):
+    """The native toolchain is missing or failed (no C compiler, link error)."""
+
+
+_init_lock = threading.Lock()
+_initialized = False
+# llvmlite parses into LLVM's global context: one compilation at a time.
+_llvm_lock = threading.RLock()
+
+
+def _ensure_llvm() -> None:
+    global _initialized
+    if _initialized:
+        return
+    with _init_lock:
+        if not _initialized:
+            llvm.initialize_all_targets()
+            llvm.initialize_all_asmprinters()
+            _initialized = True
+
+
+def host_cpu() -> tuple[str, str]:
+    """The host's LLVM CPU name and feature string."""
+    _ensure_llvm()
+    return llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
+
+
+def target_machine(cpu: str = "native", *, features: str | None = None, opt: int = 3,
+                   triple: str | None = None) -> llvm.TargetMachine:
+    """A position-independent target machine: "native" is the host CPU with its
+    features; any other name is an LLVM CPU (e.g. "x86-64-v3", "znver4") with that
+    CPU's default features, or `features` when given ("+avx2,+fma")."""
+    _ensure_llvm()
+    with _llvm_lock:
+        try:
+            target = llvm.Target.from_triple(triple) if triple else llvm.Target.from_default_triple()
+        except RuntimeError as e:
+            raise ToolchainError(f"no LLVM target for triple {triple!r}: {str(e).strip()}") from None
+        if cpu == "native":
+            name, feats = host_cpu()
+        else:
+            name, feats = cpu, ""
+        if features is not None:
+            feats = features
+        try:
+            return target.create_target_machine(cpu=name, features=feats, opt=opt, reloc="pic",
+                                                codemodel="default")
+        except RuntimeError as e:
+            raise ToolchainError(f"cannot create a target machine for cpu {cpu!r}: {e}") from None
+
+
+def _parse(ir_text_or_module: str | ir.Module, tm: llvm.TargetMachine) -> llvm.ModuleRef:
+    text = str(ir_text_or_module)
+    mod = llvm.parse_assembly(text)
+    mod.triple = tm.triple
+    mod.data_layout = str(tm.target_data)
+    mod.verify()
+    return mod
+
+
+def optimize(mod: llvm.ModuleRef, tm: llvm.TargetMachine, level: int = 3) -> None:
+    """Run LLVM's default `O<level>` pipeline (new pass manager) on `mod` in place."""
+    if level <= 0:
+        return
+    if not hasattr(llvm, "create_pass_builder"):  # llvmlite < 0.44: the legacy pass manager
+        pmb = llvm.create_pass_manager_builder()
+        pmb.opt_level = level
+        pmb.loop_vectorize = pmb.slp_vectorize = True
+        pm = llvm.create_module_pass_manager()
+        tm.add_analysis_passes(pm)
+        pmb.populate(pm)
+        pm.run(mod)
+        return
+    pto = llvm.create_pipeline_tuning_options(speed_level=level)
+    pto.loop_vectorization = True
+    pto.slp_vectorization = True
+    pto.loop_unrolling = True
+    pb = llvm.create_pass_builder(tm, pto)
+    try:
+        pb.getModulePassManager().run(mod, pb)
+    finally:
+        pb.close()
+
+
+def optimized_ir(ir_text_or_module: str | ir.Module, tm: llvm.TargetMachine, level: int = 3) -> str:
+    """The module's LLVM IR after O`level` (for inspection and tests)."""
+    _ensure_llvm()
+    with _llvm_lock:
+        mod = _parse(ir_text_or_module, tm)
+        optimize(mod, tm, level)
+        return str(mod)
+
+
+def compile_to_object(ir_text_or_module: str | ir.Module, tm: llvm.TargetMachine, level: int = 3) -> bytes:
+    """Parse, verify, optimise (O3 by default) and emit an ELF object for `tm`."""
+    _ensure_llvm()
+    with _llvm_lock:
+        mod = _parse(ir_text_or_module, tm)
+        optimize(mod, tm, level)
+        return tm.emit_object(mod)
+
+
+def compile_to_assembly(ir_text_or_module: str | ir.Module, tm: llvm.TargetMachine, level: int = 3) -> str:
+    """Like `compile_to_object`, but the target's assembly text."""
+    _ensure_llvm()
+    with _llvm_lock:
+        mod = _parse(ir_text_or_module, tm)
+        optimize(mod, tm, level)
+        return tm.emit_assembly(mod)
+
+
+def c_compiler() -> list[str]:
+    """The command line of the C compiler used as linker: `$CC` split like a shell, or `cc`."""
+    argv = shlex.split(os.environ.get("CC") or "cc")
+    if not argv or shutil.which(argv[0]) is None:
+        shown = argv[0] if argv else "(empty $CC)"
+        raise ToolchainError(f"no C compiler found ({shown}): install gcc or clang, or set CC to one")
+    return argv
+
+
+def link_shared(objects: Sequence[bytes | str | os.PathLike], out_path: str | os.PathLike) -> Path:
+    """Link objects (bytes, or paths of object files) into the shared library `out_path`.
+
+    The library is written under a temporary name and renamed, so a reader never sees
+    half a file. Give every distinct library a distinct path: `ctypes.CDLL` returns the
+    already-loaded library for a path it has seen.
+    """
+    out = Path(out_path)
+    argv = c_compiler()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="llmc-link-") as tmp:
+        paths = []
+        for i, obj in enumerate(objects):
+            if isinstance(obj, (bytes, bytearray)):
+                p = Path(tmp) / f"obj{i}.o"
+                p.write_bytes(obj)
+                paths.append(str(p))
+            else:
+                paths.append(os.fspath(obj))
+        partial = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        cmd = [*argv, "-shared", "-Wl,-z,noexecstack", "-o", str(partial), *paths, "-lm"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        except OSError as e:
+            raise ToolchainError(f"cannot run the C compiler {argv[0]}: {e.strerror or e}") from None
+        if proc.returncode != 0:
+            partial.unlink(missing_ok=True)
+            lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+            detail = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else "no output")
+            raise ToolchainError(f"linking {out.name} with {argv[0]} failed (exit {proc.returncode}): {detail}")
+        os.replace(partial, out)
+    return out
+
+
+def build_shared(module: str | ir.Module, out_path: str | os.PathLike, tm: llvm.TargetMachine | None = None,
+                 level: int = 3) -> Path:
+    """compile_to_object + link_shared in one call (the host CPU by default)."""
+    return link_shared([compile_to_object(module, tm or target_machine(), level)], out_path)

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from llmc.errors import LlmcError
 from llmc.runtime.sampling import Sampler, SamplingOptions
 from llmc.runtime.session import CapacityError, Session
 
@@ -36,13 +38,16 @@ class TextCodec:
     def chat(self, user_message: str) -> str:
         """The prompt text for one user turn, rendered in a sandbox (templates come from model files)."""
         if not self.chat_template:
-            raise ValueError("this model has no chat template")
+            raise LlmcError("this model has no chat template; run without --chat")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         special = lambda i: self.tokenizer.id_to_token(i) if i is not None else ""  # noqa: E731
-        return env.from_string(self.chat_template).render(
-            messages=[{"role": "user", "content": user_message}], add_generation_prompt=True,
-            bos_token=special(self.bos_id), eos_token=special(self.eos_id),
-        )
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=[{"role": "user", "content": user_message}], add_generation_prompt=True,
+                bos_token=special(self.bos_id), eos_token=special(self.eos_id),
+            )
+        except TemplateError as e:
+            raise LlmcError(f"the model's chat template failed: {e}") from e
 
 
 def generate(session: Session, codec: TextCodec, prompt_ids: list[int], max_tokens: int,

@@ -14,6 +14,7 @@ import pytest
 
 from llmc.cli import main
 from llmc.compile import BackendOptions, compile_model
+from llmc.errors import LlmcError
 from llmc.frontend import import_model, load_model
 from llmc.ir.interpreter import forward_logits
 from llmc.passes.pipeline import CompileOptions
@@ -237,3 +238,15 @@ def test_runtime_runs_without_the_compiler_stack(artifact) -> None:
     )
     assert bench.returncode == 0, bench.stderr
     assert "tokens/s" in bench.stdout
+
+
+def test_chat_template_renders_in_a_sandbox(artifact, capsys) -> None:
+    from llmc.runtime.generate import TextCodec
+
+    codec = TextCodec.for_session(Session(artifact(SPECS["gqa"])))
+    assert codec.chat("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    codec.chat_template = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(LlmcError, match="chat template failed: .*unsafe"):
+        codec.chat("hi")
+    assert main(["run", str(artifact(SPECS["gqa"])), "-p", "hi", "--chat", "-n", "3"]) == 0
+    assert "prompt tokens" in capsys.readouterr().err

@@ -36,15 +36,27 @@ def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _dumper(args: argparse.Namespace):
+    from llmc.passes.pipeline import IRDumper
+
+    return IRDumper(
+        print_to=(lambda s: print(s, file=sys.stderr, end="")) if args.print_ir_after_all else None,
+        directory=Path(args.dump_ir) if getattr(args, "dump_ir", None) else None,
+    )
+
+
+def _add_dump_options(p: argparse.ArgumentParser, to_directory: bool = True) -> None:
+    p.add_argument("--print-ir-after-all", action="store_true", help="print the IR to stderr after every pass")
+    if to_directory:
+        p.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass to DIR as numbered .mlir files")
+
+
 def cmd_ir(args: argparse.Namespace) -> int:
     from llmc.frontend import import_model, load_model
     from llmc.ir.text import print_module
-    from llmc.passes.pipeline import IRDumper, phases_through, run_phase
+    from llmc.passes.pipeline import phases_through, run_phase
 
-    dump = IRDumper(
-        print_to=(lambda s: print(s, file=sys.stderr, end="")) if args.print_ir_after_all else None,
-        directory=Path(args.dump_ir) if args.dump_ir else None,
-    )
+    dump = _dumper(args)
     module = import_model(load_model(args.model))
     for phase in phases_through(args.phase):
         run_phase(module, phase, dump)
@@ -54,7 +66,7 @@ def cmd_ir(args: argparse.Namespace) -> int:
 
 def cmd_opt(args: argparse.Namespace) -> int:
     from llmc.ir.text import parse_module, print_module, verify_module
-    from llmc.passes.pipeline import IRDumper, run_passes
+    from llmc.passes.pipeline import run_passes
     from llmc.passes.registry import get_pass
 
     if args.file == "-":
@@ -67,7 +79,7 @@ def cmd_opt(args: argparse.Namespace) -> int:
     passes = [get_pass(name.strip()) for name in args.passes.split(",") if name.strip()] if args.passes else []
     module = parse_module(text, source)
     verify_module(module)
-    dump = IRDumper(print_to=lambda s: print(s, file=sys.stderr, end="")) if args.print_ir_after_all else None
+    dump = _dumper(args)
     run_passes(module, passes, dump)
     _out(print_module(module, generic=args.generic), args.output)
     return 0
@@ -103,13 +115,10 @@ def _default_output(model: str) -> Path:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from llmc.compile import BackendOptions, compile_model
-    from llmc.passes.pipeline import CompileOptions, IRDumper
+    from llmc.passes.pipeline import CompileOptions
 
     options = CompileOptions(prefill_chunk=args.prefill_chunk or 0, max_seq=args.max_seq or 0, group=not args.no_group)
-    dump = IRDumper(
-        print_to=(lambda s: print(s, file=sys.stderr, end="")) if args.print_ir_after_all else None,
-        directory=Path(args.dump_ir) if args.dump_ir else None,
-    )
+    dump = _dumper(args)
     out = Path(args.output) if args.output else (None if args.compile_to else _default_output(args.model))
     result = compile_model(args.model, out, options, BackendOptions(args.target, args.cpu), args.compile_to, dump,
                            progress=_progress)
@@ -179,8 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the last phase to run (default: import)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the IR to FILE instead of stdout")
     p.add_argument("--generic", action="store_true", help="print the generic op form instead of the custom one")
-    p.add_argument("--print-ir-after-all", action="store_true", help="print the IR to stderr after every pass")
-    p.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass to DIR as numbered .mlir files")
+    _add_dump_options(p)
     p.set_defaults(run=cmd_ir)
 
     p = sub.add_parser("opt", parents=[common], help="parse, verify, transform and print IR",
@@ -188,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE.mlir", help="IR text to read ('-' for stdin)")
     p.add_argument("-p", "--passes", metavar="PASS,PASS",
                    help="comma-separated passes to run in order (verify, canonicalize, dce)")
-    p.add_argument("--print-ir-after-all", action="store_true", help="print the IR to stderr after every pass")
+    _add_dump_options(p, to_directory=False)
     p.add_argument("-o", "--output", metavar="FILE", help="write the IR to FILE instead of stdout")
     p.add_argument("--generic", action="store_true", help="print the generic op form instead of the custom one")
     p.set_defaults(run=cmd_opt)
@@ -222,8 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU to generate code for: 'native' (this machine) or an LLVM CPU name such as x86-64-v3")
     p.add_argument("--compile-to", metavar="PHASE", choices=["import", "optimize", "split", "group", "lower"],
                    help="stop after PHASE and print its IR (to -o FILE if given)")
-    p.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass to DIR as numbered .mlir files")
-    p.add_argument("--print-ir-after-all", action="store_true", help="print the IR to stderr after every pass")
+    _add_dump_options(p)
     p.set_defaults(run=cmd_compile)
 
     p = sub.add_parser("run", parents=[common], help="generate text with a compiled artifact",

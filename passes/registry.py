@@ -2,67 +2,32 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
 
 from xdsl.passes import ModulePass
 
 from llmc.errors import UsageError
 
 
-def _verify() -> type[ModulePass]:
-    from llmc.passes.verify import VerifyPass
-
-    return VerifyPass
-
-
-def _canonicalize() -> type[ModulePass]:
-    from llmc.passes.canonicalize import CanonicalizePass
-
-    return CanonicalizePass
-
-
-def _dce() -> type[ModulePass]:
-    from llmc.passes.dce import DeadCodeEliminationPass
-
-    return DeadCodeEliminationPass
-
-
-def _split() -> type[ModulePass]:
-    from llmc.passes.split import SplitPass
-
-    return SplitPass
-
-
-def _group() -> type[ModulePass]:
-    from llmc.passes.group import GroupPass
-
-    return GroupPass
-
-
-def _lower() -> type[ModulePass]:
-    from llmc.passes.lower import LowerPass
-
-    return LowerPass
-
-
-def _plan_memory() -> type[ModulePass]:
-    from llmc.passes.plan_memory import PlanMemoryPass
-
-    return PlanMemoryPass
-
-
-PASSES: dict[str, Callable[[], type[ModulePass]]] = {
-    "verify": _verify,
-    "canonicalize": _canonicalize,
-    "dce": _dce,
-    "split": _split,
-    "group": _group,
-    "lower": _lower,
-    "plan-memory": _plan_memory,
+# name → (module, class): imported on first use
+PASSES: dict[str, tuple[str, str]] = {
+    "verify": ("llmc.passes.verify", "VerifyPass"),
+    "canonicalize": ("llmc.passes.canonicalize", "CanonicalizePass"),
+    "dce": ("llmc.passes.dce", "DeadCodeEliminationPass"),
+    "split": ("llmc.passes.split", "SplitPass"),
+    "group": ("llmc.passes.group", "GroupPass"),
+    "lower": ("llmc.passes.lower", "LowerPass"),
+    "plan-memory": ("llmc.passes.plan_memory", "PlanMemoryPass"),
 }
 
 
-def get_pass(name: str) -> ModulePass:
+def pass_class(name: str) -> type[ModulePass]:
     if name not in PASSES:
         raise UsageError(f"unknown pass '{name}' (passes: {', '.join(PASSES)})")
-    return PASSES[name]()()
+    module, cls = PASSES[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def get_pass(name: str) -> ModulePass:
+    """A pass by name, with its default options."""
+    return pass_class(name)()

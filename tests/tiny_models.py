@@ -17,6 +17,8 @@ import gguf
 import numpy as np
 from safetensors.numpy import save_file
 
+from llmc.frontend.hf import ir_name
+
 
 @dataclass(frozen=True)
 class TinySpec:
@@ -157,30 +159,11 @@ def write_hf(spec: TinySpec, weights: dict[str, np.ndarray], directory: Path) ->
 
 # ----------------------------------------------------------------------- GGUF
 
-_GGUF_NAMES = {
-    "input_layernorm.weight": "attn_norm",
-    "self_attn.q_proj.weight": "attn_q",
-    "self_attn.k_proj.weight": "attn_k",
-    "self_attn.v_proj.weight": "attn_v",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output",
-    "post_attention_layernorm.weight": "ffn_norm",
-    "mlp.gate_proj.weight": "ffn_gate",
-    "mlp.up_proj.weight": "ffn_up",
-    "mlp.down_proj.weight": "ffn_down",
-}
-
-
 def gguf_name(hf_name: str) -> str:
     """GGUF tensor name (with `.weight` where GGUF has it) of a Hugging Face name."""
-    top = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm", "lm_head.weight": "output"}
-    if hf_name in top:
-        return top[hf_name] + ".weight"
-    _, _, layer, rest = hf_name.split(".", 3)
-    name = _GGUF_NAMES[rest]
-    return f"blk.{layer}.{name}" + ("" if name.endswith(".bias") else ".weight")
+    name = ir_name(hf_name)
+    assert name is not None, hf_name
+    return name if name.endswith(".bias") else name + ".weight"
 
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:

@@ -113,29 +113,25 @@ def optimize(mod: llvm.ModuleRef, tm: llvm.TargetMachine, level: int = 3) -> Non
 
 def optimized_ir(ir_text_or_module: str | ir.Module, tm: llvm.TargetMachine, level: int = 3) -> str:
     """The module's LLVM IR after O`level` (for inspection and tests)."""
-    _ensure_llvm()
-    with _llvm_lock:
-        mod = _parse(ir_text_or_module, tm)
-        optimize(mod, tm, level)
-        return str(mod)
+    return _emit(ir_text_or_module, tm, level, str)
 
 
 def compile_to_object(ir_text_or_module: str | ir.Module, tm: llvm.TargetMachine, level: int = 3) -> bytes:
     """Parse, verify, optimise (O3 by default) and emit an ELF object for `tm`."""
-    _ensure_llvm()
-    with _llvm_lock:
-        mod = _parse(ir_text_or_module, tm)
-        optimize(mod, tm, level)
-        return tm.emit_object(mod)
+    return _emit(ir_text_or_module, tm, level, tm.emit_object)
 
 
 def compile_to_assembly(ir_text_or_module: str | ir.Module, tm: llvm.TargetMachine, level: int = 3) -> str:
     """Like `compile_to_object`, but the target's assembly text."""
+    return _emit(ir_text_or_module, tm, level, tm.emit_assembly)
+
+
+def _emit(ir_text_or_module: str | ir.Module, tm: llvm.TargetMachine, level: int, emit):
     _ensure_llvm()
     with _llvm_lock:
         mod = _parse(ir_text_or_module, tm)
         optimize(mod, tm, level)
-        return tm.emit_assembly(mod)
+        return emit(mod)
 
 
 def c_compiler() -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from xdsl.dialects.builtin import ModuleOp
 
-from llmc.errors import ModelFormatError, UsageError
+from llmc.errors import UsageError
 from llmc.frontend.model import Model, ModelConfig
 
 __all__ = ["KNOWN_MODELS", "Model", "ModelConfig", "import_model", "load_model", "resolve"]
@@ -40,23 +40,20 @@ def resolve(spec: str) -> Path:
     return path
 
 
-def load_model(spec: str) -> Model:
-    """Open a model for import; weights stay on disk until used."""
+def load_model(spec: str, allow_pickle: bool = False) -> Model:
+    """Open a model for import; weights stay on disk until used.
+
+    A directory is a Hugging Face model; anything else must be a GGUF file. Pickle
+    checkpoints in a directory are loaded only with `allow_pickle`.
+    """
     path = resolve(spec)
     if path.is_dir():
         from llmc.frontend.hf import load_hf
 
-        return load_hf(path)
-    if path.suffix == ".gguf":
-        from llmc.frontend.gguf import load_gguf
+        return load_hf(path, allow_pickle)
+    from llmc.frontend.gguf import load_gguf
 
-        return load_gguf(path)
-    with open(path, "rb") as f:
-        if f.read(4) == b"GGUF":
-            from llmc.frontend.gguf import load_gguf
-
-            return load_gguf(path)
-    raise ModelFormatError(path, "unrecognized model format (expected a .gguf file or a Hugging Face directory)")
+    return load_gguf(path)
 
 
 def import_model(model: Model) -> ModuleOp:

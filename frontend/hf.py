@@ -57,74 +57,136 @@ def ir_name(hf_name: str) -> str | None:
     return None
 
 
-def _read_safetensors(path: Path, store: WeightStore) -> None:
-    data = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
-    if data.size < 8:
-        raise ModelFormatError(path, "truncated safetensors file (no header)")
-    header_len = int(data[:8].view("<u8")[0])
-    if header_len > min(_MAX_HEADER, data.size - 8):
-        raise ModelFormatError(path, f"safetensors header length {header_len} exceeds the file")
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    """json `object_pairs_hook`: a key given twice is an error, not a silent overwrite."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def parse_json(path: Path, raw: bytes | str) -> object:
     try:
-        header = json.loads(bytes(data[8 : 8 + header_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFormatError(path, f"safetensors header is not valid JSON: {e}") from e
+        return json.loads(raw, object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise ModelFormatError(path, f"invalid JSON: {e}") from e
+
+
+def _inside(directory: Path, path: Path) -> Path:
+    """`path` resolved, refusing anything (a symlink, say) that leads out of `directory`."""
+    resolved = path.resolve()
+    if not resolved.is_relative_to(directory.resolve()):
+        raise ModelFormatError(path, f"points outside the model directory ({resolved}); refusing to read it")
+    return resolved
+
+
+def _tensor_entry(path: Path, name: str, info: object) -> tuple[np.dtype, Storage, tuple[int, ...], int, int]:
+    if not isinstance(info, dict) or set(info) - {"dtype", "shape", "data_offsets"}:
+        raise ModelFormatError(path, f"tensor '{name}': malformed header entry")
+    dtype = info.get("dtype")
+    if dtype not in _DTYPES:
+        raise ModelFormatError(path, f"tensor '{name}': dtype {dtype!r} is not supported (F32, F16, BF16)")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not (isinstance(shape, list) and len(shape) <= 8 and all(type(d) is int and d >= 0 for d in shape)):
+        raise ModelFormatError(path, f"tensor '{name}': malformed shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
+        raise ModelFormatError(path, f"tensor '{name}': malformed data_offsets {offsets!r}")
+    numpy_type, storage = _DTYPES[dtype]
+    return np.dtype(numpy_type), storage, tuple(shape), offsets[0], offsets[1]
+
+
+def _read_safetensors(path: Path, store: WeightStore) -> None:
+    size = path.stat().st_size
+    if size < 8:
+        raise ModelFormatError(path, f"truncated safetensors file ({size} bytes, no header)")
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    header_len = int(data[:8].view("<u8")[0])
+    if header_len > min(_MAX_HEADER, size - 8):
+        raise ModelFormatError(path, f"safetensors header length {header_len} exceeds the file or {_MAX_HEADER} bytes")
+    header = parse_json(path, bytes(data[8 : 8 + header_len]))
     if not isinstance(header, dict):
         raise ModelFormatError(path, "safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ModelFormatError(path, "safetensors __metadata__ must map strings to strings")
     body = data[8 + header_len :]
+    spans = []
     for hf_name, info in header.items():
-        if hf_name == "__metadata__":
-            continue
+        dtype, storage, shape, begin, end = _tensor_entry(path, hf_name, info)
+        nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+        if end - begin != nbytes or end > body.size:
+            raise ModelFormatError(
+                path, f"tensor '{hf_name}': data offsets {begin}..{end} do not hold {shape} {info['dtype']} "
+                      f"or run past the data ({body.size} bytes)")
+        spans.append((begin, end, hf_name))
         name = ir_name(hf_name)
         if name is None:
             if hf_name.endswith("rotary_emb.inv_freq"):  # a buffer some checkpoints save; recomputed from theta
                 continue
             raise ModelFormatError(path, f"tensor '{hf_name}' is not part of a supported architecture")
-        try:
-            dtype, storage = _DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ModelFormatError(path, f"tensor '{hf_name}': unsupported or malformed entry {info!r}") from e
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        if not 0 <= begin <= end <= body.size or end - begin != nbytes:
-            raise ModelFormatError(path, f"tensor '{hf_name}': data offsets {begin}..{end} do not fit its shape or the file")
         if name in store:
-            raise ModelFormatError(path, f"tensor '{hf_name}' appears twice")
+            raise ModelFormatError(path, f"tensor '{hf_name}' appears in more than one file")
         store.add(Weight(name, storage, shape, body[begin:end].view(dtype).reshape(shape)))
+    spans.sort()
+    for (_, first_end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < first_end:
+            raise ModelFormatError(path, f"tensors '{first}' and '{second}' overlap (bytes {begin}..{first_end})")
+
+
+def _int(path: Path, cfg: dict, key: str, default: int | None = None) -> int:
+    value = cfg.get(key)
+    value = default if value is None else value
+    if value is None:
+        raise ModelFormatError(path, f"config.json lacks {key!r}")
+    if type(value) is not int:
+        raise ModelFormatError(path, f"config.json: {key} must be an integer, got {value!r}")
+    return value
+
+
+def _float(path: Path, cfg: dict, key: str, default: float) -> float:
+    value = cfg.get(key)
+    value = default if value is None else value
+    if type(value) not in (int, float):
+        raise ModelFormatError(path, f"config.json: {key} must be a number, got {value!r}")
+    return float(value)
 
 
 def _config(path: Path, cfg: dict) -> ModelConfig:
-    archs = cfg.get("architectures") or []
+    archs = cfg.get("architectures")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ModelFormatError(path, f"config.json: architectures must be a list of names, got {archs!r}")
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if arch is None:
         raise ModelFormatError(path, f"unsupported architecture {archs} (supported: {', '.join(ARCHITECTURES)})")
-    try:
-        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        rope = cfg.get("rope_parameters") or {}
-        if cfg.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-            raise ModelFormatError(path, "RoPE scaling is not supported yet")
-        config = ModelConfig(
-            arch=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden=hidden,
-            layers=int(cfg["num_hidden_layers"]),
-            heads=heads,
-            kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // max(heads, 1)),
-            ffn=int(cfg["intermediate_size"]),
-            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            context_length=int(cfg.get("max_position_embeddings", 2048)),
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2",
-        )
-        for flag in ("mlp_bias",) + (("attention_bias",) if arch == "llama" else ()):
-            if cfg.get(flag):
-                raise ModelFormatError(path, f"config.json sets {flag}, which llmc does not support yet")
-    except KeyError as e:
-        raise ModelFormatError(path, f"config.json lacks {e.args[0]!r}") from e
-    except (TypeError, ValueError) as e:
-        raise ModelFormatError(path, f"config.json has a malformed value: {e}") from e
+    rope = cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict) or cfg.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+        raise ModelFormatError(path, "RoPE scaling is not supported yet")
+    for flag in ("mlp_bias",) + (("attention_bias",) if arch == "llama" else ()):
+        if cfg.get(flag):
+            raise ModelFormatError(path, f"config.json sets {flag}, which llmc does not support yet")
+    tied = cfg.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        raise ModelFormatError(path, f"config.json: tie_word_embeddings must be true or false, got {tied!r}")
+    hidden, heads = _int(path, cfg, "hidden_size"), _int(path, cfg, "num_attention_heads")
+    if heads < 1:
+        raise ModelFormatError(path, f"config.json: num_attention_heads must be positive, got {heads}")
+    config = ModelConfig(
+        arch=arch,
+        vocab_size=_int(path, cfg, "vocab_size"),
+        hidden=hidden,
+        layers=_int(path, cfg, "num_hidden_layers"),
+        heads=heads,
+        kv_heads=_int(path, cfg, "num_key_value_heads", heads),
+        head_dim=_int(path, cfg, "head_dim", hidden // heads),
+        ffn=_int(path, cfg, "intermediate_size"),
+        rope_theta=_float(path, cfg, "rope_theta", _float(path, rope, "rope_theta", 10000.0)),
+        rms_eps=_float(path, cfg, "rms_norm_eps", 1e-6),
+        context_length=_int(path, cfg, "max_position_embeddings", 2048),
+        tied_embeddings=tied,
+        qkv_bias=arch == "qwen2",
+    )
     config.check(path)
     return config
 
@@ -136,10 +198,11 @@ def _tokenizer(directory: Path) -> TextTokenizer:
     if not file.is_file():
         raise ModelFormatError(directory, "no tokenizer.json in this directory")
     try:
-        tokenizer = Tokenizer.from_file(str(file))
+        tokenizer = Tokenizer.from_file(str(_inside(directory, file)))
     except Exception as e:  # tokenizers raises its own exception types
         raise ModelFormatError(file, f"cannot load tokenizer: {e}") from e
-    settings = _json(directory / "tokenizer_config.json") if (directory / "tokenizer_config.json").is_file() else {}
+    settings_file = directory / "tokenizer_config.json"
+    settings = _json(_inside(directory, settings_file)) if settings_file.is_file() else {}
 
     def special_id(key: str) -> int | None:
         token = settings.get(key)
@@ -158,23 +221,71 @@ def _tokenizer(directory: Path) -> TextTokenizer:
 
 def _json(path: Path) -> dict:
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFormatError(path, f"cannot read JSON: {e}") from e
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ModelFormatError(path, f"cannot read: {e.strerror}") from e
+    if len(raw) > _MAX_HEADER:
+        raise ModelFormatError(path, f"{len(raw)} bytes is too large for a JSON file here")
+    value = parse_json(path, raw)
     if not isinstance(value, dict):
         raise ModelFormatError(path, "expected a JSON object")
     return value
 
 
-def load_hf(directory: Path) -> Model:
-    """Read a Hugging Face model directory's config, weights (lazily) and tokenizer."""
-    if not (directory / "config.json").is_file():
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+def _read_pickle(path: Path, store: WeightStore) -> None:
+    """Tensors of a PyTorch checkpoint through torch's weights-only unpickler (no code runs)."""
+    try:
+        import torch
+    except ImportError as e:
+        raise ModelFormatError(path, "loading pickle weights needs torch: pip install 'llmc[reference]'") from e
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises UnpicklingError, RuntimeError, … for hostile or broken files
+        raise ModelFormatError(path, f"refused by torch's weights-only loader: {str(e).splitlines()[0]}") from e
+    if not isinstance(state, dict):
+        raise ModelFormatError(path, "the checkpoint is not a dictionary of tensors")
+    numpy_of = {torch.float32: np.float32, torch.float16: np.float16}
+    for hf_name, tensor in state.items():
+        name = ir_name(hf_name) if isinstance(hf_name, str) else None
+        if name is None or not isinstance(tensor, torch.Tensor):
+            if isinstance(hf_name, str) and hf_name.endswith("rotary_emb.inv_freq"):
+                continue
+            raise ModelFormatError(path, f"entry {hf_name!r} is not part of a supported architecture")
+        if tensor.dtype == torch.bfloat16:
+            store.add(Weight(name, Storage.BF16, tuple(tensor.shape), tensor.view(torch.int16).numpy().view(np.uint16)))
+        elif tensor.dtype in numpy_of:
+            storage = Storage.F32 if tensor.dtype == torch.float32 else Storage.F16
+            store.add(Weight(name, storage, tuple(tensor.shape), tensor.numpy()))
+        else:
+            raise ModelFormatError(path, f"tensor '{hf_name}' has dtype {tensor.dtype}, not f32, f16 or bf16")
+
+
+def load_hf(directory: Path, allow_pickle: bool = False) -> Model:
+    """Read a Hugging Face model directory's config, weights (lazily) and tokenizer.
+
+    Only files inside `directory` are read (symlinks that lead out are refused); pickle
+    checkpoints (`*.bin`, `*.pt`) only with `allow_pickle`, through torch's weights-only loader.
+    """
+    config_file = directory / "config.json"
+    if not config_file.is_file():
         raise ModelFormatError(directory, "no config.json in this directory")
-    config = _config(directory, _json(directory / "config.json"))
-    files = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
-    if not files:
-        raise ModelFormatError(directory, "no *.safetensors files in this directory")
+    config = _config(config_file, _json(_inside(directory, config_file)))
     store = WeightStore(directory)
-    for file in files:
-        _read_safetensors(file, store)
+    files = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
+    if files:
+        for file in files:
+            _read_safetensors(_inside(directory, file), store)
+    else:
+        pickles = sorted(p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
+        if not pickles:
+            raise ModelFormatError(directory, "no *.safetensors files in this directory")
+        if not allow_pickle:
+            raise ModelFormatError(
+                directory, f"holds only pickle weights ({pickles[0].name}); pickles can run code, so llmc loads "
+                           "them only with --allow-pickle (through torch's weights-only loader)")
+        for file in pickles:
+            _read_pickle(_inside(directory, file), store)
     return Model(directory, config, store, lambda: _tokenizer(directory))

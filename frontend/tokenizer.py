@@ -98,7 +98,10 @@ def from_gguf_vocab(
     for name, token_id in (("bos", bos_id), ("eos", eos_id)):
         if token_id is not None and not 0 <= token_id < len(tokens):
             raise ModelFormatError(source, f"{name} token id {token_id} is outside the vocabulary of {len(tokens)}")
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    except Exception as e:  # the tokenizers library raises its own exception type
+        raise ModelFormatError(source, f"tokenizer.ggml.merges do not form a BPE model: {e}") from e
     tok.pre_tokenizer = _pre_tokenizer(pre, source)
     tok.decoder = decoders.ByteLevel()
     types = token_types or []

@@ -57,7 +57,7 @@ def cmd_ir(args: argparse.Namespace) -> int:
     from llmc.passes.pipeline import phases_through, run_phase
 
     dump = _dumper(args)
-    module = import_model(load_model(args.model))
+    module = import_model(load_model(args.model, args.allow_pickle))
     for phase in phases_through(args.phase):
         run_phase(module, phase, dump)
     _out(print_module(module, generic=args.generic), args.output)
@@ -89,7 +89,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from llmc.verify import verify_model
 
     artifact = Path(args.artifact) if args.artifact else None
-    ok = verify_model(args.model, args.prompt, args.tolerance, artifact, print, _progress)
+    ok = verify_model(args.model, args.prompt, args.tolerance, artifact, print, _progress, args.allow_pickle)
     if not ok:
         print(f"FAILED: a stage has cosine below {args.tolerance}", file=sys.stderr)
     return 0 if ok else 1
@@ -121,7 +121,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     dump = _dumper(args)
     out = Path(args.output) if args.output else (None if args.compile_to else _default_output(args.model))
     result = compile_model(args.model, out, options, BackendOptions(args.target, args.cpu), args.compile_to, dump,
-                           progress=_progress)
+                           progress=_progress, allow_pickle=args.allow_pickle)
     if isinstance(result, str):
         _out(result, args.output)
     return 0
@@ -171,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show the full traceback on errors")
     model_help = "a .gguf file, a Hugging Face model directory, or a known model name (smollm2-135m)"
+    model_args = argparse.ArgumentParser(add_help=False)
+    model_args.add_argument("model", metavar="MODEL", help=model_help)
+    model_args.add_argument("--allow-pickle", action="store_true",
+                            help="load pickle checkpoints (*.bin, *.pt) of a Hugging Face directory, through "
+                                 "torch's weights-only loader; without it they are refused")
 
     parser = argparse.ArgumentParser(
         prog="llmc",
@@ -181,9 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("ir", parents=[common], help="print a model's IR after a phase",
+    p = sub.add_parser("ir", parents=[common, model_args], help="print a model's IR after a phase",
                        description="Import a model and print its IR after the given phase.")
-    p.add_argument("model", metavar="MODEL", help=model_help)
     p.add_argument("--phase", choices=["import", "optimize"], default="import",
                    help="the last phase to run (default: import)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the IR to FILE instead of stdout")
@@ -201,11 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generic", action="store_true", help="print the generic op form instead of the custom one")
     p.set_defaults(run=cmd_opt)
 
-    p = sub.add_parser("verify", parents=[common], help="compare every stage's logits with the source model",
+    p = sub.add_parser("verify", parents=[common, model_args], help="compare every stage's logits with the source model",
                        description="Run the source model's reference (transformers fp32) and each llmc stage on "
                                    "the same tokens; print cosine similarity, max abs error and top-1 agreement "
                                    "per stage. Exits 1 when a stage's cosine is below the tolerance.")
-    p.add_argument("model", metavar="MODEL", help=model_help)
     p.add_argument("--prompt", default="The capital of France is", help="text to run (default: %(default)r)")
     p.add_argument("--tolerance", type=float, default=0.9999, metavar="COS",
                    help="lowest acceptable cosine similarity per stage (default: %(default)s)")
@@ -213,10 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check this compiled artifact of MODEL (default: compile one to a temporary directory)")
     p.set_defaults(run=cmd_verify)
 
-    p = sub.add_parser("compile", parents=[common], help="compile a model to an artifact",
+    p = sub.add_parser("compile", parents=[common, model_args], help="compile a model to an artifact",
                        description="Compile a model through every phase into an artifact directory "
                                    "(manifest.json, weights.bin, kernels.so, tokenizer.json) that 'llmc run' executes.")
-    p.add_argument("model", metavar="MODEL", help=model_help)
     p.add_argument("--target", default="cpu", choices=["cpu", "cuda"], help="code generation target (default: cpu)")
     p.add_argument("-o", "--output", metavar="DIR",
                    help="artifact directory (default: MODEL's name + .llmc); with --compile-to, the IR file")

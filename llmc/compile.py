@@ -102,7 +102,7 @@ def build_cpu_artifact(module: ModuleOp, model: Model, out: Path, backend: Backe
 
 def compile_model(spec: str, out: Path | None, options: CompileOptions, backend: BackendOptions,
                   compile_to: str | None = None, dump: IRDumper | None = None,
-                  progress: Callable[[str], None] = print) -> Path | str:
+                  progress: Callable[[str], None] = print, allow_pickle: bool = False) -> Path | str:
     """Compile `spec` to an artifact in `out`; with `compile_to`, return that phase's IR text instead."""
     if backend.target not in TARGETS:
         raise UsageError(f"unknown target '{backend.target}' (targets: {', '.join(TARGETS)})")
@@ -112,7 +112,7 @@ def compile_model(spec: str, out: Path | None, options: CompileOptions, backend:
         raise UsageError(f"unknown phase '{compile_to}' (phases: {', '.join(PHASES)})")
     if out is not None and compile_to is None:
         check_output_directory(out)
-    model = load_model(spec)
+    model = load_model(spec, allow_pickle)
     module = run_phases(model, options, compile_to or "lower", dump, progress)
     if compile_to is not None:
         return print_module(module)

@@ -76,7 +76,7 @@ def teacher_forced(feed: Callable[[list[int], int], np.ndarray], tokens: list[in
 
 
 def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None,
-                 emit: Callable[[str], None], progress: Callable[[str], None]) -> bool:
+                 emit: Callable[[str], None], progress: Callable[[str], None], allow_pickle: bool = False) -> bool:
     """Print the model, the prompt and one row per stage; True when every stage passes."""
     from llmc.compile import BackendOptions, build_cpu_artifact
     from llmc.errors import UsageError
@@ -91,7 +91,7 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
 
     if not 0.0 < tolerance <= 1.0:
         raise UsageError(f"--tolerance must be in (0, 1], got {tolerance}")
-    model = load_model(spec)
+    model = load_model(spec, allow_pickle)
     tokens = model.tokenizer.encode(prompt)
     if not tokens:
         raise UsageError("--prompt gives no tokens")

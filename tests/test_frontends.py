@@ -342,7 +342,7 @@ BAD_INPUTS: dict[str, tuple[Callable[[Path], Path], str]] = {
     "safetensors-header-too-long": (_safetensors(lambda b: struct.pack("<Q", 10**12) + b[8:]), "header"),
     "safetensors-too-short": (_safetensors(lambda b: b[:5]), ""),
     "safetensors-data-cut": (_safetensors(lambda b: b[:-10]), "model.norm.weight"),
-    "not-a-model-file": (_not_a_model, "format"),
+    "not-a-model-file": (_not_a_model, "not a GGUF file"),
     "hf-llama-attention-bias": (_hf_with_config(lambda c: c.update(attention_bias=True), "attn_bias"), "attention_bias"),
     "hf-llama-mlp-bias": (_hf_with_config(lambda c: c.update(mlp_bias=True), "mlp_bias"), "mlp_bias"),
     "hf-unsupported-tensor": (_hf_extra_tensor, "o_proj.bias"),

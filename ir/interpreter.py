@@ -95,10 +95,14 @@ def _reshape(op: llm.ReshapeOp, env: Env, x: np.ndarray) -> np.ndarray:
     return x.reshape(x.shape[0], *llm.shape_of(op.result)[1:])
 
 
+def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
+    """`1 / theta^(2i/head_dim)` in float32: the rotation speed of each pair."""
+    return (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))).astype(np.float32)
+
+
 def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin of each position's angles, `[T, head_dim/2]`."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
-    angles = positions.astype(np.float32)[:, None] * inv_freq[None, :].astype(np.float32)
+    angles = positions.astype(np.float32)[:, None] * rope_inv_freq(head_dim, theta)[None, :]
     return np.cos(angles), np.sin(angles)
 
 

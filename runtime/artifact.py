@@ -68,6 +68,41 @@ class Manifest:
         return self.directory / self.data["files"][role]["path"]
 
 
+_MAX_BYTES = 1 << 40
+
+
+def _check_schema(path: Path, data: dict) -> None:
+    """The fields the runtime uses exist and have sane types and sizes."""
+
+    def positive_ints(value: object, count: int | None = None) -> bool:
+        return (isinstance(value, list) and (count is None or len(value) == count)
+                and all(type(v) is int and 0 < v < _MAX_BYTES for v in value))
+
+    try:
+        if data["target"] not in ("cpu", "cuda"):
+            raise ValueError(f"unknown target {data['target']!r}")
+        for role in ("weights", "kernels", "tokenizer"):
+            entry = data["files"][role]
+            if not (isinstance(entry["path"], str) and type(entry["bytes"]) is int and isinstance(entry["sha256"], str)):
+                raise ValueError(f"files.{role} is malformed")
+        for name in ENTRY_POINTS:
+            entry = data["entry_points"][name]
+            if entry["symbol"] != f"llmc_{name}":
+                raise ValueError(f"entry point {name} has symbol {entry['symbol']!r}")
+            if not (positive_ints([entry["max_tokens"]]) and type(entry["arena_bytes"]) is int
+                    and 0 <= entry["arena_bytes"] < _MAX_BYTES):
+                raise ValueError(f"entry point {name} has malformed sizes")
+        if not positive_ints(data["kv_cache"]["shape"], 4):
+            raise ValueError("kv_cache.shape must be four positive integers")
+        if not positive_ints([data["model"]["vocab_size"]]):
+            raise ValueError("model.vocab_size must be a positive integer")
+        if not isinstance(data["tokenizer"], dict):
+            raise ValueError("tokenizer must be an object")
+    except (KeyError, TypeError, ValueError) as e:
+        detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+        raise ArtifactError(f"{path}: malformed manifest ({detail}); recompile") from e
+
+
 def load_manifest(directory: Path, check_files: bool = True) -> Manifest:
     """Read and check `manifest.json`; with `check_files`, every file's size and sha256 too."""
     path = directory / MANIFEST
@@ -80,6 +115,7 @@ def load_manifest(directory: Path, check_files: bool = True) -> Manifest:
     if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
         version = data.get("schema_version") if isinstance(data, dict) else None
         raise ArtifactError(f"{path}: schema version {version!r} is not {SCHEMA_VERSION}; recompile with this llmc")
+    _check_schema(path, data)
     manifest = Manifest(directory, data)
     if check_files:
         for role, entry in data["files"].items():

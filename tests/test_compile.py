@@ -250,3 +250,26 @@ def test_chat_template_renders_in_a_sandbox(artifact, capsys) -> None:
         codec.chat("hi")
     assert main(["run", str(artifact(SPECS["gqa"])), "-p", "hi", "--chat", "-n", "3"]) == 0
     assert "prompt tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: m.pop("kv_cache"), "missing field 'kv_cache'"),
+        (lambda m: m["entry_points"]["decode"].update(symbol="system"), "has symbol 'system'"),
+        (lambda m: m["kv_cache"].update(shape=[1, 2, -3, 4]), "kv_cache.shape"),
+        (lambda m: m["files"]["kernels"].update(path="../elsewhere.so"), "outside the artifact directory"),
+    ],
+    ids=["missing-field", "foreign-symbol", "negative-shape", "kernels-outside"],
+)
+def test_malformed_manifest_is_refused(artifact, tmp_path, capsys, edit, message: str) -> None:
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(artifact(SPECS["gqa"]), copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    edit(manifest)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["run", str(copy), "-p", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err

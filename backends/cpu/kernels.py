@@ -41,25 +41,13 @@ would reach S (keep start + n ≤ S); the runtime validates both before calling.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from llvmlite import ir
 
-F32 = ir.FloatType()
-F64 = ir.DoubleType()
-I32 = ir.IntType(32)
-I64 = ir.IntType(64)
-VOID = ir.VoidType()
-FPTR = F32.as_pointer()
-I32PTR = I32.as_pointer()
-
-# Flags on reductions and products: reassociation (vectorised sums), contraction (FMA).
-# nnan/ninf are left out on purpose: softmax starts from -inf and IEEE infinities pass.
-FAST = ("reassoc", "contract", "nsz", "arcp")
-CONTRACT = ("contract",)
-VW = 16  # width of the explicit vectors; LLVM splits them on narrower targets
+from llmc.backends.cpu.builder import F32, F64, FPTR, I32, I32PTR, I64, KernelBuilder, VOID, _chunks
+from llmc.ir.interpreter import rope_inv_freq
 
 # matmul register tile: R rows × C output columns per weight matrix; R·C·len(weights)
 # accumulators live in (vector) registers during the K loop.
@@ -76,255 +64,6 @@ def _fmt(value: float) -> str:
     if text.endswith(".0"):
         text = text[:-2]
     return text.replace("-", "m").replace("+", "").replace(".", "p")
-
-
-def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
-    """`1 / theta^(2i/D)` in float32, computed the way the numpy interpreter does."""
-    return (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))).astype(np.float32)
-
-
-def _chunks(length: int) -> list[tuple[int, int]]:
-    """(offset, width) of the vector chunks covering a static row: VW wide, then the rest."""
-    out = [(o, VW) for o in range(0, length - length % VW, VW)]
-    if length % VW:
-        out.append((length - length % VW, length % VW))
-    return out
-
-
-class _LoopID(ir.values.MDValue):
-    """A distinct, self-referencing loop ID node: `!n = distinct !{!n, !props...}`."""
-
-    def __init__(self, module: ir.Module, props: Sequence[ir.values.MDValue]):
-        super().__init__(module, [], name=str(len(module.metadata)))
-        self.operands = (self, *props)
-
-    def descr(self, buf):
-        buf += ("distinct !{{ {0} }}".format(", ".join(op.get_reference() for op in self.operands)), "\n")
-
-    __hash__ = object.__hash__
-
-    def __eq__(self, other):
-        return self is other
-
-    def __ne__(self, other):
-        return self is not other
-
-
-class _Body:
-    """A function being emitted: an entry block for allocas, a builder, loop helpers."""
-
-    def __init__(self, module: ir.Module, fn: ir.Function):
-        self.module = module
-        self.fn = fn
-        entry = fn.append_basic_block("entry")
-        self._entry = ir.IRBuilder(entry)
-        self._first = fn.append_basic_block("start")
-        self.b = ir.IRBuilder(self._first)
-
-    def finish(self) -> None:
-        self.b.ret_void()
-        self._entry.branch(self._first)
-
-    # constants and memory -------------------------------------------------------
-
-    @staticmethod
-    def i64(value: int | ir.Value) -> ir.Value:
-        return ir.Constant(I64, value) if isinstance(value, int) else value
-
-    @staticmethod
-    def f32(value: float) -> ir.Constant:
-        return ir.Constant(F32, float(np.float32(value)))
-
-    def const(self, ty: ir.Type, value: float) -> ir.Constant:
-        if isinstance(ty, ir.VectorType):
-            return ir.Constant(ty, [float(np.float32(value))] * ty.count)
-        return self.f32(value)
-
-    def splat(self, value: ir.Value, ty: ir.Type) -> ir.Value:
-        """`value` (a float) broadcast to `ty` (float or a float vector)."""
-        if not isinstance(ty, ir.VectorType):
-            return value
-        b = self.b
-        one = b.insert_element(ir.Constant(ir.VectorType(F32, 1), None), value, ir.Constant(I32, 0))
-        return b.shuffle_vector(one, ir.Constant(ir.VectorType(F32, 1), None),
-                                ir.Constant(ir.VectorType(I32, ty.count), [0] * ty.count))
-
-    def alloca(self, ty: ir.Type, count: int | None = None, name: str = "") -> ir.Value:
-        """A stack slot in the entry block (static size: no stack growth in loops)."""
-        if count is None:
-            return self._entry.alloca(ty, name=name)
-        arr = self._entry.alloca(ir.ArrayType(ty, count), name=name)
-        return self._entry.bitcast(arr, ty.as_pointer())
-
-    def ptr(self, base: ir.Value, index: int | ir.Value) -> ir.Value:
-        return self.b.gep(base, [self.i64(index)], inbounds=True)
-
-    def load(self, base: ir.Value, index: int | ir.Value = 0) -> ir.Value:
-        return self.b.load(self.ptr(base, index), align=4)
-
-    def store(self, value: ir.Value, base: ir.Value, index: int | ir.Value = 0) -> None:
-        self.b.store(value, self.ptr(base, index), align=4)
-
-    def vload(self, base: ir.Value, index: ir.Value, width: int = VW) -> ir.Value:
-        p = self.b.bitcast(self.ptr(base, index), ir.VectorType(F32, width).as_pointer())
-        return self.b.load(p, align=4)
-
-    def vstore(self, value: ir.Value, base: ir.Value, index: ir.Value) -> None:
-        p = self.b.bitcast(self.ptr(base, index), value.type.as_pointer())
-        self.b.store(value, p, align=4)
-
-    # integer arithmetic on i64 -------------------------------------------------------
-
-    def add(self, a, c) -> ir.Value:
-        return self.b.add(self.i64(a), self.i64(c), flags=("nsw",))
-
-    def sub(self, a, c) -> ir.Value:
-        return self.b.sub(self.i64(a), self.i64(c), flags=("nsw",))
-
-    def mul(self, a, c) -> ir.Value:
-        return self.b.mul(self.i64(a), self.i64(c), flags=("nsw",))
-
-    def smin(self, a, c) -> ir.Value:
-        a, c = self.i64(a), self.i64(c)
-        return self.b.select(self.b.icmp_signed("<", a, c), a, c)
-
-    def smax(self, a, c) -> ir.Value:
-        a, c = self.i64(a), self.i64(c)
-        return self.b.select(self.b.icmp_signed(">", a, c), a, c)
-
-    # float arithmetic (fast-math flags by default) -----------------------------------
-
-    def fadd(self, a, c, flags=FAST):
-        return self.b.fadd(a, c, flags=flags)
-
-    def fsub(self, a, c, flags=FAST):
-        return self.b.fsub(a, c, flags=flags)
-
-    def fmul(self, a, c, flags=FAST):
-        return self.b.fmul(a, c, flags=flags)
-
-    def intrinsic(self, name: str, *args: ir.Value, flags=()) -> ir.Value:
-        ty = args[0].type
-        if isinstance(ty, ir.VectorType):
-            suffix = f"v{ty.count}{ty.element.intrinsic_name}"
-        else:
-            suffix = ty.intrinsic_name
-        full = f"{name}.{suffix}"
-        fn = self.module.globals.get(full)
-        if fn is None:
-            fn = ir.Function(self.module, ir.FunctionType(ty, [ty] * len(args)), name=full)
-        return self.b.call(fn, list(args), fastmath=flags)
-
-    def exp(self, x: ir.Value) -> ir.Value:
-        """e**x for a float or float vector, inline and vectorisable (Cephes expf, ~1 ulp).
-
-        The argument is clamped to [-87, 88] so the result stays a finite normal number.
-        """
-        b, ty = self.b, x.type
-        c = lambda v: self.const(ty, v)  # noqa: E731
-        x = self.intrinsic("llvm.minnum", x, c(88.0))
-        x = self.intrinsic("llvm.maxnum", x, c(-87.0))
-        fx = self.intrinsic("llvm.floor", b.fadd(b.fmul(x, c(1.44269504088896341)), c(0.5)))
-        # x - fx*ln2 in two steps (Cody–Waite); no reassoc here, or the split is undone
-        r = b.fsub(x, b.fmul(fx, c(0.693359375)))
-        r = b.fsub(r, b.fmul(fx, c(-2.12194440e-4)))
-        y = c(1.9875691500e-4)
-        for coeff in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
-            y = b.fadd(b.fmul(y, r, flags=CONTRACT), c(coeff), flags=CONTRACT)
-        y = b.fadd(b.fmul(y, b.fmul(r, r), flags=CONTRACT), r, flags=CONTRACT)
-        y = b.fadd(y, c(1.0))
-        ity = ir.VectorType(I32, ty.count) if isinstance(ty, ir.VectorType) else I32
-        k = b.fptosi(fx, ity)
-        bias = ir.Constant(ity, [127] * ty.count) if isinstance(ty, ir.VectorType) else ir.Constant(I32, 127)
-        shift = ir.Constant(ity, [23] * ty.count) if isinstance(ty, ir.VectorType) else ir.Constant(I32, 23)
-        pow2 = b.bitcast(b.shl(b.add(k, bias), shift), ty)
-        return b.fmul(y, pow2)
-
-    def reduce_vector(self, v: ir.Value) -> ir.Value:
-        """The sum of a float vector's lanes (a tree: reassoc)."""
-        ty = v.type
-        name = f"llvm.vector.reduce.fadd.v{ty.count}f32"
-        fn = self.module.globals.get(name)
-        if fn is None:
-            fn = ir.Function(self.module, ir.FunctionType(F32, [F32, ty]), name=name)
-        return self.b.call(fn, [self.f32(-0.0), v], fastmath=FAST)
-
-    def vdot(self, a: Sequence[ir.Value], c: Sequence[ir.Value]) -> ir.Value:
-        """Σ a·c over matching vector chunks (full chunks summed as vectors first)."""
-        groups: dict[int, list[ir.Value]] = {}
-        for x, y in zip(a, c):
-            groups.setdefault(x.type.count, []).append(self.fmul(x, y))
-        total = None
-        for terms in groups.values():
-            while len(terms) > 1:  # pairwise: short dependency chains
-                terms = [self.fadd(terms[i], terms[i + 1]) if i + 1 < len(terms) else terms[i]
-                         for i in range(0, len(terms), 2)]
-            r = self.reduce_vector(terms[0])
-            total = r if total is None else self.fadd(total, r)
-        return total
-
-    def silu(self, x: ir.Value) -> ir.Value:
-        """x / (1 + e**-x)."""
-        one = self.const(x.type, 1.0)
-        e = self.exp(self.b.fneg(x))
-        return self.b.fdiv(x, self.b.fadd(one, e), flags=("arcp",))
-
-    # control flow ---------------------------------------------------------------------
-
-    def _no_unroll(self) -> _LoopID:
-        prop = self.module.add_metadata([ir.MetaDataString(self.module, "llvm.loop.unroll.disable")])
-        return _LoopID(self.module, [prop])
-
-    @contextmanager
-    def loop(self, start: int | ir.Value, stop: int | ir.Value, step: int = 1, name: str = "i",
-             unroll: bool = True) -> Iterator[ir.Value]:
-        """`for (i = start; i < stop; i += step)` over i64; yields `i`. `unroll=False`
-        keeps LLVM from unrolling it (vectorising and interleaving still happen): for
-        short static loops whose full unrolling would only cost compile time."""
-        b = self.b
-        start, stop = self.i64(start), self.i64(stop)
-        head = b.append_basic_block(f"{name}.head")
-        body = b.append_basic_block(f"{name}.body")
-        done = b.append_basic_block(f"{name}.done")
-        pre = b.block
-        b.branch(head)
-        b.position_at_end(head)
-        i = b.phi(I64, name=name)
-        i.add_incoming(start, pre)
-        b.cbranch(b.icmp_signed("<", i, stop), body, done)
-        b.position_at_end(body)
-        yield i
-        nxt = b.add(i, self.i64(step), name=f"{name}.next", flags=("nsw",))
-        i.add_incoming(nxt, b.block)
-        latch = b.branch(head)
-        if not unroll:
-            latch.set_metadata("llvm.loop", self._no_unroll())
-        b.position_at_end(done)
-
-    def reduce_sum(self, count: int | ir.Value, term: Callable[[ir.Value], ir.Value], name: str = "s",
-                   unroll: bool = True) -> ir.Value:
-        """Σ term(i) for i < count, as a fast-math reduction the vectoriser widens."""
-        acc = self.alloca(F32, name=f"{name}.acc")
-        self.b.store(self.f32(0.0), acc)
-        with self.loop(0, count, name=name, unroll=unroll) as i:
-            self.b.store(self.fadd(self.b.load(acc), term(i)), acc)
-        return self.b.load(acc)
-
-    def vec_map(self, count: int | ir.Value, inputs: Sequence[ir.Value], out: ir.Value,
-                op: Callable[[list[ir.Value]], ir.Value], name: str = "e") -> None:
-        """out[i] = op(in0[i], in1[i], …) for i < count, in explicit vectors of VW then a
-        scalar tail; `out` may be one of the inputs (each chunk is loaded before it is
-        stored). `op` receives floats or float vectors."""
-        b = self.b
-        count = self.i64(count)
-        vec_end = b.and_(count, self.i64(-VW))
-        with self.loop(0, vec_end, VW, name=f"{name}.v", unroll=False) as i:
-            self.vstore(op([self.vload(p, i) for p in inputs]), out, i)
-        if isinstance(count, ir.Constant) and count.constant % VW == 0:
-            return
-        with self.loop(vec_end, count, name=f"{name}.t", unroll=False) as i:
-            self.store(op([self.load(p, i) for p in inputs]), out, i)
-
 
 class KernelLibrary:
     """Emits kernels into `module`, once per distinct set of static parameters.
@@ -344,7 +83,7 @@ class KernelLibrary:
     # plumbing ----------------------------------------------------------------------
 
     def _new(self, key: tuple, name: str, args: Sequence[tuple[str, ir.Type]], noalias: bool,
-             linkage: str | None = None) -> tuple[ir.Function, _Body]:
+             linkage: str | None = None) -> tuple[ir.Function, KernelBuilder]:
         name = self.prefix + name
         if name in self.module.globals:
             name = self.module.get_unique_name(name)
@@ -357,7 +96,7 @@ class KernelLibrary:
             if noalias and isinstance(ty, ir.PointerType):
                 arg.add_attribute("noalias")
         self._cache[key] = fn
-        return fn, _Body(self.module, fn)
+        return fn, KernelBuilder(self.module, fn)
 
     def _cached(self, key: tuple) -> ir.Function | None:
         return self._cache.get(key)
@@ -385,7 +124,7 @@ class KernelLibrary:
         f.finish()
         return fn
 
-    def _inv_rms(self, f: _Body, row: ir.Value, D: int, eps: float) -> ir.Value:
+    def _inv_rms(self, f: KernelBuilder, row: ir.Value, D: int, eps: float) -> ir.Value:
         """1 / sqrt(mean(row²) + eps)."""
         def square(k: ir.Value) -> ir.Value:
             v = f.load(row, k)
@@ -413,7 +152,7 @@ class KernelLibrary:
         f.finish()
         return fn
 
-    def _gemm(self, f: _Body, x: ir.Value, rows: ir.Value, K: int, N: int, weights: Sequence[ir.Value],
+    def _gemm(self, f: KernelBuilder, x: ir.Value, rows: ir.Value, K: int, N: int, weights: Sequence[ir.Value],
               norm_w: ir.Value | None, eps: float,
               finish: Callable[[list[ir.Value], list[ir.Value], list[list[list[ir.Value]]]], None]) -> None:
         """For every tile of rows ts and columns js: finish(ts, js, vals) with
@@ -555,7 +294,7 @@ class KernelLibrary:
             g.linkage = "internal"
         return self.module.globals[name]
 
-    def _rope_tables(self, f: _Body, D: int, theta: float) -> tuple[ir.Value, ir.Value, Callable[[ir.Value], None]]:
+    def _rope_tables(self, f: KernelBuilder, D: int, theta: float) -> tuple[ir.Value, ir.Value, Callable[[ir.Value], None]]:
         """Stack tables cos/sin[D/2] and a function that fills them for a position."""
         half = D // 2
         cos_t = f.alloca(F32, half, name="rope_cos")
@@ -574,7 +313,7 @@ class KernelLibrary:
         return cos_t, sin_t, fill
 
     @staticmethod
-    def _rope_apply(f: _Body, base: ir.Value, heads: int, D: int, cos_t: ir.Value, sin_t: ir.Value) -> None:
+    def _rope_apply(f: KernelBuilder, base: ir.Value, heads: int, D: int, cos_t: ir.Value, sin_t: ir.Value) -> None:
         """Rotate-half RoPE of `heads` rows of D floats at `base`, with filled tables."""
         b, half = f.b, D // 2
         with f.loop(0, heads, name="rh", unroll=False) as h:
@@ -712,13 +451,13 @@ class KernelLibrary:
         return fn
 
     @staticmethod
-    def _exp_store(f: _Body, row: ir.Value, s: ir.Value, m: ir.Value) -> ir.Value:
+    def _exp_store(f: KernelBuilder, row: ir.Value, s: ir.Value, m: ir.Value) -> ir.Value:
         e = f.exp(f.b.fsub(f.load(row, s), m))
         f.store(e, row, s)
         return e
 
     def _elementwise(self, kind: str, W: int, arity: int,
-                     op: Callable[[_Body, list[ir.Value]], ir.Value]) -> ir.Function:
+                     op: Callable[[KernelBuilder, list[ir.Value]], ir.Value]) -> ir.Function:
         key = (kind, W)
         if (fn := self._cached(key)) is not None:
             return fn

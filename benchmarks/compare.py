@@ -53,7 +53,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-
     from llmc.frontend import resolve
     from llmc.runtime.bench import benchmark
 

@@ -13,12 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from llmc.ir import llm
+from llmc.ir.weights import WeightStore
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Operation, SSAValue
-
-from llmc.ir import llm
-from llmc.ir.weights import WeightStore
 
 Semantics = Callable[..., np.ndarray]
 _SEMANTICS: dict[type[Operation], Semantics] = {}

@@ -24,16 +24,15 @@ permutation of Q and K so that both frontends meet here).
 from __future__ import annotations
 
 import math
-
 from collections.abc import Sequence
-from typing import ClassVar
 from enum import StrEnum
+from typing import ClassVar
 
 from xdsl.dialects.builtin import (
     DYNAMIC_INDEX,
+    I64,
     Float32Type,
     FloatAttr,
-    I64,
     IntAttr,
     IntegerAttr,
     SymbolRefAttr,
@@ -41,6 +40,7 @@ from xdsl.dialects.builtin import (
     i32,
     i64,
 )
+from xdsl.dialects.utils.enum_attribute import EnumAttribute
 from xdsl.ir import (
     Attribute,
     Dialect,
@@ -62,7 +62,6 @@ from xdsl.irdl import (
     result_def,
     traits_def,
 )
-from xdsl.dialects.utils.enum_attribute import EnumAttribute
 from xdsl.parser import AttrParser
 from xdsl.printer import Printer
 from xdsl.traits import Pure

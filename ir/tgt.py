@@ -28,10 +28,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from llmc.ir.llm import Storage, StorageAttr
 from xdsl.dialects.builtin import (
+    I64,
     Float32Type,
     FloatAttr,
-    I64,
     IndexType,
     IntegerAttr,
     MemRefType,
@@ -41,10 +42,10 @@ from xdsl.dialects.builtin import (
 )
 from xdsl.ir import Attribute, Dialect, SSAValue
 from xdsl.irdl import (
-    BaseAttr,
-    VarConstraint,
     AttrSizedOperandSegments,
+    BaseAttr,
     IRDLOperation,
+    VarConstraint,
     irdl_op_definition,
     operand_def,
     opt_operand_def,
@@ -55,8 +56,6 @@ from xdsl.irdl import (
 )
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
-
-from llmc.ir.llm import StorageAttr, Storage
 
 f32 = Float32Type()
 KV_LAYOUT = "layer,kv_head,position,dim"

@@ -12,13 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-from xdsl.dialects import func
-from xdsl.dialects.builtin import FloatAttr, IntegerAttr
-from xdsl.ir import Operation, SSAValue
-
 from llmc.ir import tgt
 from llmc.ir.interpreter import KVCache, attention, rms_norm, rope, silu
 from llmc.ir.weights import WeightStore
+from xdsl.dialects import func
+from xdsl.dialects.builtin import FloatAttr, IntegerAttr
+from xdsl.ir import Operation, SSAValue
 
 Kernel = Callable[..., None]
 _KERNELS: dict[type[Operation], Kernel] = {}

@@ -8,7 +8,6 @@ from xdsl.passes import ModulePass
 
 from llmc.errors import UsageError
 
-
 # name → (module, class): imported on first use
 PASSES: dict[str, tuple[str, str]] = {
     "verify": ("llmc.passes.verify", "VerifyPass"),

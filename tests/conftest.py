@@ -7,7 +7,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from tiny_models import TinySpec, dequantized_like_gguf, random_weights, write_gguf, write_hf
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from llmc.frontend import import_model, load_model
 from llmc.ir.interpreter import KVCache, forward_function, forward_logits, run
 from llmc.ir.llm import KVCacheType

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from safetensors.numpy import save_file
-
 from llmc.frontend.hf import ir_name
+from safetensors.numpy import save_file
 
 
 @dataclass(frozen=True)

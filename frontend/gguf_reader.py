@@ -178,7 +178,7 @@ def read_gguf(path: Path) -> GGUFFile:
         metadata[key] = c.value(type_id, f"metadata key '{key}'")
 
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment < 1 or alignment > MAX_ALIGNMENT or alignment & (alignment - 1):
+    if type(alignment) is not int or alignment < 1 or alignment > MAX_ALIGNMENT or alignment & (alignment - 1):
         raise ModelFormatError(path, f"metadata key 'general.alignment': {alignment!r} is not a power of two ≤ 65536")
 
     entries = []

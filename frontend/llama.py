@@ -55,6 +55,9 @@ def expected_weights(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def check_weights(config: ModelConfig, weights: WeightStore) -> None:
     """Every needed tensor is present with the shape the config implies, and no other."""
+    if config.layers * 9 > len(weights):  # bound the work before listing what a crafted count implies
+        raise ModelFormatError(weights.source, f"{config.layers} layers need at least {config.layers * 9} tensors, "
+                                               f"the file has {len(weights)}")
     expected = expected_weights(config)
     for name in weights:
         if name not in expected:

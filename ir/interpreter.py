@@ -41,8 +41,10 @@ class KVCache:
     values: np.ndarray
 
     @classmethod
-    def for_type(cls, cache_type: llm.KVCacheType) -> KVCache:
-        shape = cache_type.shape
+    def for_type(cls, cache_type: llm.KVCacheType, positions: int | None = None) -> KVCache:
+        """A zeroed cache of `cache_type`, or of its first `positions` rows only."""
+        layers, kv_heads, capacity, head_dim = cache_type.shape
+        shape = (layers, kv_heads, min(capacity, positions or capacity), head_dim)
         return cls(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
 
 
@@ -197,8 +199,9 @@ def forward_logits(module: ModuleOp, weights: WeightStore, tokens: np.ndarray, s
     forward = forward_function(module)
     cache_type = forward.function_type.inputs.data[2]
     assert isinstance(cache_type, llm.KVCacheType)
-    cache = cache or KVCache.for_type(cache_type)
     tokens = np.asarray(tokens, dtype=np.int32)
+    if cache is None:  # rows for these positions only, not the model's whole context
+        cache = KVCache.for_type(cache_type, start + tokens.size)
     positions = np.arange(start, start + tokens.size, dtype=np.int32)
     (logits,) = run(forward, weights, tokens, positions, cache)
     return logits

@@ -53,6 +53,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+
     from llmc.frontend import resolve
     from llmc.runtime.bench import benchmark
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from llmc.frontend.model import Model, ModelConfig
 from xdsl.dialects.builtin import ModuleOp
 
 from llmc.errors import UsageError
+from llmc.frontend.model import Model, ModelConfig
 
 __all__ = ["KNOWN_MODELS", "Model", "ModelConfig", "import_model", "load_model", "resolve"]
 

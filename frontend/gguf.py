@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from llmc.errors import ModelFormatError
 from llmc.frontend import tokenizer as tok
 from llmc.frontend.gguf_reader import GGUFFile, read_gguf
 from llmc.frontend.model import Model, ModelConfig
 from llmc.ir.llm import Storage
 from llmc.ir.weights import Weight, WeightStore
-
-from llmc.errors import ModelFormatError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 # Architectures whose converter permuted Q/K rows for llama.cpp's interleaved RoPE.

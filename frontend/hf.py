@@ -13,12 +13,12 @@ import re
 from pathlib import Path
 
 import numpy as np
+
+from llmc.errors import ModelFormatError
 from llmc.frontend.model import Model, ModelConfig
 from llmc.frontend.tokenizer import TextTokenizer
 from llmc.ir.llm import Storage
 from llmc.ir.weights import Weight, WeightStore
-
-from llmc.errors import ModelFormatError
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 

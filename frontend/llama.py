@@ -19,13 +19,13 @@ One block, as the IR shows it (Qwen2 adds `bias` operands to the Q/K/V matmuls):
 
 from __future__ import annotations
 
-from llmc.frontend.model import ModelConfig
-from llmc.ir import llm
-from llmc.ir.weights import WeightStore
 from xdsl.dialects import builtin, func
 from xdsl.ir import Block, Operation, Region, SSAValue
 
 from llmc.errors import ModelFormatError
+from llmc.frontend.model import ModelConfig
+from llmc.ir import llm
+from llmc.ir.weights import WeightStore
 
 
 def expected_weights(config: ModelConfig) -> dict[str, tuple[int, ...]]:

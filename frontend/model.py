@@ -12,9 +12,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from llmc.ir.weights import WeightStore
-
 from llmc.errors import ModelFormatError
+from llmc.ir.weights import WeightStore
 
 if TYPE_CHECKING:
     from llmc.frontend.tokenizer import TextTokenizer

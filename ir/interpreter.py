@@ -13,24 +13,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from llmc.ir import llm
-from llmc.ir.weights import WeightStore
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Operation, SSAValue
 
-Semantics = Callable[..., np.ndarray]
-_SEMANTICS: dict[type[Operation], Semantics] = {}
+from llmc.ir import llm
+from llmc.ir.weights import WeightStore
 
 
-def semantics(op_type: type[Operation]) -> Callable[[Semantics], Semantics]:
-    """Register the numpy meaning of `op_type`: `fn(op, env, *operand_values)`."""
+class OpTable(dict):
+    """Numpy meanings of ops by op class; `@table.register(OpClass)` adds one."""
 
-    def register(fn: Semantics) -> Semantics:
-        _SEMANTICS[op_type] = fn
-        return fn
+    def register(self, op_type: type[Operation]) -> Callable[[Callable], Callable]:
+        def add(fn: Callable) -> Callable:
+            self[op_type] = fn
+            return fn
 
-    return register
+        return add
+
+
+_SEMANTICS = OpTable()
+semantics = _SEMANTICS.register  # `fn(op, env, *operand_values) -> result`
 
 
 @dataclass

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import io
 
-from llmc.ir.llm import LLM
-from llmc.ir.tgt import TGT
 from xdsl.context import Context
 from xdsl.dialects import builtin, func
 from xdsl.dialects.builtin import ModuleOp
@@ -18,6 +16,8 @@ from xdsl.printer import Printer
 from xdsl.utils.exceptions import ParseError, VerifyException
 
 from llmc.errors import LlmcError
+from llmc.ir.llm import LLM
+from llmc.ir.tgt import TGT
 
 
 def context() -> Context:

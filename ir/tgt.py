@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from llmc.ir.llm import Storage, StorageAttr
 from xdsl.dialects.builtin import (
     I64,
     Float32Type,
@@ -56,6 +55,8 @@ from xdsl.irdl import (
 )
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
+
+from llmc.ir.llm import Storage, StorageAttr
 
 f32 = Float32Type()
 KV_LAYOUT = "layer,kv_head,position,dim"

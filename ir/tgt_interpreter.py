@@ -9,28 +9,17 @@ would corrupt each other and the logits would disagree with the `llm` interprete
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
-from llmc.ir import tgt
-from llmc.ir.interpreter import KVCache, attention, rms_norm, rope, silu
-from llmc.ir.weights import WeightStore
 from xdsl.dialects import func
 from xdsl.dialects.builtin import FloatAttr, IntegerAttr
-from xdsl.ir import Operation, SSAValue
+from xdsl.ir import SSAValue
 
-Kernel = Callable[..., None]
-_KERNELS: dict[type[Operation], Kernel] = {}
+from llmc.ir import tgt
+from llmc.ir.interpreter import KVCache, OpTable, attention, rms_norm, rope, silu
+from llmc.ir.weights import WeightStore
 
-
-def kernel(op_type: type[Operation]) -> Callable[[Kernel], Kernel]:
-    """Register the numpy meaning of a `tgt` kernel: `fn(op, get)`, `get(value)` gives its array."""
-
-    def register(fn: Kernel) -> Kernel:
-        _KERNELS[op_type] = fn
-        return fn
-
-    return register
+_KERNELS = OpTable()
+kernel = _KERNELS.register  # `fn(op, get)`: `get(value)` gives a value's array; writes its `out`
 
 
 class _State:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType, quants
+
 from llmc.ir.llm import Storage
 
 # GGUF block layouts of the quantized storage types: (weights per block, bytes per block).

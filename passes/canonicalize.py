@@ -10,7 +10,6 @@ The reshapes left without uses are erased by `dce`.
 
 from dataclasses import dataclass
 
-from llmc.ir import llm
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
@@ -21,6 +20,8 @@ from xdsl.pattern_rewriter import (
     RewritePattern,
     op_type_rewrite_pattern,
 )
+
+from llmc.ir import llm
 
 
 class FoldReshapeChain(RewritePattern):

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmc.ir import llm
-from llmc.passes.base import LlmcPass
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, StringAttr
 from xdsl.ir import Operation, SSAValue
+
+from llmc.ir import llm
+from llmc.passes.base import LlmcPass
 
 GROUP = "llm.group"
 

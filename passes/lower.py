@@ -19,10 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmc.ir import llm, tgt
-from llmc.ir.llm import Storage
-from llmc.passes.base import LlmcPass
-from llmc.passes.group import group_of, single_user, users
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import (
@@ -36,6 +32,10 @@ from xdsl.dialects.builtin import (
 from xdsl.ir import Block, Operation, Region, SSAValue
 
 from llmc.errors import LlmcError
+from llmc.ir import llm, tgt
+from llmc.ir.llm import Storage
+from llmc.passes.base import LlmcPass
+from llmc.passes.group import group_of, single_user, users
 
 
 @dataclass

@@ -17,13 +17,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmc.ir.text import context, print_module
-from llmc.passes.base import PHASE_ORDER
-from llmc.passes.registry import get_pass
 from xdsl.dialects.builtin import ModuleOp, StringAttr
 from xdsl.passes import ModulePass
 
 from llmc.errors import UsageError
+from llmc.ir.text import context, print_module
+from llmc.passes.base import PHASE_ORDER
+from llmc.passes.registry import get_pass
 
 
 @dataclass(frozen=True)

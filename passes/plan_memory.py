@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmc.ir import tgt
-from llmc.passes.base import LlmcPass
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import IntegerAttr, ModuleOp, i64
 from xdsl.ir import SSAValue
+
+from llmc.ir import tgt
+from llmc.passes.base import LlmcPass
 
 ALIGN = 64
 

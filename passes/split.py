@@ -23,14 +23,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmc.ir import llm
-from llmc.passes.base import LlmcPass
 from xdsl.context import Context
 from xdsl.dialects import builtin, func
 from xdsl.dialects.builtin import DYNAMIC_INDEX, IntegerAttr, ModuleOp, StringAttr, TensorType, i64
 from xdsl.ir import Attribute, Block, Region, SSAValue
 
 from llmc.errors import UsageError
+from llmc.ir import llm
+from llmc.passes.base import LlmcPass
 
 STAGES = ("prefill", "prefill_kv", "decode")
 DEFAULT_MAX_SEQ_CAP = 4096

@@ -2,10 +2,11 @@
 
 from dataclasses import dataclass
 
-from llmc.ir.text import verify_module
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
+
+from llmc.ir.text import verify_module
 
 
 @dataclass(frozen=True)

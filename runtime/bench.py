@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from llmc.runtime.session import Session
 
 from llmc.errors import LlmcError
+from llmc.runtime.session import Session
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from llmc.runtime.sampling import Sampler, SamplingOptions
-from llmc.runtime.session import CapacityError, Session
 from tokenizers import Tokenizer
 
 from llmc.errors import LlmcError
+from llmc.runtime.sampling import Sampler, SamplingOptions
+from llmc.runtime.session import CapacityError, Session
 
 
 @dataclass

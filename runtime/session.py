@@ -11,9 +11,9 @@ import ctypes
 from pathlib import Path
 
 import numpy as np
-from llmc.runtime.artifact import ENTRY_POINTS, ArtifactError, Manifest, load_manifest
 
 from llmc.errors import LlmcError
+from llmc.runtime.artifact import ENTRY_POINTS, ArtifactError, Manifest, load_manifest
 
 _ENTRY_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 5
 

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from llmc.frontend import import_model, load_model
-from llmc.ir.interpreter import forward_logits
-from llmc.passes.pipeline import CompileOptions
-from llmc.runtime.artifact import ArtifactError
-from llmc.runtime.session import CapacityError, Session
 from tiny_models import TinySpec
 
 from llmc.cli import main
 from llmc.compile import BackendOptions, compile_model
 from llmc.errors import LlmcError
+from llmc.frontend import import_model, load_model
+from llmc.ir.interpreter import forward_logits
+from llmc.passes.pipeline import CompileOptions
+from llmc.runtime.artifact import ArtifactError
+from llmc.runtime.session import CapacityError, Session
 from llmc.verify import teacher_forced
 
 SPECS = {

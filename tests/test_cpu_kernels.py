@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from llmc.backends.cpu import KernelLibrary, ToolchainError, compile_to_object, link_shared, target_machine
-from llmc.backends.cpu.kernels import FPTR, I64, rope_inv_freq
 from llvmlite import ir
 
+from llmc.backends.cpu import KernelLibrary, ToolchainError, compile_to_object, link_shared, target_machine
+from llmc.backends.cpu.kernels import FPTR, I64, rope_inv_freq
 from llmc.errors import LlmcError
 
 f32 = np.float32

@@ -12,9 +12,6 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from llmc.frontend import import_model, load_model
-from llmc.ir.interpreter import forward_logits
-from llmc.ir.text import parse_module, print_module
 from tiny_models import (
     CHAT_TEMPLATE,
     SPECIAL_TOKENS,
@@ -29,6 +26,9 @@ from tokenizers import Tokenizer
 
 from llmc.cli import main
 from llmc.errors import ModelFormatError
+from llmc.frontend import import_model, load_model
+from llmc.ir.interpreter import forward_logits
+from llmc.ir.text import parse_module, print_module
 
 # Float32 shapes the frontends claim: both must import each to the same graph.
 SPECS = {

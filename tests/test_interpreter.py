@@ -9,12 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tiny_models import VOCAB_SIZE, TinySpec
+
 from llmc.frontend import import_model, load_model
 from llmc.ir.interpreter import KVCache, forward_function, forward_logits, run
 from llmc.ir.llm import KVCacheType
 from llmc.ir.text import parse_module, verify_module
 from llmc.ir.weights import WeightStore
-from tiny_models import VOCAB_SIZE, TinySpec
 
 SPECS = {
     "gqa": TinySpec(),

@@ -5,13 +5,13 @@ from __future__ import annotations
 import re
 
 import pytest
-from llmc.frontend import import_model, load_model
-from llmc.ir.text import parse_module, print_module, verify_module
-from llmc.passes.pipeline import PHASES, phases_through, run_phase
 from tiny_models import TinySpec
 
 from llmc.cli import main
 from llmc.errors import LlmcError
+from llmc.frontend import import_model, load_model
+from llmc.ir.text import parse_module, print_module, verify_module
+from llmc.passes.pipeline import PHASES, phases_through, run_phase
 
 SPECS = {
     "gqa": TinySpec(),

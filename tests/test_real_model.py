@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 
 import pytest
-from llmc.frontend import load_model
 
 from llmc.cli import main
+from llmc.frontend import load_model
 
 pytestmark = pytest.mark.real_model
 
@@ -52,13 +52,13 @@ def test_compiled_greedy_generation_matches_transformers(smollm2_path, tmp_path)
     """32 greedy tokens of the compiled artifact equal transformers fp32 `generate` on the same ids."""
     pytest.importorskip("transformers")
     import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmc.compile import BackendOptions, compile_model
     from llmc.passes.pipeline import CompileOptions
     from llmc.runtime.generate import TextCodec, generate
     from llmc.runtime.sampling import SamplingOptions
     from llmc.runtime.session import Session
-    from transformers import AutoModelForCausalLM
-
-    from llmc.compile import BackendOptions, compile_model
 
     out = compile_model("smollm2-135m", tmp_path / "a", CompileOptions(max_seq=64, prefill_chunk=4), BackendOptions(),
                         progress=lambda _: None)

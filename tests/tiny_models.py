@@ -15,8 +15,9 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from llmc.frontend.hf import ir_name
 from safetensors.numpy import save_file
+
+from llmc.frontend.hf import ir_name
 
 
 @dataclass(frozen=True)

@@ -16,14 +16,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from llmc.backends.cpu.kernels import FPTR, I32PTR, I64, VOID, KernelLibrary
-from llmc.ir import tgt
 from llvmlite import ir
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, StringAttr
 from xdsl.ir import SSAValue
 
+from llmc.backends.cpu.kernels import FPTR, I32PTR, I64, VOID, KernelLibrary
 from llmc.errors import LlmcError
+from llmc.ir import tgt
 
 I8PTR = ir.IntType(8).as_pointer()
 ENTRY_TYPE = ir.FunctionType(VOID, [I32PTR, I64, I64, FPTR, FPTR, FPTR, I8PTR, I8PTR])

@@ -44,9 +44,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from llvmlite import ir
+
 from llmc.backends.cpu.builder import F32, F64, FPTR, I32, I32PTR, I64, VOID, KernelBuilder, _chunks
 from llmc.ir.interpreter import rope_inv_freq
-from llvmlite import ir
 
 # matmul register tile: R rows × C output columns per weight matrix; R·C·len(weights)
 # accumulators live in (vector) registers during the K loop.

@@ -143,7 +143,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from llmc.runtime.session import Session
 
     sampling = _sampling(args)
-    session = Session(Path(args.artifact), check_files=not args.no_verify)
+    session = Session(Path(args.artifact), check_files=not args.no_verify, threads=args.threads)
     codec = TextCodec.for_session(session)
     prompt = codec.chat(args.prompt) if args.chat else args.prompt
     ids = codec.encode(prompt)
@@ -161,7 +161,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from llmc.runtime.bench import benchmark
 
-    result = benchmark(Path(args.artifact), args.prompt_tokens, args.decode_tokens, args.repeat)
+    result = benchmark(Path(args.artifact), args.prompt_tokens, args.decode_tokens, args.repeat, args.threads)
     print(result.report())
     return 0
 
@@ -246,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact's files")
+    p.add_argument("--threads", type=_positive, metavar="N", help="threads to run on (default: every CPU available)")
     p.set_defaults(run=cmd_run)
 
     p = sub.add_parser("bench", parents=[common], help="measure prefill and decode speed of an artifact",
@@ -255,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=_positive, default=512, metavar="N", help="prefill length (default: 512)")
     p.add_argument("--decode-tokens", type=_positive, default=128, metavar="N", help="decode steps (default: 128)")
     p.add_argument("--repeat", type=_positive, default=3, metavar="N", help="runs; the best is reported (default: 3)")
+    p.add_argument("--threads", type=_positive, metavar="N", help="threads to run on (default: every CPU available)")
     p.set_defaults(run=cmd_bench)
     return parser
 

@@ -19,6 +19,7 @@ from llmc.runtime.session import Session
 @dataclass(frozen=True)
 class BenchResult:
     vocab_size: int
+    threads: int
     prompt_tokens: int
     decode_tokens: int
     prefill_tokens_per_s: float
@@ -26,13 +27,15 @@ class BenchResult:
 
     def report(self) -> str:
         return (
+            f"threads  {self.threads}\n"
             f"prefill  {self.prompt_tokens:>4} tokens  {self.prefill_tokens_per_s:8.1f} tokens/s\n"
             f"decode   {self.decode_tokens:>4} tokens  {self.decode_tokens_per_s:8.1f} tokens/s"
         )
 
 
-def benchmark(directory: Path, prompt_tokens: int = 512, decode_tokens: int = 128, repeat: int = 3) -> BenchResult:
-    session = Session(directory)
+def benchmark(directory: Path, prompt_tokens: int = 512, decode_tokens: int = 128, repeat: int = 3,
+              threads: int | None = None) -> BenchResult:
+    session = Session(directory, threads=threads)
     if prompt_tokens + decode_tokens > session.capacity:
         raise LlmcError(f"{prompt_tokens} + {decode_tokens} tokens exceed the KV capacity of {session.capacity}")
     prompt = np.random.default_rng(0).integers(0, session.vocab_size, prompt_tokens, dtype=np.int32)
@@ -46,4 +49,6 @@ def benchmark(directory: Path, prompt_tokens: int = 512, decode_tokens: int = 12
         for _ in range(decode_tokens):
             logits = session.feed([int(np.argmax(logits))])
         best_decode = min(best_decode, time.perf_counter() - start)
-    return BenchResult(session.vocab_size, prompt_tokens, decode_tokens, prompt_tokens / best_prefill, decode_tokens / best_decode)
+    session.close()
+    return BenchResult(session.vocab_size, session.threads, prompt_tokens, decode_tokens,
+                       prompt_tokens / best_prefill, decode_tokens / best_decode)

@@ -2,12 +2,17 @@
 
 `Session.feed(tokens)` runs a prompt through `prefill` (first chunk of an empty cache)
 and `prefill_kv` (every later chunk), or one token through `decode`, and returns the
-logits of the last token. Each call is one native call into `kernels.so`.
+logits of the last token. Each chunk or token is one native call into `kernels.so` per
+thread: the threads start once, enter the entry point together, and synchronise inside
+native code.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +20,52 @@ import numpy as np
 from llmc.errors import LlmcError
 from llmc.runtime.artifact import ENTRY_POINTS, ArtifactError, Manifest, load_manifest
 
-_ENTRY_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 5
+_ENTRY_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 5 + [
+    ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class _Team:
+    """`count` threads that run one job together; the calling thread is thread 0.
+
+    The workers start once and wait between jobs; ctypes releases the GIL during the
+    native call, so all of them run in native code at once.
+    """
+
+    def __init__(self, count: int):
+        self.count = count
+        self.job: Callable[[int], None] | None = None
+        self.start = threading.Barrier(count)
+        self.done = threading.Barrier(count)
+        for tid in range(1, count):
+            threading.Thread(target=self._work, args=(tid,), daemon=True, name=f"llmc-{tid}").start()
+
+    def _work(self, tid: int) -> None:
+        while True:
+            self.start.wait()
+            job = self.job
+            if job is None:
+                return
+            job(tid)
+            self.done.wait()
+
+    def run(self, job: Callable[[int], None]) -> None:
+        if self.count == 1:
+            job(0)
+            return
+        self.job = job
+        self.start.wait()
+        job(0)
+        self.done.wait()
+
+    def close(self) -> None:
+        if self.count > 1 and self.job is not None:
+            self.job = None
+            self.start.wait()
 
 
 def _ptr(a: np.ndarray) -> int:
@@ -29,7 +79,7 @@ class CapacityError(LlmcError):
 class Session:
     """One conversation's state on a CPU artifact."""
 
-    def __init__(self, directory: Path, check_files: bool = True):
+    def __init__(self, directory: Path, check_files: bool = True, threads: int | None = None):
         self.manifest: Manifest = load_manifest(directory, check_files)
         if self.manifest.target != "cpu":
             raise ArtifactError(f"{directory}: a '{self.manifest.target}' artifact; this runtime runs 'cpu' artifacts")
@@ -53,6 +103,15 @@ class Session:
         self.chunk = self.manifest.entry_points["prefill"]["max_tokens"]
         self.tokens = np.zeros(self.chunk, np.int32)
         self.position = 0
+        self.threads = threads or default_threads()
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        self.sync = np.zeros(2, np.int64)
+        self.team = _Team(self.threads)
+
+    def close(self) -> None:
+        """Stop the worker threads."""
+        self.team.close()
 
     def reset(self) -> None:
         """Forget the conversation (the cache rows are overwritten as new tokens arrive)."""
@@ -61,9 +120,11 @@ class Session:
     def _call(self, entry: str, tokens: np.ndarray) -> None:
         n = len(tokens)
         self.tokens[:n] = tokens
-        weights = self.weights.ctypes.data
-        self.entries[entry](_ptr(self.tokens), n, self.position, _ptr(self.k_cache), _ptr(self.v_cache),
-                            _ptr(self.logits), _ptr(self.arena), weights)
+        fn, position, threads = self.entries[entry], self.position, self.threads
+        args = (_ptr(self.tokens), n, position, _ptr(self.k_cache), _ptr(self.v_cache), _ptr(self.logits),
+                _ptr(self.arena), self.weights.ctypes.data)
+        sync = _ptr(self.sync)
+        self.team.run(lambda tid: fn(*args, tid, threads, sync))
         self.position += n
 
     def feed(self, tokens: list[int] | np.ndarray) -> np.ndarray:

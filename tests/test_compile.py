@@ -273,3 +273,13 @@ def test_malformed_manifest_is_refused(artifact, tmp_path, capsys, edit, message
     assert main(["run", str(copy), "-p", "x"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_give_the_single_thread_logits(artifact, threads: int) -> None:
+    """Threads split each kernel's outputs, so every logit is computed the same way."""
+    directory = artifact(SPECS["qwen2-bias-untied-odd-heads"], chunk=4)
+    one, many = Session(directory, threads=1), Session(directory, threads=threads)
+    for chunk in (TOKENS[:7], TOKENS[7:8], TOKENS[8:]):
+        np.testing.assert_array_equal(one.feed(chunk), many.feed(chunk))
+    many.close()

@@ -222,6 +222,19 @@ class KernelBuilder:
         prop = self.module.add_metadata([ir.MetaDataString(self.module, "llvm.loop.unroll.disable")])
         return _LoopID(self.module, [prop])
 
+    def share(self, units: int, tid: ir.Value, nth: ir.Value, unit: int = 1) -> tuple[ir.Value, ir.Value]:
+        """Thread `tid` of `nth`'s part of `units` equal pieces: `[lo, hi)` in multiples of `unit`."""
+        b = self.b
+        lo = b.sdiv(b.mul(self.i64(units), tid), nth)
+        hi = b.sdiv(b.mul(self.i64(units), b.add(tid, self.i64(1))), nth)
+        return b.mul(lo, self.i64(unit)), b.mul(hi, self.i64(unit))
+
+    @contextmanager
+    def when(self, condition: ir.Value) -> Iterator[None]:
+        """Emit the body only where `condition` (an i1) holds."""
+        with self.b.if_then(condition):
+            yield
+
     @contextmanager
     def loop(self, start: int | ir.Value, stop: int | ir.Value, step: int = 1, name: str = "i",
              unroll: bool = True) -> Iterator[ir.Value]:

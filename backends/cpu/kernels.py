@@ -25,10 +25,10 @@ Signatures (all pointers `float*` unless noted, rows are row-major, `n` ≥ 1 ro
 
     embedding(D)                 void(i32* tokens, i64 n, float* table, float* out)
     rms_norm(D, eps)             void(x, i64 n, w, out)                  out may equal x
-    matmul(K, N, ...)            void(x, i64 n, w, bias, norm_w, out)    w is [N, K]
-    swiglu(K, N, ...)            void(x, i64 n, w_gate, w_up, norm_w, out)
+    matmul(K, N, ...)            void(x, i64 n, w, bias, norm_w, out, i64 tid, i64 nth)    w is [N, K]
+    swiglu(K, N, ...)            void(x, i64 n, w_gate, w_up, norm_w, out, i64 tid, i64 nth)
     rope(H, D, theta)            void(x, i64 n, i64 start)               in place on [n, H, D]
-    attention(H, KVH, D, S, ...) void(q, k, v, i64 n, i64 start, k_cache, v_cache, out)
+    attention(H, KVH, D, S, ...) void(q, k, v, i64 n, i64 start, k_cache, v_cache, out, i64 tid, i64 nth)
     add(W) / mul(W)              void(a, b, out, i64 n)                  out may equal a or b
     silu(W)                      void(x, out, i64 n)                     out may equal x
 
@@ -154,11 +154,13 @@ class KernelLibrary:
 
     def _gemm(self, f: KernelBuilder, x: ir.Value, rows: ir.Value, K: int, N: int, weights: Sequence[ir.Value],
               norm_w: ir.Value | None, eps: float,
-              finish: Callable[[list[ir.Value], list[ir.Value], list[list[list[ir.Value]]]], None]) -> None:
+              finish: Callable[[list[ir.Value], list[ir.Value], list[list[list[ir.Value]]]], None],
+              tid: ir.Value, nth: ir.Value) -> None:
         """For every tile of rows ts and columns js: finish(ts, js, vals) with
         vals[w][r][c] = x̂[ts[r]] · weights[w][js[c]], x̂ being x RMS-normalised with norm_w
         when given (the scale 1/rms is applied to the finished dot product, norm_w[k]
-        inside it, so no normalised row is stored)."""
+        inside it, so no normalised row is stored). Thread `tid` of `nth` takes its share
+        of the output columns, whole tiles each; the last thread takes the odd tile."""
         b = f.b
         nw = len(weights)
         R, C = TILE_ROWS, TILE_COLS[nw]
@@ -212,17 +214,20 @@ class KernelLibrary:
                     f.store(self._inv_rms(f, f.ptr(x, f.mul(t, K)), K, eps), inv, f.sub(t, t0))
             n_main = N // C * C
             if n_main:
-                with f.loop(0, n_main, C, name="j") as j0:
+                j_lo, j_hi = f.share(N // C, tid, nth, C)
+                with f.loop(j_lo, j_hi, C, name="j") as j0:
                     column_tiles(t0, t_end, j0, C)
             if N % C:
-                column_tiles(t0, t_end, f.i64(n_main), N % C)
+                with f.when(b.icmp_signed("==", tid, b.sub(nth, f.i64(1)))):
+                    column_tiles(t0, t_end, f.i64(n_main), N % C)
 
     def matmul(self, K: int, N: int, has_norm: bool = False, eps: float = 1e-5, has_bias: bool = False,
                accumulate: bool = False, last_row: bool = False) -> ir.Function:
-        """`void(float* x, i64 n, float* w, float* bias, float* norm_w, float* out)`.
+        """`void(float* x, i64 n, float* w, float* bias, float* norm_w, float* out, i64 tid, i64 nth)`.
 
         out[t, j] (+)= x̂[t] · w[j] (+ bias[j]) with w [N, K]; x̂ = rms_norm(x, norm_w, eps)
-        when has_norm, else x. last_row: only row n-1 of x, written to out row 0.
+        when has_norm, else x. last_row: only row n-1 of x, written to out row 0. Thread
+        `tid` of `nth` computes its share of the columns (tid 0 of 1: all of them).
         """
         key = ("matmul", K, N, bool(has_norm), float(eps) if has_norm else None, bool(has_bias),
                bool(accumulate), bool(last_row))
@@ -233,8 +238,8 @@ class KernelLibrary:
             name += f"_norm_eps{_fmt(eps)}"
         name += "_bias" * has_bias + "_acc" * accumulate + "_last" * last_row
         fn, f = self._new(key, name, [("x", FPTR), ("n", I64), ("w", FPTR), ("bias", FPTR), ("norm_w", FPTR),
-                                      ("out", FPTR)], True)
-        x, n, w, bias, norm_w, out = fn.args
+                                      ("out", FPTR), ("tid", I64), ("nth", I64)], True)
+        x, n, w, bias, norm_w, out, tid, nth = fn.args
         rows = n
         if last_row:
             x = f.ptr(x, f.mul(f.sub(n, 1), K))
@@ -252,20 +257,21 @@ class KernelLibrary:
                         v = f.b.fadd(f.load(out, idx), v)
                     f.store(v, out, idx)
 
-        self._gemm(f, x, rows, K, N, [w], norm_w if has_norm else None, eps, finish)
+        self._gemm(f, x, rows, K, N, [w], norm_w if has_norm else None, eps, finish, tid, nth)
         f.finish()
         return fn
 
     def swiglu(self, K: int, N: int, has_norm: bool = False, eps: float = 1e-5) -> ir.Function:
-        """`void(float* x, i64 n, float* w_gate, float* w_up, float* norm_w, float* out)`:
-        out[t, j] = silu(x̂[t]·w_gate[j]) * (x̂[t]·w_up[j]), both weights [N, K]."""
+        """`void(float* x, i64 n, float* w_gate, float* w_up, float* norm_w, float* out, i64 tid, i64 nth)`:
+        out[t, j] = silu(x̂[t]·w_gate[j]) * (x̂[t]·w_up[j]), both weights [N, K]; columns
+        shared among `nth` threads as in `matmul`."""
         key = ("swiglu", K, N, bool(has_norm), float(eps) if has_norm else None)
         if (fn := self._cached(key)) is not None:
             return fn
         name = f"swiglu_k{K}_n{N}" + (f"_norm_eps{_fmt(eps)}" if has_norm else "")
         fn, f = self._new(key, name, [("x", FPTR), ("n", I64), ("w_gate", FPTR), ("w_up", FPTR), ("norm_w", FPTR),
-                                      ("out", FPTR)], True)
-        x, n, wg, wu, norm_w, out = fn.args
+                                      ("out", FPTR), ("tid", I64), ("nth", I64)], True)
+        x, n, wg, wu, norm_w, out, tid, nth = fn.args
 
         def finish(ts: list[ir.Value], js: list[ir.Value], vals: list[list[list[ir.Value]]]) -> None:
             # the tile's gate values go through one vector silu (exp is the costly part)
@@ -279,7 +285,7 @@ class KernelLibrary:
                 y = b.fmul(b.extract_element(act, ir.Constant(I32, i)), vals[1][ri][ci])
                 f.store(y, out, f.add(f.mul(ts[ri], N), js[ci]))
 
-        self._gemm(f, x, n, K, N, [wg, wu], norm_w if has_norm else None, eps, finish)
+        self._gemm(f, x, n, K, N, [wg, wu], norm_w if has_norm else None, eps, finish, tid, nth)
         f.finish()
         return fn
 
@@ -313,7 +319,8 @@ class KernelLibrary:
         return cos_t, sin_t, fill
 
     @staticmethod
-    def _rope_apply(f: KernelBuilder, base: ir.Value, heads: int, D: int, cos_t: ir.Value, sin_t: ir.Value) -> None:
+    def _rope_apply(f: KernelBuilder, base: ir.Value, heads: int | ir.Value, D: int, cos_t: ir.Value,
+                    sin_t: ir.Value) -> None:
         """Rotate-half RoPE of `heads` rows of D floats at `base`, with filled tables."""
         b, half = f.b, D // 2
         with f.loop(0, heads, name="rh", unroll=False) as h:
@@ -345,13 +352,14 @@ class KernelLibrary:
     def attention(self, H: int, KVH: int, D: int, S: int, layer: int, rope: bool = False,
                   theta: float = 10000.0) -> ir.Function:
         """`void(float* q, float* k, float* v, i64 n, i64 start, float* k_cache,
-        float* v_cache, float* out)`.
+        float* v_cache, float* out, i64 tid, i64 nth)`.
 
         q [n, H, D], k and v [n, KVH, D]; caches [layers, KVH, S, D]. With `rope`, q and k
         are rotated in place first. Rows of k, v go to cache positions start..start+n-1,
         then each query row t attends causally to positions 0..start+t (GQA: query head h
         reads kv head h / (H/KVH)); out [n, H, D]. Rows whose position would be ≥ S are
-        skipped (the caller must keep start + n ≤ S).
+        skipped (the caller must keep start + n ≤ S). Thread `tid` of `nth` handles its
+        share of the kv heads, with their query heads.
         """
         if H % KVH:
             raise ValueError(f"attention needs heads divisible by kv heads, got {H} and {KVH}")
@@ -361,10 +369,11 @@ class KernelLibrary:
         impl = self._attention_impl(H, KVH, D, S, rope, theta)
         name = f"attention_h{H}_kvh{KVH}_d{D}_s{S}_l{layer}" + (f"_rope_theta{_fmt(theta)}" if rope else "")
         fn, f = self._new(key, name, [("q", FPTR), ("k", FPTR), ("v", FPTR), ("n", I64), ("start", I64),
-                                      ("k_cache", FPTR), ("v_cache", FPTR), ("out", FPTR)], True)
-        q, k, v, n, start, k_cache, v_cache, out = fn.args
+                                      ("k_cache", FPTR), ("v_cache", FPTR), ("out", FPTR), ("tid", I64),
+                                      ("nth", I64)], True)
+        q, k, v, n, start, k_cache, v_cache, out, tid, nth = fn.args
         off = layer * KVH * S * D
-        f.b.call(impl, [q, k, v, n, start, f.ptr(k_cache, off), f.ptr(v_cache, off), out])
+        f.b.call(impl, [q, k, v, n, start, f.ptr(k_cache, off), f.ptr(v_cache, off), out, tid, nth])
         f.finish()
         return fn
 
@@ -376,11 +385,12 @@ class KernelLibrary:
             return fn
         name = f"attention_h{H}_kvh{KVH}_d{D}_s{S}" + (f"_rope_theta{_fmt(theta)}" if rope else "") + "_impl"
         fn, f = self._new(key, name, [("q", FPTR), ("k", FPTR), ("v", FPTR), ("n", I64), ("start", I64),
-                                      ("k_cache", FPTR), ("v_cache", FPTR), ("out", FPTR)], True,
-                          linkage="internal")
-        q, k, v, n, start, k_cache, v_cache, out = fn.args
+                                      ("k_cache", FPTR), ("v_cache", FPTR), ("out", FPTR), ("tid", I64),
+                                      ("nth", I64)], True, linkage="internal")
+        q, k, v, n, start, k_cache, v_cache, out, tid, nth = fn.args
         b = f.b
         G = H // KVH
+        h_lo, h_hi = f.share(KVH, tid, nth)  # this thread's kv heads
         rows = f.smin(n, f.smax(f.sub(S, start), 0))
         # 1. RoPE and the cache write
         if rope:
@@ -389,9 +399,11 @@ class KernelLibrary:
             pos = f.add(start, t)
             if rope:
                 fill(pos)
-                self._rope_apply(f, f.ptr(q, f.mul(t, H * D)), H, D, cos_t, sin_t)
-                self._rope_apply(f, f.ptr(k, f.mul(t, KVH * D)), KVH, D, cos_t, sin_t)
-            with f.loop(0, KVH, name="ch", unroll=False) as h:
+                own = f.sub(h_hi, h_lo)
+                self._rope_apply(f, f.ptr(q, f.add(f.mul(t, H * D), f.mul(h_lo, G * D))), f.mul(own, G), D,
+                                 cos_t, sin_t)
+                self._rope_apply(f, f.ptr(k, f.add(f.mul(t, KVH * D), f.mul(h_lo, D))), own, D, cos_t, sin_t)
+            with f.loop(h_lo, h_hi, name="ch", unroll=False) as h:
                 src = f.mul(f.add(f.mul(t, KVH), h), D)
                 dst = f.mul(f.add(f.mul(h, S), pos), D)
                 with f.loop(0, D, name="cd", unroll=False) as d:
@@ -409,7 +421,7 @@ class KernelLibrary:
         scale = f.f32(1.0 / np.sqrt(np.float32(D)))
         with f.loop(0, rows, name="t") as t:
             span = f.add(f.add(start, t), 1)
-            with f.loop(0, KVH, name="h") as h:
+            with f.loop(h_lo, h_hi, name="h") as h:
                 kv_base = f.mul(h, S * D)
                 kbase = f.ptr(k_cache, kv_base)
                 vbase = f.ptr(v_cache, kv_base)

@@ -38,6 +38,16 @@ _STORAGE = {
 }
 
 
+_KINDS = {
+    int: ("an integer", lambda v: type(v) is int),
+    float: ("a number", lambda v: type(v) in (int, float)),
+    str: ("a string", lambda v: isinstance(v, str)),
+    bool: ("true or false", lambda v: type(v) is bool),
+    "strings": ("an array of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
+    "integers": ("an array of integers", lambda v: isinstance(v, np.ndarray) and np.issubdtype(v.dtype, np.integer)),
+}
+
+
 class _Metadata:
     """Typed access to GGUF metadata with errors that name the key."""
 
@@ -45,21 +55,17 @@ class _Metadata:
         self.path = gguf.path
         self.values = gguf.metadata
 
-    def get(self, key: str, kind: type, default: Any = None) -> Any:
+    def get(self, key: str, kind: object, default: Any = None) -> Any:
         value = self.values.get(key)
         if value is None:
             return default
-        if kind is int and isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-            return int(value)
-        if kind is float and isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
-            return float(value)
-        if kind is list and isinstance(value, (list, np.ndarray)):
-            return list(value)
-        if isinstance(value, kind):
-            return value
-        raise ModelFormatError(self.path, f"metadata key '{key}' should be {kind.__name__}, got {type(value).__name__}")
+        name, accepts = _KINDS[kind]
+        if not accepts(value):
+            found = f"an array of {len(value)}" if isinstance(value, (list, np.ndarray)) else repr(value)
+            raise ModelFormatError(self.path, f"metadata key '{key}' should be {name}, got {found}")
+        return float(value) if kind is float else value
 
-    def require(self, key: str, kind: type) -> Any:
+    def require(self, key: str, kind: object) -> Any:
         value = self.get(key, kind)
         if value is None:
             raise ModelFormatError(self.path, f"missing metadata key '{key}'")
@@ -108,7 +114,9 @@ def load_gguf(path: Path) -> Model:
     heads = meta.require(a + "attention.head_count", int)
     kv_heads = meta.get(a + "attention.head_count_kv", int, heads)
     if heads < 1 or kv_heads < 1:
-        raise ModelFormatError(path, f"invalid head counts: {heads} heads, {kv_heads} KV heads")
+        raise ModelFormatError(path, f"head counts must be positive, got {heads} heads and {kv_heads} KV heads")
+    if heads % kv_heads:
+        raise ModelFormatError(path, f"{heads} attention heads are not a multiple of {kv_heads} KV heads")
     if hidden % heads:
         raise ModelFormatError(path, f"embedding length {hidden} is not a multiple of {heads} heads")
     scaling = meta.get(a + "rope.scaling.type", str, "none")
@@ -133,13 +141,12 @@ def load_gguf(path: Path) -> Model:
         qkv_bias="blk.0.attn_q.bias" in weights,
     )
     config.check(path)
-    tokens = meta.get("tokenizer.ggml.tokens", list)
+    tokens = meta.get("tokenizer.ggml.tokens", "strings")
+    types = meta.get("tokenizer.ggml.token_type", "integers")
+    merges = meta.get("tokenizer.ggml.merges", "strings", [])
     if tokens is not None:
         if len(tokens) != config.vocab_size:
             raise ModelFormatError(path, f"tokenizer has {len(tokens)} tokens, token_embd has {config.vocab_size} rows")
-        if not all(isinstance(t, str) for t in tokens):
-            raise ModelFormatError(path, "metadata key 'tokenizer.ggml.tokens' must be an array of strings")
-        types = meta.get("tokenizer.ggml.token_type", list)
         if types is not None and len(types) != len(tokens):
             raise ModelFormatError(path, f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
         _check_token_ids(meta, len(tokens))
@@ -147,19 +154,16 @@ def load_gguf(path: Path) -> Model:
     def make_tokenizer() -> tok.TextTokenizer:
         if tokens is None:
             raise ModelFormatError(path, "no tokenizer in this GGUF file (tokenizer.ggml.tokens is missing)")
-        merges = meta.get("tokenizer.ggml.merges", list, [])
-        if not all(isinstance(m, str) for m in merges):
-            raise ModelFormatError(path, "metadata key 'tokenizer.ggml.merges' must be an array of strings")
         return tok.from_gguf_vocab(
             path,
             model=meta.require("tokenizer.ggml.model", str),
             pre=meta.get("tokenizer.ggml.pre", str, "default"),
             tokens=tokens,
-            token_types=[int(t) for t in meta.get("tokenizer.ggml.token_type", list, [])],
+            token_types=[] if types is None else types.tolist(),
             merges=merges,
             bos_id=meta.get("tokenizer.ggml.bos_token_id", int),
             eos_id=meta.get("tokenizer.ggml.eos_token_id", int),
-            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", (bool, np.bool_), False)),
+            add_bos=meta.get("tokenizer.ggml.add_bos_token", bool, False),
             chat_template=meta.get("tokenizer.chat_template", str),
         )
 

@@ -43,8 +43,8 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up",
     "mlp.down_proj.weight": "ffn_down",
 }
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_MAX_HEADER = 100 * 1024 * 1024
+_LAYER = re.compile(r"model\.layers\.(\d{1,6})\.(.+)")
+_MAX_HEADER = 16 * 1024 * 1024  # safetensors headers and JSON files; real ones are far smaller
 
 
 def ir_name(hf_name: str) -> str | None:
@@ -86,10 +86,10 @@ def _tensor_entry(path: Path, name: str, info: object) -> tuple[np.dtype, Storag
     if not isinstance(info, dict) or set(info) - {"dtype", "shape", "data_offsets"}:
         raise ModelFormatError(path, f"tensor '{name}': malformed header entry")
     dtype = info.get("dtype")
-    if dtype not in _DTYPES:
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise ModelFormatError(path, f"tensor '{name}': dtype {dtype!r} is not supported (F32, F16, BF16)")
     shape, offsets = info.get("shape"), info.get("data_offsets")
-    if not (isinstance(shape, list) and len(shape) <= 8 and all(type(d) is int and d >= 0 for d in shape)):
+    if not (isinstance(shape, list) and len(shape) <= 8 and all(type(d) is int and 0 <= d < 1 << 40 for d in shape)):
         raise ModelFormatError(path, f"tensor '{name}': malformed shape {shape!r}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
         raise ModelFormatError(path, f"tensor '{name}': malformed data_offsets {offsets!r}")
@@ -197,8 +197,9 @@ def _tokenizer(directory: Path) -> TextTokenizer:
     file = directory / "tokenizer.json"
     if not file.is_file():
         raise ModelFormatError(directory, "no tokenizer.json in this directory")
+    file = _inside(directory, file)
     try:
-        tokenizer = Tokenizer.from_file(str(_inside(directory, file)))
+        tokenizer = Tokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises its own exception types
         raise ModelFormatError(file, f"cannot load tokenizer: {e}") from e
     settings_file = directory / "tokenizer_config.json"
@@ -221,11 +222,12 @@ def _tokenizer(directory: Path) -> TextTokenizer:
 
 def _json(path: Path) -> dict:
     try:
+        size = path.stat().st_size
+        if size > _MAX_HEADER:
+            raise ModelFormatError(path, f"{size} bytes is too large for this JSON file (at most {_MAX_HEADER})")
         raw = path.read_bytes()
     except OSError as e:
         raise ModelFormatError(path, f"cannot read: {e.strerror}") from e
-    if len(raw) > _MAX_HEADER:
-        raise ModelFormatError(path, f"{len(raw)} bytes is too large for a JSON file here")
     value = parse_json(path, raw)
     if not isinstance(value, dict):
         raise ModelFormatError(path, "expected a JSON object")

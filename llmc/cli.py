@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from llmc import __version__
-from llmc.errors import LlmcError, UsageError
+from llmc.errors import LlmcError, UsageError, printable
 
 EXIT_USAGE = 2
 
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     except LlmcError as e:
         if args.debug:
             raise
-        print(f"llmc: error: {e}", file=sys.stderr)
+        print(f"llmc: error: {printable(e, 1000)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130

@@ -113,6 +113,8 @@ def compile_model(spec: str, out: Path | None, options: CompileOptions, backend:
     if out is not None and compile_to is None:
         check_output_directory(out)
     model = load_model(spec, allow_pickle)
+    if compile_to is None:
+        model.tokenizer  # the artifact needs it: a broken tokenizer fails now, not after codegen
     module = run_phases(model, options, compile_to or "lower", dump, progress)
     if compile_to is not None:
         return print_module(module)

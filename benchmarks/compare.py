@@ -64,7 +64,8 @@ def main() -> None:
     peer = f"transformers fp32 (torch {torch.__version__}, {torch.get_num_threads()} threads)"
     print(f"| engine | prefill {args.prompt_tokens} tok/s | decode {args.decode_tokens} tok/s |")
     print("|---|---|---|")
-    print(f"| llmc ({args.artifact.name}) | {ours.prefill_tokens_per_s:.1f} | {ours.decode_tokens_per_s:.1f} |")
+    print(f"| llmc ({args.artifact.name}, {ours.threads} threads) | {ours.prefill_tokens_per_s:.1f} "
+          f"| {ours.decode_tokens_per_s:.1f} |")
     print(f"| {peer} | {peer_prefill:.1f} | {peer_decode:.1f} |")
     print(f"| ratio llmc / transformers | {ours.prefill_tokens_per_s / peer_prefill:.2f}x "
           f"| {ours.decode_tokens_per_s / peer_decode:.2f}x |")

@@ -1,0 +1,323 @@
+"""Crafted bad safetensors files and Hugging Face directories, and pickles: each must be
+rejected cleanly (see `hostile.py`); a pickle never runs code, even with --allow-pickle.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import pickle
+import shutil
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from crafted import (
+    safetensors_bytes,
+    safetensors_of,
+)
+from hostile import SPEC, assert_cli_rejects, assert_rejected, hf_weights
+from tiny_models import write_hf
+
+from llmc.errors import ModelFormatError
+from llmc.frontend import import_model, load_model
+
+# ------------------------------------------------------ the safetensors / HF corpus
+
+
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf(SPEC, hf_weights(), tmp_path_factory.mktemp("hf") / "base")
+
+
+@pytest.fixture
+def hf_dir(hf_base: Path, tmp_path: Path) -> Path:
+    """A fresh copy of the valid tiny HF directory to break."""
+    return Path(shutil.copytree(hf_base, tmp_path / "model"))
+
+
+def _st(d: Path, header: dict | bytes | str, data: bytes | None = None, header_len: int | None = None) -> Path:
+    if data is None:
+        data = safetensors_of(hf_weights())[1]
+    path = d / "model.safetensors"
+    path.write_bytes(safetensors_bytes(header, data, header_len))
+    return d
+
+
+def _header_edit(edit: Callable[[dict], object]) -> Callable[[Path], Path]:
+    def make(d: Path) -> Path:
+        header, data = safetensors_of(hf_weights())
+        header = copy.deepcopy(header)
+        edit(header)
+        return _st(d, header, data)
+
+    return make
+
+
+def _entry(name: str, **fields: object) -> Callable[[Path], Path]:
+    return _header_edit(lambda h: h[name].update(fields))
+
+
+def _config_edit(edit: Callable[[dict], object]) -> Callable[[Path], Path]:
+    def make(d: Path) -> Path:
+        config = json.loads((d / "config.json").read_text())
+        edit(config)
+        (d / "config.json").write_text(json.dumps(config))
+        return d
+
+    return make
+
+
+def _write(name: str, raw: bytes | str) -> Callable[[Path], Path]:
+    def make(d: Path) -> Path:
+        (d / name).write_bytes(raw.encode() if isinstance(raw, str) else raw)
+        return d
+
+    return make
+
+
+def _remove(name: str) -> Callable[[Path], Path]:
+    def make(d: Path) -> Path:
+        (d / name).unlink()
+        return d
+
+    return make
+
+
+def _config_text(edit: Callable[[str], str]) -> Callable[[Path], Path]:
+    def make(d: Path) -> Path:
+        (d / "config.json").write_text(edit((d / "config.json").read_text()))
+        return d
+
+    return make
+
+
+_NW = "model.norm.weight"
+_L0 = "model.layers.0."
+_N_DATA = len(safetensors_of(hf_weights())[1])
+
+
+def _rename(old: str, new: str) -> Callable[[dict], object]:
+    return lambda h: h.__setitem__(new, h.pop(old))
+
+
+def _overlap(h: dict) -> None:
+    h[_L0 + "self_attn.v_proj.weight"]["data_offsets"] = list(h[_L0 + "self_attn.k_proj.weight"]["data_offsets"])
+
+
+def _two_files(d: Path) -> Path:
+    header, data = safetensors_of({_NW: hf_weights()[_NW]})
+    (d / "model-00002-of-00002.safetensors").write_bytes(safetensors_bytes(header, data))
+    return d
+
+
+def _link_out(name: str) -> Callable[[Path], Path]:
+    def make(d: Path) -> Path:
+        outside = d.parent / f"outside-{name}"
+        shutil.move(d / name, outside)
+        (d / name).symlink_to(outside)
+        return d
+
+    return make
+
+
+def _only_pickle(d: Path) -> Path:
+    (d / "model.safetensors").rename(d / "pytorch_model.bin")  # never opened without --allow-pickle
+    return d
+
+
+def _sparse_config(d: Path) -> Path:
+    with open(d / "config.json", "r+b") as f:
+        f.truncate(300_000_000)  # a hole: no disk, but 300 MB if read whole
+    return d
+
+
+def _huge_json_header(d: Path) -> Path:
+    n = 20_000_000  # 40 MB of "0,": valid JSON, 20 M list elements
+    return _st(d, b'{"a":[' + b"0," * (n - 1) + b"0]}")
+
+
+HF_BOUNDED_WORK = {"header-huge-json", "config-300MB-sparse"}  # big files: not repeated through the CLI
+HF_CASES: dict[str, tuple[Callable[[Path], Path], list[str]]] = {
+    # container
+    "file-shorter-than-8-bytes": (_write("model.safetensors", b"\x10\x00\x00"),
+                                  ["truncated safetensors file (3 bytes"]),
+    "header-length-past-file": (lambda d: _st(d, "{}", b"", header_len=1000), ["header length 1000 exceeds the file"]),
+    "header-length-2^63": (lambda d: _st(d, "{}", b"", header_len=2**63), ["header length 9223372036854775808"]),
+    "header-length-2^64-1": (lambda d: _st(d, "{}", b"", header_len=2**64 - 1), ["header length 18446744073709551615"]),
+    "header-not-json": (lambda d: _st(d, b"{not json"), ["invalid JSON"]),
+    "header-not-utf8": (lambda d: _st(d, b'{"\xff": 1}'), ["invalid JSON"]),
+    "header-json-array": (lambda d: _st(d, "[1, 2]"), ["header is not a JSON object"]),
+    "header-json-nested-100k-deep": (lambda d: _st(d, "[" * 100_000 + "]" * 100_000), ["invalid JSON"]),
+    "header-duplicate-keys": (lambda d: _st(d, json.dumps(safetensors_of(hf_weights())[0])[:-1]
+                                            + ', "model.norm.weight": {"dtype": "F32", "shape": [0], '
+                                              '"data_offsets": [0, 0]}}'), ["duplicate key 'model.norm.weight'"]),
+    "header-huge-json": (_huge_json_header, ["model.safetensors"]),
+    # header entries
+    "dtype-unknown": (_entry(_NW, dtype="Q9"), [f"tensor '{_NW}'", "dtype 'Q9' is not supported"]),
+    "dtype-i64": (_entry(_NW, dtype="I64"), ["dtype 'I64' is not supported"]),
+    "dtype-is-a-list": (_entry(_NW, dtype=["F32"]), [f"tensor '{_NW}'", "dtype"]),
+    "dtype-is-an-object": (_entry(_NW, dtype={"F32": 1}), [f"tensor '{_NW}'", "dtype"]),
+    "shape-negative": (_entry(_NW, shape=[-32]), ["malformed shape [-32]"]),
+    "shape-float": (_entry(_NW, shape=[32.0]), ["malformed shape [32.0]"]),
+    "shape-string": (_entry(_NW, shape=["32"]), ["malformed shape ['32']"]),
+    "shape-bool": (_entry(_NW, shape=[True]), ["malformed shape [True]"]),
+    "shape-not-a-list": (_entry(_NW, shape=32), ["malformed shape 32"]),
+    "shape-9-dims": (_entry(_NW, shape=[1] * 8 + [32]), ["malformed shape"]),
+    "shape-zero-and-2^64": (_entry(_NW, shape=[0, 2**64], data_offsets=[0, 0]), [f"tensor '{_NW}'"]),
+    "shape-zero-and-2^62-squared": (_entry(_NW, shape=[0, 2**62, 2**62], data_offsets=[0, 0]), [f"tensor '{_NW}'"]),
+    "data-shorter-than-shape": (_entry(_NW, shape=[64]), [f"tensor '{_NW}'", "do not hold (64,) F32"]),
+    "offsets-wrong-length": (_entry(_NW, data_offsets=[0]), ["malformed data_offsets [0]"]),
+    "offsets-negative": (_entry(_NW, data_offsets=[-128, 0]), ["malformed data_offsets [-128, 0]"]),
+    "offsets-reversed": (_entry(_NW, data_offsets=[128, 0]), [f"tensor '{_NW}'", "data offsets 128..0"]),
+    "offsets-floats": (_entry(_NW, data_offsets=[0.0, 128.0]), ["malformed data_offsets"]),
+    "offsets-past-the-data": (_entry(_NW, data_offsets=[_N_DATA, _N_DATA + 128]), ["run past the data"]),
+    "offsets-2^64": (_entry(_NW, data_offsets=[2**64, 2**64 + 128]), ["run past the data"]),
+    "data-truncated": (lambda d: _st(d, safetensors_of(hf_weights())[0], safetensors_of(hf_weights())[1][:-4]),
+                       ["run past the data"]),
+    "overlapping-tensors": (_header_edit(_overlap), ["overlap"]),
+    "entry-with-extra-field": (_entry(_NW, extra=1), [f"tensor '{_NW}'", "malformed header entry"]),
+    "entry-not-an-object": (_header_edit(lambda h: h.__setitem__(_NW, [1, 2])), ["malformed header entry"]),
+    "metadata-non-string-value": (_header_edit(lambda h: h.__setitem__("__metadata__", {"format": 1})),
+                                  ["__metadata__ must map strings to strings"]),
+    "metadata-is-a-list": (_header_edit(lambda h: h.__setitem__("__metadata__", ["pt"])), ["__metadata__"]),
+    "unknown-tensor-name": (_header_edit(_rename(_NW, "model.final_norm.weight")),
+                            ["'model.final_norm.weight' is not part of a supported architecture"]),
+    "layer-index-5000-digits": (_header_edit(_rename(_L0 + "input_layernorm.weight",
+                                                     "model.layers." + "9" * 5000 + ".input_layernorm.weight")),
+                                ["model.layers.999"]),
+    "tensor-name-with-newline": (_header_edit(_rename(_NW, "model.norm\n\x1b[2Jweight")),
+                                 ["is not part of a supported architecture"]),
+    "tensor-in-two-files": (_two_files, [f"tensor '{_NW}' appears in more than one file"]),
+    "missing-tensor": (_header_edit(lambda h: h.pop(_L0 + "mlp.down_proj.weight")),
+                       ["missing tensor 'blk.0.ffn_down'"]),
+    # config.json
+    "config-duplicate-keys": (_config_text(lambda text: text.rstrip().removesuffix("}") + ', "hidden_size": 64}'),
+                              ["config.json", "duplicate key 'hidden_size'"]),
+    "config-int-is-a-string": (_config_edit(lambda c: c.update(hidden_size="32")), ["hidden_size must be an integer"]),
+    "config-int-is-a-float": (_config_edit(lambda c: c.update(num_hidden_layers=1.0)),
+                              ["num_hidden_layers must be an integer, got 1.0"]),
+    "config-int-is-a-bool": (_config_edit(lambda c: c.update(num_attention_heads=True)),
+                             ["num_attention_heads must be an integer, got True"]),
+    "config-float-is-a-string": (_config_edit(lambda c: c.update(rms_norm_eps="1e-5")),
+                                 ["rms_norm_eps must be a number"]),
+    "config-tie-is-a-string": (_config_edit(lambda c: c.update(tie_word_embeddings="yes")),
+                               ["tie_word_embeddings must be true or false"]),
+    "config-is-a-list": (_write("config.json", "[1, 2]"), ["config.json", "expected a JSON object"]),
+    "config-not-json": (_write("config.json", "{'hidden_size': 32}"), ["config.json", "invalid JSON"]),
+    "config-unsupported-architecture": (_config_edit(lambda c: c.update(architectures=["GPT2LMHeadModel"])),
+                                        ["unsupported architecture"]),
+    "config-heads-0": (_config_edit(lambda c: c.update(num_attention_heads=0)),
+                       ["num_attention_heads must be positive"]),
+    "config-kv-heads-do-not-divide": (_config_edit(lambda c: c.update(num_key_value_heads=3)),
+                                      ["4 attention heads are not a multiple of 3 KV heads"]),
+    "config-contradicts-tensors": (_config_edit(lambda c: c.update(intermediate_size=64)),
+                                   ["tensor 'blk.0.ffn_gate' has shape 48x32, the config implies 64x32"]),
+    "config-layers-10^12": (_config_edit(lambda c: c.update(num_hidden_layers=10**12)), ["1000000000000"]),
+    "config-300MB-sparse": (_sparse_config, ["config.json"]),
+    "no-config": (_remove("config.json"), ["no config.json"]),
+    # files outside the directory, pickles
+    "safetensors-symlink-outside": (_link_out("model.safetensors"), ["points outside the model directory"]),
+    "config-symlink-outside": (_link_out("config.json"), ["config.json", "points outside the model directory"]),
+    "tokenizer-symlink-outside": (_link_out("tokenizer.json"),
+                                  ["tokenizer.json", "points outside the model directory"]),
+    "no-weights": (_remove("model.safetensors"), ["no *.safetensors files"]),
+    "only-pytorch-model-bin": (_only_pickle, ["pytorch_model.bin", "--allow-pickle"]),
+}
+
+
+def test_the_corpus_is_big_enough() -> None:
+    assert len(HF_CASES) >= 12
+
+
+@pytest.mark.parametrize("name", HF_CASES)
+def test_crafted_hf_directory_is_rejected(name: str, hf_dir: Path) -> None:
+    make, details = HF_CASES[name]
+    make(hf_dir)
+    assert_rejected(hf_dir, details)
+
+
+def test_the_hf_base_model_is_valid(hf_dir: Path) -> None:
+    model = load_model(str(hf_dir))
+    import_model(model)
+    assert model.tokenizer.encode("the cat")
+
+
+# ------------------------------------------------------------------ pickles
+
+
+class _RunsCode:
+    """Unpickling this runs a shell command (what a hostile checkpoint does)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return os.system, (f"touch {self.marker}",)
+
+
+def _hostile_pickle(marker: Path) -> bytes:
+    return pickle.dumps({"model.norm.weight": _RunsCode(marker)}, protocol=2)
+
+
+def _hostile_zip_checkpoint(path: Path, marker: Path) -> None:
+    """The layout torch.save writes (a zip with archive/data.pkl), with a code-running pickle."""
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", _hostile_pickle(marker))
+        z.writestr("archive/byteorder", "little")
+        z.writestr("archive/version", "3\n")
+
+
+@pytest.mark.parametrize("form", ["raw-pickle", "torch-zip"])
+def test_pickle_that_runs_code_is_refused_even_with_allow_pickle(hf_dir: Path, tmp_path: Path, form: str) -> None:
+    marker = tmp_path / "pwned"
+    (hf_dir / "model.safetensors").unlink()
+    checkpoint = hf_dir / "pytorch_model.bin"
+    if form == "raw-pickle":
+        checkpoint.write_bytes(_hostile_pickle(marker))
+    else:
+        _hostile_zip_checkpoint(checkpoint, marker)
+    # sanity: the pickle does run code when unpickled the unsafe way
+    probe = tmp_path / "probe"
+    pickle.loads(_hostile_pickle(probe))
+    assert probe.exists()
+
+    try:
+        import torch  # noqa: F401 — imported before the clock starts: its import takes seconds
+        have_torch = True
+    except ImportError:
+        have_torch = False
+    message = assert_rejected(hf_dir, ["pytorch_model.bin"], allow_pickle=True)
+    assert not marker.exists(), "unpickling the checkpoint ran its code"
+    assert ("weights-only" if have_torch else "needs torch") in message
+
+    message = assert_rejected(hf_dir, ["--allow-pickle"])  # and without the flag it is not even opened
+    assert not marker.exists()
+
+
+def test_torch_saved_state_dict_gives_the_same_logits_as_safetensors(hf_base: Path, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from llmc.ir.interpreter import forward_logits
+
+    directory = Path(shutil.copytree(hf_base, tmp_path / "pickled"))
+    (directory / "model.safetensors").unlink()
+    torch.save({k: torch.from_numpy(v.copy()) for k, v in hf_weights().items()}, directory / "pytorch_model.bin")
+    with pytest.raises(ModelFormatError, match="--allow-pickle"):
+        load_model(str(directory))
+    tokens = np.array([0, 5, 17, 42, 100], dtype=np.int32)
+    pickled = load_model(str(directory), allow_pickle=True)
+    safe = load_model(str(hf_base))
+    got = forward_logits(import_model(pickled), pickled.weights, tokens)
+    want = forward_logits(import_model(safe), safe.weights, tokens)
+    np.testing.assert_array_equal(got, want)
+
+
+
+@pytest.mark.parametrize("name", [n for n in HF_CASES if n not in HF_BOUNDED_WORK])
+def test_cli_compile_of_crafted_hf_directory_prints_one_line(name: str, hf_dir: Path, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    HF_CASES[name][0](hf_dir)
+    assert_cli_rejects(hf_dir, tmp_path / "out", capsys)

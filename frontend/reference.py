@@ -27,7 +27,6 @@ def reference_name() -> str:
 def reference_logits(source: Path, tokens: list[int]) -> np.ndarray:
     """Logits `[T, vocab]` of `tokens` at positions 0.. from transformers in float32."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF conversion draws a progress bar
     try:
         import torch
         import transformers

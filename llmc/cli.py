@@ -15,6 +15,7 @@ the traceback instead.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -86,6 +87,7 @@ def cmd_opt(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    os.environ.setdefault("TQDM_DISABLE", "1")  # before tqdm is imported: transformers' GGUF loading draws bars
     from llmc.verify import verify_model
 
     artifact = Path(args.artifact) if args.artifact else None

@@ -44,6 +44,7 @@ def barrier_function(module: ir.Module) -> ir.Function:
     """
     fn = ir.Function(module, ir.FunctionType(VOID, [I64PTR, I64]), name="llmc_barrier")
     fn.linkage = "internal"
+    fn.attributes.add("noinline")  # called ~1000 times per entry point: inlining would bloat them
     sync, nth = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     spins = b.alloca(I64)

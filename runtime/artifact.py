@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,3 +129,24 @@ def load_manifest(directory: Path, check_files: bool = True) -> Manifest:
             if file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]:
                 raise ArtifactError(f"{file}: contents do not match the manifest (modified or truncated); recompile")
     return manifest
+
+
+def load_verified_library(manifest: Manifest, check: bool = True):
+    """`kernels.so` loaded with ctypes from a private copy whose sha256 was checked.
+
+    Hashing the file and then loading it by path would leave a window in which the file
+    could be swapped; the bytes that were hashed are the bytes that are loaded.
+    """
+    import ctypes
+
+    path = manifest.file("kernels")
+    if not check:
+        return ctypes.CDLL(str(path))
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != manifest.data["files"]["kernels"]["sha256"]:
+        raise ArtifactError(f"{path}: contents do not match the manifest (modified or truncated); recompile")
+    with tempfile.TemporaryDirectory(prefix="llmc-kernels-") as private:  # mode 0700
+        copy = os.path.join(private, path.name)
+        with open(copy, "wb") as f:
+            f.write(data)
+        return ctypes.CDLL(copy)  # the mapping outlives the file

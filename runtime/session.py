@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from llmc.errors import LlmcError
-from llmc.runtime.artifact import ENTRY_POINTS, ArtifactError, Manifest, load_manifest
+from llmc.runtime.artifact import ENTRY_POINTS, ArtifactError, Manifest, load_manifest, load_verified_library
 
 _ENTRY_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 5 + [
     ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
@@ -85,7 +85,7 @@ class Session:
             raise ArtifactError(f"{directory}: a '{self.manifest.target}' artifact; this runtime runs 'cpu' artifacts")
         self.weights = np.memmap(self.manifest.file("weights"), dtype=np.uint8, mode="r")
         try:
-            self.library = ctypes.CDLL(str(self.manifest.file("kernels")))
+            self.library = load_verified_library(self.manifest, check_files)
         except OSError as e:
             raise ArtifactError(f"{self.manifest.file('kernels')}: cannot load: {e}") from e
         self.entries = {}

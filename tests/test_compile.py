@@ -283,3 +283,18 @@ def test_threads_give_the_single_thread_logits(artifact, threads: int) -> None:
     for chunk in (TOKENS[:7], TOKENS[7:8], TOKENS[8:]):
         np.testing.assert_array_equal(one.feed(chunk), many.feed(chunk))
     many.close()
+
+
+def test_kernels_swapped_after_the_check_are_not_loaded(artifact, tmp_path) -> None:
+    """The bytes that were hashed are the bytes that are loaded."""
+    import shutil
+
+    from llmc.runtime.artifact import load_manifest, load_verified_library
+
+    copy = tmp_path / "copy"
+    shutil.copytree(artifact(SPECS["gqa"]), copy)
+    manifest = load_manifest(copy)  # every file checks out
+    kernels = manifest.file("kernels")
+    kernels.write_bytes(kernels.read_bytes()[:-1] + b"\0")  # swapped between the check and the load
+    with pytest.raises(ArtifactError, match="do not match the manifest"):
+        load_verified_library(manifest)

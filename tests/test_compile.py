@@ -295,6 +295,8 @@ def test_kernels_swapped_after_the_check_are_not_loaded(artifact, tmp_path) -> N
     shutil.copytree(artifact(SPECS["gqa"]), copy)
     manifest = load_manifest(copy)  # every file checks out
     kernels = manifest.file("kernels")
-    kernels.write_bytes(kernels.read_bytes()[:-1] + b"\0")  # swapped between the check and the load
+    data = bytearray(kernels.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    kernels.write_bytes(bytes(data))  # swapped between the check and the load
     with pytest.raises(ArtifactError, match="do not match the manifest"):
         load_verified_library(manifest)

@@ -20,6 +20,7 @@ from llmc.frontend.gguf_reader import GGUFFile, read_gguf
 from llmc.frontend.model import Model, ModelConfig
 from llmc.ir.llm import Storage
 from llmc.ir.weights import Weight, WeightStore
+from llmc.runtime.codec import TextCodec
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 # Architectures whose converter permuted Q/K rows for llama.cpp's interleaved RoPE.
@@ -151,7 +152,7 @@ def load_gguf(path: Path) -> Model:
             raise ModelFormatError(path, f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
         _check_token_ids(meta, len(tokens))
 
-    def make_tokenizer() -> tok.TextTokenizer:
+    def make_tokenizer() -> TextCodec:
         if tokens is None:
             raise ModelFormatError(path, "no tokenizer in this GGUF file (tokenizer.ggml.tokens is missing)")
         return tok.from_gguf_vocab(

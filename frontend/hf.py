@@ -16,9 +16,9 @@ import numpy as np
 
 from llmc.errors import ModelFormatError
 from llmc.frontend.model import Model, ModelConfig
-from llmc.frontend.tokenizer import TextTokenizer
 from llmc.ir.llm import Storage
 from llmc.ir.weights import Weight, WeightStore
+from llmc.runtime.codec import TextCodec
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
@@ -191,7 +191,7 @@ def _config(path: Path, cfg: dict) -> ModelConfig:
     return config
 
 
-def _tokenizer(directory: Path) -> TextTokenizer:
+def _tokenizer(directory: Path) -> TextCodec:
     from tokenizers import Tokenizer
 
     file = directory / "tokenizer.json"
@@ -211,7 +211,7 @@ def _tokenizer(directory: Path) -> TextTokenizer:
         return tokenizer.token_to_id(token) if isinstance(token, str) else None
 
     template = settings.get("chat_template")
-    return TextTokenizer(
+    return TextCodec(
         tokenizer,
         bos_id=special_id("bos_token"),
         eos_id=special_id("eos_token"),

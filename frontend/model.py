@@ -7,16 +7,14 @@ either. `ModelConfig.check` rejects hyper-parameters that contradict each other.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
 
 from llmc.errors import ModelFormatError
 from llmc.ir.weights import WeightStore
-
-if TYPE_CHECKING:
-    from llmc.frontend.tokenizer import TextTokenizer
+from llmc.runtime.codec import TextCodec
 
 
 @dataclass(frozen=True)
@@ -64,8 +62,8 @@ class Model:
     source: Path
     config: ModelConfig
     weights: WeightStore
-    make_tokenizer: Callable[[], "TextTokenizer"]
+    make_tokenizer: Callable[[], TextCodec]
 
     @cached_property
-    def tokenizer(self) -> "TextTokenizer":
+    def tokenizer(self) -> TextCodec:
         return self.make_tokenizer()

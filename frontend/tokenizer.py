@@ -8,11 +8,10 @@ tokenizer and in llama.cpp. From a Hugging Face directory it is `tokenizer.json`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from llmc.errors import ModelFormatError
+from llmc.runtime.codec import TextCodec
 
 # llama.cpp's split expressions, by GGUF pre-tokenizer name.
 _LLAMA3_SPLIT = (
@@ -53,24 +52,6 @@ def _pre_tokenizer(pre: str, source: object) -> pre_tokenizers.PreTokenizer:
     )
 
 
-@dataclass
-class TextTokenizer:
-    """A tokenizer with the special ids and chat template generation needs."""
-
-    tokenizer: Tokenizer
-    bos_id: int | None
-    eos_id: int | None
-    add_bos: bool
-    chat_template: str | None
-
-    def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
-
-
 def from_gguf_vocab(
     source: object,
     model: str,
@@ -82,7 +63,7 @@ def from_gguf_vocab(
     eos_id: int | None,
     add_bos: bool,
     chat_template: str | None,
-) -> TextTokenizer:
+) -> TextCodec:
     """Rebuild a byte-level BPE tokenizer (`tokenizer.ggml.model = gpt2`) from GGUF metadata."""
     if model != "gpt2":
         raise ModelFormatError(source, f"unsupported tokenizer model '{model}' (supported: gpt2 byte-level BPE)")
@@ -107,4 +88,4 @@ def from_gguf_vocab(
     types = token_types or []
     special = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)]
     tok.add_special_tokens(special)
-    return TextTokenizer(tok, bos_id, eos_id, add_bos, chat_template)
+    return TextCodec(tok, bos_id, eos_id, add_bos, chat_template)

@@ -47,7 +47,10 @@ class KVCache:
     def for_type(cls, cache_type: llm.KVCacheType, positions: int | None = None) -> KVCache:
         """A zeroed cache of `cache_type`, or of its first `positions` rows only."""
         layers, kv_heads, capacity, head_dim = cache_type.shape
-        shape = (layers, kv_heads, min(capacity, positions or capacity), head_dim)
+        return cls.zeros((layers, kv_heads, min(capacity, positions or capacity), head_dim))
+
+    @classmethod
+    def zeros(cls, shape: tuple[int, ...]) -> KVCache:
         return cls(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
 
 

@@ -23,8 +23,10 @@ kernel = _KERNELS.register  # `fn(op, get)`: `get(value)` gives a value's array;
 
 
 class _State:
-    def __init__(self, weights: WeightStore, arena: np.ndarray, cache: KVCache, n: int, start: int):
-        self.weights, self.arena, self.cache, self.n, self.start = weights, arena, cache, n, start
+    """The arrays of an entry point's values, and this call's row count and start position."""
+
+    def __init__(self, n: int, start: int):
+        self.n, self.start = n, start
         self.values: dict[SSAValue, object] = {}
 
     def __call__(self, value: SSAValue) -> np.ndarray:
@@ -116,7 +118,7 @@ def run_entry(function: func.FuncOp, weights: WeightStore, tokens: np.ndarray, s
     """Run one entry point on `tokens` at positions `start..`; returns its logits `[1, vocab]`."""
     tokens_arg, n_arg, start_arg, k_arg, v_arg, logits_arg = function.body.block.args
     arena = np.zeros(arena_bytes(function), np.uint8)
-    state = _State(weights, arena, cache, len(tokens), start)
+    state = _State(len(tokens), start)
     capacity = tgt.dims(tokens_arg)[0]
     if not 1 <= len(tokens) <= capacity:
         raise ValueError(f"@{function.sym_name.data} takes 1..{capacity} tokens, got {len(tokens)}")

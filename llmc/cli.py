@@ -141,12 +141,13 @@ def _sampling(args: argparse.Namespace):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from llmc.runtime.generate import TextCodec, generate, stream_text
+    from llmc.runtime.codec import TextCodec
+    from llmc.runtime.generate import generate, stream_text
     from llmc.runtime.session import Session
 
     sampling = _sampling(args)
     session = Session(Path(args.artifact), check_files=not args.no_verify, threads=args.threads)
-    codec = TextCodec.for_session(session)
+    codec = TextCodec.from_artifact(session.manifest)
     prompt = codec.chat(args.prompt) if args.chat else args.prompt
     ids = codec.encode(prompt)
     if not ids:

@@ -241,9 +241,9 @@ def test_runtime_runs_without_the_compiler_stack(artifact) -> None:
 
 
 def test_chat_template_renders_in_a_sandbox(artifact, capsys) -> None:
-    from llmc.runtime.generate import TextCodec
+    from llmc.runtime.codec import TextCodec
 
-    codec = TextCodec.for_session(Session(artifact(SPECS["gqa"])))
+    codec = TextCodec.from_artifact(Session(artifact(SPECS["gqa"])).manifest)
     assert codec.chat("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     codec.chat_template = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
     with pytest.raises(LlmcError, match="chat template failed: .*unsafe"):

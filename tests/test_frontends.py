@@ -423,3 +423,14 @@ def test_hf_config_without_tie_flag_is_untied(tmp_path: Path) -> None:
     model = load_model(str(directory))
     assert not model.config.tied_embeddings
     assert "llm.logits %final, %output" in print_module(import_model(model))
+
+
+@pytest.mark.parametrize("text", ["héllo wörld 🙂 in 2018", "the cat\n\n  sat", "日本語のテキスト"])
+def test_streamed_text_equals_the_whole_decode(tiny: Callable[..., Path], text: str) -> None:
+    """Pieces come out only as complete UTF-8, and together they are the full text."""
+    codec = load_model(str(tiny(TinySpec(), "gguf"))).tokenizer
+    ids = codec.encode(text)
+    pieces = list(codec.decode_stream(iter(ids)))
+    assert "".join(pieces) == codec.decode(ids) == text
+    assert not any("\ufffd" in piece for piece in pieces)
+    assert len(pieces) > 1

@@ -56,14 +56,15 @@ def test_compiled_greedy_generation_matches_transformers(smollm2_path, tmp_path)
 
     from llmc.compile import BackendOptions, compile_model
     from llmc.passes.pipeline import CompileOptions
-    from llmc.runtime.generate import TextCodec, generate
+    from llmc.runtime.codec import TextCodec
+    from llmc.runtime.generate import generate
     from llmc.runtime.sampling import SamplingOptions
     from llmc.runtime.session import Session
 
     out = compile_model("smollm2-135m", tmp_path / "a", CompileOptions(max_seq=64, prefill_chunk=4), BackendOptions(),
                         progress=lambda _: None)
     session = Session(out)
-    codec = TextCodec.for_session(session)
+    codec = TextCodec.from_artifact(session.manifest)
     prompt = codec.encode("The capital of France is")
     ours = list(generate(session, codec, prompt, 32, SamplingOptions()))
 

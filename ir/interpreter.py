@@ -17,7 +17,7 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Operation, SSAValue
 
-from llmc.ir import llm
+from llmc.ir import find_function, llm
 from llmc.ir.weights import WeightStore
 
 
@@ -177,13 +177,6 @@ def _silu(op: llm.SiluOp, env: Env, x: np.ndarray) -> np.ndarray:
     return silu(x)
 
 
-def forward_function(module: ModuleOp, name: str = "forward") -> func.FuncOp:
-    for op in module.ops:
-        if isinstance(op, func.FuncOp) and op.sym_name.data == name:
-            return op
-    raise KeyError(f"no function @{name} in the module")
-
-
 def run(function: func.FuncOp, weights: WeightStore, *args: object) -> list[np.ndarray]:
     """Execute `function` on numpy arguments (and a `KVCache`); returns its results."""
     env = Env(weights)
@@ -202,7 +195,7 @@ def run(function: func.FuncOp, weights: WeightStore, *args: object) -> list[np.n
 def forward_logits(module: ModuleOp, weights: WeightStore, tokens: np.ndarray, start: int = 0,
                    cache: KVCache | None = None) -> np.ndarray:
     """Logits of `tokens` placed at positions `start, start+1, …` (a fresh cache by default)."""
-    forward = forward_function(module)
+    forward = find_function(module, "forward")
     cache_type = forward.function_type.inputs.data[2]
     assert isinstance(cache_type, llm.KVCacheType)
     tokens = np.asarray(tokens, dtype=np.int32)

@@ -82,10 +82,9 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
     from llmc.errors import UsageError
     from llmc.frontend import import_model, load_model
     from llmc.frontend.reference import reference_logits, reference_name
-    from llmc.ir import tgt
+    from llmc.ir import find_function, tgt
     from llmc.ir.interpreter import KVCache, forward_logits
     from llmc.ir.tgt_interpreter import run_entry
-    from llmc.passes.base import LlmcPass
     from llmc.passes.pipeline import CompileOptions, run_phase
     from llmc.runtime.session import Session
 
@@ -110,7 +109,7 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
     llm_logits = forward_logits(module, model.weights, tokens)
     for phase in ("split", "group", "lower"):
         run_phase(module, phase, options=options)
-    entries = {name: LlmcPass.function(module, name) for name in ("prefill", "decode")}
+    entries = {name: find_function(module, name) for name in ("prefill", "decode")}
     cache = KVCache.zeros(tgt.dims(entries["decode"].body.block.args[3]))
 
     def tgt_feed(chunk: list[int], start: int) -> np.ndarray:

@@ -43,12 +43,5 @@ class LlmcPass(ModulePass):
         raise NotImplementedError
 
     @staticmethod
-    def function(module: ModuleOp, name: str) -> func.FuncOp:
-        for op in module.ops:
-            if isinstance(op, func.FuncOp) and op.sym_name.data == name:
-                return op
-        raise LlmcError(f"the module has no function @{name}")
-
-    @staticmethod
     def functions(module: ModuleOp) -> list[func.FuncOp]:
         return [op for op in module.ops if isinstance(op, func.FuncOp)]

@@ -29,7 +29,7 @@ from xdsl.dialects.builtin import DYNAMIC_INDEX, IntegerAttr, ModuleOp, StringAt
 from xdsl.ir import Attribute, Block, Region, SSAValue
 
 from llmc.errors import UsageError
-from llmc.ir import llm
+from llmc.ir import find_function, llm
 from llmc.passes.base import LlmcPass
 
 STAGES = ("prefill", "prefill_kv", "decode")
@@ -88,7 +88,7 @@ class SplitPass(LlmcPass):
     max_seq: int = 0  # 0: the model's context length, capped at DEFAULT_MAX_SEQ_CAP
 
     def run(self, ctx: Context, module: ModuleOp) -> None:
-        forward = self.function(module, "forward")
+        forward = find_function(module, "forward")
         cache = forward.function_type.inputs.data[2]
         assert isinstance(cache, llm.KVCacheType)
         layers, kv_heads, context_length, head_dim = cache.shape

@@ -12,7 +12,8 @@ import pytest
 from tiny_models import VOCAB_SIZE, TinySpec
 
 from llmc.frontend import import_model, load_model
-from llmc.ir.interpreter import KVCache, forward_function, forward_logits, run
+from llmc.ir import find_function
+from llmc.ir.interpreter import KVCache, forward_logits, run
 from llmc.ir.llm import KVCacheType
 from llmc.ir.text import parse_module, verify_module
 from llmc.ir.weights import WeightStore
@@ -107,7 +108,7 @@ CACHE_TOLERANCE = dict(rtol=1e-6, atol=1e-5)
 def _model(tiny: Callable[..., Path], spec: TinySpec, form: str):
     model = load_model(str(tiny(spec, form)))
     module = import_model(model)
-    cache_type = forward_function(module).function_type.inputs.data[2]
+    cache_type = find_function(module, "forward").function_type.inputs.data[2]
     assert isinstance(cache_type, KVCacheType)
     return module, model.weights, cache_type
 
@@ -161,7 +162,7 @@ def _run_op(op_line: str, arg_types: list[str], result_type: str, *args: object)
     text = f"func.func @forward({params}) -> {result_type} {{\n  %r = {op_line}\n  func.return %r : {result_type}\n}}\n"
     module = parse_module(text)
     verify_module(module)
-    (out,) = run(forward_function(module), WeightStore(Path("<none>")), *args)
+    (out,) = run(find_function(module, "forward"), WeightStore(Path("<none>")), *args)
     return np.asarray(out)
 
 

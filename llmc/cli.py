@@ -97,15 +97,29 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad options end in one line, like every other llmc error."""
+
+    def error(self, message: str) -> None:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
 def _positive(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
 
 def _non_negative(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
@@ -180,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                             help="load pickle checkpoints (*.bin, *.pt) of a Hugging Face directory, through "
                                  "torch's weights-only loader; without it they are refused")
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="llmc",
         description="llmc: an ahead-of-time compiler for large language models.",
         epilog="Run 'llmc COMMAND --help' for the options of a command.",
@@ -244,9 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--prompt", required=True, help="the prompt text")
     p.add_argument("-n", type=_non_negative, default=128, metavar="N", help="most tokens to generate (default: 128)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: 0)")
-    p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K likeliest (0 = all)")
+    p.add_argument("--top-k", type=_int, default=0, metavar="K", help="sample among the K likeliest (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass in (0, 1] (default: 1)")
-    p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
+    p.add_argument("--seed", type=_int, metavar="S", help="random seed for sampling")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact's files")
     p.add_argument("--threads", type=_positive, metavar="N", help="threads to run on (default: every CPU available)")

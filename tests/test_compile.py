@@ -300,3 +300,16 @@ def test_kernels_swapped_after_the_check_are_not_loaded(artifact, tmp_path) -> N
     kernels.write_bytes(bytes(data))  # swapped between the check and the load
     with pytest.raises(ArtifactError, match="do not match the manifest"):
         load_verified_library(manifest)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["run", "x", "-p", "y", "-n", "-1"], ["compile", "m", "--max-seq", "abc"], ["run"], ["frob"],
+     ["bench", "x", "--threads", "0"]],
+)
+def test_bad_options_are_one_line(argv: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ": error: " in err and "--help" in err

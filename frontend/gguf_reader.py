@@ -56,7 +56,6 @@ class TensorInfo:
     type_name: str
     shape: tuple[int, ...]  # outermost first (GGUF lists dimensions innermost first)
     data: np.ndarray  # uint8 view of the tensor's bytes, rows × row bytes (1-D for vectors)
-    info_offset: int  # where the tensor's entry in the tensor table starts
 
 
 @dataclass(frozen=True)
@@ -272,7 +271,7 @@ def read_gguf(path: Path) -> GGUFFile:
         spans.append((begin, begin + nbytes, name))
         view = data[begin : begin + nbytes]
         shape = tuple(reversed(dims))
-        tensors.append(TensorInfo(name, type_name, shape, view.reshape(rows, row_bytes) if len(dims) > 1 else view, start))
+        tensors.append(TensorInfo(name, type_name, shape, view.reshape(rows, row_bytes) if len(dims) > 1 else view))
     spans.sort()
     for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
         if begin < end:

@@ -16,15 +16,6 @@ from gguf import GGMLQuantizationType, quants
 
 from llmc.ir.llm import Storage
 
-# GGUF block layouts of the quantized storage types: (weights per block, bytes per block).
-BLOCK_LAYOUT: dict[Storage, tuple[int, int]] = {
-    Storage.Q8_0: (32, 34),
-    Storage.Q4_0: (32, 18),
-    Storage.Q4_1: (32, 20),
-    Storage.Q4_K: (256, 144),
-    Storage.Q6_K: (256, 210),
-}
-
 _GGML_TYPE = {
     Storage.Q8_0: GGMLQuantizationType.Q8_0,
     Storage.Q4_0: GGMLQuantizationType.Q4_0,

@@ -91,15 +91,6 @@ def optimize(mod: llvm.ModuleRef, tm: llvm.TargetMachine, level: int = 3) -> Non
     """Run LLVM's default `O<level>` pipeline (new pass manager) on `mod` in place."""
     if level <= 0:
         return
-    if not hasattr(llvm, "create_pass_builder"):  # llvmlite < 0.44: the legacy pass manager
-        pmb = llvm.create_pass_manager_builder()
-        pmb.opt_level = level
-        pmb.loop_vectorize = pmb.slp_vectorize = True
-        pm = llvm.create_module_pass_manager()
-        tm.add_analysis_passes(pm)
-        pmb.populate(pm)
-        pm.run(mod)
-        return
     pto = llvm.create_pipeline_tuning_options(speed_level=level)
     pto.loop_vectorization = True
     pto.slp_vectorization = True

@@ -18,7 +18,7 @@ from llmc.errors import ModelFormatError
 from llmc.frontend import tokenizer as tok
 from llmc.frontend.gguf_reader import GGUFFile, read_gguf
 from llmc.frontend.model import Model, ModelConfig
-from llmc.ir.llm import Storage
+from llmc.ir.formats import GGUF_STORAGE, Storage
 from llmc.ir.weights import Weight, WeightStore
 from llmc.runtime.codec import TextCodec
 
@@ -26,17 +26,8 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 # Architectures whose converter permuted Q/K rows for llama.cpp's interleaved RoPE.
 _PERMUTED_QK = ("llama",)
 
-# GGUF tensor type → storage, and the numpy type of unquantized data
-_STORAGE = {
-    "F32": (Storage.F32, np.float32),
-    "F16": (Storage.F16, np.float16),
-    "BF16": (Storage.BF16, np.uint16),
-    "Q8_0": (Storage.Q8_0, None),
-    "Q4_0": (Storage.Q4_0, None),
-    "Q4_1": (Storage.Q4_1, None),
-    "Q4_K": (Storage.Q4_K, None),
-    "Q6_K": (Storage.Q6_K, None),
-}
+# the numpy type of unquantized GGUF data
+_FLOAT_DTYPES = {Storage.F32: np.float32, Storage.F16: np.float16, Storage.BF16: np.uint16}
 
 
 _KINDS = {
@@ -83,8 +74,12 @@ def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
 def _weights(gguf: GGUFFile, heads: int, kv_heads: int, permuted_qk: bool) -> WeightStore:
     store = WeightStore(gguf.path)
     for t in gguf.tensors:
-        storage, dtype = _STORAGE[t.type_name]
+        if t.type_name not in GGUF_STORAGE:
+            raise ModelFormatError(gguf.path, f"tensor '{t.name}' has type {t.type_name}, which llmc cannot compute "
+                                              f"(it computes {', '.join(GGUF_STORAGE)})")
+        storage = GGUF_STORAGE[t.type_name]
         name = t.name.removesuffix(".weight")
+        dtype = _FLOAT_DTYPES.get(storage)
         data = t.data.view(dtype) if dtype is not None else t.data
         row_order = None
         if permuted_qk and name.endswith((".attn_q", ".attn_k", ".attn_q.bias", ".attn_k.bias")):

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from llmc.errors import ModelFormatError
 
@@ -37,17 +38,9 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _STRING, _ARRAY = 8, 9
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
 
-# ggml tensor types llmc reads: id → (name, weights per block, bytes per block)
-TENSOR_TYPES = {
-    0: ("F32", 1, 4),
-    1: ("F16", 1, 2),
-    2: ("Q4_0", 32, 18),
-    3: ("Q4_1", 32, 20),
-    8: ("Q8_0", 32, 34),
-    12: ("Q4_K", 256, 144),
-    14: ("Q6_K", 256, 210),
-    30: ("BF16", 1, 2),
-}
+# every ggml tensor type: id → (name, weights per block, bytes per block), from the gguf
+# package's constants; which of them llmc computes is the frontend's business
+TENSOR_TYPES = {int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in GGMLQuantizationType if t in GGML_QUANT_SIZES}
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import numpy as np
 
 from llmc.errors import ModelFormatError
 from llmc.frontend.model import Model, ModelConfig
-from llmc.ir.llm import Storage
+from llmc.ir.formats import Storage
 from llmc.ir.weights import Weight, WeightStore
 from llmc.runtime.codec import TextCodec
 

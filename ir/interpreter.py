@@ -18,6 +18,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Operation, SSAValue
 
 from llmc.ir import find_function, llm
+from llmc.ir.formats import integer_matmul, quantize_rows
 from llmc.ir.weights import WeightStore
 
 
@@ -63,7 +64,7 @@ class Env:
 
 @semantics(llm.WeightOp)
 def _weight(op: llm.WeightOp, env: Env) -> np.ndarray:
-    return env.weights.f32(op.sym_name)
+    return env.weights.f32(op.sym_name, op.storage.data)
 
 
 @semantics(llm.EmbeddingOp)
@@ -86,15 +87,49 @@ def _rms_norm(op: llm.RMSNormOp, env: Env, x: np.ndarray, w: np.ndarray) -> np.n
     return rms_norm(x, w, op.eps.value.data)
 
 
+Projection = llm.MatmulOp | llm.LogitsOp | llm.SwigluOp
+
+
+def _operands(op: Projection, values: tuple) -> dict[str, np.ndarray | None]:
+    """The operand values of an op with optional operands, by operand name."""
+    present = iter(values)
+    return {name: (next(present) if getattr(op, name) is not None else None)
+            for name, _ in op.get_irdl_definition().operands}
+
+
+def _product(op: Projection, env: Env, x: np.ndarray, norm: np.ndarray | None, weight: SSAValue,
+             w: np.ndarray) -> np.ndarray:
+    """`x · wᵀ` of a projection: the input normalized when a norm is fused; with `a8`, the
+    input quantized to int8 and multiplied by the weight's codes as the kernels do it."""
+    if norm is not None:
+        x = rms_norm(x, norm, op.eps.value.data)
+    if op.mode is not llm.Compute.A8:
+        return x @ w.T
+    source = weight.owner
+    assert isinstance(source, llm.WeightOp), f"{op.name}: an a8 weight must be an llm.weight"
+    return integer_matmul(*quantize_rows(x), env.weights.quantized(source.sym_name, source.storage.data))
+
+
 @semantics(llm.MatmulOp)
-def _matmul(op: llm.MatmulOp, env: Env, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    y = x @ w.T
-    return y if bias is None else y + bias
+def _matmul(op: llm.MatmulOp, env: Env, *values: np.ndarray) -> np.ndarray:
+    v = _operands(op, values)
+    y = _product(op, env, v["input"], v["norm"], op.weight, v["weight"])
+    if v["bias"] is not None:
+        y = y + v["bias"]
+    return y if v["residual"] is None else v["residual"] + y
 
 
 @semantics(llm.LogitsOp)
-def _logits(op: llm.LogitsOp, env: Env, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    return x @ w.T
+def _logits(op: llm.LogitsOp, env: Env, *values: np.ndarray) -> np.ndarray:
+    v = _operands(op, values)
+    return _product(op, env, v["input"], v["norm"], op.weight, v["weight"])
+
+
+@semantics(llm.SwigluOp)
+def _swiglu(op: llm.SwigluOp, env: Env, *values: np.ndarray) -> np.ndarray:
+    v = _operands(op, values)
+    gate = _product(op, env, v["input"], v["norm"], op.gate, v["gate"])
+    return silu(gate) * _product(op, env, v["input"], v["norm"], op.up, v["up"])
 
 
 @semantics(llm.ReshapeOp)
@@ -154,6 +189,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray
 def _attention(
     op: llm.AttentionOp, env: Env, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, cache: KVCache
 ) -> np.ndarray:
+    if op.rope is not None:
+        q, k = rope(q, positions, op.rope.value.data), rope(k, positions, op.rope.value.data)
     return attention(q, k, v, positions, cache, op.layer.value.data)
 
 

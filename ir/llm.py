@@ -15,6 +15,11 @@ func.func @forward(%tokens: tensor<?xi32>, %pos: tensor<?xi32>,
 }
 ```
 
+After `quantize`, every weight names its storage type and every matmul its compute
+mode (`a32`: float activations; `a8`: activations quantized to int8 per 32 values).
+After `group`, fused forms (`llm.swiglu`, matmuls with a `norm` prologue or a
+`residual` to add, attention with `rope`) say which ops become one kernel.
+
 Conventions: weight matrices are `[out, in]` (as stored by GGUF and Hugging Face), so
 `llm.matmul %x, %w` is `x · wᵀ`; RoPE rotates the two halves of each head
 (the Hugging Face / NeoX convention; the GGUF frontend undoes llama.cpp's row
@@ -51,12 +56,14 @@ from xdsl.ir import (
 )
 from xdsl.irdl import (
     AnyAttr,
+    AttrSizedOperandSegments,
     IRDLOperation,
     VarConstraint,
     irdl_attr_definition,
     irdl_op_definition,
     operand_def,
     opt_operand_def,
+    opt_prop_def,
     param_def,
     prop_def,
     result_def,
@@ -67,30 +74,38 @@ from xdsl.printer import Printer
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
+from llmc.ir.formats import Storage
+
 f32 = Float32Type()
 
 
 # --------------------------------------------------------------------------- types
 
 
-class Storage(StrEnum):
-    """How a weight is stored in the model file (and, after `quantize`, in the artifact)."""
+@irdl_attr_definition
+class StorageAttr(EnumAttribute[Storage], SpacedOpaqueSyntaxAttribute):
+    """A weight's storage format: `#llm<storage q4_1>` (just `q4_1` inside `llm.weight`).
 
-    F32 = "f32"
-    F16 = "f16"
-    BF16 = "bf16"
-    Q8_0 = "q8_0"
-    Q4_0 = "q4_0"
-    Q4_1 = "q4_1"
-    Q4_K = "q4_k"
-    Q6_K = "q6_k"
+    The formats and their meaning are the block-format table, `llmc.ir.formats`.
+    """
+
+    name = "llm.storage"
+
+
+class Compute(StrEnum):
+    """How a matmul computes: `a32` reads float activations (weights dequantized in
+    registers); `a8` reads activations quantized to int8 per 32 values, so the inner
+    loop is integer dot products."""
+
+    A32 = "a32"
+    A8 = "a8"
 
 
 @irdl_attr_definition
-class StorageAttr(EnumAttribute[Storage], SpacedOpaqueSyntaxAttribute):
-    """A weight's storage format: `#llm<storage q4_1>` (just `q4_1` inside `llm.weight`)."""
+class ComputeAttr(EnumAttribute[Compute], SpacedOpaqueSyntaxAttribute):
+    """A matmul's compute mode: `#llm<compute a8>` (just `compute a8` inside the op)."""
 
-    name = "llm.storage"
+    name = "llm.compute"
 
 
 @irdl_attr_definition
@@ -274,13 +289,48 @@ class RMSNormOp(IRDLOperation, _ShapeChecks):
         self._same("normalized width (input vs weight)", x[-1], d)
 
 
+class _Projection(IRDLOperation, _ShapeChecks):
+    """What the ops that multiply by a weight matrix share: a compute mode set by
+    `quantize`, and a fused RMSNorm prologue that `group` may add (`norm %g eps E`:
+    the input is RMS-normalized with weight `g` first)."""
+
+    compute = opt_prop_def(ComputeAttr)
+
+    @property
+    def mode(self) -> Compute:
+        """The compute mode (`a32` until `quantize` chooses)."""
+        return self.compute.data if self.compute is not None else Compute.A32
+
+    def _verify_norm(self, k: int | None) -> None:
+        norm = getattr(self, "norm")
+        if norm is not None:
+            (d,) = self._rank("norm weight", norm, 1)
+            self._same("reduction dimension (input vs norm)", k, d)
+        if (norm is None) != (getattr(self, "eps") is None):
+            self._fail("'norm' and 'eps' go together")
+
+
+def _norm_props(eps: float | None, compute: Compute | None) -> dict[str, Attribute]:
+    props: dict[str, Attribute] = {}
+    if eps is not None:
+        props["eps"] = FloatAttr(eps, f32)
+    if compute is not None:
+        props["compute"] = ComputeAttr(compute)
+    return props
+
+
 @irdl_op_definition
-class MatmulOp(IRDLOperation, _ShapeChecks):
+class MatmulOp(_Projection):
     """Activations times a transposed weight, plus an optional bias: `x · wᵀ + b`.
 
     ```mlir
     %q = llm.matmul %h, %wq : (tensor<?x576xf32>, tensor<576x576xf32>) -> tensor<?x576xf32>
-    %k = llm.matmul %h, %wk bias %bk : (tensor<?x896xf32>, tensor<128x896xf32>, tensor<128xf32>) -> tensor<?x128xf32>
+    %k = llm.matmul %h, %wk bias %bk compute a8 : (tensor<?x896xf32>, tensor<128x896xf32>, tensor<128xf32>) -> tensor<?x128xf32>
+    ```
+    After `group`: `norm %g eps E` normalizes the input first, and `residual %r` adds
+    the product to `r` (a residual connection, updated in place by the kernel):
+    ```mlir
+    %x1 = llm.matmul %a, %wo residual %x compute a8 : (tensor<?x576xf32>, tensor<576x576xf32> residual tensor<?x576xf32>) -> tensor<?x576xf32>
     ```
     """
 
@@ -288,17 +338,27 @@ class MatmulOp(IRDLOperation, _ShapeChecks):
     input = operand_def(TensorType)
     weight = operand_def(TensorType)
     bias = opt_operand_def(TensorType)
+    norm = opt_operand_def(TensorType)
+    residual = opt_operand_def(TensorType)
+    eps = opt_prop_def(FloatAttr[Float32Type])
     result = result_def(TensorType)
     traits = traits_def(Pure())
+    irdl_options = (AttrSizedOperandSegments(as_property=True),)
     assembly_format = (
-        "$input `,` $weight (`bias` $bias^)? attr-dict `:` "
-        "`(` type($input) `,` type($weight) (`,` type($bias)^)? `)` `->` type($result)"
+        "$input `,` $weight (`bias` $bias^)? (`norm` $norm^ `eps` $eps)? (`residual` $residual^)? "
+        "(`compute` $compute^)? attr-dict `:` `(` type($input) `,` type($weight) (`,` type($bias)^)? "
+        "(`norm` type($norm)^)? (`residual` type($residual)^)? `)` `->` type($result)"
     )
 
-    def __init__(self, x: SSAValue, weight: SSAValue, bias: SSAValue | None = None):
+    def __init__(self, x: SSAValue, weight: SSAValue, bias: SSAValue | None = None, *, norm: SSAValue | None = None,
+                 eps: float | None = None, residual: SSAValue | None = None, compute: Compute | None = None):
         t = shape_of(x)[0]
         n = shape_of(weight)[0]
-        super().__init__(operands=[x, weight, [bias] if bias else []], result_types=[tensor(t, n)])
+        super().__init__(
+            operands=[x, weight, [bias] if bias else [], [norm] if norm else [], [residual] if residual else []],
+            properties=_norm_props(eps if norm is not None else None, compute),
+            result_types=[tensor(t, n)],
+        )
 
     def verify_(self) -> None:
         t, k = self._rank("input", self.input, 2)
@@ -310,28 +370,40 @@ class MatmulOp(IRDLOperation, _ShapeChecks):
         if self.bias is not None:
             (b,) = self._rank("bias", self.bias, 1)
             self._same("output width (weight vs bias)", n, b)
+        if self.residual is not None and self.residual.type != self.result.type:
+            self._fail(f"residual type {self.residual.type} must equal the result type {self.result.type}")
+        self._verify_norm(k)
 
 
 @irdl_op_definition
-class LogitsOp(IRDLOperation, _ShapeChecks):
+class LogitsOp(_Projection):
     """The language-model head: next-token scores over the vocabulary, `x · wᵀ`.
 
     A separate op from `llm.matmul` so that later phases can find the head (decode
     only needs its last row; it is the widest matmul of the model).
     ```mlir
     %logits = llm.logits %h, %token_embd : (tensor<?x576xf32>, tensor<49152x576xf32>) -> tensor<?x49152xf32>
+    %logits = llm.logits %last, %token_embd norm %g eps 1.000000e-05 : (tensor<1x576xf32>, tensor<49152x576xf32> norm tensor<576xf32>) -> tensor<1x49152xf32>
     ```
     """
 
     name = "llm.logits"
     input = operand_def(TensorType)
     weight = operand_def(TensorType)
+    norm = opt_operand_def(TensorType)
+    eps = opt_prop_def(FloatAttr[Float32Type])
     result = result_def(TensorType)
     traits = traits_def(Pure())
-    assembly_format = "$input `,` $weight attr-dict `:` `(` type($input) `,` type($weight) `)` `->` type($result)"
+    assembly_format = (
+        "$input `,` $weight (`norm` $norm^ `eps` $eps)? (`compute` $compute^)? attr-dict `:` "
+        "`(` type($input) `,` type($weight) (`norm` type($norm)^)? `)` `->` type($result)"
+    )
 
-    def __init__(self, x: SSAValue, weight: SSAValue):
-        super().__init__(operands=[x, weight], result_types=[tensor(shape_of(x)[0], shape_of(weight)[0])])
+    def __init__(self, x: SSAValue, weight: SSAValue, *, norm: SSAValue | None = None, eps: float | None = None,
+                 compute: Compute | None = None):
+        super().__init__(operands=[x, weight, [norm] if norm else []],
+                         properties=_norm_props(eps if norm is not None else None, compute),
+                         result_types=[tensor(shape_of(x)[0], shape_of(weight)[0])])
 
     def verify_(self) -> None:
         t, k = self._rank("input", self.input, 2)
@@ -340,6 +412,46 @@ class LogitsOp(IRDLOperation, _ShapeChecks):
         self._same("hidden width (input vs weight)", k, wk)
         self._same("token count (input vs result)", t, rt)
         self._same("vocabulary size (weight vs result)", v, rv)
+        self._verify_norm(k)
+
+
+@irdl_op_definition
+class SwigluOp(_Projection):
+    """The gated feed-forward input, fused by `group`: `silu(x · w_gateᵀ) * (x · w_upᵀ)`.
+
+    ```mlir
+    %h = llm.swiglu %x, %wg, %wu compute a8 : (tensor<?x576xf32>, tensor<1536x576xf32>, tensor<1536x576xf32>) -> tensor<?x1536xf32>
+    ```
+    """
+
+    name = "llm.swiglu"
+    input = operand_def(TensorType)
+    gate = operand_def(TensorType)
+    up = operand_def(TensorType)
+    norm = opt_operand_def(TensorType)
+    eps = opt_prop_def(FloatAttr[Float32Type])
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    assembly_format = (
+        "$input `,` $gate `,` $up (`norm` $norm^ `eps` $eps)? (`compute` $compute^)? attr-dict `:` "
+        "`(` type($input) `,` type($gate) `,` type($up) (`norm` type($norm)^)? `)` `->` type($result)"
+    )
+
+    def __init__(self, x: SSAValue, gate: SSAValue, up: SSAValue, *, norm: SSAValue | None = None,
+                 eps: float | None = None, compute: Compute | None = None):
+        super().__init__(operands=[x, gate, up, [norm] if norm else []],
+                         properties=_norm_props(eps if norm is not None else None, compute),
+                         result_types=[tensor(shape_of(x)[0], shape_of(gate)[0])])
+
+    def verify_(self) -> None:
+        t, k = self._rank("input", self.input, 2)
+        n, gk = self._rank("gate", self.gate, 2)
+        self._same("gate vs up shape", (n, gk), shape_of(self.up))
+        self._same("reduction dimension (input vs gate)", k, gk)
+        rt, rn = self._rank("result", self.result, 2)
+        self._same("token count (input vs result)", t, rt)
+        self._same("output width (gate vs result)", n, rn)
+        self._verify_norm(k)
 
 
 @irdl_op_definition
@@ -410,7 +522,8 @@ class AttentionOp(IRDLOperation, _ShapeChecks):
 
     Writes `k` and `v` into the cache rows of layer `layer` at `positions`, then each
     query attends to the cached rows `0..position` of its KV head
-    (`kv_head = head / (heads / kv_heads)`), scaled by `1/sqrt(head_dim)`.
+    (`kv_head = head / (heads / kv_heads)`), scaled by `1/sqrt(head_dim)`. With
+    `rope T` (fused by `group`), `q` and `k` are rotated first as `llm.rope` would.
     ```mlir
     %a = llm.attention %q, %k, %v, %pos, %kv layer 0 : (tensor<?x9x64xf32>, tensor<?x3x64xf32>,
            tensor<?x3x64xf32>, tensor<?xi32>, !llm.kv_cache<30x3x8192x64xf32>) -> tensor<?x9x64xf32>
@@ -425,19 +538,20 @@ class AttentionOp(IRDLOperation, _ShapeChecks):
     positions = operand_def(TensorType)
     kv_cache = operand_def(KVCacheType)
     layer = prop_def(IntegerAttr[I64])
+    rope = opt_prop_def(FloatAttr[Float32Type])
     result = result_def(TensorType)
     assembly_format = (
-        "$query `,` $key `,` $value `,` $positions `,` $kv_cache `layer` $layer attr-dict `:` "
+        "$query `,` $key `,` $value `,` $positions `,` $kv_cache `layer` $layer (`rope` $rope^)? attr-dict `:` "
         "`(` type($query) `,` type($key) `,` type($value) `,` type($positions) `,` type($kv_cache) `)` "
         "`->` type($result)"
     )
 
-    def __init__(self, q: SSAValue, k: SSAValue, v: SSAValue, positions: SSAValue, kv_cache: SSAValue, layer: int):
-        super().__init__(
-            operands=[q, k, v, positions, kv_cache],
-            properties={"layer": IntegerAttr(layer, i64)},
-            result_types=[q.type],
-        )
+    def __init__(self, q: SSAValue, k: SSAValue, v: SSAValue, positions: SSAValue, kv_cache: SSAValue, layer: int,
+                 rope: float | None = None):
+        props: dict[str, Attribute] = {"layer": IntegerAttr(layer, i64)}
+        if rope is not None:
+            props["rope"] = FloatAttr(rope, f32)
+        super().__init__(operands=[q, k, v, positions, kv_cache], properties=props, result_types=[q.type])
 
     def verify_(self) -> None:
         t, h, d = self._rank("query", self.query, 3)
@@ -548,8 +662,8 @@ class SiluOp(IRDLOperation, _ShapeChecks):
 LLM = Dialect(
     "llm",
     [
-        WeightOp, EmbeddingOp, RMSNormOp, MatmulOp, LogitsOp, ReshapeOp, RopeOp, AttentionOp, LastTokenOp,
-        AddOp, MulOp, SiluOp,
+        WeightOp, EmbeddingOp, RMSNormOp, MatmulOp, LogitsOp, SwigluOp, ReshapeOp, RopeOp, AttentionOp,
+        LastTokenOp, AddOp, MulOp, SiluOp,
     ],
-    [StorageAttr, KVCacheType],
+    [StorageAttr, ComputeAttr, KVCacheType],
 )

@@ -1,96 +1,323 @@
-"""The `tgt` dialect: kernels over explicit buffers, what a backend emits code for.
+"""The `tgt` dialect: kernels over typed buffers, what a backend emits code for.
 
-One `tgt` function is one entry point (`prefill`, `prefill_kv`, `decode`). Its ops are
-kernels in destination-passing style: each reads buffers and writes a buffer; none
-returns a value. Activations live in one arena per entry point (`tgt.alloc`, placed by
-the `plan-memory` pass), weights are symbols into the weight store (`tgt.weight`), the
-KV cache and the logits are arguments. The same kernels serve every backend: their
-shapes are static except the row count `%n` (tokens in this call, ≤ `tgt.max_tokens`),
-and the position of the first row is `%start`.
+One `tgt` function is one entry point (`prefill`, `prefill_kv`, `decode`, `score`).
+Its ops are kernels in destination-passing style: each reads buffers and writes a
+buffer; none returns a value. Types say what the bytes are:
+
+- `memref<128x576xf32>`: float activations (and the KV cache, the logits);
+- `!tgt.qrows<128x576>`: activation rows quantized to int8 per 32 values, with their
+  scales and sums (`llmc.ir.layouts`), written by the kernel that produces them and read
+  by integer (`a8`) matmuls;
+- `!tgt.weight<576x576, q4_1, split>`: a weight of the artifact in a storage type
+  (`llmc.ir.formats`) and a layout (`stored` as in the model file, or `split`, chosen
+  for the target by the `pack` pass).
+
+Activations live in one arena per entry point (`tgt.alloc`, placed by `plan-memory`),
+weights are symbols into the artifact's weight file (`tgt.weight`), the KV cache and
+the logits are arguments. Shapes are static except the row count `%n` (tokens in this
+call, ≤ `tgt.max_tokens`); row `t` is at position `%start + t`. The module carries the
+target (`tgt.target`), set before any phase runs.
 
 ```mlir
-func.func @decode(%tokens: memref<1xi32>, %n: index, %start: index,
-                  %k_cache: memref<30x3x4096x64xf32>, %v_cache: memref<30x3x4096x64xf32>,
-                  %logits: memref<1x49152xf32>)
-    attributes {llm.stage = "decode", tgt.arena_bytes = 18432 : i64,
-                tgt.kv_layout = "layer,kv_head,position,dim", tgt.max_tokens = 1 : i64} {
-  %x = tgt.alloc offset 0 : memref<1x576xf32>
-  %token_embd = tgt.weight @token_embd f32 : memref<49152x576xf32>
-  tgt.embedding %tokens, %token_embd -> %x rows %n : memref<1xi32>, memref<49152x576xf32> -> memref<1x576xf32>
-  %wq = tgt.weight @blk.0.attn_q f32 : memref<576x576xf32>
-  tgt.matmul %x, %wq -> %q rows %n norm %g eps 1.000000e-05 : memref<1x576xf32>, memref<576x576xf32> norm memref<576xf32> -> memref<1x576xf32>
-  ...
-}
+builtin.module attributes {tgt.target = #tgt.target<cpu, "x86_64", "sapphirerapids", ["avx2", "avx512vnni"]>} {
+  func.func @decode(%tokens: memref<1xi32>, %n: index, %start: index, %k_cache: memref<30x3x4096x64xf32>,
+                    %v_cache: memref<30x3x4096x64xf32>, %logits: memref<1x49152xf32>) attributes {...} {
+    %x = tgt.alloc offset 0 : memref<1x576xf32>
+    %h = tgt.alloc offset 2304 : !tgt.qrows<1x576>
+    %wn = tgt.weight @blk.0.attn_norm : !tgt.weight<576, f32, stored>
+    tgt.rms_norm %x, %wn -> %h rows %n eps 1.000000e-05 : memref<1x576xf32>, !tgt.weight<576, f32, stored> -> !tgt.qrows<1x576>
+    %wq = tgt.weight @blk.0.attn_q : !tgt.weight<576x576, q4_1, split>
+    tgt.matmul %h, %wq -> %q rows %n isa vnni512 : !tgt.qrows<1x576>, !tgt.weight<576x576, q4_1, split> -> memref<1x576xf32>
+    ...
 ```
+
+A kernel's definition is its ABI: the operands it declares, in order, are the
+arguments of its compiled function (`Kernel.abi`); the tgt interpreter, the CPU call
+sites and the packager all read that one definition.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from enum import StrEnum
 from typing import ClassVar
 
 from xdsl.dialects.builtin import (
     I64,
+    ArrayAttr,
     Float32Type,
     FloatAttr,
     IndexType,
+    IntAttr,
     IntegerAttr,
     MemRefType,
+    StringAttr,
     SymbolRefAttr,
     UnitAttr,
     i64,
 )
-from xdsl.ir import Attribute, Dialect, SSAValue
+from xdsl.dialects.utils.enum_attribute import EnumAttribute
+from xdsl.ir import Attribute, Dialect, ParametrizedAttribute, SpacedOpaqueSyntaxAttribute, SSAValue, TypeAttribute
 from xdsl.irdl import (
+    AnyOf,
     AttrSizedOperandSegments,
     BaseAttr,
     IRDLOperation,
     VarConstraint,
+    irdl_attr_definition,
     irdl_op_definition,
     operand_def,
     opt_operand_def,
     opt_prop_def,
+    param_def,
     prop_def,
     result_def,
     traits_def,
 )
+from xdsl.parser import AttrParser
+from xdsl.printer import Printer
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
-from llmc.ir.llm import Storage, StorageAttr
+from llmc.ir.formats import FORMATS, Storage
+from llmc.ir.layouts import Layout, qrows_nbytes, weight_nbytes
 
 f32 = Float32Type()
 KV_LAYOUT = "layer,kv_head,position,dim"
+
+
+# ------------------------------------------------------------------ the target
+
+
+@irdl_attr_definition
+class TargetAttr(ParametrizedAttribute):
+    """What the code is for: `#tgt.target<cpu, "x86_64", "sapphirerapids", ["avx2", "avx512vnni", …]>`.
+
+    `kind` is `cpu` (later `cuda`), `arch` the architecture, `name` the CPU (or GPU)
+    name, `features` the features that change the passes' choices. Set on the module as
+    `tgt.target` before any phase runs; passes choose from it, codegen builds for it.
+    """
+
+    name = "tgt.target"
+    kind: StringAttr = param_def(StringAttr)
+    arch: StringAttr = param_def(StringAttr)
+    cpu: StringAttr = param_def(StringAttr)
+    feature_list: ArrayAttr[StringAttr] = param_def(ArrayAttr[StringAttr])
+
+    def __init__(self, kind: str, arch: str, cpu: str, features: Sequence[str]):
+        super().__init__(StringAttr(kind), StringAttr(arch), StringAttr(cpu),
+                         ArrayAttr([StringAttr(f) for f in sorted(set(features))]))
+
+    @property
+    def features(self) -> frozenset[str]:
+        return frozenset(f.data for f in self.feature_list.data)
+
+    def has(self, *features: str) -> bool:
+        return all(f in self.features for f in features)
+
+    def print_parameters(self, printer: Printer) -> None:
+        feats = ", ".join(f'"{f.data}"' for f in self.feature_list.data)
+        printer.print_string(f'<{self.kind.data}, "{self.arch.data}", "{self.cpu.data}", [{feats}]>')
+
+    @classmethod
+    def parse_parameters(cls, parser: AttrParser) -> Sequence[Attribute]:
+        parser.parse_punctuation("<")
+        kind = parser.parse_identifier()
+        parser.parse_punctuation(",")
+        arch = parser.parse_str_literal()
+        parser.parse_punctuation(",")
+        cpu = parser.parse_str_literal()
+        parser.parse_punctuation(",")
+        feats = parser.parse_comma_separated_list(parser.Delimiter.SQUARE, parser.parse_str_literal)
+        parser.parse_punctuation(">")
+        return (StringAttr(kind), StringAttr(arch), StringAttr(cpu), ArrayAttr([StringAttr(f) for f in feats]))
+
+
+TARGET = "tgt.target"
+
+
+# ------------------------------------------------------------------ types
+
+
+class Isa(StrEnum):
+    """The integer dot product an `a8` kernel is built on, chosen by `pack` from the target."""
+
+    VNNI512 = "vnni512"  # AVX-512 VNNI vpdpbusd on 512-bit vectors
+    VNNI256 = "vnni256"  # AVX-VNNI vpdpbusd on 256-bit vectors
+    AVX2 = "avx2"  # pmaddubsw + pmaddwd
+    GENERIC = "generic"  # plain widening multiplies, any target
+
+
+@irdl_attr_definition
+class IsaAttr(EnumAttribute[Isa], SpacedOpaqueSyntaxAttribute):
+    """`#tgt<isa vnni512>` (just `isa vnni512` inside a kernel)."""
+
+    name = "tgt.isa"
+
+
+@irdl_attr_definition
+class LayoutAttr(EnumAttribute[Layout], SpacedOpaqueSyntaxAttribute):
+    """A weight layout: `stored` or `split` (`llmc.ir.layouts`)."""
+
+    name = "tgt.layout"
+
+
+@irdl_attr_definition
+class StorageType(EnumAttribute[Storage], SpacedOpaqueSyntaxAttribute):
+    """A storage type inside `!tgt.weight` (the `llm` dialect's storage names)."""
+
+    name = "tgt.storage"
+
+
+def _parse_dims(parser: AttrParser) -> list[int]:
+    pos = parser.pos
+    dims = parser.parse_dimension_list()
+    if not dims or any(d < 1 for d in dims):
+        parser.raise_error("expected static positive dimensions such as 576x576", pos)
+    return dims
+
+
+@irdl_attr_definition
+class WeightType(ParametrizedAttribute, TypeAttribute):
+    """A weight in the artifact: `!tgt.weight<576x576, q4_1, split>` (shape, storage, layout)."""
+
+    name = "tgt.weight"
+    dims: ArrayAttr[IntAttr] = param_def(ArrayAttr[IntAttr])
+    storage_attr: StorageType = param_def(StorageType)
+    layout_attr: LayoutAttr = param_def(LayoutAttr)
+
+    def __init__(self, shape: Sequence[int], storage: Storage, layout: Layout = Layout.STORED):
+        super().__init__(ArrayAttr([IntAttr(d) for d in shape]), StorageType(storage), LayoutAttr(layout))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(d.data for d in self.dims.data)
+
+    @property
+    def storage(self) -> Storage:
+        return self.storage_attr.data
+
+    @property
+    def layout(self) -> Layout:
+        return self.layout_attr.data
+
+    @property
+    def nbytes(self) -> int:
+        return weight_nbytes(self.storage, self.layout, self.shape)
+
+    def print_parameters(self, printer: Printer) -> None:
+        printer.print_string(f"<{'x'.join(map(str, self.shape))}, {self.storage.value}, {self.layout.value}>")
+
+    @classmethod
+    def parse_parameters(cls, parser: AttrParser) -> Sequence[Attribute]:
+        parser.parse_punctuation("<")
+        dims = _parse_dims(parser)
+        parser.parse_punctuation(",")
+        pos = parser.pos
+        storage, layout = parser.parse_identifier(), None
+        parser.parse_punctuation(",")
+        layout = parser.parse_identifier()
+        parser.parse_punctuation(">")
+        try:
+            return (ArrayAttr([IntAttr(d) for d in dims]), StorageType(Storage(storage)), LayoutAttr(Layout(layout)))
+        except ValueError as e:
+            parser.raise_error(f"!tgt.weight: {e}", pos)
+
+    def verify(self) -> None:
+        fmt = FORMATS[self.storage]
+        if not fmt.is_float and len(self.shape) != 2:
+            raise VerifyException(f"!tgt.weight: a {self.storage} weight must be a matrix, got {self.shape}")
+        if not fmt.fits(self.shape[-1]):
+            raise VerifyException(f"!tgt.weight: rows of {self.shape[-1]} are not whole {self.storage} blocks")
+        if self.layout is Layout.SPLIT and fmt.is_float:
+            raise VerifyException(f"!tgt.weight: the split layout is for integer formats, not {self.storage}")
+
+
+@irdl_attr_definition
+class QRowsType(ParametrizedAttribute, TypeAttribute):
+    """Activation rows quantized to int8 per 32 values: `!tgt.qrows<128x576>` (rows x width)."""
+
+    name = "tgt.qrows"
+    row_count: IntAttr = param_def(IntAttr)
+    width_attr: IntAttr = param_def(IntAttr)
+
+    def __init__(self, rows: int, width: int):
+        super().__init__(IntAttr(rows), IntAttr(width))
+
+    @property
+    def rows(self) -> int:
+        return self.row_count.data
+
+    @property
+    def width(self) -> int:
+        return self.width_attr.data
+
+    @property
+    def nbytes(self) -> int:
+        return qrows_nbytes(self.rows, self.width)
+
+    def print_parameters(self, printer: Printer) -> None:
+        printer.print_string(f"<{self.rows}x{self.width}>")
+
+    @classmethod
+    def parse_parameters(cls, parser: AttrParser) -> Sequence[Attribute]:
+        parser.parse_punctuation("<")
+        pos = parser.pos
+        dims = _parse_dims(parser)
+        if len(dims) != 2:
+            parser.raise_error("!tgt.qrows needs rows x width", pos)
+        parser.parse_punctuation(">")
+        return (IntAttr(dims[0]), IntAttr(dims[1]))
+
+    def verify(self) -> None:
+        if self.width % 32:
+            raise VerifyException(f"!tgt.qrows: width {self.width} is not a multiple of 32")
 
 
 def memref(*shape: int, element_type: Attribute = f32) -> MemRefType:
     return MemRefType(element_type, list(shape))
 
 
-def dims(value: SSAValue) -> tuple[int, ...]:
-    t = value.type
-    if not isinstance(t, MemRefType):
-        raise VerifyException(f"expected a memref, got {t}")
-    return tuple(t.get_shape())
+def dims(value: SSAValue | Attribute) -> tuple[int, ...]:
+    """The shape of a buffer: memref dimensions, `(rows, width)` of qrows, a weight's shape."""
+    t = value.type if isinstance(value, SSAValue) else value
+    if isinstance(t, MemRefType):
+        return tuple(t.get_shape())
+    if isinstance(t, QRowsType):
+        return (t.rows, t.width)
+    if isinstance(t, WeightType):
+        return t.shape
+    raise VerifyException(f"expected a buffer, got {t}")
 
 
-class _Kernel(IRDLOperation):
-    """Verifier helpers for kernels: messages name the op and the dimensions."""
+def row_width(value: SSAValue) -> int:
+    return math.prod(dims(value)[1:])
 
-    def _fail(self, message: str) -> None:
-        raise VerifyException(f"{self.name}: {message}")
 
-    def _same(self, what: str, a: int, b: int) -> None:
-        if a != b:
-            self._fail(f"{what} mismatch: {a} vs {b}")
+def nbytes(t: Attribute) -> int:
+    """Bytes of a buffer type."""
+    if isinstance(t, MemRefType):
+        return math.prod(t.get_shape()) * 4
+    if isinstance(t, (QRowsType, WeightType)):
+        return t.nbytes
+    raise VerifyException(f"expected a buffer type, got {t}")
 
-    def _row_width(self, what: str, value: SSAValue) -> int:
-        shape = dims(value)
-        if len(shape) < 2:
-            self._fail(f"{what} must be [rows, ...], got {value.type}")
-        width = 1
-        for d in shape[1:]:
-            width *= d
-        return width
+
+def per_row(t: Attribute) -> str:
+    """A row buffer's type without its number of rows: `memref<?x576xf32>`, `!tgt.qrows<?x576>`."""
+    if isinstance(t, MemRefType):
+        return f"memref<?x{'x'.join(map(str, t.get_shape()[1:]))}x{t.element_type}>"
+    if isinstance(t, QRowsType):
+        return f"!tgt.qrows<?x{t.width}>"
+    return str(t)
+
+
+def is_quantized(value: SSAValue) -> bool:
+    return isinstance(value.type, QRowsType)
+
+
+Activations = AnyOf((BaseAttr(MemRefType), BaseAttr(QRowsType)))
 
 
 # ------------------------------------------------------------------ buffers
@@ -102,29 +329,27 @@ class AllocOp(IRDLOperation):
 
     ```mlir
     %x = tgt.alloc offset 2304 : memref<128x576xf32>
+    %h = tgt.alloc offset 0 : !tgt.qrows<128x576>
     ```
     """
 
     name = "tgt.alloc"
     offset = opt_prop_def(IntegerAttr[I64])
-    result = result_def(MemRefType)
+    result = result_def(Activations)
     traits = traits_def(Pure())
     assembly_format = "(`offset` $offset^)? attr-dict `:` type($result)"
 
-    def __init__(self, shape: tuple[int, ...]):
-        super().__init__(result_types=[memref(*shape)])
+    def __init__(self, result_type: Attribute):
+        super().__init__(result_types=[result_type])
 
     @property
     def nbytes(self) -> int:
-        size = 4
-        for d in dims(self.result):
-            size *= d
-        return size
+        return nbytes(self.result.type)
 
 
 @irdl_op_definition
 class ViewOp(IRDLOperation):
-    """The same buffer in another shape (what `llm.reshape` becomes).
+    """The same float buffer in another shape (what `llm.reshape` becomes).
 
     ```mlir
     %q_heads = tgt.view %q : memref<128x576xf32> -> memref<128x9x64xf32>
@@ -142,59 +367,132 @@ class ViewOp(IRDLOperation):
 
     def verify_(self) -> None:
         a, b = dims(self.source), dims(self.result)
-        if a[0] != b[0] or _count(a) != _count(b):
+        if a[0] != b[0] or math.prod(a) != math.prod(b):
             raise VerifyException(f"tgt.view: {self.source.type} and {self.result.type} differ in rows or elements")
 
 
-def _count(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+@irdl_op_definition
+class SubviewOp(IRDLOperation):
+    """One entry of a buffer's leading dimension, e.g. one layer of the KV cache.
+
+    ```mlir
+    %k_cache_3 = tgt.subview %k_cache[3] : memref<30x3x4096x64xf32> -> memref<3x4096x64xf32>
+    ```
+    """
+
+    name = "tgt.subview"
+    source = operand_def(MemRefType)
+    index = prop_def(IntegerAttr[I64])
+    result = result_def(MemRefType)
+    traits = traits_def(Pure())
+    assembly_format = "$source `[` $index `]` attr-dict `:` type($source) `->` type($result)"
+
+    def __init__(self, source: SSAValue, index: int):
+        super().__init__(operands=[source], properties={"index": IntegerAttr(index, i64)},
+                         result_types=[memref(*dims(source)[1:])])
+
+    @property
+    def byte_offset(self) -> int:
+        return self.index.value.data * math.prod(dims(self.result)) * 4
+
+    def verify_(self) -> None:
+        src, dst = dims(self.source), dims(self.result)
+        if src[1:] != dst or not 0 <= self.index.value.data < src[0]:
+            raise VerifyException(f"tgt.subview: [{self.index.value.data}] of {self.source.type} is not {self.result.type}")
 
 
 @irdl_op_definition
 class WeightOp(IRDLOperation):
-    """A weight of the artifact's weight file, by symbol, in the storage the kernels read.
+    """A weight of the artifact's weight file, by symbol; its type says storage and layout.
 
     ```mlir
-    %wq = tgt.weight @blk.0.attn_q f32 : memref<576x576xf32>
+    %wq = tgt.weight @blk.0.attn_q : !tgt.weight<576x576, q4_1, split>
     ```
     """
 
     name = "tgt.weight"
     sym = prop_def(SymbolRefAttr)
-    storage = prop_def(StorageAttr)
-    result = result_def(MemRefType)
+    result = result_def(WeightType)
     traits = traits_def(Pure())
-    assembly_format = "$sym $storage attr-dict `:` type($result)"
+    assembly_format = "$sym attr-dict `:` type($result)"
 
-    def __init__(self, sym: str, storage: Storage, shape: tuple[int, ...]):
-        super().__init__(
-            properties={"sym": SymbolRefAttr(sym), "storage": StorageAttr(storage)}, result_types=[memref(*shape)]
-        )
+    def __init__(self, sym: str, weight_type: WeightType):
+        super().__init__(properties={"sym": SymbolRefAttr(sym)}, result_types=[weight_type])
         self.result.name_hint = sym.replace(".", "_")
 
     @property
     def sym_name(self) -> str:
         return self.sym.root_reference.data
 
+    @property
+    def weight_type(self) -> WeightType:
+        assert isinstance(self.result.type, WeightType)
+        return self.result.type
+
 
 # ------------------------------------------------------------------ kernels
 
 
+class Kernel(IRDLOperation):
+    """A kernel: its declared operands, in order, are the arguments of its function.
+
+    `THREADED`: the kernel splits its work among the threads of an entry point (it also
+    receives `tid`, `nth`); otherwise one thread runs it. `WRITES`: the operands it
+    writes. `ROWS`: the operands it reads or writes `rows` rows of, whatever number of
+    rows their buffers hold (so one function serves every entry point).
+    """
+
+    THREADED: ClassVar[bool] = False
+    WRITES: ClassVar[tuple[str, ...]] = ("out",)
+    ROWS: ClassVar[tuple[str, ...]] = ("x", "out")
+
+    def abi(self) -> list[tuple[str, SSAValue]]:
+        """`(name, value)` of every present operand in definition order: the call's arguments."""
+        out = []
+        for name, _ in self.get_irdl_definition().operands:
+            value = getattr(self, name)
+            if value is not None:
+                out.append((name, value))
+        return out
+
+    def _fail(self, message: str) -> None:
+        raise VerifyException(f"{self.name}: {message}")
+
+    def _same(self, what: str, a: object, b: object) -> None:
+        if a != b:
+            self._fail(f"{what} mismatch: {a} vs {b}")
+
+    def _float_weight(self, what: str, value: SSAValue | None, width: int) -> None:
+        if value is None:
+            return
+        t = value.type
+        if not isinstance(t, WeightType) or t.storage is not Storage.F32 or t.shape != (width,):
+            self._fail(f"{what} must be !tgt.weight<{width}, f32, stored>, got {t}")
+
+    def _quantized_kernel(self, x: SSAValue) -> None:
+        """An a8 kernel (quantized input) needs an integer weight format and an isa."""
+        if is_quantized(x) and getattr(self, "isa") is None and any(
+                isinstance(v.type, WeightType) and v.type.layout is Layout.SPLIT for _, v in self.abi()):
+            self._fail("a kernel reading quantized rows from split weights needs an isa (run pack)")
+
+
+def _eps_props(eps: float | None) -> dict[str, Attribute]:
+    return {"eps": FloatAttr(eps, f32)} if eps is not None else {}
+
+
 @irdl_op_definition
-class EmbeddingOp(_Kernel):
-    """`out[t] = table[tokens[t]]` for `t < n`.
+class EmbeddingOp(Kernel):
+    """`out[t] = table[tokens[t]]` for `t < n`, dequantizing rows of any storage.
 
     ```mlir
-    tgt.embedding %tokens, %table -> %x rows %n : memref<128xi32>, memref<49152x576xf32> -> memref<128x576xf32>
+    tgt.embedding %tokens, %table -> %x rows %n : memref<128xi32>, !tgt.weight<49152x576, q8_0, split> -> memref<128x576xf32>
     ```
     """
 
     name = "tgt.embedding"
+    ROWS: ClassVar[tuple[str, ...]] = ("tokens", "out")
     tokens = operand_def(MemRefType)
-    table = operand_def(MemRefType)
+    table = operand_def(WeightType)
     out = operand_def(MemRefType)
     rows = operand_def(IndexType)
     assembly_format = (
@@ -205,22 +503,22 @@ class EmbeddingOp(_Kernel):
         super().__init__(operands=[tokens, table, out, rows])
 
     def verify_(self) -> None:
-        self._same("embedding width (table vs out)", dims(self.table)[1], self._row_width("out", self.out))
+        self._same("embedding width (table vs out)", dims(self.table)[1], row_width(self.out))
 
 
 @irdl_op_definition
-class RMSNormOp(_Kernel):
-    """`out[t] = x[t] / sqrt(mean(x[t]²) + eps) * w`.
+class RMSNormOp(Kernel):
+    """`out[t] = x[t] / sqrt(mean(x[t]²) + eps) * w`, into float or quantized rows.
 
     ```mlir
-    tgt.rms_norm %x, %w -> %h rows %n eps 1.000000e-05 : memref<128x576xf32>, memref<576xf32> -> memref<128x576xf32>
+    tgt.rms_norm %x, %w -> %h rows %n eps 1.000000e-05 : memref<128x576xf32>, !tgt.weight<576, f32, stored> -> !tgt.qrows<128x576>
     ```
     """
 
     name = "tgt.rms_norm"
     x = operand_def(MemRefType)
-    weight = operand_def(MemRefType)
-    out = operand_def(MemRefType)
+    weight = operand_def(WeightType)
+    out = operand_def(Activations)
     rows = operand_def(IndexType)
     eps = prop_def(FloatAttr[Float32Type])
     assembly_format = (
@@ -231,48 +529,72 @@ class RMSNormOp(_Kernel):
         super().__init__(operands=[x, weight, out, rows], properties={"eps": FloatAttr(eps, f32)})
 
     def verify_(self) -> None:
-        width = self._row_width("x", self.x)
-        self._same("width (x vs weight)", width, dims(self.weight)[0])
-        self._same("width (x vs out)", width, self._row_width("out", self.out))
+        width = row_width(self.x)
+        self._float_weight("weight", self.weight, width)
+        self._same("width (x vs out)", width, row_width(self.out))
 
 
 @irdl_op_definition
-class MatmulOp(_Kernel):
+class QuantizeOp(Kernel):
+    """`out = x` quantized to int8 per 32 values (where no producer kernel could do it).
+
+    ```mlir
+    tgt.quantize %g -> %gq rows %n : memref<128x1536xf32> -> !tgt.qrows<128x1536>
+    ```
+    """
+
+    name = "tgt.quantize"
+    x = operand_def(MemRefType)
+    out = operand_def(QRowsType)
+    rows = operand_def(IndexType)
+    assembly_format = "$x `->` $out `rows` $rows attr-dict `:` type($x) `->` type($out)"
+
+    def __init__(self, x: SSAValue, out: SSAValue, rows: SSAValue):
+        super().__init__(operands=[x, out, rows])
+
+    def verify_(self) -> None:
+        self._same("width (x vs out)", row_width(self.x), row_width(self.out))
+
+
+@irdl_op_definition
+class MatmulOp(Kernel):
     """`out[t] (+)= norm?(x[t]) · wᵀ + bias`, for every row or only the last one.
 
-    - `norm %g eps E`: RMS-normalize each row of `x` with weight `g` first (a fused RMSNorm);
+    `x` is float rows (`a32`: weights dequantized in registers) or quantized rows (`a8`:
+    integer dot products with the `isa` that `pack` chose).
+    - `norm %g eps E`: RMS-normalize each row of float `x` with weight `g` first;
     - `accumulate`: add into `out` instead of overwriting it (a fused residual add);
     - `last_row`: compute only row `n-1` of `x`, into row 0 of `out` (the LM head).
 
     ```mlir
-    tgt.matmul %x, %wq -> %q rows %n norm %g eps 1.000000e-05 : memref<128x576xf32>, memref<576x576xf32> norm memref<576xf32> -> memref<128x576xf32>
-    tgt.matmul %a, %wo -> %x rows %n accumulate : memref<128x576xf32>, memref<576x576xf32> -> memref<128x576xf32>
+    tgt.matmul %h, %wq -> %q rows %n isa vnni512 : !tgt.qrows<128x576>, !tgt.weight<576x576, q4_1, split> -> memref<128x576xf32>
+    tgt.matmul %x, %wq -> %q rows %n norm %g eps 1.000000e-05 : memref<128x576xf32>, !tgt.weight<576x576, f32, stored> norm !tgt.weight<576, f32, stored> -> memref<128x576xf32>
     ```
     """
 
     name = "tgt.matmul"
-    x = operand_def(MemRefType)
-    weight = operand_def(MemRefType)
+    THREADED: ClassVar[bool] = True
+    x = operand_def(Activations)
+    weight = operand_def(WeightType)
     out = operand_def(MemRefType)
     rows = operand_def(IndexType)
-    bias = opt_operand_def(MemRefType)
-    norm = opt_operand_def(MemRefType)
+    bias = opt_operand_def(WeightType)
+    norm = opt_operand_def(WeightType)
     eps = opt_prop_def(FloatAttr[Float32Type])
     accumulate = opt_prop_def(UnitAttr)
     last_row = opt_prop_def(UnitAttr)
+    isa = opt_prop_def(IsaAttr)
     irdl_options = (AttrSizedOperandSegments(as_property=True),)
     assembly_format = (
         "$x `,` $weight `->` $out `rows` $rows (`bias` $bias^)? (`norm` $norm^ `eps` $eps)? "
-        "(`accumulate` $accumulate^)? (`last_row` $last_row^)? attr-dict `:` type($x) `,` type($weight) "
-        "(`bias` type($bias)^)? (`norm` type($norm)^)? `->` type($out)"
+        "(`accumulate` $accumulate^)? (`last_row` $last_row^)? (`isa` $isa^)? attr-dict `:` type($x) `,` "
+        "type($weight) (`bias` type($bias)^)? (`norm` type($norm)^)? `->` type($out)"
     )
 
     def __init__(self, x: SSAValue, weight: SSAValue, out: SSAValue, rows: SSAValue, *,
                  bias: SSAValue | None = None, norm: SSAValue | None = None, eps: float | None = None,
                  accumulate: bool = False, last_row: bool = False):
-        props: dict[str, Attribute] = {}
-        if norm is not None:
-            props["eps"] = FloatAttr(eps, f32)
+        props = _eps_props(eps if norm is not None else None)
         if accumulate:
             props["accumulate"] = UnitAttr()
         if last_row:
@@ -283,52 +605,61 @@ class MatmulOp(_Kernel):
 
     def verify_(self) -> None:
         n, k = dims(self.weight)
-        self._same("reduction dimension (x vs weight)", self._row_width("x", self.x), k)
-        self._same("output width (weight vs out)", n, self._row_width("out", self.out))
-        if self.bias is not None:
-            self._same("output width (weight vs bias)", n, dims(self.bias)[0])
-        if self.norm is not None:
-            self._same("reduction dimension (x vs norm)", k, dims(self.norm)[0])
+        self._same("reduction dimension (x vs weight)", row_width(self.x), k)
+        self._same("output width (weight vs out)", n, row_width(self.out))
+        self._float_weight("bias", self.bias, n)
+        self._float_weight("norm", self.norm, k)
         if (self.norm is None) != (self.eps is None):
             self._fail("'norm' and 'eps' go together")
+        if self.norm is not None and is_quantized(self.x):
+            self._fail("quantized rows cannot be normalized: the producer of the rows normalizes")
+        self._quantized_kernel(self.x)
 
 
 @irdl_op_definition
-class SwigluOp(_Kernel):
+class SwigluOp(Kernel):
     """The gated feed-forward input: `out[t] = silu(x[t]·w_gateᵀ) * (x[t]·w_upᵀ)`, norm optional.
 
+    Writes float or quantized rows (quantized 32 columns at a time by the thread that
+    computed them).
     ```mlir
-    tgt.swiglu %x, %wg, %wu -> %h rows %n norm %g eps 1.000000e-05 : memref<128x576xf32>, memref<1536x576xf32>, memref<1536x576xf32> norm memref<576xf32> -> memref<128x1536xf32>
+    tgt.swiglu %h, %wg, %wu -> %a rows %n isa vnni512 : !tgt.qrows<128x576>, !tgt.weight<1536x576, q4_1, split>, !tgt.weight<1536x576, q4_1, split> -> !tgt.qrows<128x1536>
     ```
     """
 
     name = "tgt.swiglu"
-    x = operand_def(MemRefType)
-    gate = operand_def(MemRefType)
-    up = operand_def(MemRefType)
-    out = operand_def(MemRefType)
+    THREADED: ClassVar[bool] = True
+    x = operand_def(Activations)
+    gate = operand_def(WeightType)
+    up = operand_def(WeightType)
+    out = operand_def(Activations)
     rows = operand_def(IndexType)
-    norm = opt_operand_def(MemRefType)
+    norm = opt_operand_def(WeightType)
     eps = opt_prop_def(FloatAttr[Float32Type])
+    isa = opt_prop_def(IsaAttr)
     assembly_format = (
-        "$x `,` $gate `,` $up `->` $out `rows` $rows (`norm` $norm^ `eps` $eps)? attr-dict `:` "
+        "$x `,` $gate `,` $up `->` $out `rows` $rows (`norm` $norm^ `eps` $eps)? (`isa` $isa^)? attr-dict `:` "
         "type($x) `,` type($gate) `,` type($up) (`norm` type($norm)^)? `->` type($out)"
     )
 
     def __init__(self, x: SSAValue, gate: SSAValue, up: SSAValue, out: SSAValue, rows: SSAValue, *,
                  norm: SSAValue | None = None, eps: float | None = None):
-        props = {"eps": FloatAttr(eps, f32)} if norm is not None else {}
-        super().__init__(operands=[x, gate, up, out, rows, [norm] if norm else []], properties=props)
+        super().__init__(operands=[x, gate, up, out, rows, [norm] if norm else []],
+                         properties=_eps_props(eps if norm is not None else None))
 
     def verify_(self) -> None:
         n, k = dims(self.gate)
         self._same("gate vs up shape", (n, k), dims(self.up))
-        self._same("reduction dimension (x vs gate)", self._row_width("x", self.x), k)
-        self._same("output width (gate vs out)", n, self._row_width("out", self.out))
+        self._same("reduction dimension (x vs gate)", row_width(self.x), k)
+        self._same("output width (gate vs out)", n, row_width(self.out))
+        self._float_weight("norm", self.norm, k)
+        if self.norm is not None and is_quantized(self.x):
+            self._fail("quantized rows cannot be normalized: the producer of the rows normalizes")
+        self._quantized_kernel(self.x)
 
 
 @irdl_op_definition
-class RopeOp(_Kernel):
+class RopeOp(Kernel):
     """Rotate-half RoPE in place on `x [rows, heads, head_dim]`, row `t` at position `start + t`.
 
     ```mlir
@@ -337,6 +668,8 @@ class RopeOp(_Kernel):
     """
 
     name = "tgt.rope"
+    WRITES: ClassVar[tuple[str, ...]] = ("x",)
+    ROWS: ClassVar[tuple[str, ...]] = ("x",)
     x = operand_def(MemRefType)
     rows = operand_def(IndexType)
     start = operand_def(IndexType)
@@ -352,57 +685,60 @@ class RopeOp(_Kernel):
 
 
 @irdl_op_definition
-class AttentionOp(_Kernel):
-    """Causal GQA of one layer: write `k`, `v` rows at `start..start+n-1` into the cache, attend.
+class AttentionOp(Kernel):
+    """Causal GQA of one layer: write `k`, `v` rows at `start..start+n-1` into the layer's
+    cache (`[kv_heads, capacity, head_dim]`, a `tgt.subview` of the KV cache), attend.
 
-    With `rope theta T`, `q` and `k` are rotated first (in place): RoPE and the KV-cache
-    write fused into the attention kernel. Cache layout: `tgt.kv_layout` of the function.
+    With `rope T`, `q` and `k` are rotated first (in place): RoPE and the KV-cache write
+    fused into the attention kernel. Writes float or quantized rows `[rows, heads·head_dim]`.
 
     ```mlir
-    tgt.attention %q, %k, %v, %k_cache, %v_cache -> %a rows %n start %start layer 0 rope 1.000000e+05 : ...
+    tgt.attention %q, %k, %v, %kc, %vc -> %a rows %n start %start rope 1.000000e+05 : memref<128x9x64xf32>, memref<128x3x64xf32>, memref<128x3x64xf32>, memref<3x4096x64xf32>, memref<3x4096x64xf32> -> !tgt.qrows<128x576>
     ```
     """
 
     name = "tgt.attention"
+    THREADED: ClassVar[bool] = True
+    WRITES: ClassVar[tuple[str, ...]] = ("q", "k", "k_cache", "v_cache", "out")
+    ROWS: ClassVar[tuple[str, ...]] = ("q", "k", "v", "out")
     q = operand_def(MemRefType)
     k = operand_def(MemRefType)
     v = operand_def(MemRefType)
     k_cache = operand_def(MemRefType)
     v_cache = operand_def(MemRefType)
-    out = operand_def(MemRefType)
+    out = operand_def(Activations)
     rows = operand_def(IndexType)
     start = operand_def(IndexType)
-    layer = prop_def(IntegerAttr[I64])
     rope = opt_prop_def(FloatAttr[Float32Type])
     assembly_format = (
-        "$q `,` $k `,` $v `,` $k_cache `,` $v_cache `->` $out `rows` $rows `start` $start `layer` $layer "
+        "$q `,` $k `,` $v `,` $k_cache `,` $v_cache `->` $out `rows` $rows `start` $start "
         "(`rope` $rope^)? attr-dict `:` type($q) `,` type($k) `,` type($v) `,` type($k_cache) `,` "
         "type($v_cache) `->` type($out)"
     )
 
     def __init__(self, q: SSAValue, k: SSAValue, v: SSAValue, k_cache: SSAValue, v_cache: SSAValue,
-                 out: SSAValue, rows: SSAValue, start: SSAValue, layer: int, rope: float | None = None):
-        props: dict[str, Attribute] = {"layer": IntegerAttr(layer, i64)}
-        if rope is not None:
-            props["rope"] = FloatAttr(rope, f32)
+                 out: SSAValue, rows: SSAValue, start: SSAValue, rope: float | None = None):
+        props = {"rope": FloatAttr(rope, f32)} if rope is not None else {}
         super().__init__(operands=[q, k, v, k_cache, v_cache, out, rows, start], properties=props)
 
     def verify_(self) -> None:
         _, heads, d = dims(self.q)
         _, kv_heads, kd = dims(self.k)
-        layers, ckh, _, cd = dims(self.k_cache)
+        ckh, _, cd = dims(self.k_cache)
         self._same("k vs v shape", dims(self.k), dims(self.v))
         self._same("k_cache vs v_cache shape", dims(self.k_cache), dims(self.v_cache))
         self._same("head dimension (q vs k)", d, kd)
         self._same("kv heads (k vs cache)", kv_heads, ckh)
         self._same("head dimension (k vs cache)", kd, cd)
+        self._same("width (q vs out)", heads * d, row_width(self.out))
         if heads % kv_heads:
             self._fail(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
-        if not 0 <= self.layer.value.data < layers:
-            self._fail(f"layer {self.layer.value.data} is outside the cache's {layers} layers")
+        if is_quantized(self.out) and d % 32:
+            self._fail(f"quantized output needs a head dimension that is a multiple of 32, got {d}")
 
 
-class _Elementwise(_Kernel):
+class _Elementwise(Kernel):
+    ROWS: ClassVar[tuple[str, ...]] = ("lhs", "rhs", "out")
     T: ClassVar = VarConstraint("T", BaseAttr(MemRefType))
     lhs = operand_def(T)
     rhs = operand_def(T)
@@ -412,10 +748,6 @@ class _Elementwise(_Kernel):
 
     def __init__(self, lhs: SSAValue, rhs: SSAValue, out: SSAValue, rows: SSAValue):
         super().__init__(operands=[lhs, rhs, out, rows])
-
-    def verify_(self) -> None:
-        if not dims(self.lhs) == dims(self.rhs) == dims(self.out):
-            self._fail(f"operands must have one shape: {self.lhs.type}, {self.rhs.type}, {self.out.type}")
 
 
 @irdl_op_definition
@@ -433,7 +765,7 @@ class MulOp(_Elementwise):
 
 
 @irdl_op_definition
-class SiluOp(_Kernel):
+class SiluOp(Kernel):
     """`out = x · sigmoid(x)` on the first `rows` rows: `tgt.silu %g -> %s rows %n : memref<128x1536xf32>`."""
 
     name = "tgt.silu"
@@ -446,12 +778,13 @@ class SiluOp(_Kernel):
     def __init__(self, x: SSAValue, out: SSAValue, rows: SSAValue):
         super().__init__(operands=[x, out, rows])
 
-    def verify_(self) -> None:
-        self._same("shape (x vs out)", dims(self.x), dims(self.out))
 
-
-KERNELS: tuple[type[IRDLOperation], ...] = (
-    EmbeddingOp, RMSNormOp, MatmulOp, SwigluOp, RopeOp, AttentionOp, AddOp, MulOp, SiluOp,
+KERNELS: tuple[type[Kernel], ...] = (
+    EmbeddingOp, RMSNormOp, QuantizeOp, MatmulOp, SwigluOp, RopeOp, AttentionOp, AddOp, MulOp, SiluOp,
 )
 
-TGT = Dialect("tgt", [AllocOp, ViewOp, WeightOp, *KERNELS], [])
+TGT = Dialect(
+    "tgt",
+    [AllocOp, ViewOp, SubviewOp, WeightOp, *KERNELS],
+    [TargetAttr, IsaAttr, LayoutAttr, StorageType, WeightType, QRowsType],
+)

@@ -1,25 +1,78 @@
-"""Numpy reference semantics for the `tgt` kernels, over a real byte arena.
+"""Numpy reference semantics for the `tgt` kernels, over a real byte arena and packed weights.
 
 Buffers are views of one `uint8` arena at the offsets `plan-memory` chose, so running
 an entry point here also checks the memory plan: two live buffers that overlapped
 would corrupt each other and the logits would disagree with the `llm` interpreter.
+Weights in the `split` layout are packed to bytes and read back (`llmc.ir.layouts`),
+so the layout is checked too. Integer (`a8`) matmuls are computed the way the kernels
+compute them, from the int8 rows and the weight codes: exact integer dot products per
+16-weight slice, then the scales; the quantized rows themselves are bit-identical to
+what the kernels write (`formats.quantize_rows`).
 
+    weights = KernelWeights(model.weights)
     logits = run_entry(function, weights, tokens, start, cache)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from xdsl.dialects import func
-from xdsl.dialects.builtin import FloatAttr, IntegerAttr
+from xdsl.dialects.builtin import IntegerAttr, MemRefType
 from xdsl.ir import SSAValue
 
 from llmc.ir import tgt
+from llmc.ir.formats import QuantizedTensor, integer_matmul, quantize_rows
 from llmc.ir.interpreter import KVCache, OpTable, attention, rms_norm, rope, silu
+from llmc.ir.layouts import Layout, QRowLayout, pack_split, unpack_split
 from llmc.ir.weights import WeightStore
 
 _KERNELS = OpTable()
 kernel = _KERNELS.register  # `fn(op, get)`: `get(value)` gives a value's array; writes its `out`
+
+@dataclass
+class QRows:
+    """Quantized rows in the arena: `qs int8[R, Wp]`, `d f32[R, Wp/16]`, `s f32[R, Wp/16]`."""
+
+    qs: np.ndarray
+    d: np.ndarray
+    s: np.ndarray
+    width: int
+
+    def write(self, rows: np.ndarray) -> None:
+        qs, d, s = quantize_rows(rows)
+        n = rows.shape[0]
+        self.qs[:n], self.d[:n], self.s[:n] = qs, d, s
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """A weight as the kernels see it: float values, and for integer formats the codes per slice."""
+
+    f32: np.ndarray
+    quantized: QuantizedTensor | None = None
+
+
+class KernelWeights:
+    """The weights of a model in the types and layouts the `tgt` IR names, prepared once."""
+
+    def __init__(self, store: WeightStore):
+        self.store = store
+        self._prepared: dict[tuple[str, tgt.WeightType], Matrix] = {}
+
+    def __call__(self, name: str, weight_type: tgt.WeightType) -> Matrix:
+        key = (name, weight_type)
+        if key not in self._prepared:
+            storage = weight_type.storage
+            encoded = self.store.encode(name, storage)
+            if isinstance(encoded, QuantizedTensor):
+                if weight_type.layout is Layout.SPLIT:
+                    encoded = unpack_split(pack_split(encoded), storage, encoded.shape)
+                self._prepared[key] = Matrix(encoded.dequantize().reshape(weight_type.shape), encoded)
+            else:
+                self._prepared[key] = Matrix(self.store.f32(name, storage))
+        return self._prepared[key]
 
 
 class _State:
@@ -29,15 +82,36 @@ class _State:
         self.n, self.start = n, start
         self.values: dict[SSAValue, object] = {}
 
-    def __call__(self, value: SSAValue) -> np.ndarray:
+    def __call__(self, value: SSAValue):
+        v = self.values[value]
+        return v.f32 if isinstance(v, Matrix) else v
+
+    def matrix(self, value: SSAValue) -> Matrix:
         return self.values[value]  # type: ignore[return-value]
 
 
-def _norm_input(get: _State, x: SSAValue, norm: SSAValue | None, eps: FloatAttr | None) -> np.ndarray:
-    """The rows a matmul reads: `x[:n]` flattened per row, RMS-normalized when a norm is fused."""
-    rows = get(x)[: get.n]
-    rows = rows.reshape(rows.shape[0], -1)
-    return rms_norm(rows, get(norm), eps.value.data) if norm is not None else rows
+def _store(get: _State, out: SSAValue, rows: np.ndarray) -> None:
+    """Write float results to `out`: float rows as they are, quantized rows through int8."""
+    dst = get(out)
+    if isinstance(dst, QRows):
+        dst.write(rows.reshape(rows.shape[0], -1))
+    else:
+        dst[: rows.shape[0]] = rows.reshape(dst[: rows.shape[0]].shape)
+
+
+def _project(get: _State, op: tgt.MatmulOp | tgt.SwigluOp, weight: SSAValue, rows: int,
+             last_row: bool = False) -> np.ndarray:
+    """`x · wᵀ` for the rows a matmul reads (normalized first when a norm is fused)."""
+    x = get(op.x)
+    if isinstance(x, QRows):
+        first = rows - 1 if last_row else 0
+        return integer_matmul(x.qs[first:rows], x.d[first:rows], x.s[first:rows], get.matrix(weight).quantized)
+    x = x[:rows].reshape(rows, -1)
+    if last_row:
+        x = x[-1:]
+    if op.norm is not None:
+        x = rms_norm(x, get(op.norm), op.eps.value.data)
+    return x @ get(weight).T
 
 
 @kernel(tgt.EmbeddingOp)
@@ -46,20 +120,24 @@ def _embedding(op: tgt.EmbeddingOp, get: _State) -> None:
     table = get(op.table)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= table.shape[0]):
         raise ValueError(f"token id outside the vocabulary of {table.shape[0]}")
-    get(op.out)[: get.n] = table[tokens].reshape(get(op.out)[: get.n].shape)
+    _store(get, op.out, table[tokens])
 
 
 @kernel(tgt.RMSNormOp)
 def _rms_norm(op: tgt.RMSNormOp, get: _State) -> None:
-    get(op.out)[: get.n] = rms_norm(get(op.x)[: get.n], get(op.weight), op.eps.value.data)
+    x = get(op.x)[: get.n]
+    _store(get, op.out, rms_norm(x.reshape(x.shape[0], -1), get(op.weight), op.eps.value.data))
+
+
+@kernel(tgt.QuantizeOp)
+def _quantize(op: tgt.QuantizeOp, get: _State) -> None:
+    x = get(op.x)[: get.n]
+    _store(get, op.out, x.reshape(x.shape[0], -1))
 
 
 @kernel(tgt.MatmulOp)
 def _matmul(op: tgt.MatmulOp, get: _State) -> None:
-    x = _norm_input(get, op.x, op.norm, op.eps)
-    if op.last_row is not None:
-        x = x[-1:]
-    y = x @ get(op.weight).T
+    y = _project(get, op, op.weight, get.n, last_row=op.last_row is not None)
     if op.bias is not None:
         y = y + get(op.bias)
     out = get(op.out)[: y.shape[0]]
@@ -68,8 +146,7 @@ def _matmul(op: tgt.MatmulOp, get: _State) -> None:
 
 @kernel(tgt.SwigluOp)
 def _swiglu(op: tgt.SwigluOp, get: _State) -> None:
-    x = _norm_input(get, op.x, op.norm, op.eps)
-    get(op.out)[: get.n] = silu(x @ get(op.gate).T) * (x @ get(op.up).T)
+    _store(get, op.out, silu(_project(get, op, op.gate, get.n)) * _project(get, op, op.up, get.n))
 
 
 def _positions(get: _State) -> np.ndarray:
@@ -88,8 +165,8 @@ def _attention(op: tgt.AttentionOp, get: _State) -> None:
     if op.rope is not None:
         q[...] = rope(q, _positions(get), op.rope.value.data)
         k[...] = rope(k, _positions(get), op.rope.value.data)
-    cache = KVCache(get(op.k_cache), get(op.v_cache))
-    get(op.out)[: get.n] = attention(q, k, v, _positions(get), cache, op.layer.value.data)
+    cache = KVCache(get(op.k_cache)[None], get(op.v_cache)[None])  # one layer
+    _store(get, op.out, attention(q, k, v, _positions(get), cache, 0))
 
 
 @kernel(tgt.AddOp)
@@ -113,9 +190,19 @@ def arena_bytes(function: func.FuncOp) -> int:
     return size.value.data
 
 
-def run_entry(function: func.FuncOp, weights: WeightStore, tokens: np.ndarray, start: int,
+def _buffer(arena: np.ndarray, alloc: tgt.AllocOp) -> np.ndarray | QRows:
+    assert alloc.offset is not None, "run plan-memory first"
+    offset = alloc.offset.value.data
+    t = alloc.result.type
+    if isinstance(t, MemRefType):
+        return arena[offset : offset + alloc.nbytes].view(np.float32).reshape(tgt.dims(alloc.result))
+    assert isinstance(t, tgt.QRowsType)
+    return QRows(*QRowLayout(t.width).views(arena[offset : offset + alloc.nbytes], t.rows), t.width)
+
+
+def run_entry(function: func.FuncOp, weights: KernelWeights, tokens: np.ndarray, start: int,
               cache: KVCache) -> np.ndarray:
-    """Run one entry point on `tokens` at positions `start..`; returns its logits `[1, vocab]`."""
+    """Run one entry point on `tokens` at positions `start..`; returns its logits `[rows, vocab]`."""
     tokens_arg, n_arg, start_arg, k_arg, v_arg, logits_arg = function.body.block.args
     arena = np.zeros(arena_bytes(function), np.uint8)
     state = _State(len(tokens), start)
@@ -128,15 +215,15 @@ def run_entry(function: func.FuncOp, weights: WeightStore, tokens: np.ndarray, s
     state.values |= {tokens_arg: padded, k_arg: cache.keys, v_arg: cache.values, logits_arg: logits}
     for op in function.body.block.ops:
         if isinstance(op, tgt.AllocOp):
-            assert op.offset is not None, "run plan-memory first"
-            offset = op.offset.value.data
-            state.values[op.result] = arena[offset : offset + op.nbytes].view(np.float32).reshape(tgt.dims(op.result))
+            state.values[op.result] = _buffer(arena, op)
         elif isinstance(op, tgt.ViewOp):
             state.values[op.result] = state(op.source).reshape(tgt.dims(op.result))
+        elif isinstance(op, tgt.SubviewOp):
+            state.values[op.result] = state(op.source)[op.index.value.data]
         elif isinstance(op, tgt.WeightOp):
-            state.values[op.result] = weights.f32(op.sym_name)
+            state.values[op.result] = weights(op.sym_name, op.weight_type)
         elif isinstance(op, func.ReturnOp):
             break
         else:
             _KERNELS[type(op)](op, state)
-    return logits
+    return logits[: len(tokens)] if logits.shape[0] > 1 else logits

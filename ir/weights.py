@@ -2,7 +2,11 @@
 
 Frontends fill a `WeightStore` with `Weight` entries that point into the model file
 (numpy memory maps, nothing read until used); the IR names them by symbol, and the
-interpreter, quantizer and packers ask the store for their data.
+interpreters and the packager ask the store for a weight in a storage type:
+
+    store.f32("blk.0.attn_q")               # as stored, dequantized
+    store.encode("blk.0.attn_q", Storage.Q8_0)   # requantized: codes and fields
+    store.f32("blk.0.attn_q", Storage.Q8_0)      # what a q8_0 artifact computes with
 """
 
 from __future__ import annotations
@@ -12,17 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, quants
 
-from llmc.ir.llm import Storage
-
-_GGML_TYPE = {
-    Storage.Q8_0: GGMLQuantizationType.Q8_0,
-    Storage.Q4_0: GGMLQuantizationType.Q4_0,
-    Storage.Q4_1: GGMLQuantizationType.Q4_1,
-    Storage.Q4_K: GGMLQuantizationType.Q4_K,
-    Storage.Q6_K: GGMLQuantizationType.Q6_K,
-}
+from llmc.ir.formats import FORMATS, QuantizedTensor, Storage, float_array, to_float_storage
 
 
 @dataclass(frozen=True)
@@ -45,18 +40,37 @@ class Weight:
         """The stored data with rows in logical order (still in the storage format)."""
         return self.data if self.row_order is None else self.data[self.row_order]
 
+    def matrix_shape(self) -> tuple[int, int]:
+        return (int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1, self.shape[-1])
+
     def to_f32(self) -> np.ndarray:
         """The tensor dequantized to float32, in its logical shape."""
-        raw = self.rows()
-        if self.storage is Storage.F32:
-            out = np.asarray(raw, dtype=np.float32)
-        elif self.storage is Storage.F16:
-            out = np.asarray(raw).astype(np.float32)
-        elif self.storage is Storage.BF16:
-            out = (np.asarray(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-        else:
-            out = quants.dequantize(np.asarray(raw), _GGML_TYPE[self.storage])
-        return out.reshape(self.shape)
+        if self.storage.is_float:
+            return float_array(self.storage, self.rows()).reshape(self.shape)
+        return self.quantized().dequantize().reshape(self.shape)
+
+    def quantized(self) -> QuantizedTensor:
+        """Codes and fields of a block-quantized tensor, rows in logical order."""
+        return FORMATS[self.storage].from_blocks(self.rows(), self.matrix_shape())
+
+    def encode(self, storage: Storage) -> np.ndarray | QuantizedTensor:
+        """The tensor in `storage`: an array for float types, codes and fields for integer ones.
+
+        The stored data is used as it is when the types agree; otherwise the tensor is
+        dequantized and converted (floats) or quantized round-to-nearest.
+        """
+        if storage is self.storage:
+            return np.asarray(self.rows()).reshape(self.shape) if storage.is_float else self.quantized()
+        if storage.is_float:
+            return to_float_storage(storage, self.to_f32())
+        return FORMATS[storage].quantize(self.to_f32().reshape(self.matrix_shape()))
+
+
+def decoded_f32(encoded: np.ndarray | QuantizedTensor, storage: Storage, shape: tuple[int, ...]) -> np.ndarray:
+    """float32 values of `Weight.encode`'s result."""
+    if isinstance(encoded, QuantizedTensor):
+        return encoded.dequantize().reshape(shape)
+    return float_array(storage, encoded).reshape(shape)
 
 
 @dataclass
@@ -65,16 +79,36 @@ class WeightStore(Mapping[str, Weight]):
 
     source: Path
     entries: dict[str, Weight] = field(default_factory=dict)
-    _f32: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    _f32: dict[tuple[str, Storage], np.ndarray] = field(default_factory=dict, repr=False)
+    _quantized: dict[tuple[str, Storage], QuantizedTensor] = field(default_factory=dict, repr=False)
 
     def add(self, weight: Weight) -> None:
         self.entries[weight.name] = weight
 
-    def f32(self, name: str) -> np.ndarray:
-        """The dequantized float32 tensor of `name`, computed once."""
-        if name not in self._f32:
-            self._f32[name] = self.entries[name].to_f32()
-        return self._f32[name]
+    def encode(self, name: str, storage: Storage | None = None) -> np.ndarray | QuantizedTensor:
+        weight = self.entries[name]
+        return weight.encode(storage or weight.storage)
+
+    def quantized(self, name: str, storage: Storage) -> QuantizedTensor:
+        """Codes and fields of `name` in the integer format `storage`, computed once."""
+        key = (name, storage)
+        if key not in self._quantized:
+            encoded = self.encode(name, storage)
+            assert isinstance(encoded, QuantizedTensor), f"{storage} is not an integer format"
+            self._quantized[key] = encoded
+        return self._quantized[key]
+
+    def f32(self, name: str, storage: Storage | None = None) -> np.ndarray:
+        """The float32 values of `name` kept in `storage` (default: as stored), computed once."""
+        weight = self.entries[name]
+        storage = storage or weight.storage
+        key = (name, storage)
+        if key not in self._f32:
+            if storage is weight.storage:
+                self._f32[key] = weight.to_f32()
+            else:
+                self._f32[key] = decoded_f32(weight.encode(storage), storage, weight.shape)
+        return self._f32[key]
 
     def __getitem__(self, name: str) -> Weight:
         return self.entries[name]

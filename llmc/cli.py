@@ -2,10 +2,11 @@
 
     llmc ir MODEL [--phase import|optimize] [-o FILE]     print a model's IR
     llmc opt FILE.mlir [-p PASS,PASS] [--print-ir-after-all]   parse, verify, run passes, print
-    llmc verify MODEL [--prompt TEXT] [--tolerance COS]   compare every stage with the source model
-    llmc compile MODEL --target cpu [-o DIR] [...]        compile to an artifact directory
+    llmc verify MODEL [--prompt TEXT] [--quant T]          compare every stage with the source model
+    llmc compile MODEL --target cpu [-o DIR] [--quant T]   compile to an artifact directory
     llmc run DIR -p TEXT [-n N] [--chat] [sampling]       generate text with an artifact
     llmc bench DIR                                        prefill and decode tokens/s
+    llmc perplexity MODEL|DIR --text FILE [--ctx 512]     perplexity (and KL divergence) on a text
 
 MODEL is a `.gguf` file, a Hugging Face directory, or a known name (`smollm2-135m`).
 Errors in the input or options print one line and exit with code 2; `--debug` shows
@@ -18,6 +19,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from llmc import __version__
@@ -53,12 +55,15 @@ def _add_dump_options(p: argparse.ArgumentParser, to_directory: bool = True) -> 
 
 
 def cmd_ir(args: argparse.Namespace) -> int:
+    from llmc.compile import BackendOptions, target_attr
     from llmc.frontend import import_model, load_model
+    from llmc.ir import tgt
     from llmc.ir.text import print_module
     from llmc.passes.pipeline import phases_through, run_phase
 
     dump = _dumper(args)
     module = import_model(load_model(args.model, args.allow_pickle))
+    module.attributes[tgt.TARGET] = target_attr(BackendOptions(cpu=args.cpu))
     for phase in phases_through(args.phase):
         run_phase(module, phase, dump)
     _out(print_module(module, generic=args.generic), args.output)
@@ -91,10 +96,51 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from llmc.verify import verify_model
 
     artifact = Path(args.artifact) if args.artifact else None
-    ok = verify_model(args.model, args.prompt, args.tolerance, artifact, print, _progress, args.allow_pickle)
+    ok = verify_model(args.model, args.prompt, args.tolerance, artifact, print, _progress, args.allow_pickle,
+                      compile_options(args), args.cpu)
     if not ok:
-        print(f"FAILED: a stage has cosine below {args.tolerance}", file=sys.stderr)
+        print("FAILED: a stage's cosine is below what it needs", file=sys.stderr)
     return 0 if ok else 1
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from llmc.runtime.artifact import MANIFEST
+    from llmc.runtime.codec import TextCodec
+    from llmc.runtime.perplexity import chunk_tokens, perplexity
+    from llmc.runtime.session import Session
+
+    try:
+        text = Path(args.text).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read --text {args.text}: {e}") from e
+    text = text[:-1] if text.endswith("\n") else text  # as llama-perplexity -f does
+    with tempfile.TemporaryDirectory(prefix="llmc-perplexity-") as tmp:
+
+        def session_of(spec: str, name: str) -> Session:
+            path = Path(spec)
+            if not (path.is_dir() and (path / MANIFEST).exists()):
+                from llmc.compile import BackendOptions, compile_model
+
+                _progress(f"compiling {spec} (--ctx {args.ctx})")
+                options = replace(compile_options(args), max_seq=max(args.ctx, args.max_seq or 0),
+                                  prefill_chunk=args.prefill_chunk or min(128, args.ctx))
+                path = compile_model(spec, Path(tmp) / name, options, BackendOptions(cpu=args.cpu),
+                                     progress=_progress, allow_pickle=args.allow_pickle)
+            return Session(path, threads=args.threads)
+
+        session = session_of(args.model, "model")
+        base = session_of(args.kl_base, "base") if args.kl_base else None
+        codec = TextCodec.from_artifact(session.manifest)
+        chunks = chunk_tokens(codec.encode(text), args.ctx, args.chunks, codec.bos_id, codec.add_bos)
+        _progress(f"{sum(c.size for c in chunks)} tokens in {len(chunks)} chunks of {args.ctx}")
+        result = perplexity(session, chunks, base, _progress)
+        print(result.report())
+        session.close()
+        if base is not None:
+            base.close()
+    return 0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -125,15 +171,52 @@ def _non_negative(text: str) -> int:
     return value
 
 
+QUANT_TYPES = "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, int4-g32, int4-g64, int4-g128"
+
+
+def _add_quant_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cpu", default="native", metavar="NAME",
+                   help="CPU to generate code for: 'native' (this machine) or a CPU name such as x86-64-v3, "
+                        "sapphirerapids, znver4")
+    p.add_argument("--quant", metavar="TYPE",
+                   help=f"storage of the matmul weights ({QUANT_TYPES}); applies to float tensors, and to "
+                        "quantized ones with --requantize (default: the model's own types)")
+    p.add_argument("--quant-output", metavar="TYPE",
+                   help="storage of the token embedding and the LM head (default: --quant, but not below q8_0)")
+    p.add_argument("--requantize", action="store_true",
+                   help="let --quant convert tensors that the model file already stores quantized")
+    p.add_argument("--compute", choices=["auto", "a32", "a8"], default="auto",
+                   help="matmul compute mode: a8 (int8 activations, integer dot products), a32 (float "
+                        "activations), or auto: the faster on the target (default)")
+
+
+def _add_compile_options(p: argparse.ArgumentParser) -> None:
+    _add_quant_options(p)
+    p.add_argument("--no-group", action="store_true", help="skip layer grouping: one kernel per op (to compare)")
+    p.add_argument("--max-seq", type=_positive, metavar="N",
+                   help="KV cache capacity in tokens (default: the model's context length, at most 4096)")
+    p.add_argument("--prefill-chunk", type=_positive, metavar="N",
+                   help="most tokens one prefill call takes; longer prompts go in chunks (default: 128, "
+                        "at most --max-seq)")
+
+
 def _default_output(model: str) -> Path:
     return Path(Path(model.rstrip("/")).stem + ".llmc")
 
 
-def cmd_compile(args: argparse.Namespace) -> int:
-    from llmc.compile import BackendOptions, compile_model
+def compile_options(args: argparse.Namespace):
     from llmc.passes.pipeline import CompileOptions
 
-    options = CompileOptions(prefill_chunk=args.prefill_chunk or 0, max_seq=args.max_seq or 0, group=not args.no_group)
+    return CompileOptions(prefill_chunk=getattr(args, "prefill_chunk", None) or 0,
+                          max_seq=getattr(args, "max_seq", None) or 0, group=not getattr(args, "no_group", False),
+                          quant=args.quant or "", quant_output=args.quant_output or "", requantize=args.requantize,
+                          compute=args.compute)
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from llmc.compile import BackendOptions, compile_model
+
+    options = compile_options(args)
     dump = _dumper(args)
     out = Path(args.output) if args.output else (None if args.compile_to else _default_output(args.model))
     result = compile_model(args.model, out, options, BackendOptions(args.target, args.cpu), args.compile_to, dump,
@@ -206,7 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ir", parents=[common, model_args], help="print a model's IR after a phase",
                        description="Import a model and print its IR after the given phase.")
     p.add_argument("--phase", choices=["import", "optimize"], default="import",
-                   help="the last phase to run (default: import)")
+                   help="the last phase to run (default: import; 'llmc compile --compile-to' runs later ones)")
+    p.add_argument("--cpu", default="native", metavar="NAME",
+                   help="the CPU recorded as the module's target (default: native)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the IR to FILE instead of stdout")
     p.add_argument("--generic", action="store_true", help="print the generic op form instead of the custom one")
     _add_dump_options(p)
@@ -230,7 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=0.9999, metavar="COS",
                    help="lowest acceptable cosine similarity per stage (default: %(default)s)")
     p.add_argument("--artifact", metavar="DIR",
-                   help="check this compiled artifact of MODEL (default: compile one to a temporary directory)")
+                   help="check this compiled artifact of MODEL, with the options it was compiled with "
+                        "(default: compile one to a temporary directory)")
+    _add_quant_options(p)
     p.set_defaults(run=cmd_verify)
 
     p = sub.add_parser("compile", parents=[common, model_args], help="compile a model to an artifact",
@@ -239,15 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="cpu", choices=["cpu", "cuda"], help="code generation target (default: cpu)")
     p.add_argument("-o", "--output", metavar="DIR",
                    help="artifact directory (default: MODEL's name + .llmc); with --compile-to, the IR file")
-    p.add_argument("--max-seq", type=_positive, metavar="N",
-                   help="KV cache capacity in tokens (default: the model's context length, at most 4096)")
-    p.add_argument("--prefill-chunk", type=_positive, metavar="N",
-                   help="most tokens one prefill call takes; longer prompts go in chunks (default: 128, "
-                        "at most --max-seq)")
-    p.add_argument("--no-group", action="store_true", help="skip layer grouping: one kernel per op (to compare)")
-    p.add_argument("--cpu", default="native", metavar="NAME",
-                   help="CPU to generate code for: 'native' (this machine) or an LLVM CPU name such as x86-64-v3")
-    p.add_argument("--compile-to", metavar="PHASE", choices=["import", "optimize", "split", "group", "lower"],
+    _add_compile_options(p)
+    p.add_argument("--compile-to", metavar="PHASE", choices=["import", "optimize", "quantize", "split", "group", "lower"],
                    help="stop after PHASE and print its IR (to -o FILE if given)")
     _add_dump_options(p)
     p.set_defaults(run=cmd_compile)
@@ -275,6 +355,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=_positive, default=3, metavar="N", help="runs; the best is reported (default: 3)")
     p.add_argument("--threads", type=_positive, metavar="N", help="threads to run on (default: every CPU available)")
     p.set_defaults(run=cmd_bench)
+
+    p = sub.add_parser("perplexity", parents=[common, model_args], help="perplexity of a model on a text",
+                       description="Perplexity by llama.cpp's method: the text in chunks of --ctx tokens, each from "
+                                   "an empty cache, the second half of each chunk scored. MODEL is an artifact "
+                                   "directory, or a model that is compiled first (with the compile options below). "
+                                   "--kl-base adds the mean KL divergence and top-token agreement against a base "
+                                   "(e.g. the --quant f32 build).")
+    p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score")
+    p.add_argument("--ctx", type=_positive, default=512, metavar="N", help="tokens per chunk (default: 512)")
+    p.add_argument("--chunks", type=_positive, metavar="N", help="score only the first N chunks")
+    p.add_argument("--kl-base", metavar="MODEL|DIR", help="an artifact (or model) to compare the distributions with")
+    p.add_argument("--threads", type=_positive, metavar="N", help="threads to run on (default: every CPU available)")
+    _add_compile_options(p)
+    p.set_defaults(run=cmd_perplexity)
     return parser
 
 

@@ -6,11 +6,12 @@ prints
 
     import      0.06 s
     optimize    0.31 s
+    quantize    0.02 s   q4_1 ×210, f32 ×61, q8_0 ×1; a8 ×181
     split       0.22 s   prefill chunk 64, KV capacity 4096
     group       0.05 s
     lower       0.42 s   arena: prefill 3.4 MB, prefill_kv 3.4 MB, decode 0.1 MB
-    codegen     1.95 s   kernels-3f2a….so
-    package     2.10 s   out (weights.bin 538.1 MB)
+    codegen     1.95 s   kernels-3f2a….so (cpu rocketlake, a8 on vnni512)
+    package     2.10 s   out (weights.bin 96.6 MB)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from xdsl.dialects.builtin import ModuleOp
 from llmc.errors import UsageError
 from llmc.frontend import import_model, load_model
 from llmc.frontend.model import Model
+from llmc.ir import tgt
 from llmc.ir.text import print_module
 from llmc.package import check_output_directory
 from llmc.passes.pipeline import PHASES, CompileOptions, IRDumper, run_phase
@@ -57,18 +59,32 @@ def _split_report(module: ModuleOp) -> str:
     return ""
 
 
+def target_attr(backend: BackendOptions) -> tgt.TargetAttr:
+    """The `tgt.target` of the backend options (`--target`, `--cpu`)."""
+    if backend.target != "cpu":
+        raise UsageError(f"--target {backend.target} is not built yet: use --target cpu")
+    from llmc.backends.cpu.target import cpu_target
+
+    return cpu_target(backend.cpu)
+
+
 def run_phases(model: Model, options: CompileOptions, last: str, dump: IRDumper | None,
-               progress: Callable[[str], None]) -> ModuleOp:
-    """Import and run the phases through `last`, printing each phase's time."""
+               progress: Callable[[str], None], target: tgt.TargetAttr) -> ModuleOp:
+    """Import, set the target, and run the phases through `last`, printing each phase's time."""
+    from llmc.passes.quantize import summary
+
     start = time.perf_counter()
     module = import_model(model)
+    module.attributes[tgt.TARGET] = target
     run_phase(module, "import", dump, options)
     progress(f"{'import':<10} {time.perf_counter() - start:6.2f} s")
     for phase in list(PHASES)[1:]:
         start = time.perf_counter()
         run_phase(module, phase, dump, options)
         note = ""
-        if phase == "split":
+        if phase == "quantize":
+            note = summary(module)
+        elif phase == "split":
             note = _split_report(module)
         elif phase == "group" and not options.group:
             note = "skipped (--no-group)"
@@ -83,21 +99,34 @@ def run_phases(model: Model, options: CompileOptions, last: str, dump: IRDumper 
 def build_cpu_artifact(module: ModuleOp, model: Model, out: Path, backend: BackendOptions, compile_options: dict,
                        progress: Callable[[str], None]) -> Path:
     from llmc.backends.cpu.codegen import emit_module
-    from llmc.backends.cpu.toolchain import compile_to_object, link_shared, target_machine
+    from llmc.backends.cpu.target import target_machine_for
+    from llmc.backends.cpu.toolchain import compile_to_object, link_shared
     from llmc.package import clear_directory, content_name, weight_layout, write_artifact, write_weights
 
     start = time.perf_counter()
+    target = module.attributes[tgt.TARGET]
+    assert isinstance(target, tgt.TargetAttr)
     layout = weight_layout(module)
     llvm_module, _ = emit_module(module, layout.offsets)
-    obj = compile_to_object(llvm_module, target_machine(backend.cpu))
+    obj = compile_to_object(llvm_module, target_machine_for(target))
     clear_directory(out)
     kernels = link_shared([obj], out / content_name("kernels", obj, ".so"))
-    progress(f"{'codegen':<10} {time.perf_counter() - start:6.2f} s   {kernels.name} (cpu {backend.cpu})")
+    progress(f"{'codegen':<10} {time.perf_counter() - start:6.2f} s   {kernels.name} (cpu {target.cpu.data}"
+             f"{_isa_note(module)})")
     start = time.perf_counter()
     write_weights(model, layout, out / "weights.bin")
     write_artifact(out, module, model, kernels, backend.target, layout, compile_options)
-    progress(f"{'package':<10} {time.perf_counter() - start:6.2f} s   {out} (weights.bin {layout.size / 1e6:.1f} MB)")
+    total = sum(p.stat().st_size for p in out.iterdir() if p.name != "tokenizer.json")
+    progress(f"{'package':<10} {time.perf_counter() - start:6.2f} s   {out} (weights.bin {layout.size / 1e6:.1f} MB, "
+             f"{total / 1e6:.1f} MB with kernels and manifest)")
     return out
+
+
+def _isa_note(module: ModuleOp) -> str:
+    for op in module.walk():
+        if isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and op.isa is not None:
+            return f", a8 on {op.isa.data.value}"
+    return ""
 
 
 def compile_model(spec: str, out: Path | None, options: CompileOptions, backend: BackendOptions,
@@ -106,8 +135,7 @@ def compile_model(spec: str, out: Path | None, options: CompileOptions, backend:
     """Compile `spec` to an artifact in `out`; with `compile_to`, return that phase's IR text instead."""
     if backend.target not in TARGETS:
         raise UsageError(f"unknown target '{backend.target}' (targets: {', '.join(TARGETS)})")
-    if backend.target == "cuda" and compile_to is None:
-        raise UsageError("--target cuda is not built yet: use --target cpu, or --compile-to lower to see the tgt IR")
+    target = target_attr(backend)
     if compile_to is not None and compile_to not in PHASES:
         raise UsageError(f"unknown phase '{compile_to}' (phases: {', '.join(PHASES)})")
     if out is not None and compile_to is None:
@@ -115,7 +143,7 @@ def compile_model(spec: str, out: Path | None, options: CompileOptions, backend:
     model = load_model(spec, allow_pickle)
     if compile_to is None:
         model.tokenizer  # the artifact needs it: a broken tokenizer fails now, not after codegen
-    module = run_phases(model, options, compile_to or "lower", dump, progress)
+    module = run_phases(model, options, compile_to or "lower", dump, progress, target)
     if compile_to is not None:
         return print_module(module)
     assert out is not None

@@ -1,9 +1,11 @@
 """The `package` phase: write the artifact directory the runtime loads (after codegen).
 
-The weight file holds every weight the entry points read, each at a 64-byte aligned
-offset; the layout is decided before code generation so kernels can address weights as
-constant offsets from one base pointer. The manifest records what the runtime needs and
-the sha256 of every file (see `llmc.runtime.artifact`).
+The weight file holds every weight the entry points read, in the storage type and
+layout its `!tgt.weight` type names (`quantize` chose the type, `pack` the layout),
+each at a 64-byte aligned offset; the offsets are decided before code generation so
+kernels can address weights as constant offsets from one base pointer. The manifest
+records each weight's storage and layout, what the runtime needs, and the sha256 of
+every file (see `llmc.runtime.artifact`).
 """
 
 from __future__ import annotations
@@ -19,19 +21,22 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import IntegerAttr, ModuleOp, StringAttr
 
 from llmc import __version__
+from llmc.backends.cpu.codegen import entry_symbol
 from llmc.errors import UsageError
 from llmc.frontend.model import Model
 from llmc.ir import tgt
-from llmc.runtime.artifact import MANIFEST, SCHEMA_VERSION, sha256_file
+from llmc.ir.formats import FORMATS, QuantizedTensor
+from llmc.ir.layouts import Layout, pack_split
+from llmc.runtime.artifact import ENTRY_ARGUMENTS, MANIFEST, SCHEMA_VERSION, sha256_file
 
 ALIGN = 64
 
 
 @dataclass(frozen=True)
 class WeightLayout:
-    """Where each weight lives in `weights.bin`: `{name: (offset, shape)}`, and the file size."""
+    """Where each weight lives in `weights.bin`: `{name: (offset, type)}`, and the file size."""
 
-    entries: dict[str, tuple[int, tuple[int, ...]]]
+    entries: dict[str, tuple[int, tgt.WeightType]]
     size: int
 
     @property
@@ -41,22 +46,37 @@ class WeightLayout:
 
 def weight_layout(module: ModuleOp) -> WeightLayout:
     """Every `tgt.weight` of every entry point, once, in first-use order."""
-    entries: dict[str, tuple[int, tuple[int, ...]]] = {}
+    entries: dict[str, tuple[int, tgt.WeightType]] = {}
     size = 0
     for op in module.walk():
-        if isinstance(op, tgt.WeightOp) and op.sym_name not in entries:
-            shape = tgt.dims(op.result)
-            entries[op.sym_name] = (size, shape)
-            size += -(-4 * int(np.prod(shape)) // ALIGN) * ALIGN
+        if isinstance(op, tgt.WeightOp):
+            if op.sym_name in entries:
+                if entries[op.sym_name][1] != op.weight_type:
+                    raise UsageError(f"weight @{op.sym_name} is used as {entries[op.sym_name][1]} and "
+                                     f"{op.weight_type}; one artifact stores one of them")
+                continue
+            entries[op.sym_name] = (size, op.weight_type)
+            size += -(-op.weight_type.nbytes // ALIGN) * ALIGN
     return WeightLayout(entries, size)
 
 
+def weight_bytes(encoded: np.ndarray | QuantizedTensor, weight_type: tgt.WeightType) -> bytes:
+    """A weight's bytes in the artifact: `Weight.encode`'s result in the type's layout."""
+    if isinstance(encoded, QuantizedTensor):
+        if weight_type.layout is Layout.SPLIT:
+            return pack_split(encoded).tobytes()
+        return FORMATS[weight_type.storage].to_blocks(encoded).tobytes()
+    return np.ascontiguousarray(encoded).tobytes()  # float formats, little-endian as the kernels read them
+
+
 def write_weights(model: Model, layout: WeightLayout, path: Path) -> None:
-    """Dequantize each weight to f32 and write it at its offset."""
+    """Each weight in its storage type and layout, at its offset."""
     with open(path, "wb") as f:
-        for name, (offset, shape) in layout.entries.items():
+        for name, (offset, weight_type) in layout.entries.items():
+            data = weight_bytes(model.weights.encode(name, weight_type.storage), weight_type)
+            assert len(data) == weight_type.nbytes, (name, len(data), weight_type.nbytes)
             f.seek(offset)
-            f.write(np.ascontiguousarray(model.weights[name].to_f32(), dtype="<f4").reshape(shape).tobytes())
+            f.write(data)
         f.truncate(layout.size)
 
 
@@ -73,6 +93,8 @@ def write_artifact(directory: Path, module: ModuleOp, model: Model, kernels: Pat
                    layout: WeightLayout, compile_options: dict) -> Path:
     """Complete `directory` (which already holds `kernels` and `weights.bin`) with tokenizer and manifest."""
     tokenizer = model.tokenizer
+    target_attr = module.attributes[tgt.TARGET]
+    assert isinstance(target_attr, tgt.TargetAttr)
     (directory / "tokenizer.json").write_text(tokenizer.tokenizer.to_str())
     entry_points = {}
     kv_shape = None
@@ -84,7 +106,8 @@ def write_artifact(directory: Path, module: ModuleOp, model: Model, kernels: Pat
         tokens, _, _, k_cache, _, logits = function.body.block.args
         kv_shape = list(tgt.dims(k_cache))
         entry_points[stage.data] = {
-            "symbol": f"llmc_{stage.data}",
+            "symbol": entry_symbol(stage.data),
+            "arguments": list(ENTRY_ARGUMENTS),
             "max_tokens": tgt.dims(tokens)[0],
             "arena_bytes": _int(function.attributes["tgt.arena_bytes"]),
             "logits": list(tgt.dims(logits)),
@@ -94,6 +117,7 @@ def write_artifact(directory: Path, module: ModuleOp, model: Model, kernels: Pat
         "schema_version": SCHEMA_VERSION,
         "llmc_version": __version__,
         "target": target,
+        "cpu": {"name": target_attr.cpu.data, "features": sorted(target_attr.features)},
         "model": {
             "source": model.source.name, "arch": c.arch, "layers": c.layers, "hidden": c.hidden, "heads": c.heads,
             "kv_heads": c.kv_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size,
@@ -102,7 +126,11 @@ def write_artifact(directory: Path, module: ModuleOp, model: Model, kernels: Pat
         "compile_options": compile_options,
         "entry_points": entry_points,
         "kv_cache": {"layout": tgt.KV_LAYOUT, "shape": kv_shape, "dtype": "f32", "tensors": ["keys", "values"]},
-        "weights": {name: {"offset": o, "shape": list(s), "storage": "f32"} for name, (o, s) in layout.entries.items()},
+        "weights": {
+            name: {"offset": o, "bytes": t.nbytes, "shape": list(t.shape), "storage": t.storage.value,
+                   "layout": t.layout.value}
+            for name, (o, t) in layout.entries.items()
+        },
         "tokenizer": {
             "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id, "add_bos": tokenizer.add_bos,
             "chat_template": tokenizer.chat_template,

@@ -17,7 +17,7 @@ from xdsl.passes import ModulePass
 
 from llmc.errors import LlmcError
 
-PHASE_ORDER = ("import", "optimize", "split", "group", "lower")
+PHASE_ORDER = ("import", "optimize", "quantize", "split", "group", "lower")
 
 
 def module_phase(module: ModuleOp) -> str | None:

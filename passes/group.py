@@ -1,21 +1,24 @@
-"""`group`: partition each entry point into fusion groups, each to become one kernel or a few.
+"""`group`: rewrite chains of ops that should share a kernel into fused `llm` ops.
 
-A group is recorded on its member ops as `llm.group = "<kind>.<n>"`, so dumps show it:
+Each fused op becomes one `tgt` kernel in `lower`, which then matches one op at a time:
 
-| kind        | members                                              | becomes                         |
-|-------------|------------------------------------------------------|---------------------------------|
-| `norm_proj` | `rms_norm` + the matmuls that read it (Q, K, V)      | matmuls with a norm prologue    |
-| `swiglu`    | `rms_norm`? + gate and up matmuls + `silu` + `mul`   | one `tgt.swiglu`                |
-| `attention` | `rope` of Q and K + `attention`                      | attention with RoPE and KV write|
-| `residual`  | matmul + the `add` of its result to the residual     | matmul accumulating in place    |
-| `head`      | final `rms_norm` + `last_token` + `logits`           | last-row matmul with norm       |
+| chain                                         | fused op                                   |
+|-----------------------------------------------|--------------------------------------------|
+| `mul(silu(matmul(h, wg)), matmul(h, wu))`     | `llm.swiglu %h, %wg, %wu`                  |
+| `rope(q)`, `rope(k)` into `attention`         | `llm.attention ... rope θ`                 |
+| `add(x, matmul(a, w))`, x dead after the add  | `llm.matmul %a, %w residual %x` (in place) |
+| `rms_norm(x)` read only by `a32` projections  | `norm %g eps E` on each of them            |
 
 ```mlir
-%l0_attn_in = llm.rms_norm %x, %w eps 1.000000e-05 {llm.group = "norm_proj.0"} : ...
-%l0_q = llm.matmul %l0_attn_in, %wq {llm.group = "norm_proj.0"} : ...
+// before                                               // after
+%g = llm.matmul %h, %wg compute a8 : ...                 %a = llm.swiglu %h, %wg, %wu compute a8 : ...
+%s = llm.silu %g : tensor<?x1536xf32>
+%u = llm.matmul %h, %wu compute a8 : ...
+%a = llm.mul %s, %u : tensor<?x1536xf32>
 ```
-Grouping only records decisions that are legal (single uses, a residual that is dead
-after its add); `lower` turns them into fused kernels. `--no-group` skips this pass.
+An RMSNorm read by `a8` projections stays: `lower` makes it write quantized rows once
+for all its readers. Every fused op has numpy semantics, so grouped IR still runs in
+the `llm` interpreter. `--no-group` skips this pass.
 """
 
 from __future__ import annotations
@@ -24,23 +27,17 @@ from dataclasses import dataclass
 
 from xdsl.context import Context
 from xdsl.dialects import func
-from xdsl.dialects.builtin import ModuleOp, StringAttr
-from xdsl.ir import Operation, SSAValue
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.ir import Block, Operation, SSAValue
 
 from llmc.ir import llm
 from llmc.passes.base import LlmcPass
 
-GROUP = "llm.group"
+Projection = (llm.MatmulOp, llm.LogitsOp, llm.SwigluOp)
 
 
 def users(value: SSAValue) -> list[Operation]:
     return [use.operation for use in value.uses]
-
-
-def group_of(op: Operation) -> str | None:
-    """The kind of `op`'s group (`"swiglu"`, …), or None when it is not grouped."""
-    attr = op.attributes.get(GROUP)
-    return attr.data.split(".")[0] if isinstance(attr, StringAttr) else None
 
 
 def single_user(value: SSAValue) -> Operation | None:
@@ -48,70 +45,116 @@ def single_user(value: SSAValue) -> Operation | None:
     return found[0] if len(found) == 1 else None
 
 
-class _Grouper:
-    def __init__(self, function: func.FuncOp):
-        self.ops = list(function.body.block.ops)
-        self.index = {op: i for i, op in enumerate(self.ops)}
-        self.count = 0
+def _replace(block: Block, old: Operation, new: Operation, *dead: Operation) -> None:
+    """Put `new` where `old` is, give it `old`'s uses and name, erase `old` and `dead` (in order)."""
+    block.insert_op_before(new, old)
+    new.results[0].name_hint = old.results[0].name_hint
+    old.results[0].replace_all_uses_with(new.results[0])
+    for op in (old, *dead):
+        block.erase_op(op)
 
-    def free(self, *ops: Operation) -> bool:
-        return all(GROUP not in op.attributes for op in ops)
 
-    def mark(self, kind: str, *ops: Operation) -> None:
-        name = StringAttr(f"{kind}.{self.count}")
-        self.count += 1
-        for op in ops:
-            op.attributes[GROUP] = name
+def fuse_swiglu(block: Block, mul: llm.MulOp) -> None:
+    silu, up = mul.lhs.owner, mul.rhs.owner
+    if not (isinstance(silu, llm.SiluOp) and isinstance(up, llm.MatmulOp)):
+        return
+    gate = silu.input.owner
+    if not isinstance(gate, llm.MatmulOp) or gate.input != up.input or gate.mode is not up.mode:
+        return
+    if any(m.bias or m.norm or m.residual for m in (gate, up)):
+        return
+    if not (single_user(gate.result) is silu and single_user(silu.result) is mul and single_user(up.result) is mul):
+        return
+    fused = llm.SwigluOp(gate.input, gate.weight, up.weight, compute=gate.mode)
+    _replace(block, mul, fused, silu, gate, up)
 
-    def swiglu(self, mul: llm.MulOp) -> None:
-        silu, up = mul.lhs.owner, mul.rhs.owner
-        if not (isinstance(silu, llm.SiluOp) and isinstance(up, llm.MatmulOp)):
-            return
-        gate = silu.input.owner
-        if not (isinstance(gate, llm.MatmulOp) and gate.input == up.input and gate.bias is None and up.bias is None):
-            return
-        if not (single_user(gate.result) is silu and single_user(silu.result) is mul and single_user(up.result) is mul):
-            return
-        members: list[Operation] = [gate, up, silu, mul]
-        norm = gate.input.owner
-        if isinstance(norm, llm.RMSNormOp) and set(users(norm.result)) == {gate, up}:
-            members.insert(0, norm)
-        if self.free(*members):
-            self.mark("swiglu", *members)
 
-    def norm_proj(self, norm: llm.RMSNormOp) -> None:
-        readers = users(norm.result)
-        if readers and all(isinstance(r, llm.MatmulOp) for r in readers) and self.free(norm, *readers):
-            self.mark("norm_proj", norm, *readers)
+def fuse_rope(block: Block, attention: llm.AttentionOp) -> None:
+    ropes = [attention.query.owner, attention.key.owner]
+    if attention.rope is not None or not all(
+            isinstance(r, llm.RopeOp) and single_user(r.result) is attention and r.positions == attention.positions
+            for r in ropes):
+        return
+    q_rope, k_rope = ropes
+    if q_rope.theta != k_rope.theta:
+        return
+    fused = llm.AttentionOp(q_rope.input, k_rope.input, attention.value, attention.positions, attention.kv_cache,
+                            attention.layer.value.data, rope=q_rope.theta.value.data)
+    _replace(block, attention, fused, q_rope, k_rope)
 
-    def head(self, logits: llm.LogitsOp) -> None:
-        members: list[Operation] = [logits]
-        source = logits.input.owner
-        if isinstance(source, llm.LastTokenOp) and single_user(source.result) is logits:
-            members.append(source)
-            source = source.input.owner
-        if isinstance(source, llm.RMSNormOp) and single_user(source.result) is members[-1]:
-            members.append(source)
-        if len(members) > 1 and self.free(*members):
-            self.mark("head", *reversed(members))
 
-    def attention(self, attention: llm.AttentionOp) -> None:
-        ropes = [attention.query.owner, attention.key.owner]
-        if all(isinstance(r, llm.RopeOp) and single_user(r.result) is attention for r in ropes):
-            if self.free(attention, *ropes):
-                self.mark("attention", *ropes, attention)
+def fuse_residual(block: Block, add: llm.AddOp, index: dict[Operation, int]) -> None:
+    for residual, update in ((add.lhs, add.rhs), (add.rhs, add.lhs)):
+        matmul = update.owner
+        if not isinstance(matmul, llm.MatmulOp) or matmul.residual is not None or single_user(update) is not add:
+            continue
+        source = residual.owner
+        if not isinstance(source, Operation) or isinstance(source, llm.WeightOp):
+            continue  # a function argument or a weight cannot be updated in place
+        others = [u for u in users(residual) if u is not add]
+        if any(index[u] > index[add] or isinstance(u, llm.ReshapeOp) for u in others):
+            continue  # read after the add, or through a view: the in-place update would change it
+        fused = llm.MatmulOp(matmul.input, matmul.weight, matmul.bias, residual=residual, compute=matmul.mode)
+        index[fused] = index[add]
+        _replace(block, add, fused, matmul)
+        return
 
-    def residual(self, add: llm.AddOp) -> None:
-        for residual, update in ((add.lhs, add.rhs), (add.rhs, add.lhs)):
-            matmul = update.owner
-            if not isinstance(matmul, llm.MatmulOp) or single_user(matmul.result) is not add:
-                continue
-            if not isinstance(residual.owner, Operation) or isinstance(residual.owner, llm.WeightOp):
-                continue  # a function argument or a weight cannot be updated in place
-            later = [u for u in users(residual) if u is not add and self.index[u] > self.index[add]]
-            if not later and self.free(matmul, add):
-                self.mark("residual", matmul, add)
-                return
+
+def _normalized_readers(norm: llm.RMSNormOp) -> list[tuple[Operation, Operation]] | None:
+    """`(reader, projection)` pairs when every reader is an `a32` projection of the norm
+    (directly, or through `llm.last_token`); None otherwise."""
+    pairs = []
+    for reader in users(norm.result):
+        projection = reader
+        if isinstance(reader, llm.LastTokenOp):
+            projection = single_user(reader.result)
+        if not (isinstance(projection, Projection) and projection.mode is llm.Compute.A32
+                and projection.norm is None and projection.input in (norm.result, reader.results[0])):
+            return None
+        pairs.append((reader, projection))
+    return pairs or None
+
+
+def fuse_norm(block: Block, norm: llm.RMSNormOp) -> None:
+    pairs = _normalized_readers(norm)
+    if pairs is None:
+        return
+    eps = norm.eps.value.data
+    for reader, projection in pairs:
+        if reader is not projection:  # last_token of the norm: take the last row of its input instead
+            last = llm.LastTokenOp(norm.input)
+            _replace(block, reader, last)
+            source = last.result
+        else:
+            source = norm.input
+        _replace(block, projection, _with_norm(projection, source, norm.weight, eps))
+    block.erase_op(norm)
+
+
+def _with_norm(op: Operation, x: SSAValue, g: SSAValue, eps: float) -> Operation:
+    if isinstance(op, llm.MatmulOp):
+        return llm.MatmulOp(x, op.weight, op.bias, norm=g, eps=eps, residual=op.residual, compute=op.mode)
+    if isinstance(op, llm.SwigluOp):
+        return llm.SwigluOp(x, op.gate, op.up, norm=g, eps=eps, compute=op.mode)
+    assert isinstance(op, llm.LogitsOp)
+    return llm.LogitsOp(x, op.weight, norm=g, eps=eps, compute=op.mode)
+
+
+def group_function(function: func.FuncOp) -> None:
+    block = function.body.block
+    for op in list(block.ops):
+        if isinstance(op, llm.MulOp):
+            fuse_swiglu(block, op)
+    for op in list(block.ops):
+        if isinstance(op, llm.AttentionOp):
+            fuse_rope(block, op)
+    index = {op: i for i, op in enumerate(block.ops)}
+    for op in list(block.ops):
+        if isinstance(op, llm.AddOp):
+            fuse_residual(block, op, index)
+    for op in list(block.ops):
+        if isinstance(op, llm.RMSNormOp):
+            fuse_norm(block, op)
 
 
 @dataclass(frozen=True)
@@ -121,14 +164,4 @@ class GroupPass(LlmcPass):
 
     def run(self, ctx: Context, module: ModuleOp) -> None:
         for function in self.functions(module):
-            g = _Grouper(function)
-            for kind, handler in (
-                (llm.MulOp, g.swiglu),
-                (llm.LogitsOp, g.head),
-                (llm.RMSNormOp, g.norm_proj),
-                (llm.AttentionOp, g.attention),
-                (llm.AddOp, g.residual),
-            ):
-                for op in g.ops:
-                    if isinstance(op, kind):
-                        handler(op)
+            group_function(function)

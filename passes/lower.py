@@ -1,50 +1,50 @@
-"""`lower`: `llm` entry points → `tgt` kernels over explicit buffers.
+"""`lower`: `llm` entry points → `tgt` kernels over typed buffers, one op at a time.
 
 Each `llm` value gets a buffer (`tgt.alloc`, placed later by `plan-memory`) sized for
-the entry point's largest chunk; reshapes become views; the token positions become
-`%start` (chunks are consecutive); the KV cache becomes the `%k_cache` / `%v_cache`
-arguments in the layout `tgt.kv_layout`; logits are written to the `%logits` argument.
-Groups recorded by `group` become fused kernels:
+the entry point's largest chunk: float rows, or quantized rows when every reader is an
+`a8` projection and the producing kernel can quantize its output (RMSNorm, SwiGLU,
+attention); an `a8` reader of float rows gets them through one `tgt.quantize`.
+Reshapes become views; the token positions become `%start` (chunks are consecutive);
+the KV cache becomes `%k_cache` / `%v_cache` in the layout `tgt.kv_layout`, one
+`tgt.subview` per layer; logits are written to the `%logits` argument. Weights keep
+the storage `quantize` chose, in the `stored` layout (`pack` chooses the target's).
 
 ```mlir
-// llm (grouped residual)                         // tgt
-%o = llm.matmul %a, %wo {llm.group = "residual.7"}   tgt.matmul %a, %wo -> %x rows %n accumulate : ...
-%x1 = llm.add %x, %o {llm.group = "residual.7"}      // %x1 is %x's buffer, updated in place
+// llm                                                    // tgt
+%h = llm.rms_norm %x, %g eps 1.0e-05 : ...                 tgt.rms_norm %x, %g -> %h rows %n eps 1.0e-05 : memref<128x576xf32>, ... -> !tgt.qrows<128x576>
+%q = llm.matmul %h, %wq compute a8 : ...                   tgt.matmul %h, %wq -> %q rows %n : !tgt.qrows<128x576>, ... -> memref<128x576xf32>
+%x1 = llm.matmul %a, %wo residual %x compute a8 : ...      tgt.matmul %a, %wo -> %x rows %n accumulate : ...   // in place
 ```
-Weights are read as f32 here (the artifact stores them dequantized); a quantize phase
-will choose other storage.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from xdsl.context import Context
 from xdsl.dialects import func
-from xdsl.dialects.builtin import (
-    IndexType,
-    IntegerAttr,
-    ModuleOp,
-    StringAttr,
-    i32,
-    i64,
-)
-from xdsl.ir import Block, Operation, Region, SSAValue
+from xdsl.dialects.builtin import IndexType, IntegerAttr, ModuleOp, StringAttr, i32, i64
+from xdsl.ir import Attribute, Block, Operation, Region, SSAValue
 
 from llmc.errors import LlmcError
 from llmc.ir import llm, tgt
-from llmc.ir.llm import Storage
+from llmc.ir.layouts import Layout
 from llmc.passes.base import LlmcPass
-from llmc.passes.group import group_of, single_user, users
+from llmc.passes.group import single_user, users
 
 
-@dataclass
-class _Norm:
-    """An RMSNorm fused into its consumers: they read `x` and normalize it themselves."""
-
-    x: SSAValue
-    weight: SSAValue
-    eps: float
+def _reads_quantized(value: SSAValue) -> bool:
+    """Every reader of `value` is an `a8` projection (through reshapes and last_token)."""
+    readers = users(value)
+    for op in readers:
+        if isinstance(op, (llm.ReshapeOp, llm.LastTokenOp)):
+            if not _reads_quantized(op.result):
+                return False
+        elif not (isinstance(op, (llm.MatmulOp, llm.LogitsOp, llm.SwigluOp)) and op.mode is llm.Compute.A8
+                  and op.input == value):
+            return False
+    return bool(readers)
 
 
 @dataclass
@@ -56,120 +56,175 @@ class _Lowering:
     k_cache: SSAValue
     v_cache: SSAValue
     logits: SSAValue
-    buffers: dict[SSAValue, SSAValue] = field(default_factory=dict)
-    norms: dict[SSAValue, _Norm] = field(default_factory=dict)
+    buffers: dict[SSAValue, SSAValue] = field(default_factory=dict)  # float rows (or any buffer)
+    quantized: dict[SSAValue, SSAValue] = field(default_factory=dict)  # int8 rows of a value
     weights: dict[str, SSAValue] = field(default_factory=dict)
+    layers: dict[int, tuple[SSAValue, SSAValue]] = field(default_factory=dict)
 
     def emit(self, op: Operation) -> Operation:
         self.block.add_op(op)
         return op
 
-    def alloc(self, value: SSAValue) -> SSAValue:
+    def _shape(self, value: SSAValue) -> tuple[int, ...]:
         shape = llm.shape_of(value)
-        buf = self.emit(tgt.AllocOp((self.rows, *shape[1:]) if shape[0] is None else tuple(shape))).result
+        return (self.rows, *shape[1:]) if shape[0] is None else tuple(shape)  # type: ignore[arg-type]
+
+    def _alloc(self, value: SSAValue, result_type: Attribute) -> SSAValue:
+        buf = self.emit(tgt.AllocOp(result_type)).result
         buf.name_hint = value.name_hint
+        return buf
+
+    def out(self, value: SSAValue, can_quantize: bool = False) -> SSAValue:
+        """A buffer for `value`: quantized rows when its readers want them and the producer can write them."""
+        shape = self._shape(value)
+        width = 1
+        for d in shape[1:]:
+            width *= d
+        if can_quantize and width % 32 == 0 and _reads_quantized(value):
+            buf = self._alloc(value, tgt.QRowsType(shape[0], width))
+            self.quantized[value] = buf
+            return buf
+        buf = self._alloc(value, tgt.memref(*shape))
         self.buffers[value] = buf
         return buf
 
-    def source(self, value: SSAValue) -> tuple[SSAValue, _Norm | None]:
-        """The buffer a consumer reads for `value`, and the norm to apply when it is fused."""
-        if value in self.norms:
-            norm = self.norms[value]
-            return self.buffers[norm.x], norm
-        return self.buffers[value], None
+    def x(self, op: llm.MatmulOp | llm.LogitsOp | llm.SwigluOp) -> SSAValue:
+        """The rows a projection reads: quantized for `a8` (quantizing float rows once), else float."""
+        value = op.input
+        if op.mode is not llm.Compute.A8:
+            return self.buffers[value]
+        if value not in self.quantized:
+            source = self.buffers[value]
+            shape = tgt.dims(source)
+            buf = self._alloc(value, tgt.QRowsType(shape[0], tgt.row_width(source)))
+            buf.name_hint = f"{value.name_hint}_q" if value.name_hint else None
+            self.emit(tgt.QuantizeOp(source, buf, self.n))
+            self.quantized[value] = buf
+        return self.quantized[value]
 
-    def weight(self, op: llm.WeightOp) -> None:
-        if op.sym_name not in self.weights:
-            shape = tuple(d for d in llm.shape_of(op.result) if d is not None)
-            self.weights[op.sym_name] = self.emit(tgt.WeightOp(op.sym_name, Storage.F32, shape)).result
-        self.buffers[op.result] = self.weights[op.sym_name]
+    def alias(self, result: SSAValue, source: SSAValue) -> None:
+        for table in (self.buffers, self.quantized):
+            if source in table:
+                table[result] = table[source]
 
-    def matmul(self, x: SSAValue, w: SSAValue, out: SSAValue, *, bias: SSAValue | None = None,
-               accumulate: bool = False, last_row: bool = False) -> None:
-        xbuf, norm = self.source(x)
-        self.emit(tgt.MatmulOp(
-            xbuf, self.buffers[w], out, self.n,
-            bias=self.buffers[bias] if bias is not None else None,
-            norm=norm.weight if norm else None, eps=norm.eps if norm else None,
-            accumulate=accumulate, last_row=last_row,
-        ))
+    def norm(self, op: llm.MatmulOp | llm.LogitsOp | llm.SwigluOp) -> dict:
+        return {"norm": self.buffers[op.norm], "eps": op.eps.value.data} if op.norm is not None else {}
+
+    def cache_layer(self, layer: int) -> tuple[SSAValue, SSAValue]:
+        if layer not in self.layers:
+            k, v = (self.emit(tgt.SubviewOp(c, layer)).result for c in (self.k_cache, self.v_cache))
+            k.name_hint, v.name_hint = f"k_cache_l{layer}", f"v_cache_l{layer}"
+            self.layers[layer] = (k, v)
+        return self.layers[layer]
 
 
-def _lower_op(lo: _Lowering, op: Operation) -> None:
-    kind = group_of(op)
-    if isinstance(op, llm.WeightOp):
-        lo.weight(op)
-    elif isinstance(op, llm.EmbeddingOp):
-        lo.emit(tgt.EmbeddingOp(lo.buffers[op.tokens], lo.buffers[op.table], lo.alloc(op.result), lo.n))
-    elif isinstance(op, llm.RMSNormOp):
-        if kind is not None:
-            lo.norms[op.result] = _Norm(op.input, lo.buffers[op.weight], op.eps.value.data)
-        else:
-            x, w = lo.buffers[op.input], lo.buffers[op.weight]
-            lo.emit(tgt.RMSNormOp(x, w, lo.alloc(op.result), lo.n, op.eps.value.data))
-    elif isinstance(op, llm.MatmulOp):
-        if kind == "swiglu":
-            return  # emitted with its `llm.mul`
-        if kind == "residual":
-            (add,) = users(op.result)
-            assert isinstance(add, llm.AddOp)
-            residual = add.rhs if add.lhs == op.result else add.lhs
-            out = lo.buffers[residual]
-            lo.buffers[add.result] = out
-            lo.matmul(op.input, op.weight, out, bias=op.bias, accumulate=True)
-        else:
-            lo.matmul(op.input, op.weight, lo.alloc(op.result), bias=op.bias)
-    elif isinstance(op, llm.SiluOp):
-        if kind != "swiglu":
-            lo.emit(tgt.SiluOp(lo.buffers[op.input], lo.alloc(op.result), lo.n))
-    elif isinstance(op, llm.MulOp):
-        if kind == "swiglu":
-            silu, up = op.lhs.owner, op.rhs.owner
-            assert isinstance(silu, llm.SiluOp) and isinstance(up, llm.MatmulOp)
-            gate = silu.input.owner
-            assert isinstance(gate, llm.MatmulOp)
-            x, norm = lo.source(gate.input)
-            lo.emit(tgt.SwigluOp(x, lo.buffers[gate.weight], lo.buffers[up.weight], lo.alloc(op.result), lo.n,
-                                 norm=norm.weight if norm else None, eps=norm.eps if norm else None))
-        else:
-            lo.emit(tgt.MulOp(lo.buffers[op.lhs], lo.buffers[op.rhs], lo.alloc(op.result), lo.n))
-    elif isinstance(op, llm.AddOp):
-        if kind != "residual":
-            lo.emit(tgt.AddOp(lo.buffers[op.lhs], lo.buffers[op.rhs], lo.alloc(op.result), lo.n))
-    elif isinstance(op, llm.ReshapeOp):
-        shape = llm.shape_of(op.result)
-        view = lo.emit(tgt.ViewOp(lo.buffers[op.input], (lo.rows if shape[0] is None else shape[0], *shape[1:])))
-        view.result.name_hint = op.result.name_hint
-        lo.buffers[op.result] = view.result
-    elif isinstance(op, llm.RopeOp):
-        # in place: the rotated value takes over its input's buffer
-        if single_user(op.input) is not op:
-            raise LlmcError(f"lower: the input of {op.name} has other users; in-place RoPE would change them")
-        lo.buffers[op.result] = lo.buffers[op.input]
-        if kind != "attention":
-            lo.emit(tgt.RopeOp(lo.buffers[op.input], lo.n, lo.start, op.theta.value.data))
-    elif isinstance(op, llm.AttentionOp):
-        theta = None
-        if kind == "attention":
-            rope = op.query.owner
-            assert isinstance(rope, llm.RopeOp)
-            theta = rope.theta.value.data
-        lo.emit(tgt.AttentionOp(
-            lo.buffers[op.query], lo.buffers[op.key], lo.buffers[op.value], lo.k_cache, lo.v_cache,
-            lo.alloc(op.result), lo.n, lo.start, op.layer.value.data, theta,
-        ))
-    elif isinstance(op, llm.LastTokenOp):
-        if op.input in lo.norms:
-            lo.norms[op.result] = lo.norms[op.input]
-        else:
-            lo.buffers[op.result] = lo.buffers[op.input]
-    elif isinstance(op, llm.LogitsOp):
-        last_row = isinstance(op.input.owner, llm.LastTokenOp)
-        lo.matmul(op.input, op.weight, lo.logits, last_row=last_row)
-    elif isinstance(op, func.ReturnOp):
-        lo.emit(func.ReturnOp())
+Lowering = Callable[[_Lowering, Operation], None]
+_LOWERINGS: dict[type[Operation], Lowering] = {}
+
+
+def lowering(op_type: type[Operation]) -> Callable[[Lowering], Lowering]:
+    def register(fn: Lowering) -> Lowering:
+        _LOWERINGS[op_type] = fn
+        return fn
+
+    return register
+
+
+@lowering(llm.WeightOp)
+def _weight(lo: _Lowering, op: llm.WeightOp) -> None:
+    if op.sym_name not in lo.weights:
+        shape = tuple(d for d in llm.shape_of(op.result) if d is not None)
+        weight_type = tgt.WeightType(shape, op.storage.data, Layout.STORED)
+        lo.weights[op.sym_name] = lo.emit(tgt.WeightOp(op.sym_name, weight_type)).result
+    lo.buffers[op.result] = lo.weights[op.sym_name]
+
+
+@lowering(llm.EmbeddingOp)
+def _embedding(lo: _Lowering, op: llm.EmbeddingOp) -> None:
+    lo.emit(tgt.EmbeddingOp(lo.buffers[op.tokens], lo.buffers[op.table], lo.out(op.result), lo.n))
+
+
+@lowering(llm.RMSNormOp)
+def _rms_norm(lo: _Lowering, op: llm.RMSNormOp) -> None:
+    x, w = lo.buffers[op.input], lo.buffers[op.weight]
+    lo.emit(tgt.RMSNormOp(x, w, lo.out(op.result, can_quantize=True), lo.n, op.eps.value.data))
+
+
+@lowering(llm.MatmulOp)
+def _matmul(lo: _Lowering, op: llm.MatmulOp) -> None:
+    if op.residual is not None:
+        out = lo.buffers[op.residual]  # the residual stream, updated in place
+        lo.buffers[op.result] = out
     else:
-        raise LlmcError(f"lower: no lowering for {op.name}")
+        out = lo.out(op.result)
+    bias = lo.buffers[op.bias] if op.bias is not None else None
+    lo.emit(tgt.MatmulOp(lo.x(op), lo.buffers[op.weight], out, lo.n, bias=bias, accumulate=op.residual is not None,
+                         **lo.norm(op)))
+
+
+@lowering(llm.LogitsOp)
+def _logits(lo: _Lowering, op: llm.LogitsOp) -> None:
+    last_row = isinstance(op.input.owner, llm.LastTokenOp)
+    lo.emit(tgt.MatmulOp(lo.x(op), lo.buffers[op.weight], lo.logits, lo.n, last_row=last_row, **lo.norm(op)))
+
+
+@lowering(llm.SwigluOp)
+def _swiglu(lo: _Lowering, op: llm.SwigluOp) -> None:
+    out = lo.out(op.result, can_quantize=True)
+    lo.emit(tgt.SwigluOp(lo.x(op), lo.buffers[op.gate], lo.buffers[op.up], out, lo.n, **lo.norm(op)))
+
+
+@lowering(llm.ReshapeOp)
+def _reshape(lo: _Lowering, op: llm.ReshapeOp) -> None:
+    if op.input in lo.quantized:  # quantized rows have one row width, whatever the logical shape
+        lo.quantized[op.result] = lo.quantized[op.input]
+        return
+    view = lo.emit(tgt.ViewOp(lo.buffers[op.input], lo._shape(op.result)))
+    view.result.name_hint = op.result.name_hint
+    lo.buffers[op.result] = view.result
+
+
+@lowering(llm.RopeOp)
+def _rope(lo: _Lowering, op: llm.RopeOp) -> None:
+    # in place: the rotated value takes over its input's buffer
+    if single_user(op.input) is not op:
+        raise LlmcError(f"lower: the input of {op.name} has other users; in-place RoPE would change them")
+    lo.buffers[op.result] = lo.buffers[op.input]
+    lo.emit(tgt.RopeOp(lo.buffers[op.input], lo.n, lo.start, op.theta.value.data))
+
+
+@lowering(llm.AttentionOp)
+def _attention(lo: _Lowering, op: llm.AttentionOp) -> None:
+    if op.rope is not None and any(single_user(v) is not op for v in (op.query, op.key)):
+        raise LlmcError("lower: attention rotates q and k in place, but they have other users")
+    k_cache, v_cache = lo.cache_layer(op.layer.value.data)
+    head_dim = llm.shape_of(op.query)[2]
+    out = lo.out(op.result, can_quantize=head_dim is not None and head_dim % 32 == 0)
+    rope = op.rope.value.data if op.rope is not None else None
+    lo.emit(tgt.AttentionOp(lo.buffers[op.query], lo.buffers[op.key], lo.buffers[op.value], k_cache, v_cache, out,
+                            lo.n, lo.start, rope))
+
+
+@lowering(llm.LastTokenOp)
+def _last_token(lo: _Lowering, op: llm.LastTokenOp) -> None:
+    lo.alias(op.result, op.input)  # the head reads the last row itself (`last_row`)
+
+
+def _elementwise(kernel: type[tgt.Kernel]) -> Lowering:
+    def lower(lo: _Lowering, op: Operation) -> None:
+        ins = [lo.buffers[v] for v in op.operands]
+        lo.emit(kernel(*ins, lo.out(op.results[0]), lo.n))
+
+    return lower
+
+
+for _llm_op, _kernel in ((llm.AddOp, tgt.AddOp), (llm.MulOp, tgt.MulOp), (llm.SiluOp, tgt.SiluOp)):
+    lowering(_llm_op)(_elementwise(_kernel))
+
+
+@lowering(func.ReturnOp)
+def _return(lo: _Lowering, op: func.ReturnOp) -> None:
+    lo.emit(func.ReturnOp())
 
 
 def lower_function(function: func.FuncOp) -> func.FuncOp:
@@ -184,7 +239,7 @@ def lower_function(function: func.FuncOp) -> func.FuncOp:
     cache = tgt.memref(*kv.shape)
     block = Block(arg_types=[
         tgt.memref(rows, element_type=i32), IndexType(), IndexType(), cache, cache,
-        tgt.memref(*(d for d in llm.shape_of(logits_type) if d is not None)),
+        tgt.memref(*(d if d is not None else rows for d in llm.shape_of(logits_type))),
     ])
     for arg, name in zip(block.args, ("tokens", "n", "start", "k_cache", "v_cache", "logits")):
         arg.name_hint = name
@@ -192,7 +247,10 @@ def lower_function(function: func.FuncOp) -> func.FuncOp:
     lo = _Lowering(block, rows, n, start, k_cache, v_cache, logits)
     lo.buffers[tokens_arg] = tokens
     for op in function.body.block.ops:
-        _lower_op(lo, op)
+        lower_op = _LOWERINGS.get(type(op))
+        if lower_op is None:
+            raise LlmcError(f"lower: no lowering for {op.name}")
+        lower_op(lo, op)
     lowered = func.FuncOp(function.sym_name.data, (block.arg_types, []), Region(block))
     lowered.attributes |= {
         "llm.stage": stage,

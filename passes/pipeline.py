@@ -1,14 +1,16 @@
 """Named phases and the runner that applies them, with IR dumps after every pass.
 
-| phase    | passes                            | IR after it                     |
-|----------|-----------------------------------|---------------------------------|
-| import   | (the frontend builds it)          | `llm`, `@forward`               |
-| optimize | verify, canonicalize, dce, verify | `llm`                           |
-| split    | split                             | `llm`, prefill/prefill_kv/decode|
-| group    | group (none with `--no-group`)    | `llm` with `llm.group` marks    |
-| lower    | lower, plan-memory, verify        | `tgt`                           |
+| phase    | passes                            | IR after it                                  |
+|----------|-----------------------------------|----------------------------------------------|
+| import   | (the frontend builds it)          | `llm`, `@forward`                            |
+| optimize | verify, canonicalize, dce, verify | `llm`                                        |
+| quantize | quantize, verify                  | `llm`, storage and compute mode chosen       |
+| split    | split                             | `llm`, prefill/prefill_kv/decode/score       |
+| group    | group (none with `--no-group`)    | `llm` with fused ops                         |
+| lower    | lower, pack, plan-memory, verify  | `tgt`                                        |
 
-The module records the last phase it went through in its `llm.phase` attribute.
+The module records the last phase it went through in its `llm.phase` attribute, and
+the target it is compiled for in `tgt.target` (set before any phase runs).
 """
 
 from __future__ import annotations
@@ -33,14 +35,19 @@ class CompileOptions:
     prefill_chunk: int = 0  # 0: 128, at most max_seq
     max_seq: int = 0  # 0: the model's context length, capped at 4096
     group: bool = True
+    quant: str = ""  # storage of the matmul weights ("" keeps the model's)
+    quant_output: str = ""  # storage of the token embedding and LM head ("" follows the policy)
+    requantize: bool = False  # convert tensors that are already quantized too
+    compute: str = "auto"  # a32, a8, or the fastest on the target
 
 
 PHASES: dict[str, tuple[str, ...]] = {
     "import": (),
     "optimize": ("verify", "canonicalize", "dce", "verify"),
+    "quantize": ("quantize", "verify"),
     "split": ("split",),
     "group": ("group",),
-    "lower": ("lower", "plan-memory", "verify"),
+    "lower": ("lower", "pack", "plan-memory", "verify"),
 }
 assert tuple(PHASES) == PHASE_ORDER
 
@@ -52,6 +59,11 @@ def phase_passes(phase: str, options: CompileOptions) -> list[ModulePass]:
             from llmc.passes.split import SplitPass
 
             passes.append(SplitPass(prefill_chunk=options.prefill_chunk, max_seq=options.max_seq))
+        elif name == "quantize":
+            from llmc.passes.quantize import QuantizePass
+
+            passes.append(QuantizePass(quant=options.quant, quant_output=options.quant_output,
+                                       requantize=options.requantize, compute=options.compute))
         elif name == "group" and not options.group:
             continue
         else:

@@ -37,7 +37,7 @@ def lifetimes(function: func.FuncOp) -> dict[tgt.AllocOp, tuple[int, int]]:
     """Each alloc's first and last kernel index (views count as their buffer)."""
     spans: dict[tgt.AllocOp, tuple[int, int]] = {}
     for index, op in enumerate(function.body.block.ops):
-        if isinstance(op, (tgt.AllocOp, tgt.ViewOp, tgt.WeightOp)):
+        if isinstance(op, (tgt.AllocOp, tgt.ViewOp, tgt.SubviewOp, tgt.WeightOp)):
             continue
         for operand in op.operands:
             alloc = _root(operand).owner

@@ -13,9 +13,11 @@ PASSES: dict[str, tuple[str, str]] = {
     "verify": ("llmc.passes.verify", "VerifyPass"),
     "canonicalize": ("llmc.passes.canonicalize", "CanonicalizePass"),
     "dce": ("llmc.passes.dce", "DeadCodeEliminationPass"),
+    "quantize": ("llmc.passes.quantize", "QuantizePass"),
     "split": ("llmc.passes.split", "SplitPass"),
     "group": ("llmc.passes.group", "GroupPass"),
     "lower": ("llmc.passes.lower", "LowerPass"),
+    "pack": ("llmc.passes.pack", "PackPass"),
     "plan-memory": ("llmc.passes.plan_memory", "PlanMemoryPass"),
 }
 

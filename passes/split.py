@@ -1,11 +1,13 @@
-"""`split`: one `@forward` becomes the three entry points a generation loop calls.
+"""`split`: one `@forward` becomes the entry points a generation loop calls.
 
 - `@prefill`: a prompt chunk of at most `prefill_chunk` tokens at positions 0.. (no history);
 - `@prefill_kv`: a chunk that attends to the history already in the cache;
-- `@decode`: one token against the cache (every token shape becomes 1).
+- `@decode`: one token against the cache (every token shape becomes 1);
+- `@score`: a chunk like `@prefill_kv` that returns every row's logits (perplexity,
+  KL divergence); generation never pays for the extra rows.
 
-All three keep the signature `(%tokens, %pos, %kv)` with the KV cache resized to
-`max_seq` rows, and return only the last token's logits:
+All keep the signature `(%tokens, %pos, %kv)` with the KV cache resized to `max_seq`
+rows; all but `@score` return only the last token's logits:
 
 ```mlir
 func.func @decode(%tokens: tensor<1xi32>, %pos: tensor<1xi32>, %kv: !llm.kv_cache<30x3x4096x64xf32>)
@@ -32,7 +34,7 @@ from llmc.errors import UsageError
 from llmc.ir import find_function, llm
 from llmc.passes.base import LlmcPass
 
-STAGES = ("prefill", "prefill_kv", "decode")
+STAGES = ("prefill", "prefill_kv", "decode", "score")
 DEFAULT_MAX_SEQ_CAP = 4096
 DEFAULT_PREFILL_CHUNK = 128
 
@@ -67,7 +69,7 @@ def _last_token_logits(function: func.FuncOp) -> None:
             last = llm.LastTokenOp(op.input)
             last.result.name_hint = "last"
             function.body.block.insert_op_before(last, op)
-            logits = llm.LogitsOp(last.result, op.weight)
+            logits = llm.LogitsOp(last.result, op.weight, compute=op.mode)
             logits.result.name_hint = op.result.name_hint
             function.body.block.insert_op_before(logits, op)
             op.result.replace_all_uses_with(logits.result)
@@ -82,7 +84,7 @@ def _last_token_logits(function: func.FuncOp) -> None:
 @dataclass(frozen=True)
 class SplitPass(LlmcPass):
     name = "split"
-    requires_phase = "optimize"
+    requires_phase = "quantize"
 
     prefill_chunk: int = 0  # 0: DEFAULT_PREFILL_CHUNK, at most max_seq
     max_seq: int = 0  # 0: the model's context length, capped at DEFAULT_MAX_SEQ_CAP
@@ -112,7 +114,7 @@ class SplitPass(LlmcPass):
                 return t
 
             entry = retyped(forward, stage, subst)
-            if stage != "decode":
+            if stage in ("prefill", "prefill_kv"):
                 _last_token_logits(entry)
             entry.attributes["llm.stage"] = StringAttr(stage)
             entry.attributes["llm.max_tokens"] = IntegerAttr(1 if stage == "decode" else chunk, i64)

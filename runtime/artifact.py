@@ -22,9 +22,18 @@ from pathlib import Path
 
 from llmc.errors import LlmcError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
-ENTRY_POINTS = ("prefill", "prefill_kv", "decode")
+ENTRY_POINTS = ("prefill", "prefill_kv", "decode", "score")
+# the arguments of every entry point, in order (the compiler writes them into the manifest)
+ENTRY_ARGUMENTS = ("tokens", "n", "start", "k_cache", "v_cache", "logits", "arena", "weights", "tid", "nth", "sync")
+# /proc/cpuinfo flag of each CPU feature a kernel may need
+_CPU_FLAGS = {
+    "avx2": "avx2", "fma": "fma", "f16c": "f16c", "bmi2": "bmi2", "avx512f": "avx512f", "avx512bw": "avx512bw",
+    "avx512vl": "avx512vl", "avx512dq": "avx512dq", "avx512vnni": "avx512_vnni", "avxvnni": "avx_vnni",
+    "avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16", "amx-tile": "amx_tile", "amx-int8": "amx_int8",
+    "amx-bf16": "amx_bf16",
+}
 
 
 class ArtifactError(LlmcError):
@@ -91,6 +100,9 @@ def _check_schema(path: Path, data: dict) -> None:
             entry = data["entry_points"][name]
             if entry["symbol"] != f"llmc_{name}":
                 raise ValueError(f"entry point {name} has symbol {entry['symbol']!r}")
+            if tuple(entry["arguments"]) != ENTRY_ARGUMENTS:
+                raise ValueError(f"entry point {name} takes arguments {entry['arguments']!r}, "
+                                 f"this runtime passes {list(ENTRY_ARGUMENTS)}")
             if not (positive_ints([entry["max_tokens"]]) and type(entry["arena_bytes"]) is int
                     and 0 <= entry["arena_bytes"] < _MAX_BYTES):
                 raise ValueError(f"entry point {name} has malformed sizes")
@@ -100,6 +112,8 @@ def _check_schema(path: Path, data: dict) -> None:
             raise ValueError("model.vocab_size must be a positive integer")
         if not isinstance(data["tokenizer"], dict):
             raise ValueError("tokenizer must be an object")
+        if not (isinstance(data["cpu"]["features"], list) and all(isinstance(f, str) for f in data["cpu"]["features"])):
+            raise ValueError("cpu.features must be a list of strings")
     except (KeyError, TypeError, ValueError) as e:
         detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
         raise ArtifactError(f"{path}: malformed manifest ({detail}); recompile") from e
@@ -129,6 +143,19 @@ def load_manifest(directory: Path, check_files: bool = True) -> Manifest:
             if file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]:
                 raise ArtifactError(f"{file}: contents do not match the manifest (modified or truncated); recompile")
     return manifest
+
+
+def missing_cpu_features(manifest: Manifest) -> list[str]:
+    """The CPU features the kernels were built for that this machine lacks (Linux: /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        return []
+    if flags is None:
+        return []
+    have = set(flags)
+    return [feat for feat in manifest.data["cpu"]["features"] if _CPU_FLAGS.get(feat, feat) not in have]
 
 
 def load_verified_library(manifest: Manifest, check: bool = True):

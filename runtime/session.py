@@ -2,9 +2,10 @@
 
 `Session.feed(tokens)` runs a prompt through `prefill` (first chunk of an empty cache)
 and `prefill_kv` (every later chunk), or one token through `decode`, and returns the
-logits of the last token. Each chunk or token is one native call into `kernels.so` per
-thread: the threads start once, enter the entry point together, and synchronise inside
-native code.
+logits of the last token; `Session.score(tokens)` runs them through `score` and returns
+every row's logits (perplexity, KL divergence). Each chunk or token is one native call
+into `kernels.so` per thread: the threads start once, enter the entry point together,
+and synchronise inside native code.
 """
 
 from __future__ import annotations
@@ -18,10 +19,18 @@ from pathlib import Path
 import numpy as np
 
 from llmc.errors import LlmcError
-from llmc.runtime.artifact import ENTRY_POINTS, ArtifactError, Manifest, load_manifest, load_verified_library
+from llmc.runtime.artifact import (
+    ENTRY_ARGUMENTS,
+    ENTRY_POINTS,
+    ArtifactError,
+    Manifest,
+    load_manifest,
+    load_verified_library,
+    missing_cpu_features,
+)
 
-_ENTRY_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 5 + [
-    ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+_INTEGER_ARGUMENTS = ("n", "start", "tid", "nth")
+_ENTRY_ARGS = [ctypes.c_int64 if name in _INTEGER_ARGUMENTS else ctypes.c_void_p for name in ENTRY_ARGUMENTS]
 
 
 def default_threads() -> int:
@@ -83,6 +92,10 @@ class Session:
         self.manifest: Manifest = load_manifest(directory, check_files)
         if self.manifest.target != "cpu":
             raise ArtifactError(f"{directory}: a '{self.manifest.target}' artifact; this runtime runs 'cpu' artifacts")
+        missing = missing_cpu_features(self.manifest)
+        if missing:
+            raise ArtifactError(f"{directory}: compiled for CPU features this machine lacks ({', '.join(missing)}); "
+                                f"recompile on this machine, or with --cpu x86-64-v3")
         self.weights = np.memmap(self.manifest.file("weights"), dtype=np.uint8, mode="r")
         try:
             self.library = load_verified_library(self.manifest, check_files)
@@ -99,8 +112,8 @@ class Session:
         self.v_cache = np.zeros(kv["shape"], np.float32)
         self.arena = np.zeros(max(e["arena_bytes"] for e in self.manifest.entry_points.values()) + 64, np.uint8)
         self.vocab_size = self.manifest.model["vocab_size"]
-        self.logits = np.zeros(self.vocab_size, np.float32)
         self.chunk = self.manifest.entry_points["prefill"]["max_tokens"]
+        self.logits = np.zeros((self.chunk, self.vocab_size), np.float32)
         self.tokens = np.zeros(self.chunk, np.int32)
         self.position = 0
         self.threads = threads or default_threads()
@@ -120,16 +133,22 @@ class Session:
     def _call(self, entry: str, tokens: np.ndarray) -> None:
         n = len(tokens)
         self.tokens[:n] = tokens
-        fn, position, threads = self.entries[entry], self.position, self.threads
-        args = (_ptr(self.tokens), n, position, _ptr(self.k_cache), _ptr(self.v_cache), _ptr(self.logits),
-                _ptr(self.arena), self.weights.ctypes.data)
-        sync = _ptr(self.sync)
-        self.team.run(lambda tid: fn(*args, tid, threads, sync))
+        fn, threads = self.entries[entry], self.threads
+        buffers = {"tokens": _ptr(self.tokens), "n": n, "start": self.position, "k_cache": _ptr(self.k_cache),
+                   "v_cache": _ptr(self.v_cache), "logits": _ptr(self.logits), "arena": _ptr(self.arena),
+                   "weights": self.weights.ctypes.data, "nth": threads, "sync": _ptr(self.sync)}
+        args = [buffers.get(name) for name in ENTRY_ARGUMENTS]
+        tid_at = ENTRY_ARGUMENTS.index("tid")
+
+        def run(tid: int) -> None:
+            mine = list(args)
+            mine[tid_at] = tid
+            fn(*mine)
+
+        self.team.run(run)
         self.position += n
 
-    def feed(self, tokens: list[int] | np.ndarray) -> np.ndarray:
-        """Run `tokens` after the ones already fed; returns the last token's logits (a copy)."""
-        tokens = np.asarray(tokens, dtype=np.int32)
+    def _check(self, tokens: np.ndarray) -> None:
         if tokens.size == 0:
             raise ValueError("no tokens to feed")
         if self.position + tokens.size > self.capacity:
@@ -139,9 +158,25 @@ class Session:
             )
         if tokens.min() < 0 or tokens.max() >= self.vocab_size:
             raise ValueError(f"token id outside the vocabulary of {self.vocab_size}")
+
+    def feed(self, tokens: list[int] | np.ndarray) -> np.ndarray:
+        """Run `tokens` after the ones already fed; returns the last token's logits (a copy)."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        self._check(tokens)
         if tokens.size == 1 and self.position > 0:
             self._call("decode", tokens)
         else:
             for begin in range(0, tokens.size, self.chunk):
                 self._call("prefill" if self.position == 0 else "prefill_kv", tokens[begin : begin + self.chunk])
-        return self.logits.copy()
+        return self.logits[0].copy()
+
+    def score(self, tokens: list[int] | np.ndarray) -> np.ndarray:
+        """Run `tokens` after the ones already fed; returns every token's logits `[T, vocab]`."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        self._check(tokens)
+        out = np.empty((tokens.size, self.vocab_size), np.float32)
+        for begin in range(0, tokens.size, self.chunk):
+            chunk = tokens[begin : begin + self.chunk]
+            self._call("score", chunk)
+            out[begin : begin + chunk.size] = self.logits[: chunk.size]
+        return out

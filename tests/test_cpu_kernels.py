@@ -1,5 +1,13 @@
-"""CPU kernels: each emitted alone, compiled at O3, linked, called through ctypes and
-compared with numpy (max abs error ≤ 1e-4 · max|ref| + 1e-6)."""
+"""CPU kernels: each `tgt` kernel op compiled alone at O3, linked, called through ctypes with
+its operands by name (the ABI its definition declares), and compared with numpy.
+
+Float paths: max abs error ≤ 1e-4 · max|ref| + 1e-6 against float64 numpy. Integer
+weights are checked against a reference on the same quantized data, so kernel error is
+not confused with quantization error: `a32` (codes dequantized in registers) within
+1e-5 of the float64 product with the dequantized weights; `a8` (integer dot products)
+within 2e-6 of the integer reference of the tgt interpreter, on the same int8 rows;
+activation quantization bit for bit against `formats.quantize_rows`.
+"""
 
 from __future__ import annotations
 
@@ -7,67 +15,80 @@ import ctypes
 import itertools
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 from llvmlite import ir
+from xdsl.dialects.builtin import IndexType, i32
+from xdsl.ir import Attribute, Block
 
 from llmc.backends.cpu import KernelLibrary, ToolchainError, compile_to_object, link_shared, target_machine
-from llmc.backends.cpu.kernels import FPTR, I64, rope_inv_freq
-from llmc.errors import LlmcError
+from llmc.backends.cpu.builder import FPTR, I64
+from llmc.backends.cpu.target import CPUS, cpu_target, integer_isa, llvm_features
+from llmc.errors import LlmcError, UsageError
+from llmc.ir import tgt
+from llmc.ir.formats import FORMATS, Storage, integer_matmul, quantize_rows
+from llmc.ir.interpreter import rope_inv_freq
+from llmc.ir.layouts import Layout, QRowLayout, pack_split, qrows_nbytes
+from llmc.ir.tgt_interpreter import QRows
 
 f32 = np.float32
+INTEGER_FORMATS = [s for s in Storage if not s.is_float]
+IDX = IndexType()
 
 
 def _host_has(*features: str) -> bool:
-    from llmc.backends.cpu import host_cpu
+    return cpu_target("native").has(*features)
 
-    flags = set(host_cpu()[1].split(","))
-    return all(f"+{f}" in flags for f in features)
+
+@dataclass(frozen=True)
+class Machine:
+    cpu: str
+    tm: object
+
+    @property
+    def isas(self) -> list[tgt.Isa]:
+        """The integer dot products this CPU runs: its best one, AVX2's and the generic one."""
+        own = integer_isa(cpu_target(self.cpu))
+        return sorted({own, tgt.Isa.AVX2, tgt.Isa.GENERIC}, key=list(tgt.Isa).index)
 
 
 @pytest.fixture(scope="module", params=["native", "x86-64-v3"])
-def tm(request):
+def tm(request) -> Machine:
     """Every kernel test runs for the host CPU and for AVX2 (x86-64-v3) code."""
     if request.param == "x86-64-v3" and not _host_has("avx2", "fma", "bmi2"):
         pytest.skip("the host cannot run x86-64-v3 code")
-    return target_machine(request.param)
+    return Machine(request.param, target_machine(request.param))
 
 
-class Built:
-    """A shared library built from one KernelLibrary; `lib.fn(name)` → callable."""
+class Kernel:
+    """One kernel op compiled alone; `kernel(values, tid, nth)` calls it with operands by name."""
 
-    def __init__(self, path: Path, functions: list[ir.Function]):
-        self.cdll = ctypes.CDLL(str(path))
-        self.types = {fn.name: fn.function_type for fn in functions}
+    def __init__(self, tmp_path: Path, tm: Machine, make: Callable[..., tgt.Kernel], types: list[Attribute]):
+        block = Block(arg_types=types)
+        self.op = make(*block.args)
+        block.add_op(self.op)
+        self.op.verify()
+        module = ir.Module(name="kernels")
+        self.fn = KernelLibrary(module).kernel(self.op)
+        path = link_shared([compile_to_object(module, tm.tm)], tmp_path / f"k_{uuid.uuid4().hex}.so")
+        self.c = getattr(ctypes.CDLL(str(path)), self.fn.name)
+        self.c.restype = None
 
-    def __call__(self, fn: ir.Function, *args: object) -> None:
-        """Call `fn`; kernels that share work among threads get (tid 0, nth 1) when not given."""
-        if [a.name for a in fn.args[-2:]] == ["tid", "nth"] and len(args) == len(fn.args) - 2:
-            args = (*args, 0, 1)
-        cfn = getattr(self.cdll, fn.name)
-        cfn.restype = None
-        cargs = []
-        for ty, a in zip(fn.function_type.args, args, strict=True):
-            if isinstance(ty, ir.PointerType):
-                if a is None:
-                    cargs.append(ctypes.c_void_p(None))
-                else:
-                    assert isinstance(a, np.ndarray) and a.flags.c_contiguous
-                    cargs.append(ctypes.c_void_p(a.ctypes.data))
+    def __call__(self, values: dict[str, object], tid: int = 0, nth: int = 1) -> None:
+        args = []
+        for name, _ in self.op.abi():
+            v = values[name]
+            if isinstance(v, (int, np.integer)):
+                args.append(ctypes.c_int64(int(v)))
             else:
-                cargs.append(ctypes.c_int64(int(a)))
-        cfn(*cargs)
-
-
-def build(tmp_path: Path, tm, emit: Callable[[KernelLibrary], object], **lib_kw) -> tuple[Built, object]:
-    module = ir.Module(name="kernels")
-    lib = KernelLibrary(module, **lib_kw)
-    result = emit(lib)
-    obj = compile_to_object(module, tm)
-    path = link_shared([obj], tmp_path / f"k_{uuid.uuid4().hex}.so")
-    return Built(path, lib.functions()), result
+                assert isinstance(v, np.ndarray) and v.flags.c_contiguous, name
+                args.append(ctypes.c_void_p(v.ctypes.data))
+        if self.op.THREADED:
+            args += [ctypes.c_int64(tid), ctypes.c_int64(nth)]
+        self.c(*args)
 
 
 def assert_close(got: np.ndarray, ref: np.ndarray, rtol: float = 1e-4) -> None:
@@ -79,6 +100,31 @@ def assert_close(got: np.ndarray, ref: np.ndarray, rtol: float = 1e-4) -> None:
 
 def rand(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
     return (rng.standard_normal(shape) * scale).astype(f32)
+
+
+def weight_of(storage: Storage, w: np.ndarray) -> tuple[tgt.WeightType, np.ndarray, np.ndarray]:
+    """A weight in `storage` as the artifact holds it: its type, its bytes, its float values."""
+    if storage.is_float:
+        from llmc.ir.formats import float_array, to_float_storage
+
+        data = to_float_storage(storage, w)
+        return tgt.WeightType(w.shape, storage), np.ascontiguousarray(data), float_array(storage, data)
+    qt = FORMATS[storage].quantize(w)
+    return tgt.WeightType(w.shape, storage, Layout.SPLIT), pack_split(qt), qt.dequantize()
+
+
+def qrows_of(x: np.ndarray, capacity: int) -> tuple[np.ndarray, QRows]:
+    """`x` quantized into an arena buffer of `capacity` rows, and a view of it for the references."""
+    width = x.shape[1]
+    buf = np.zeros(qrows_nbytes(capacity, width), np.uint8)
+    views = QRowLayout(width).views(buf, capacity)
+    for view, values in zip(views, quantize_rows(x)):
+        view[: x.shape[0]] = values
+    return buf, QRows(*views, width)
+
+
+def read_qrows(buf: np.ndarray, capacity: int, width: int, rows: int) -> tuple[np.ndarray, ...]:
+    return tuple(v[:rows] for v in QRowLayout(width).views(buf, capacity))
 
 
 # references ------------------------------------------------------------------------
@@ -98,7 +144,7 @@ def ref_rope(x, positions, theta):
 
 
 def ref_attention(q, keys, values, positions):
-    """q [T, H, D]; keys/values [KVH, S, D] (the whole layer cache); causal by position."""
+    """q [T, H, D]; keys/values [KVH, S, D] (the layer cache); causal by position."""
     t, heads, d = q.shape
     group = heads // keys.shape[0]
     out = np.zeros((t, heads, d))
@@ -117,154 +163,300 @@ def silu64(x):
     return x / (1 + np.exp(-x))
 
 
-# kernels ---------------------------------------------------------------------------
+def f32_weight(w: np.ndarray) -> tgt.WeightType:
+    return tgt.WeightType(w.shape, Storage.F32)
 
-def test_embedding(tmp_path, tm):
+
+# embedding -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("storage", list(Storage), ids=str)
+def test_embedding_dequantizes_rows_of_every_storage(tmp_path, tm, storage):
     rng = np.random.default_rng(0)
-    D, V = 40, 50
-    lib, fn = build(tmp_path, tm, lambda k: k.embedding(D))
-    table = rand(rng, V, D)
-    tokens = np.array([3, 0, 49, 3, 17, 8, 22], np.int32)
-    out = np.full((len(tokens), D), np.nan, f32)
-    lib(fn, tokens, len(tokens), table, out)
-    np.testing.assert_array_equal(out, table[tokens])
+    V, D = 50, 256 + 32  # one half group: D % 64 == 32
+    if not FORMATS[storage].fits(D):
+        D = 512
+    wtype, data, values = weight_of(storage, rand(rng, V, D))
+    k = Kernel(tmp_path, tm, tgt.EmbeddingOp, [tgt.memref(8, element_type=i32), wtype, tgt.memref(8, D), IDX])
+    tokens = np.array([3, 0, 49, 3, 17, 8, 22, 1], np.int32)
+    out = np.full((8, D), np.nan, f32)
+    k({"tokens": tokens, "table": data, "out": out, "rows": 7})
+    np.testing.assert_array_equal(out[:7], values[tokens[:7]])
+    assert np.isnan(out[7]).all()
 
+
+# rms_norm and quantization -----------------------------------------------------------
 
 @pytest.mark.parametrize("D", [40, 37, 576])
 def test_rms_norm(tmp_path, tm, D):
     rng = np.random.default_rng(D)
     eps = 1e-5
-    lib, fn = build(tmp_path, tm, lambda k: k.rms_norm(D, eps))
+    k = Kernel(tmp_path, tm, lambda x, w, o, n: tgt.RMSNormOp(x, w, o, n, eps),
+               [tgt.memref(5, D), tgt.WeightType((D,), Storage.F32), tgt.memref(5, D), IDX])
     x, w = rand(rng, 5, D, scale=3.0), rand(rng, D)
     out = np.zeros_like(x)
-    lib(fn, x, 5, w, out)
+    k({"x": x, "weight": w, "out": out, "rows": 5})
     assert_close(out, ref_rms_norm(x, w, eps))
-    # n=1 leaves the other rows alone; in place (out is x) works
-    out2 = np.zeros_like(x)
-    lib(fn, x, 1, w, out2)
+    out2 = np.zeros_like(x)  # rows=1 leaves the other rows alone
+    k({"x": x, "weight": w, "out": out2, "rows": 1})
     assert_close(out2[:1], ref_rms_norm(x[:1], w, eps))
     assert not out2[1:].any()
-    y = x.copy()
-    lib(fn, y, 5, w, y)
+    y = x.copy()  # in place (out is x)
+    k({"x": y, "weight": w, "out": y, "rows": 5})
     assert_close(y, ref_rms_norm(x, w, eps))
 
 
+@pytest.mark.parametrize("D", [64, 96, 576])
+def test_rms_norm_writes_quantized_rows(tmp_path, tm, D):
+    """Normalized rows quantized per 32 as `quantize_rows` would (codes may differ by one
+    where the kernel's last float bit puts a value on the other side of a rounding tie)."""
+    rng = np.random.default_rng(D)
+    k = Kernel(tmp_path, tm, lambda x, w, o, n: tgt.RMSNormOp(x, w, o, n, 1e-5),
+               [tgt.memref(4, D), tgt.WeightType((D,), Storage.F32), tgt.QRowsType(4, D), IDX])
+    x, w = rand(rng, 4, D, scale=3.0), rand(rng, D)
+    buf = np.full(qrows_nbytes(4, D), 0xFF, np.uint8)  # garbage where the padding goes
+    k({"x": x, "weight": w, "out": buf, "rows": 3})
+    qs, d, s = read_qrows(buf, 4, D, 3)
+    rq, rd, rs = quantize_rows(ref_rms_norm(x[:3], w, 1e-5).astype(f32))
+    assert np.abs(qs.astype(int) - rq).max() <= 1 and (qs != rq).mean() < 0.01
+    np.testing.assert_allclose(d, rd, rtol=1e-6)
+    np.testing.assert_allclose(s, rs, rtol=1e-4, atol=1e-5 * np.abs(rs).max())
+    assert not qs[:, D:].any() and not d[:, D // 16:].any()  # padding to whole 64-groups is zero
+
+
+@pytest.mark.parametrize("D", [32, 64, 160, 1536])
+def test_quantize_is_bit_exact(tmp_path, tm, D):
+    rng = np.random.default_rng(D)
+    k = Kernel(tmp_path, tm, tgt.QuantizeOp, [tgt.memref(6, D), tgt.QRowsType(6, D), IDX])
+    x = rand(rng, 6, D, scale=2.0)
+    x[0, :32] = 0.0  # an all-zero block: scale 0, codes 0
+    x[1, :5] = [1e-30, -1e-30, 3e4, -3e4, 0.5]
+    buf = np.zeros(qrows_nbytes(6, D), np.uint8)
+    k({"x": x, "out": buf, "rows": 5})
+    for got, ref in zip(read_qrows(buf, 6, D, 5), quantize_rows(x[:5])):
+        np.testing.assert_array_equal(got, ref)
+
+
+# the matmul family ---------------------------------------------------------------------
+
 FLAGS = list(itertools.product([False, True], repeat=4))
+
+
+def matmul_op(has_norm=False, has_bias=False, accumulate=False, last_row=False, isa=None, eps=1e-5):
+    def make(x, w, out, n, *extra):
+        extra = list(extra)
+        bias = extra.pop(0) if has_bias else None
+        norm = extra.pop(0) if has_norm else None
+        op = tgt.MatmulOp(x, w, out, n, bias=bias, norm=norm, eps=eps if has_norm else None, accumulate=accumulate,
+                          last_row=last_row)
+        if isa is not None:
+            op.isa = tgt.IsaAttr(isa)
+        return op
+
+    return make
 
 
 @pytest.mark.parametrize("has_norm,has_bias,accumulate,last_row", FLAGS,
                          ids=["".join(c for c, on in zip("nbal", f) if on) or "plain" for f in FLAGS])
 def test_matmul_flags(tmp_path, tm, has_norm, has_bias, accumulate, last_row):
     rng = np.random.default_rng(1)
-    K, N, eps = 37, 23, 1e-5
-    lib, fn = build(tmp_path, tm, lambda k: k.matmul(K, N, has_norm=has_norm, eps=eps, has_bias=has_bias,
-                                                     accumulate=accumulate, last_row=last_row))
+    K, N, R, eps = 37, 23, 9, 1e-5
     w, bias, nw = rand(rng, N, K), rand(rng, N), rand(rng, K)
+    types = [tgt.memref(R, K), f32_weight(w), tgt.memref(R, N), IDX]
+    types += [f32_weight(bias)] * has_bias + [f32_weight(nw)] * has_norm
+    k = Kernel(tmp_path, tm, matmul_op(has_norm, has_bias, accumulate, last_row), types)
     for n in (1, 3, 4, 9):
-        x = rand(rng, n, K)
-        xs = x[-1:] if last_row else x
+        x = np.zeros((R, K), f32)
+        x[:n] = rand(rng, n, K)
+        xs = x[n - 1 : n] if last_row else x[:n]
         xn = ref_rms_norm(xs, nw, eps) if has_norm else xs.astype(np.float64)
-        ref = xn @ w.T.astype(np.float64)
-        if has_bias:
-            ref = ref + bias
-        out = rand(rng, n, N)
+        ref = xn @ w.T.astype(np.float64) + (bias if has_bias else 0)
+        out = rand(rng, R, N)
         before = out.copy()
         if accumulate:
             ref = ref + before[: ref.shape[0]]
-        lib(fn, x, n, w, bias if has_bias else None, nw if has_norm else None, out)
+        k({"x": x, "weight": w, "out": out, "rows": n, "bias": bias, "norm": nw})
         assert_close(out[: ref.shape[0]], ref)
         np.testing.assert_array_equal(out[ref.shape[0]:], before[ref.shape[0]:])
 
 
-@pytest.mark.parametrize("K,N,n,has_norm", [(576, 192, 1, False), (576, 192, 67, True), (40, 24, 130, True),
-                                            (40, 24, 5, False)])
+@pytest.mark.parametrize("storage", [Storage.F16, Storage.BF16])
+def test_matmul_half_precision_weights(tmp_path, tm, storage):
+    rng = np.random.default_rng(11)
+    K, N, n = 48, 20, 6
+    wtype, data, values = weight_of(storage, rand(rng, N, K))
+    k = Kernel(tmp_path, tm, matmul_op(), [tgt.memref(n, K), wtype, tgt.memref(n, N), IDX])
+    x, out = rand(rng, n, K), np.zeros((n, N), f32)
+    k({"x": x, "weight": data, "out": out, "rows": n})
+    assert_close(out, x.astype(np.float64) @ values.T.astype(np.float64), rtol=1e-5)
+
+
+@pytest.mark.parametrize("K,N,n,has_norm", [(576, 192, 1, False), (576, 192, 67, True), (40, 24, 130, True)])
 def test_matmul_shapes(tmp_path, tm, K, N, n, has_norm):
     """SmolLM2-like widths, and row counts crossing the 4-row tiles and 64-row blocks."""
     rng = np.random.default_rng(K + N + n)
-    lib, fn = build(tmp_path, tm, lambda k: k.matmul(K, N, has_norm=has_norm, eps=1e-5))
     x, w, nw = rand(rng, n, K), rand(rng, N, K, scale=0.05), rand(rng, K)
+    types = [tgt.memref(n, K), f32_weight(w), tgt.memref(n, N), IDX] + [f32_weight(nw)] * has_norm
+    k = Kernel(tmp_path, tm, matmul_op(has_norm), types)
     out = np.zeros((n, N), f32)
-    lib(fn, x, n, w, None, nw if has_norm else None, out)
+    k({"x": x, "weight": w, "out": out, "rows": n, "norm": nw})
     xn = ref_rms_norm(x, nw, 1e-5) if has_norm else x.astype(np.float64)
     assert_close(out, xn @ w.T.astype(np.float64))
+
+
+def _int_shape(storage: Storage) -> tuple[int, int]:
+    """A matrix shape the format can store, with a half 64-group where its blocks allow."""
+    return (19, 288) if FORMATS[storage].fits(288) else (19, 512)
+
+
+@pytest.mark.parametrize("storage", INTEGER_FORMATS, ids=str)
+@pytest.mark.parametrize("has_norm,accumulate,last_row", [(False, False, False), (True, True, False),
+                                                          (True, False, True)], ids=["plain", "norm-acc", "norm-last"])
+def test_matmul_a32_integer_weights(tmp_path, tm, storage, has_norm, accumulate, last_row):
+    """Codes dequantized in registers: the float64 product with the dequantized weights, within 1e-5."""
+    rng = np.random.default_rng(12)
+    N, K = _int_shape(storage)
+    R = 6
+    wtype, data, values = weight_of(storage, rand(rng, N, K))
+    nw = rand(rng, K)
+    types = [tgt.memref(R, K), wtype, tgt.memref(R, N), IDX] + [f32_weight(nw)] * has_norm
+    k = Kernel(tmp_path, tm, matmul_op(has_norm, False, accumulate, last_row), types)
+    for n in (1, 5):
+        x = rand(rng, R, K)
+        xs = x[n - 1 : n] if last_row else x[:n]
+        xn = ref_rms_norm(xs, nw, 1e-5) if has_norm else xs.astype(np.float64)
+        ref = xn @ values.T.astype(np.float64)
+        out = rand(rng, R, N)
+        if accumulate:
+            ref = ref + out[: ref.shape[0]]
+        k({"x": x, "weight": data, "out": out, "rows": n, "norm": nw})
+        assert_close(out[: ref.shape[0]], ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("storage", INTEGER_FORMATS, ids=str)
+def test_matmul_a8_equals_the_integer_reference(tmp_path, tm, storage):
+    """Integer dot products of codes and int8 rows, for every instruction set the target runs."""
+    rng = np.random.default_rng(13)
+    N, K = _int_shape(storage)
+    R = 6
+    w = rand(rng, N, K)
+    w[:, :64] *= 20  # a group of large weights: scales of different magnitudes
+    wtype, data, _ = weight_of(storage, w)
+    qt = FORMATS[storage].quantize(w)
+    x = rand(rng, R, K, scale=3.0)
+    buf, rows = qrows_of(x, R)
+    for isa in tm.isas:
+        for last_row in (False, True):
+            k = Kernel(tmp_path, tm, matmul_op(last_row=last_row, isa=isa),
+                       [tgt.QRowsType(R, K), wtype, tgt.memref(R, N), IDX])
+            for n in (1, 5, 6):
+                out = np.zeros((R, N), f32)
+                k({"x": buf, "weight": data, "out": out, "rows": n})
+                first = n - 1 if last_row else 0
+                ref = integer_matmul(rows.qs[first:n], rows.d[first:n], rows.s[first:n], qt)
+                assert_close(out[: ref.shape[0]], ref, rtol=2e-6)
+                assert not out[ref.shape[0]:].any()
+
+
+def swiglu_op(has_norm=False, isa=None):
+    def make(x, g, u, out, n, *norm):
+        op = tgt.SwigluOp(x, g, u, out, n, norm=norm[0] if norm else None, eps=1e-6 if norm else None)
+        if isa is not None:
+            op.isa = tgt.IsaAttr(isa)
+        return op
+
+    return make
 
 
 @pytest.mark.parametrize("has_norm", [False, True])
 @pytest.mark.parametrize("K,N,n", [(37, 23, 6), (576, 96, 5)])
 def test_swiglu(tmp_path, tm, has_norm, K, N, n):
     rng = np.random.default_rng(2)
-    lib, fn = build(tmp_path, tm, lambda k: k.swiglu(K, N, has_norm=has_norm, eps=1e-6))
     x, wg, wu, nw = rand(rng, n, K), rand(rng, N, K, scale=0.3), rand(rng, N, K, scale=0.3), rand(rng, K)
     x[0, :5] *= 40  # large gate values: e**-g far from 1 on both sides
+    types = [tgt.memref(n, K), f32_weight(wg), f32_weight(wu), tgt.memref(n, N), IDX] + [f32_weight(nw)] * has_norm
+    k = Kernel(tmp_path, tm, swiglu_op(has_norm), types)
     out = np.zeros((n, N), f32)
-    lib(fn, x, n, wg, wu, nw if has_norm else None, out)
+    k({"x": x, "gate": wg, "up": wu, "out": out, "rows": n, "norm": nw})
     xn = ref_rms_norm(x, nw, 1e-6) if has_norm else x.astype(np.float64)
-    g, u = xn @ wg.T.astype(np.float64), xn @ wu.T.astype(np.float64)
-    assert_close(out, silu64(g) * u)
+    assert_close(out, silu64(xn @ wg.T.astype(np.float64)) * (xn @ wu.T.astype(np.float64)))
 
 
-@pytest.mark.parametrize("start", [0, 3, 1000, 8000])
-def test_rope(tmp_path, tm, start):
+@pytest.mark.parametrize("storage", [Storage.Q4_1, Storage.Q8_0, Storage.Q6_K], ids=str)
+@pytest.mark.parametrize("N", [96, 160])
+def test_swiglu_a8_writes_quantized_rows(tmp_path, tm, storage, N):
+    """Integer gate and up, output quantized 32 columns at a time by the thread computing them."""
+    rng = np.random.default_rng(N)
+    K, R = 256, 5
+    wtype = tgt.WeightType((N, K), storage, Layout.SPLIT)
+    qg, qu = (FORMATS[storage].quantize(rand(rng, N, K)) for _ in range(2))
+    gd, ud = pack_split(qg), pack_split(qu)
+    buf, rows = qrows_of(rand(rng, R, K), R)
+    k = Kernel(tmp_path, tm, swiglu_op(isa=tm.isas[0]), [tgt.QRowsType(R, K), wtype, wtype, tgt.QRowsType(R, N), IDX])
+    for n, nth in ((1, 1), (4, 1), (5, 2), (5, 3)):
+        out = np.full(qrows_nbytes(R, N), 0xFF, np.uint8)
+        for tid in range(nth):
+            k({"x": buf, "gate": gd, "up": ud, "out": out, "rows": n}, tid, nth)
+        x = (rows.qs[:n], rows.d[:n], rows.s[:n])
+        y = silu64(integer_matmul(*x, qg)) * integer_matmul(*x, qu)
+        qs, d, s = read_qrows(out, R, N, n)
+        rq, rd, _ = quantize_rows(y.astype(f32))
+        assert np.abs(qs.astype(int) - rq).max() <= 1 and (qs != rq).mean() < 0.01
+        np.testing.assert_allclose(d, rd, rtol=1e-5)
+        assert not qs[:, N:].any()
+
+
+# rope and attention ----------------------------------------------------------------
+
+@pytest.mark.parametrize("H,D,theta,start", [(4, 8, 10000.0, 0), (4, 8, 10000.0, 1000), (9, 64, 100000.0, 300),
+                                             (4, 8, 10000.0, 8000)])
+def test_rope(tmp_path, tm, H, D, theta, start):
     rng = np.random.default_rng(3)
-    H, D, theta, n = 4, 8, 10000.0, 5
-    lib, fn = build(tmp_path, tm, lambda k: k.rope(H, D, theta))
+    n = 7
+    k = Kernel(tmp_path, tm, lambda x, r, s: tgt.RopeOp(x, r, s, theta), [tgt.memref(n, H, D), IDX, IDX])
     x = rand(rng, n, H, D)
     y = x.copy()
-    lib(fn, y, n, start)
+    k({"x": y, "rows": n, "start": start})
     assert_close(y, ref_rope(x, np.arange(start, start + n), theta))
 
 
-def test_rope_smollm_shape(tmp_path, tm):
-    rng = np.random.default_rng(4)
-    H, D, theta, n, start = 9, 64, 100000.0, 7, 300
-    lib, fn = build(tmp_path, tm, lambda k: k.rope(H, D, theta))
-    x = rand(rng, n, H, D)
-    y = x.copy()
-    lib(fn, y, n, start)
-    assert_close(y, ref_rope(x, np.arange(start, start + n), theta))
+def attention_kernel(tmp_path, tm, H, KVH, D, S, R, rope, quantized=False):
+    out = tgt.QRowsType(R, H * D) if quantized else tgt.memref(R, H, D)
+    return Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, n, s: tgt.AttentionOp(q, k, v, kc, vc, o, n, s,
+                                                                                  10000.0 if rope else None),
+                  [tgt.memref(R, H, D), tgt.memref(R, KVH, D), tgt.memref(R, KVH, D), tgt.memref(KVH, S, D),
+                   tgt.memref(KVH, S, D), out, IDX, IDX])
 
 
 @pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("H,KVH,D,S", [(4, 2, 8, 32), (4, 4, 8, 32), (6, 1, 6, 24), (9, 3, 64, 64)])
 def test_attention(tmp_path, tm, rope, H, KVH, D, S):
     """A 5-row prefill at 0, then 3 more rows at start=5 against a recomputation over
-    all 8 rows; the cache holds every (rotated) key and value of this layer only."""
+    all 8 rows; the layer's cache holds every (rotated) key and value."""
     rng = np.random.default_rng(5)
-    L, layer, theta = 3, 1, 10000.0
-    lib, fn = build(tmp_path, tm, lambda k: k.attention(H, KVH, D, S, layer, rope=rope, theta=theta))
-    total = 8
+    theta, total = 10000.0, 8
+    k_fn = attention_kernel(tmp_path, tm, H, KVH, D, S, total, rope)
     q, k, v = rand(rng, total, H, D), rand(rng, total, KVH, D), rand(rng, total, KVH, D)
-    kc = rand(rng, L, KVH, S, D)  # other layers and unused positions hold garbage
-    vc = rand(rng, L, KVH, S, D)
+    kc, vc = rand(rng, KVH, S, D), rand(rng, KVH, S, D)  # unused positions hold garbage
     kc0, vc0 = kc.copy(), vc.copy()
     pos = np.arange(total)
     qr = ref_rope(q, pos, theta) if rope else q
     kr = ref_rope(k, pos, theta) if rope else k
-
     for lo, hi in ((0, 5), (5, 8)):
-        qa, ka, va = q[lo:hi].copy(), k[lo:hi].copy(), v[lo:hi].copy()
-        out = np.zeros((hi - lo, H, D), f32)
-        lib(fn, qa, ka, va, hi - lo, lo, kc, vc, out)
-        keys = kc0[layer].copy()
-        values = vc0[layer].copy()
+        qa, ka, va = (np.zeros_like(a) for a in (q, k, v))
+        qa[: hi - lo], ka[: hi - lo], va[: hi - lo] = q[lo:hi], k[lo:hi], v[lo:hi]
+        out = np.zeros((total, H, D), f32)
+        k_fn({"q": qa, "k": ka, "v": va, "k_cache": kc, "v_cache": vc, "out": out, "rows": hi - lo, "start": lo})
+        keys, values = kc0.copy(), vc0.copy()
         keys[:, :hi] = kr[:hi].transpose(1, 0, 2)
         values[:, :hi] = v[:hi].transpose(1, 0, 2)
-        assert_close(out, ref_attention(qr[lo:hi], keys, values, pos[lo:hi]))
-        assert_close(kc[layer, :, :hi], kr[:hi].transpose(1, 0, 2))
-        np.testing.assert_array_equal(vc[layer, :, :hi], v[:hi].transpose(1, 0, 2))
+        assert_close(out[: hi - lo], ref_attention(qr[lo:hi], keys, values, pos[lo:hi]))
+        assert_close(kc[:, :hi], kr[:hi].transpose(1, 0, 2))
+        np.testing.assert_array_equal(vc[:, :hi], v[:hi].transpose(1, 0, 2))
         if rope:  # q and k rotated in place
-            assert_close(qa, qr[lo:hi])
-            assert_close(ka, kr[lo:hi])
-    # untouched: other layers and positions past the last row
-    for c, c0 in ((kc, kc0), (vc, vc0)):
-        np.testing.assert_array_equal(np.delete(c, layer, axis=0), np.delete(c0, layer, axis=0))
-        np.testing.assert_array_equal(c[layer, :, total:], c0[layer, :, total:])
-    # one-shot prefill of all 8 rows gives the same outputs as the two chunks
-    out_all = np.zeros((total, H, D), f32)
-    lib(fn, q.copy(), k.copy(), v.copy(), total, 0, kc, vc, out_all)
-    keys, values = kc0[layer].copy(), vc0[layer].copy()
-    keys[:, :total], values[:, :total] = kr.transpose(1, 0, 2), v.transpose(1, 0, 2)
-    assert_close(out_all, ref_attention(qr, keys, values, pos))
+            assert_close(qa[: hi - lo], qr[lo:hi])
+            assert_close(ka[: hi - lo], kr[lo:hi])
+    for c, c0 in ((kc, kc0), (vc, vc0)):  # positions past the last row untouched
+        np.testing.assert_array_equal(c[:, total:], c0[:, total:])
 
 
 def test_attention_decode_long_and_capacity(tmp_path, tm):
@@ -272,57 +464,86 @@ def test_attention_decode_long_and_capacity(tmp_path, tm):
     capacity are skipped instead of written out of bounds."""
     rng = np.random.default_rng(6)
     H, KVH, D, S = 4, 2, 16, 256
-    lib, fn = build(tmp_path, tm, lambda k: k.attention(H, KVH, D, S, 0))
-    kc, vc = rand(rng, 1, KVH, S, D, scale=3.0), rand(rng, 1, KVH, S, D)
-    q, k, v = rand(rng, 1, H, D, scale=3.0), rand(rng, 1, KVH, D), rand(rng, 1, KVH, D)
-    out = np.zeros((1, H, D), f32)
+    k_fn = attention_kernel(tmp_path, tm, H, KVH, D, S, 5, False)
+    kc, vc = rand(rng, KVH, S, D, scale=3.0), rand(rng, KVH, S, D)
+    q, k, v = rand(rng, 5, H, D, scale=3.0), rand(rng, 5, KVH, D), rand(rng, 5, KVH, D)
+    out = np.zeros((5, H, D), f32)
     start = 250
-    lib(fn, q, k, v, 1, start, kc, vc, out)
-    assert_close(out, ref_attention(q, kc[0], vc[0], np.array([start])))
+    k_fn({"q": q, "k": k, "v": v, "k_cache": kc, "v_cache": vc, "out": out, "rows": 1, "start": start})
+    keys = kc.copy()
+    assert_close(out[:1], ref_attention(q[:1], keys, vc, np.array([start])))
     big = np.zeros((5, KVH, D), f32)
     kc_before = kc.copy()
     out5 = np.zeros((5, H, D), f32)
-    lib(fn, rand(rng, 5, H, D), big, big, 5, S - 2, kc, vc, out5)  # rows at S, S+1, S+2 skipped
-    np.testing.assert_array_equal(kc[0, :, : S - 2], kc_before[0, :, : S - 2])
-    assert not kc[0, :, S - 2:].any()
+    k_fn({"q": rand(rng, 5, H, D), "k": big, "v": big, "k_cache": kc, "v_cache": vc, "out": out5, "rows": 5,
+          "start": S - 2})  # rows at S, S+1, S+2 skipped
+    np.testing.assert_array_equal(kc[:, : S - 2], kc_before[:, : S - 2])
+    assert not kc[:, S - 2:].any()
     assert not out5[2:].any()
 
+
+@pytest.mark.parametrize("H,KVH,D", [(2, 1, 32), (9, 3, 64), (3, 1, 32)])
+def test_attention_writes_quantized_rows(tmp_path, tm, H, KVH, D):
+    rng = np.random.default_rng(7)
+    S, R, n, start = 32, 4, 3, 5
+    k_fn = attention_kernel(tmp_path, tm, H, KVH, D, S, R, True, quantized=True)
+    q, k, v = rand(rng, R, H, D), rand(rng, R, KVH, D), rand(rng, R, KVH, D)
+    kc, vc = rand(rng, KVH, S, D), rand(rng, KVH, S, D)
+    pos = np.arange(start, start + n)
+    keys, values = kc.copy(), vc.copy()
+    keys[:, start : start + n] = ref_rope(k[:n], pos, 10000.0).transpose(1, 0, 2)
+    values[:, start : start + n] = v[:n].transpose(1, 0, 2)
+    ref = ref_attention(ref_rope(q[:n], pos, 10000.0), keys, values, pos).reshape(n, H * D)
+    for nth in (1, 2):
+        out = np.full(qrows_nbytes(R, H * D), 0xFF, np.uint8)
+        qa, ka, kca, vca = q.copy(), k.copy(), kc.copy(), vc.copy()
+        for tid in range(nth):
+            k_fn({"q": qa, "k": ka, "v": v, "k_cache": kca, "v_cache": vca, "out": out, "rows": n, "start": start},
+                 tid, nth)
+        qs, d, _ = read_qrows(out, R, H * D, n)
+        rq, rd, _ = quantize_rows(ref.astype(f32))
+        assert np.abs(qs.astype(int) - rq).max() <= 1 and (qs != rq).mean() < 0.01
+        np.testing.assert_allclose(d, rd, rtol=1e-5)
+        assert not qs[:, H * D:].any()
+
+
+# elementwise -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("W", [37, 48, 576])
 def test_elementwise(tmp_path, tm, W):
     rng = np.random.default_rng(7)
-    lib, (fa, fm, fs) = build(tmp_path, tm, lambda k: (k.add(W), k.mul(W), k.silu(W)))
     n = 3
+    t = tgt.memref(n, W)
+    add = Kernel(tmp_path, tm, tgt.AddOp, [t, t, t, IDX])
+    mul = Kernel(tmp_path, tm, tgt.MulOp, [t, t, t, IDX])
+    silu = Kernel(tmp_path, tm, tgt.SiluOp, [t, t, IDX])
     a, b = rand(rng, n, W, scale=4.0), rand(rng, n, W)
     a[0, :4] = [-100.0, 100.0, -30.0, 0.0]
-    for fn, ref in ((fa, a.astype(np.float64) + b), (fm, a.astype(np.float64) * b)):
+    for k, ref in ((add, a.astype(np.float64) + b), (mul, a.astype(np.float64) * b)):
         out = np.zeros_like(a)
-        lib(fn, a, b, out, n)
+        k({"lhs": a, "rhs": b, "out": out, "rows": n})
         assert_close(out, ref, rtol=1e-6)
         inplace = a.copy()
-        lib(fn, inplace, b, inplace, n)
+        k({"lhs": inplace, "rhs": b, "out": inplace, "rows": n})
         assert_close(inplace, ref, rtol=1e-6)
     out = np.zeros_like(a)
-    lib(fs, a, out, n)
+    silu({"x": a, "out": out, "rows": n})
     assert_close(out, silu64(a))
     part = np.zeros_like(a)
-    lib(fs, a, part, 2)
+    silu({"x": a, "out": part, "rows": 2})
     assert not part[2].any()
-    inplace = a.copy()
-    lib(fs, inplace, inplace, n)
-    assert_close(inplace, silu64(a))
 
 
 def test_exp_accuracy(tmp_path, tm):
     """The inline exp behind silu and softmax, over its whole range: ≤ 2e-7 relative."""
-    from llmc.backends.cpu.builder import KernelBuilder as _Body
+    from llmc.backends.cpu.builder import KernelBuilder
 
     module = ir.Module(name="kernels")
     g = ir.Function(module, ir.FunctionType(ir.VoidType(), [FPTR, FPTR, I64]), name="exp_map")
-    body = _Body(module, g)
+    body = KernelBuilder(module, g)
     body.vec_map(g.args[2], [g.args[0]], g.args[1], lambda v: body.exp(v[0]))
     body.finish()
-    path = link_shared([compile_to_object(module, tm)], tmp_path / f"e_{uuid.uuid4().hex}.so")
+    path = link_shared([compile_to_object(module, tm.tm)], tmp_path / f"e_{uuid.uuid4().hex}.so")
     cdll = ctypes.CDLL(str(path))
     x = np.linspace(-87, 88, 200003).astype(f32)
     y = np.zeros_like(x)
@@ -332,85 +553,117 @@ def test_exp_accuracy(tmp_path, tm):
     assert np.all(np.isfinite(y))
 
 
+# threads ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("nth", [2, 3, 7])
+def test_threads_share_the_work_exactly(tmp_path, tm, nth):
+    """Each thread's share, run one after another, gives the single-thread result bit for bit:
+    every output element is computed by exactly one thread with the same code."""
+    rng = np.random.default_rng(nth)
+    K, N, H, KVH, D, S, R = 40, 23, 6, 3, 8, 16, 5
+    w, wu, bias, nw = rand(rng, N, K), rand(rng, N, K), rand(rng, N), rand(rng, K)
+    x = rand(rng, R, K)
+    mm = Kernel(tmp_path, tm, matmul_op(True, True), [tgt.memref(R, K), f32_weight(w), tgt.memref(R, N), IDX,
+                                                      f32_weight(bias), f32_weight(nw)])
+    sw = Kernel(tmp_path, tm, swiglu_op(True), [tgt.memref(R, K), f32_weight(w), f32_weight(wu), tgt.memref(R, N),
+                                                IDX, f32_weight(nw)])
+    qw = FORMATS[Storage.Q4_1].quantize(rand(rng, 96, 256))
+    xq, _ = qrows_of(rand(rng, R, 256), R)
+    qm = Kernel(tmp_path, tm, matmul_op(isa=tgt.Isa.GENERIC), [tgt.QRowsType(R, 256),
+                                                                tgt.WeightType((96, 256), Storage.Q4_1, Layout.SPLIT),
+                                                                tgt.memref(R, 96), IDX])
+    for k, values, n_out in ((mm, {"x": x, "weight": w, "bias": bias, "norm": nw}, N),
+                             (sw, {"x": x, "gate": w, "up": wu, "norm": nw}, N),
+                             (qm, {"x": xq, "weight": pack_split(qw)}, 96)):
+        whole, parts = np.zeros((R, n_out), f32), np.zeros((R, n_out), f32)
+        k({**values, "out": whole, "rows": R})
+        for tid in range(nth):
+            k({**values, "out": parts, "rows": R}, tid, nth)
+        np.testing.assert_array_equal(parts, whole)
+    att = attention_kernel(tmp_path, tm, H, KVH, D, S, 4, True)
+    q, kk, v = rand(rng, 4, H, D), rand(rng, 4, KVH, D), rand(rng, 4, KVH, D)
+    results = []
+    for shares in ([(0, 1)], [(tid, nth) for tid in range(nth)]):
+        qa, ka, out = q.copy(), kk.copy(), np.zeros((4, H, D), f32)
+        kc, vc = np.zeros((KVH, S, D), f32), np.zeros((KVH, S, D), f32)
+        for tid, count in shares:
+            att({"q": qa, "k": ka, "v": v, "k_cache": kc, "v_cache": vc, "out": out, "rows": 4, "start": 2},
+                tid, count)
+        results.append((out, kc, vc, qa))
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
 # the library -----------------------------------------------------------------------
 
-def test_cache_and_names():
+def test_one_function_per_distinct_kernel_and_readable_names():
     module = ir.Module(name="kernels")
     lib = KernelLibrary(module)
-    a = lib.matmul(576, 192, has_norm=True, eps=1e-5, accumulate=True)
-    assert lib.matmul(576, 192, has_norm=True, eps=1e-5, accumulate=True) is a
-    assert a.name == "matmul_k576_n192_norm_eps1em05_acc"
-    assert lib.matmul(576, 192).name == "matmul_k576_n192"
-    assert lib.matmul(576, 192, has_bias=True, last_row=True).name == "matmul_k576_n192_bias_last"
-    assert lib.rms_norm(576, 1e-5).name != lib.rms_norm(576, 1e-6).name
-    assert lib.attention(9, 3, 64, 8192, 2, rope=True, theta=100000.0).name == \
-        "attention_h9_kvh3_d64_s8192_l2_rope_theta100000"
-    assert lib.rope(9, 64, 100000.0).name == "rope_h9_d64_theta100000"
-    assert [lib.add(576).name, lib.mul(576).name, lib.silu(576).name] == ["add_576", "mul_576", "silu_576"]
-    names = [f.name for f in lib.functions()]
-    assert len(names) == len(set(names)) == 10
-    # a second library on the same module never reuses a name
-    other = KernelLibrary(module)
-    assert other.add(576).name != "add_576"
-    noalias = [a for a in lib.matmul(576, 192).args if "noalias" in a.attributes]
-    assert len(noalias) == 5
+    w = tgt.WeightType((192, 576), Storage.Q4_1, Layout.SPLIT)
+
+    def op(isa: tgt.Isa, rows: int = 4) -> tgt.MatmulOp:
+        block = Block(arg_types=[tgt.QRowsType(rows, 576), w, tgt.memref(rows, 192), IDX])
+        o = matmul_op(isa=isa)(*block.args)
+        block.add_op(o)
+        return o
+
+    a = lib.kernel(op(tgt.Isa.VNNI512))
+    assert lib.kernel(op(tgt.Isa.VNNI512)) is a  # other SSA values, the same kernel
+    assert lib.kernel(op(tgt.Isa.VNNI512, rows=1)) is a  # decode's buffers hold fewer rows: the same kernel
+    assert lib.kernel(op(tgt.Isa.AVX2)) is not a
+    assert a.name == "matmul_q4_1_a8_k576_n192"
+    assert [arg.name for arg in a.args] == ["x", "weight", "out", "rows", "tid", "nth"]
+    assert len(lib.functions()) == 2 and len({f.name for f in lib.functions()}) == 2
 
 
-def test_internal_kernels_called_from_an_entry_function(tmp_path, tm):
-    """How generated entry points use the library: internal kernels, one exported caller."""
-    rng = np.random.default_rng(8)
-    module = ir.Module(name="model")
-    lib = KernelLibrary(module, linkage="internal")
-    D, N = 40, 24
-    norm, mm = lib.rms_norm(D, 1e-5), lib.matmul(D, N)
-    entry = ir.Function(module, ir.FunctionType(ir.VoidType(), [FPTR, I64, FPTR, FPTR, FPTR, FPTR]), name="entry")
-    x, n, nw, w, tmp, out = entry.args
-    b = ir.IRBuilder(entry.append_basic_block())
-    b.call(norm, [x, n, nw, tmp])
-    b.call(mm, [tmp, n, w, ir.Constant(FPTR, None), ir.Constant(FPTR, None), out, ir.Constant(I64, 0),
-                ir.Constant(I64, 1)])
-    b.ret_void()
-    path = link_shared([compile_to_object(module, tm)], tmp_path / f"m_{uuid.uuid4().hex}.so")
-    cdll = ctypes.CDLL(str(path))
-    assert not hasattr(cdll, mm.name)  # internal: not exported
-    xv, nwv, wv = rand(rng, 3, D), rand(rng, D), rand(rng, N, D)
-    tv, ov = np.zeros((3, D), f32), np.zeros((3, N), f32)
-    cdll.entry(*(ctypes.c_void_p(a.ctypes.data) if i != 1 else ctypes.c_int64(3)
-                 for i, a in enumerate([xv, None, nwv, wv, tv, ov])))
-    assert_close(ov, ref_rms_norm(xv, nwv, 1e-5) @ wv.T.astype(np.float64))
+# targets and the toolchain -----------------------------------------------------------
+
+def test_cpu_targets_record_their_features():
+    v3 = cpu_target("x86-64-v3")
+    assert v3.cpu.data == "x86-64-v3" and v3.has("avx2", "fma") and not v3.has("avx512f")
+    assert integer_isa(v3) is tgt.Isa.AVX2
+    assert integer_isa(cpu_target("sapphirerapids")) is tgt.Isa.VNNI512
+    assert integer_isa(cpu_target("alderlake")) is tgt.Isa.VNNI256
+    assert integer_isa(cpu_target("x86-64")) is tgt.Isa.GENERIC
+    assert "+avx2" in llvm_features(v3) and "-avx512vnni" in llvm_features(v3)
+    native = cpu_target("native")
+    assert native.features <= set(cpu_target("sapphirerapids").features) | native.features
+    with pytest.raises(UsageError, match="unknown CPU 'pentium9'.*x86-64-v3"):
+        cpu_target("pentium9")
 
 
-# the toolchain ---------------------------------------------------------------------
-
-@pytest.mark.parametrize("cpu", ["x86-64-v3", "x86-64", "znver4", "skylake-avx512"])
+@pytest.mark.parametrize("cpu", ["x86-64-v3", "x86-64", "znver4", "skylake-avx512", "alderlake"])
 def test_named_cpus_compile(cpu):
-    """Every kernel compiles for named CPUs (what `--target-cpu` would pass), whether or
-    not this host could run the result; the kernel tests above run x86-64-v3 code."""
+    """Integer and float kernels compile for named CPUs, whether or not this host could run them."""
+    from llmc.backends.cpu.target import target_machine_for
+
+    target = cpu_target(cpu)
     module = ir.Module(name="kernels")
     lib = KernelLibrary(module)
-    lib.embedding(576)
-    lib.rms_norm(576, 1e-5)
-    lib.matmul(576, 192, has_norm=True, eps=1e-5, has_bias=True, accumulate=True)
-    lib.matmul(576, 1000, has_norm=True, eps=1e-5, last_row=True)
-    lib.swiglu(576, 1536, has_norm=True, eps=1e-5)
-    lib.rope(9, 64, 1e5)
-    lib.attention(9, 3, 64, 256, 0, rope=True, theta=1e5)
-    lib.attention(9, 3, 64, 256, 1, rope=True, theta=1e5)
-    lib.add(576), lib.mul(576), lib.silu(1536)
-    obj = compile_to_object(module, target_machine(cpu))
+    w = tgt.WeightType((192, 512), Storage.Q6_K, Layout.SPLIT)
+    block = Block(arg_types=[tgt.QRowsType(4, 512), w, tgt.memref(4, 192), IDX, tgt.memref(4, 512)])
+    qm = matmul_op(isa=integer_isa(target))(*block.args[:4])
+    am = tgt.MatmulOp(block.args[4], block.args[1], block.args[2], block.args[3])
+    for o in (qm, am):
+        block.add_op(o)
+        lib.kernel(o)
+    obj = compile_to_object(module, target_machine_for(target))
     assert obj[:4] == b"\x7fELF"
+    assert set(CPUS) >= {"x86-64-v3", "znver4"}
 
 
-def test_unknown_cpu_is_a_clean_error_or_generic():
-    # LLVM accepts unknown CPU names with a warning, so only the triple can fail cleanly
+def test_unknown_triple_is_a_clean_error():
     with pytest.raises(ToolchainError):
         target_machine(triple="no-such-arch-unknown-linux")
 
 
 def test_missing_compiler(tmp_path, tm, monkeypatch):
     module = ir.Module(name="kernels")
-    KernelLibrary(module).add(8)
-    obj = compile_to_object(module, tm)
+    block = Block(arg_types=[tgt.memref(1, 8)] * 3 + [IDX])
+    o = tgt.AddOp(*block.args)
+    block.add_op(o)
+    KernelLibrary(module).kernel(o)
+    obj = compile_to_object(module, tm.tm)
     monkeypatch.setenv("CC", "/nonexistent")
     with pytest.raises(ToolchainError) as info:
         link_shared([obj], tmp_path / "k.so")
@@ -424,31 +677,3 @@ def test_link_failure(tmp_path):
         link_shared([b"not an object file"], tmp_path / "k.so")
     assert "\n" not in str(info.value)
     assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob(".*.tmp"))
-
-
-@pytest.mark.parametrize("nth", [2, 3, 7])
-def test_threads_share_the_work_exactly(tmp_path, tm, nth):
-    """Each thread's share, run one after another, gives the single-thread result bit for bit:
-    every output element is computed by exactly one thread with the same code."""
-    rng = np.random.default_rng(nth)
-    K, N, H, KVH, D, S = 40, 23, 6, 3, 8, 16
-    lib, (mm, sw, att) = build(tmp_path, tm, lambda k: (k.matmul(K, N, has_norm=True, eps=1e-5, has_bias=True),
-                                                        k.swiglu(K, N, has_norm=True, eps=1e-5),
-                                                        k.attention(H, KVH, D, S, 0, rope=True)))
-    x, w, wu, bias, nw = rand(rng, 5, K), rand(rng, N, K), rand(rng, N, K), rand(rng, N), rand(rng, K)
-    for fn, args in ((mm, (x, 5, w, bias, nw)), (sw, (x, 5, w, wu, nw))):
-        whole, parts = np.zeros((5, N), f32), np.zeros((5, N), f32)
-        lib(fn, *args, whole, 0, 1)
-        for tid in range(nth):
-            lib(fn, *args, parts, tid, nth)
-        np.testing.assert_array_equal(parts, whole)
-    q, kk, v = rand(rng, 4, H, D), rand(rng, 4, KVH, D), rand(rng, 4, KVH, D)
-    results = []
-    for shares in ([(0, 1)], [(tid, nth) for tid in range(nth)]):
-        qa, ka, out = q.copy(), kk.copy(), np.zeros((4, H, D), f32)
-        kc, vc = np.zeros((1, KVH, S, D), f32), np.zeros((1, KVH, S, D), f32)
-        for tid, count in shares:
-            lib(att, qa, ka, v, 4, 2, kc, vc, out, tid, count)
-        results.append((out, kc, vc, qa))
-    for a, b in zip(*results):
-        np.testing.assert_array_equal(a, b)

@@ -7,9 +7,11 @@ import re
 import pytest
 from tiny_models import TinySpec
 
+from llmc.backends.cpu.target import cpu_target
 from llmc.cli import main
 from llmc.errors import LlmcError
 from llmc.frontend import import_model, load_model
+from llmc.ir import tgt
 from llmc.ir.text import parse_module, print_module, verify_module
 from llmc.passes.pipeline import PHASES, phases_through, run_phase
 
@@ -24,6 +26,7 @@ SPECS = {
 def test_every_phase_round_trips(tiny, spec: TinySpec, phase: str) -> None:
     """Verifies, prints, parses back and prints identically, in custom and generic form."""
     module = import_model(load_model(str(tiny(spec, "gguf"))))
+    module.attributes[tgt.TARGET] = cpu_target("x86-64-v3")
     for p in phases_through(phase):
         run_phase(module, p)
     verify_module(module)
@@ -33,8 +36,9 @@ def test_every_phase_round_trips(tiny, spec: TinySpec, phase: str) -> None:
     verify_module(again)
     assert print_module(again) == text
     generic = print_module(module, generic=True)
-    weight_op = '"tgt.weight"' if phase == "lower" else '"llm.weight"'
-    assert weight_op in generic and "#llm<storage f32>" in generic
+    weight = '"tgt.weight"' if phase == "lower" else '"llm.weight"'
+    storage = "f32, stored>" if phase == "lower" else "#llm<storage f32>"
+    assert weight in generic and storage in generic and '#tgt.target<cpu, "x86_64", "x86-64-v3"' in generic
     from_generic = parse_module(generic)
     assert print_module(from_generic) == text
     assert print_module(from_generic, generic=True) == generic

@@ -1,6 +1,6 @@
 """CPU backend: kernels emitted with llvmlite.ir, compiled by LLVM, linked by the system C compiler."""
 
-from llmc.backends.cpu.kernels import KernelLibrary, rope_inv_freq
+from llmc.backends.cpu.kernels import KernelLibrary
 from llmc.backends.cpu.toolchain import (
     ToolchainError,
     build_shared,
@@ -25,6 +25,5 @@ __all__ = [
     "link_shared",
     "optimize",
     "optimized_ir",
-    "rope_inv_freq",
     "target_machine",
 ]

@@ -1,42 +1,31 @@
-"""CPU kernel emitters: fp32 kernels of a Llama-style decoder as `llvmlite.ir` functions.
+"""CPU kernel emitters: one LLVM function per distinct `tgt` kernel op, from its definition.
 
-Every kernel is one LLVM function specialised to its static shape (sizes, eps, theta,
-layer are baked in as constants); only the token count `n` and the position `start`
-arrive at run time. Kernels are plain loop nests whose floating-point additions and
-multiplications carry fast-math flags (reassoc/contract/nsz/arcp, never nnan/ninf), so
-LLVM's loop vectoriser turns the reductions into SIMD code at O3; loops where in-place
-use must stay fast (elementwise ops, the scaling pass of RMSNorm) and attention's rows
-of D are written with explicit `<16 x float>` vectors instead. Short static loops whose
-full unrolling would only cost compile time carry `llvm.loop.unroll.disable`.
-
-matmul/swiglu are register-tiled (4 rows × 4 columns of one weight, or × 2 columns of
-gate and up) inside blocks of up to 64 rows, so prefill reuses each weight tile from L1
-and decode (n = 1) streams every weight row once. `attention(…, layer)` is a thin
-per-layer wrapper around one shared body per shape, so 30 layers compile it once. exp
-is inline (Cephes polynomial), so silu and softmax vectorise and need no libm; RoPE
-calls libm's cos/sin once per (position, frequency).
+`KernelLibrary.kernel(op)` emits (once per distinct operand types and properties) the
+function that carries out `op`. Its arguments are the op's operands in definition
+order (`tgt.Kernel.abi`): every buffer is an `i8*` (float rows, quantized rows, a
+weight), every index an `i64`; kernels that split their work among threads
+(`THREADED`) also take `i64 tid, i64 nth`. Shapes, storage types, layouts, eps and
+theta are baked in as constants; only the row count `rows` and the position `start`
+arrive at run time.
 
     module = ir.Module("kernels")
     lib = KernelLibrary(module)
-    f = lib.matmul(576, 192, has_norm=True, eps=1e-5, accumulate=True)  # @matmul_k576_n192_norm_eps1em05_acc
-    g = lib.matmul(576, 192, has_norm=True, eps=1e-5, accumulate=True)  # the same function again
+    fn = lib.kernel(matmul_op)   # void @matmul_q4_1_a8_k576_n576(i8* x, i8* weight, i8* out, i64 rows, i64 tid, i64 nth)
 
-Signatures (all pointers `float*` unless noted, rows are row-major, `n` ≥ 1 rows):
+The matmul family (matmul, swiglu, the LM head) has three inner loops:
 
-    embedding(D)                 void(i32* tokens, i64 n, float* table, float* out)
-    rms_norm(D, eps)             void(x, i64 n, w, out)                  out may equal x
-    matmul(K, N, ...)            void(x, i64 n, w, bias, norm_w, out, i64 tid, i64 nth)    w is [N, K]
-    swiglu(K, N, ...)            void(x, i64 n, w_gate, w_up, norm_w, out, i64 tid, i64 nth)
-    rope(H, D, theta)            void(x, i64 n, i64 start)               in place on [n, H, D]
-    attention(H, KVH, D, S, ...) void(q, k, v, i64 n, i64 start, k_cache, v_cache, out, i64 tid, i64 nth)
-    add(W) / mul(W)              void(a, b, out, i64 n)                  out may equal a or b
-    silu(W)                      void(x, out, i64 n)                     out may equal x
+- float weights (f32, f16, bf16) × float rows: a scalar reduction loop per tile of
+  4 rows × 4 columns that LLVM vectorises (f16/bf16 converted as they are loaded);
+- integer weights × float rows (`a32`): per 64-weight group, the codes dequantized in
+  registers (`quant.SplitWeight.values`) and multiplied with explicit vectors;
+- integer weights × quantized rows (`a8`): per 64-weight group, one integer dot product
+  of codes and int8 values (`quant.integer_dot`, `vpdpbusd` with VNNI), scaled per
+  16-weight slice by weight and row scales, plus the weight minimums times the rows' sums.
 
-Buffers of different arguments must not overlap, except where noted above (pointer
-arguments of matmul, swiglu, attention, rope and embedding are `noalias`). Null is
-fine for `bias` / `norm_w` when the kernel does not use them. Kernels do not check
-their inputs: token ids must lie in the table, and attention skips rows whose position
-would reach S (keep start + n ≤ S); the runtime validates both before calling.
+Kernels that write quantized rows (RMSNorm, SwiGLU, attention, quantize) quantize each
+32-value block as soon as it is computed (`quant.QRowsAccess.store_block`). exp is
+inline (Cephes polynomial), so silu and softmax vectorise and need no libm; RoPE calls
+libm's cos/sin once per (position, frequency).
 """
 
 from __future__ import annotations
@@ -45,17 +34,32 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 from llvmlite import ir
+from xdsl.dialects.builtin import MemRefType
 
-from llmc.backends.cpu.builder import F32, F64, FPTR, I32, I32PTR, I64, VOID, KernelBuilder, _chunks
+from llmc.backends.cpu.builder import F32, F64, FPTR, I32, I64, VOID, KernelBuilder, _chunks
+from llmc.backends.cpu.quant import (
+    F16,
+    I8PTR,
+    I16,
+    QRowsAccess,
+    SplitWeight,
+    integer_dot,
+    lanes_of_slices,
+    vec,
+)
+from llmc.ir import tgt
+from llmc.ir.formats import Storage
 from llmc.ir.interpreter import rope_inv_freq
+from llmc.ir.layouts import GROUP, Layout
 
-# matmul register tile: R rows × C output columns per weight matrix; R·C·len(weights)
-# accumulators live in (vector) registers during the K loop.
+# matmul register tiles: R rows × C output columns per weight matrix
 TILE_ROWS = 4
 TILE_COLS = {1: 4, 2: 2}
 # Rows per block: the x rows of one block stay in L2 while every weight tile passes.
 BLOCK_BYTES = 192 * 1024
 MAX_BLOCK_ROWS = 64
+PREFETCH_BYTES = 4096  # how far ahead the integer kernels prefetch weight codes
+QBLOCK = 32  # values per quantization block of activations
 
 
 def _fmt(value: float) -> str:
@@ -65,13 +69,36 @@ def _fmt(value: float) -> str:
         text = text[:-2]
     return text.replace("-", "m").replace("+", "").replace(".", "p")
 
+
+def kernel_key(op: tgt.Kernel) -> tuple:
+    """What makes two kernel ops the same function: op, operand roles and types (row buffers
+    without their number of rows), properties."""
+    operands = tuple((name, tgt.per_row(value.type) if name in op.ROWS else str(value.type))
+                     for name, value in op.abi())
+    props = tuple(sorted((k, str(v)) for k, v in op.properties.items() if k != "operandSegmentSizes"))
+    return (op.name, operands, props)
+
+
+def kernel_name(op: tgt.Kernel) -> str:
+    """A readable function name: the op, then the storage and mode of a matmul, then shapes."""
+    base = op.name.removeprefix("tgt.")
+    parts = [base]
+    weights = [v.type for _, v in op.abi() if isinstance(v.type, tgt.WeightType) and len(v.type.shape) == 2]
+    if weights:
+        parts.append(weights[0].storage.value)
+    if isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)):
+        parts.append("a8" if tgt.is_quantized(op.x) else "a32")
+        n, k = tgt.dims(op.weight if isinstance(op, tgt.MatmulOp) else op.gate)
+        parts.append(f"k{k}_n{n}")
+    return "_".join(parts)
+
+
 class KernelLibrary:
-    """Emits kernels into `module`, once per distinct set of static parameters.
+    """Emits kernels into `module`, once per distinct kernel (`kernel_key`).
 
     `linkage` is that of every emitted function: "" (external, callable through
     ctypes from the shared library) or "internal" (callable only from functions of the
-    same module, which lets LLVM inline them and drop unused ones). `prefix` is
-    prepended to every function name.
+    same module, which lets LLVM drop unused ones). `prefix` is prepended to names.
     """
 
     def __init__(self, module: ir.Module, *, linkage: str = "", prefix: str = ""):
@@ -80,20 +107,37 @@ class KernelLibrary:
         self.prefix = prefix
         self._cache: dict[tuple, ir.Function] = {}
 
-    # plumbing ----------------------------------------------------------------------
+    def kernel(self, op: tgt.Kernel) -> ir.Function:
+        """The function of `op`, emitted on first request."""
+        key = kernel_key(op)
+        if key in self._cache:
+            return self._cache[key]
+        emitter = _EMITTERS.get(type(op))
+        if emitter is None:
+            raise NotImplementedError(f"cpu: no kernel emitter for {op.name}")
+        params = [(name, I64 if not isinstance(v.type, (MemRefType, tgt.QRowsType, tgt.WeightType)) else I8PTR)
+                  for name, v in op.abi()]
+        if op.THREADED:
+            params += [("tid", I64), ("nth", I64)]
+        fn, f = self._new(key, self.prefix + kernel_name(op), params)
+        emitter(self, f, op, dict(zip((p for p, _ in params), fn.args)))
+        f.finish()
+        return fn
 
-    def _new(self, key: tuple, name: str, args: Sequence[tuple[str, ir.Type]], noalias: bool,
+    def functions(self) -> list[ir.Function]:
+        """Every kernel emitted so far, in emission order (internal helpers left out)."""
+        return [fn for key, fn in self._cache.items() if not str(key[0]).endswith("_impl")]
+
+    def _new(self, key: tuple, name: str, args: Sequence[tuple[str, ir.Type]],
              linkage: str | None = None) -> tuple[ir.Function, KernelBuilder]:
-        name = self.prefix + name
         if name in self.module.globals:
             name = self.module.get_unique_name(name)
-        fnty = ir.FunctionType(VOID, [t for _, t in args])
-        fn = ir.Function(self.module, fnty, name=name)
+        fn = ir.Function(self.module, ir.FunctionType(VOID, [t for _, t in args]), name=name)
         fn.linkage = self.linkage if linkage is None else linkage
         fn.attributes.add("nounwind")
         for arg, (arg_name, ty) in zip(fn.args, args):
             arg.name = arg_name
-            if noalias and isinstance(ty, ir.PointerType):
+            if isinstance(ty, ir.PointerType):
                 arg.add_attribute("noalias")
         self._cache[key] = fn
         return fn, KernelBuilder(self.module, fn)
@@ -101,31 +145,10 @@ class KernelLibrary:
     def _cached(self, key: tuple) -> ir.Function | None:
         return self._cache.get(key)
 
-    def functions(self) -> list[ir.Function]:
-        """Every kernel emitted so far, in emission order (internal helpers left out)."""
-        return [fn for key, fn in self._cache.items() if not key[0].endswith("_impl")]
+    # shared helpers --------------------------------------------------------------
 
-    # kernels -----------------------------------------------------------------------
-
-    def embedding(self, D: int) -> ir.Function:
-        """`void(i32* tokens, i64 n, float* table, float* out)`: out[t] = table[tokens[t]]."""
-        key = ("embedding", D)
-        if (fn := self._cached(key)) is not None:
-            return fn
-        fn, f = self._new(key, f"embedding_d{D}",
-                          [("tokens", I32PTR), ("n", I64), ("table", FPTR), ("out", FPTR)], True)
-        tokens, n, table, out = fn.args
-        with f.loop(0, n, name="t") as t:
-            tok = f.b.sext(f.load(tokens, t), I64)
-            src = f.ptr(table, f.mul(tok, D))
-            dst = f.ptr(out, f.mul(t, D))
-            with f.loop(0, D, name="d") as d:
-                f.store(f.load(src, d), dst, d)
-        f.finish()
-        return fn
-
-    def _inv_rms(self, f: KernelBuilder, row: ir.Value, D: int, eps: float) -> ir.Value:
-        """1 / sqrt(mean(row²) + eps)."""
+    def inv_rms(self, f: KernelBuilder, row: ir.Value, D: int, eps: float) -> ir.Value:
+        """1 / sqrt(mean(row²) + eps) of a float row."""
         def square(k: ir.Value) -> ir.Value:
             v = f.load(row, k)
             return f.fmul(v, v)
@@ -135,161 +158,7 @@ class KernelLibrary:
         root = f.intrinsic("llvm.sqrt", f.b.fadd(mean, f.f32(eps)))
         return f.b.fdiv(f.f32(1.0), root)
 
-    def rms_norm(self, D: int, eps: float) -> ir.Function:
-        """`void(float* x, i64 n, float* w, float* out)`: out[t] = x[t] / rms(x[t]) * w."""
-        key = ("rms_norm", D, float(eps))
-        if (fn := self._cached(key)) is not None:
-            return fn
-        fn, f = self._new(key, f"rms_norm_d{D}_eps{_fmt(eps)}",
-                          [("x", FPTR), ("n", I64), ("w", FPTR), ("out", FPTR)], False)
-        x, n, w, out = fn.args
-        w.add_attribute("noalias")
-        with f.loop(0, n, name="t") as t:
-            row = f.ptr(x, f.mul(t, D))
-            inv = self._inv_rms(f, row, D, eps)
-            dst = f.ptr(out, f.mul(t, D))
-            f.vec_map(D, [row, w], dst, lambda v: f.fmul(f.fmul(v[0], f.splat(inv, v[0].type)), v[1]), name="k")
-        f.finish()
-        return fn
-
-    def _gemm(self, f: KernelBuilder, x: ir.Value, rows: ir.Value, K: int, N: int, weights: Sequence[ir.Value],
-              norm_w: ir.Value | None, eps: float,
-              finish: Callable[[list[ir.Value], list[ir.Value], list[list[list[ir.Value]]]], None],
-              tid: ir.Value, nth: ir.Value) -> None:
-        """For every tile of rows ts and columns js: finish(ts, js, vals) with
-        vals[w][r][c] = x̂[ts[r]] · weights[w][js[c]], x̂ being x RMS-normalised with norm_w
-        when given (the scale 1/rms is applied to the finished dot product, norm_w[k]
-        inside it, so no normalised row is stored). Thread `tid` of `nth` takes its share
-        of the output columns, whole tiles each; the last thread takes the odd tile."""
-        b = f.b
-        nw = len(weights)
-        R, C = TILE_ROWS, TILE_COLS[nw]
-        assert R & (R - 1) == 0, "TILE_ROWS must be a power of two"
-        TB = max(R, min(MAX_BLOCK_ROWS, BLOCK_BYTES // (4 * K)) // R * R)
-        inv = f.alloca(F32, TB, name="inv_rms") if norm_w is not None else None
-
-        def tile(t0: ir.Value, t: ir.Value, r: int, j0: ir.Value, c: int) -> None:
-            accs = [[[f.alloca(F32, name=f"acc{wi}_{ri}_{ci}") for ci in range(c)] for ri in range(r)]
-                    for wi in range(nw)]
-            zero = f.f32(0.0)
-            for plane in accs:
-                for acc_row in plane:
-                    for acc in acc_row:
-                        b.store(zero, acc)
-            xrows = [f.ptr(x, f.mul(f.add(t, ri), K)) for ri in range(r)]
-            wrows = [[f.ptr(W, f.mul(f.add(j0, ci), K)) for ci in range(c)] for W in weights]
-            with f.loop(0, K, name="k") as k:
-                xs = [f.load(xr, k) for xr in xrows]
-                if norm_w is not None:
-                    g = f.load(norm_w, k)
-                    xs = [f.fmul(xv, g) for xv in xs]
-                for wi in range(nw):
-                    for ci in range(c):
-                        wv = f.load(wrows[wi][ci], k)
-                        for ri in range(r):
-                            acc = accs[wi][ri][ci]
-                            b.store(f.fadd(b.load(acc), f.fmul(xs[ri], wv)), acc)
-            ts = [f.add(t, ri) for ri in range(r)]
-            js = [f.add(j0, ci) for ci in range(c)]
-            vals = [[[b.load(accs[wi][ri][ci]) for ci in range(c)] for ri in range(r)] for wi in range(nw)]
-            if inv is not None:
-                for ri in range(r):
-                    scale = f.load(inv, f.sub(ts[ri], t0))
-                    for wi in range(nw):
-                        vals[wi][ri] = [f.fmul(v, scale) for v in vals[wi][ri]]
-            finish(ts, js, vals)
-
-        def column_tiles(t0: ir.Value, t_end: ir.Value, j0: ir.Value, c: int) -> None:
-            span = f.sub(t_end, t0)
-            t_split = f.add(t0, b.and_(span, f.i64(-R)))  # R is a power of two
-            with f.loop(t0, t_split, R, name="tr") as t:
-                tile(t0, t, R, j0, c)
-            with f.loop(t_split, t_end, name="t1") as t:
-                tile(t0, t, 1, j0, c)
-
-        with f.loop(0, rows, TB, name="tb") as t0:
-            t_end = f.smin(f.add(t0, TB), rows)
-            if inv is not None:
-                with f.loop(t0, t_end, name="tn") as t:
-                    f.store(self._inv_rms(f, f.ptr(x, f.mul(t, K)), K, eps), inv, f.sub(t, t0))
-            n_main = N // C * C
-            if n_main:
-                j_lo, j_hi = f.share(N // C, tid, nth, C)
-                with f.loop(j_lo, j_hi, C, name="j") as j0:
-                    column_tiles(t0, t_end, j0, C)
-            if N % C:
-                with f.when(b.icmp_signed("==", tid, b.sub(nth, f.i64(1)))):
-                    column_tiles(t0, t_end, f.i64(n_main), N % C)
-
-    def matmul(self, K: int, N: int, has_norm: bool = False, eps: float = 1e-5, has_bias: bool = False,
-               accumulate: bool = False, last_row: bool = False) -> ir.Function:
-        """`void(float* x, i64 n, float* w, float* bias, float* norm_w, float* out, i64 tid, i64 nth)`.
-
-        out[t, j] (+)= x̂[t] · w[j] (+ bias[j]) with w [N, K]; x̂ = rms_norm(x, norm_w, eps)
-        when has_norm, else x. last_row: only row n-1 of x, written to out row 0. Thread
-        `tid` of `nth` computes its share of the columns (tid 0 of 1: all of them).
-        """
-        key = ("matmul", K, N, bool(has_norm), float(eps) if has_norm else None, bool(has_bias),
-               bool(accumulate), bool(last_row))
-        if (fn := self._cached(key)) is not None:
-            return fn
-        name = f"matmul_k{K}_n{N}"
-        if has_norm:
-            name += f"_norm_eps{_fmt(eps)}"
-        name += "_bias" * has_bias + "_acc" * accumulate + "_last" * last_row
-        fn, f = self._new(key, name, [("x", FPTR), ("n", I64), ("w", FPTR), ("bias", FPTR), ("norm_w", FPTR),
-                                      ("out", FPTR), ("tid", I64), ("nth", I64)], True)
-        x, n, w, bias, norm_w, out, tid, nth = fn.args
-        rows = n
-        if last_row:
-            x = f.ptr(x, f.mul(f.sub(n, 1), K))
-            rows = f.i64(1)
-
-        def finish(ts: list[ir.Value], js: list[ir.Value], vals: list[list[list[ir.Value]]]) -> None:
-            biases = [f.load(bias, j) for j in js] if has_bias else None
-            for ri, t in enumerate(ts):
-                for ci, j in enumerate(js):
-                    v = vals[0][ri][ci]
-                    if biases is not None:
-                        v = f.b.fadd(v, biases[ci])
-                    idx = f.add(f.mul(t, N), j)
-                    if accumulate:
-                        v = f.b.fadd(f.load(out, idx), v)
-                    f.store(v, out, idx)
-
-        self._gemm(f, x, rows, K, N, [w], norm_w if has_norm else None, eps, finish, tid, nth)
-        f.finish()
-        return fn
-
-    def swiglu(self, K: int, N: int, has_norm: bool = False, eps: float = 1e-5) -> ir.Function:
-        """`void(float* x, i64 n, float* w_gate, float* w_up, float* norm_w, float* out, i64 tid, i64 nth)`:
-        out[t, j] = silu(x̂[t]·w_gate[j]) * (x̂[t]·w_up[j]), both weights [N, K]; columns
-        shared among `nth` threads as in `matmul`."""
-        key = ("swiglu", K, N, bool(has_norm), float(eps) if has_norm else None)
-        if (fn := self._cached(key)) is not None:
-            return fn
-        name = f"swiglu_k{K}_n{N}" + (f"_norm_eps{_fmt(eps)}" if has_norm else "")
-        fn, f = self._new(key, name, [("x", FPTR), ("n", I64), ("w_gate", FPTR), ("w_up", FPTR), ("norm_w", FPTR),
-                                      ("out", FPTR), ("tid", I64), ("nth", I64)], True)
-        x, n, wg, wu, norm_w, out, tid, nth = fn.args
-
-        def finish(ts: list[ir.Value], js: list[ir.Value], vals: list[list[list[ir.Value]]]) -> None:
-            # the tile's gate values go through one vector silu (exp is the costly part)
-            b = f.b
-            cells = [(ri, ci) for ri in range(len(ts)) for ci in range(len(js))]
-            g = ir.Constant(ir.VectorType(F32, len(cells)), None)
-            for i, (ri, ci) in enumerate(cells):
-                g = b.insert_element(g, vals[0][ri][ci], ir.Constant(I32, i))
-            act = f.silu(g)
-            for i, (ri, ci) in enumerate(cells):
-                y = b.fmul(b.extract_element(act, ir.Constant(I32, i)), vals[1][ri][ci])
-                f.store(y, out, f.add(f.mul(ts[ri], N), js[ci]))
-
-        self._gemm(f, x, n, K, N, [wg, wu], norm_w if has_norm else None, eps, finish, tid, nth)
-        f.finish()
-        return fn
-
-    def _inv_freq_table(self, D: int, theta: float) -> ir.Value:
+    def inv_freq_table(self, D: int, theta: float) -> ir.Value:
         name = f"{self.prefix}rope_inv_freq_d{D}_theta{_fmt(theta)}"
         if name not in self.module.globals:
             values = rope_inv_freq(D, theta)
@@ -300,194 +169,531 @@ class KernelLibrary:
             g.linkage = "internal"
         return self.module.globals[name]
 
-    def _rope_tables(self, f: KernelBuilder, D: int, theta: float) -> tuple[ir.Value, ir.Value, Callable[[ir.Value], None]]:
-        """Stack tables cos/sin[D/2] and a function that fills them for a position."""
-        half = D // 2
-        cos_t = f.alloca(F32, half, name="rope_cos")
-        sin_t = f.alloca(F32, half, name="rope_sin")
-        table = self._inv_freq_table(D, theta)
 
-        def fill(pos: ir.Value) -> None:
-            b = f.b
-            p = b.sitofp(pos, F32)
-            freqs = b.bitcast(table, FPTR)
-            with f.loop(0, half, name="ri", unroll=False) as i:
-                angle = b.fpext(b.fmul(p, f.load(freqs, i)), F64)  # f32 product, as numpy
-                f.store(b.fptrunc(f.intrinsic("llvm.cos", angle), F32), cos_t, i)
-                f.store(b.fptrunc(f.intrinsic("llvm.sin", angle), F32), sin_t, i)
+def _floats(f: KernelBuilder, p: ir.Value) -> ir.Value:
+    return f.b.bitcast(p, FPTR)
 
-        return cos_t, sin_t, fill
 
-    @staticmethod
-    def _rope_apply(f: KernelBuilder, base: ir.Value, heads: int | ir.Value, D: int, cos_t: ir.Value,
-                    sin_t: ir.Value) -> None:
-        """Rotate-half RoPE of `heads` rows of D floats at `base`, with filled tables."""
-        b, half = f.b, D // 2
-        with f.loop(0, heads, name="rh", unroll=False) as h:
-            row = f.ptr(base, f.mul(h, D))
-            with f.loop(0, half, name="rd", unroll=False) as i:
-                i2 = f.add(i, half)
-                x1, x2 = f.load(row, i), f.load(row, i2)
-                c, s = f.load(cos_t, i), f.load(sin_t, i)
-                f.store(b.fsub(b.fmul(x1, c), b.fmul(x2, s)), row, i)
-                f.store(b.fadd(b.fmul(x2, c), b.fmul(x1, s)), row, i2)
+def _load_weight(f: KernelBuilder, ptr: ir.Value, index: ir.Value, storage: Storage) -> ir.Value:
+    """One element of a float-format weight as f32 (`ptr` typed for the storage)."""
+    value = f.b.load(f.ptr(ptr, index), align=2 if storage is not Storage.F32 else 4)
+    if storage is Storage.F16:
+        return f.b.fpext(value, F32)
+    if storage is Storage.BF16:
+        return f.b.bitcast(f.b.shl(f.b.zext(value, I32), ir.Constant(I32, 16)), F32)
+    return value
 
-    def rope(self, H: int, D: int, theta: float) -> ir.Function:
-        """`void(float* x, i64 n, i64 start)`: rotate-half RoPE in place on x [n, H, D]
-        at positions start, start+1, …"""
-        if D % 2:
-            raise ValueError(f"rope needs an even head dimension, got {D}")
-        key = ("rope", H, D, float(theta))
-        if (fn := self._cached(key)) is not None:
-            return fn
-        fn, f = self._new(key, f"rope_h{H}_d{D}_theta{_fmt(theta)}", [("x", FPTR), ("n", I64), ("start", I64)], True)
-        x, n, start = fn.args
-        cos_t, sin_t, fill = self._rope_tables(f, D, theta)
-        with f.loop(0, n, name="t") as t:
-            fill(f.add(start, t))
-            self._rope_apply(f, f.ptr(x, f.mul(t, H * D)), H, D, cos_t, sin_t)
-        f.finish()
-        return fn
 
-    def attention(self, H: int, KVH: int, D: int, S: int, layer: int, rope: bool = False,
-                  theta: float = 10000.0) -> ir.Function:
-        """`void(float* q, float* k, float* v, i64 n, i64 start, float* k_cache,
-        float* v_cache, float* out, i64 tid, i64 nth)`.
+def _weight_ptr(f: KernelBuilder, p: ir.Value, storage: Storage) -> ir.Value:
+    element = {Storage.F32: F32, Storage.F16: F16, Storage.BF16: I16}[storage]
+    return f.b.bitcast(p, element.as_pointer())
 
-        q [n, H, D], k and v [n, KVH, D]; caches [layers, KVH, S, D]. With `rope`, q and k
-        are rotated in place first. Rows of k, v go to cache positions start..start+n-1,
-        then each query row t attends causally to positions 0..start+t (GQA: query head h
-        reads kv head h / (H/KVH)); out [n, H, D]. Rows whose position would be ≥ S are
-        skipped (the caller must keep start + n ≤ S). Thread `tid` of `nth` handles its
-        share of the kv heads, with their query heads.
-        """
-        if H % KVH:
-            raise ValueError(f"attention needs heads divisible by kv heads, got {H} and {KVH}")
-        key = ("attention", H, KVH, D, S, layer, bool(rope), float(theta) if rope else None)
-        if (fn := self._cached(key)) is not None:
-            return fn
-        impl = self._attention_impl(H, KVH, D, S, rope, theta)
-        name = f"attention_h{H}_kvh{KVH}_d{D}_s{S}_l{layer}" + (f"_rope_theta{_fmt(theta)}" if rope else "")
-        fn, f = self._new(key, name, [("q", FPTR), ("k", FPTR), ("v", FPTR), ("n", I64), ("start", I64),
-                                      ("k_cache", FPTR), ("v_cache", FPTR), ("out", FPTR), ("tid", I64),
-                                      ("nth", I64)], True)
-        q, k, v, n, start, k_cache, v_cache, out, tid, nth = fn.args
-        off = layer * KVH * S * D
-        f.b.call(impl, [q, k, v, n, start, f.ptr(k_cache, off), f.ptr(v_cache, off), out, tid, nth])
-        f.finish()
-        return fn
 
-    def _attention_impl(self, H: int, KVH: int, D: int, S: int, rope: bool, theta: float) -> ir.Function:
-        """The body of `attention`, on one layer's cache slice [KVH, S, D]: shared by the
-        per-layer wrappers, so a 30-layer model compiles it once."""
-        key = ("attention_impl", H, KVH, D, S, bool(rope), float(theta) if rope else None)
-        if (fn := self._cached(key)) is not None:
-            return fn
-        name = f"attention_h{H}_kvh{KVH}_d{D}_s{S}" + (f"_rope_theta{_fmt(theta)}" if rope else "") + "_impl"
-        fn, f = self._new(key, name, [("q", FPTR), ("k", FPTR), ("v", FPTR), ("n", I64), ("start", I64),
-                                      ("k_cache", FPTR), ("v_cache", FPTR), ("out", FPTR), ("tid", I64),
-                                      ("nth", I64)], True, linkage="internal")
-        q, k, v, n, start, k_cache, v_cache, out, tid, nth = fn.args
+def _weight_type(value) -> tgt.WeightType:
+    t = value.type
+    assert isinstance(t, tgt.WeightType)
+    return t
+
+
+# ------------------------------------------------------------------------ embedding
+
+
+def _embedding(lib: KernelLibrary, f: KernelBuilder, op: tgt.EmbeddingOp, a: dict) -> None:
+    """out[t] = table[tokens[t]], dequantizing the row."""
+    table_type = _weight_type(op.table)
+    D = table_type.shape[1]
+    tokens = f.b.bitcast(a["tokens"], I32.as_pointer())
+    out = _floats(f, a["out"])
+    with f.loop(0, a["rows"], name="t") as t:
+        tok = f.b.sext(f.load(tokens, t), I64)
+        dst = f.ptr(out, f.mul(t, D))
+        if table_type.layout is Layout.SPLIT:
+            w = SplitWeight(f, a["table"], table_type)
+            full, half = D // GROUP, D % GROUP // 16
+            with f.loop(0, full, name="g", unroll=False) as g:
+                for s, v in enumerate(w.values(tok, g)):
+                    f.vstore(v, dst, f.add(f.mul(g, GROUP), 16 * s))
+            if half:
+                for s, v in enumerate(w.values(tok, f.i64(full), slices=half)):
+                    f.vstore(v, dst, f.i64(full * GROUP + 16 * s))
+        else:
+            src_base = _weight_ptr(f, a["table"], table_type.storage)
+            src = f.mul(tok, D)
+            with f.loop(0, D, name="d") as d:
+                f.store(_load_weight(f, src_base, f.add(src, d), table_type.storage), dst, d)
+
+
+# ------------------------------------------------------------------------ rms_norm, quantize
+
+
+def _rms_norm(lib: KernelLibrary, f: KernelBuilder, op: tgt.RMSNormOp, a: dict) -> None:
+    """out[t] = x[t] / rms(x[t]) * w, into float rows or quantized rows."""
+    D = tgt.row_width(op.x)
+    eps = op.eps.value.data
+    x, w = _floats(f, a["x"]), _floats(f, a["weight"])
+    quantized = tgt.is_quantized(op.out)
+    q = QRowsAccess(f, a["out"], op.out.type) if quantized else None
+    out = None if quantized else _floats(f, a["out"])
+    with f.loop(0, a["rows"], name="t") as t:
+        row = f.ptr(x, f.mul(t, D))
+        inv = lib.inv_rms(f, row, D, eps)
+        if q is None:
+            dst = f.ptr(out, f.mul(t, D))
+            f.vec_map(D, [row, w], dst, lambda v: f.fmul(f.fmul(v[0], f.splat(inv, v[0].type)), v[1]), name="k")
+        else:
+            inv16 = f.splat(inv, vec(F32, 16))
+            with f.loop(0, D // QBLOCK, name="b", unroll=False) as blk:
+                base = f.mul(blk, QBLOCK)
+                v0, v1 = (f.fmul(f.fmul(f.vload(row, f.add(base, o)), inv16), f.vload(w, f.add(base, o)))
+                          for o in (0, 16))
+                q.store_block(t, blk, v0, v1)
+            q.clear_padding(t)
+
+
+def _quantize(lib: KernelLibrary, f: KernelBuilder, op: tgt.QuantizeOp, a: dict) -> None:
+    """out = x quantized to int8 per 32 values."""
+    D = tgt.row_width(op.x)
+    x = _floats(f, a["x"])
+    q = QRowsAccess(f, a["out"], op.out.type)
+    with f.loop(0, a["rows"], name="t") as t:
+        row = f.ptr(x, f.mul(t, D))
+        with f.loop(0, D // QBLOCK, name="b", unroll=False) as blk:
+            base = f.mul(blk, QBLOCK)
+            q.store_block(t, blk, f.vload(row, base), f.vload(row, f.add(base, 16)))
+        q.clear_padding(t)
+
+
+# ------------------------------------------------------------------------ the matmul family
+
+Finish = Callable[[list[ir.Value], list[ir.Value], list[list[list[ir.Value]]]], None]
+
+
+class _Rows:
+    """The rows a projection reads: float rows (optionally normalized) or quantized rows."""
+
+    def __init__(self, lib: KernelLibrary, f: KernelBuilder, x: ir.Value, x_value, K: int, rows: ir.Value,
+                 norm: ir.Value | None, eps: float, last_row: bool):
+        self.f, self.K = f, K
+        self.quantized = tgt.is_quantized(x_value)
+        self.first = f.sub(rows, 1) if last_row else f.i64(0)  # the first row read
+        self.count = f.i64(1) if last_row else rows
+        self.norm = _floats(f, norm) if norm is not None else None
+        self.eps = eps
+        self.lib = lib
+        if self.quantized:
+            self.q = QRowsAccess(f, x, x_value.type)
+        else:
+            self.x = _floats(f, x)
+
+    def row(self, t: ir.Value) -> ir.Value:
+        return self.f.ptr(self.x, self.f.mul(self.f.add(self.first, t), self.K))
+
+
+def _share_blocks(f: KernelBuilder, N: int, unit: int, tid: ir.Value, nth: ir.Value
+                  ) -> tuple[ir.Value, ir.Value, int]:
+    """This thread's columns `[lo, hi)` in whole units, and the columns left over (for the last thread)."""
+    lo, hi = f.share(N // unit, tid, nth, unit)
+    return lo, hi, N % unit
+
+
+def _gemm(lib: KernelLibrary, f: KernelBuilder, rows: _Rows, N: int, weights: list[tuple[ir.Value, tgt.WeightType]],
+          finish: Finish, tid: ir.Value, nth: ir.Value, isa: tgt.Isa | None, unit: int | None = None,
+          flush: Callable[[ir.Value, int, ir.Value], None] | None = None) -> None:
+    """For every tile of rows ts and columns js: finish(ts, js, vals) with
+    vals[w][r][c] = x̂[ts[r]] · weights[w][js[c]], x̂ the rows (RMS-normalised when
+    `rows.norm`: the scale 1/rms is applied to the finished dot product, the norm weight
+    inside it). Thread `tid` of `nth` takes its share of the output columns in whole
+    `unit`s (a tile's width by default); the last thread takes the columns left over.
+    With `flush`, after the tiles of one unit of columns for a tile of rows `t` of `r`
+    rows: flush(t, r, j0) (quantized outputs are written from there)."""
+    b = f.b
+    nw = len(weights)
+    K = rows.K
+    R, C = TILE_ROWS, TILE_COLS[nw]
+    unit = unit or C
+    assert unit % C == 0
+    integer = weights[0][1].layout is Layout.SPLIT
+    access = [SplitWeight(f, p, t) if integer else (_weight_ptr(f, p, t.storage), t.storage) for p, t in weights]
+    TB = max(R, min(MAX_BLOCK_ROWS, BLOCK_BYTES // (4 * K)) // R * R)
+    inv = f.alloca(F32, TB, name="inv_rms") if rows.norm is not None else None
+
+    def tile(t0: ir.Value, t: ir.Value, r: int, j0: ir.Value, c: int) -> None:
+        if rows.quantized:
+            vals = _tile_a8(f, rows, access, t, r, j0, c, isa)
+        elif integer:
+            vals = _tile_a32_groups(f, rows, access, t, r, j0, c)
+        else:
+            vals = _tile_a32_float(f, rows, access, t, r, j0, c)
+        ts = [f.add(t, ri) for ri in range(r)]
+        js = [f.add(j0, ci) for ci in range(c)]
+        if inv is not None:
+            for ri in range(r):
+                scale = f.load(inv, f.sub(ts[ri], t0))
+                for wi in range(nw):
+                    vals[wi][ri] = [f.fmul(v, scale) for v in vals[wi][ri]]
+        finish(ts, js, vals)
+
+    def unit_columns(t0: ir.Value, t_end: ir.Value, j0: ir.Value, width: int) -> None:
+        """Rows t0..t_end of the `width` columns from j0, row tile by row tile."""
+        span = f.sub(t_end, t0)
+        t_split = f.add(t0, b.and_(span, f.i64(-R)))  # R is a power of two
+        for lo, hi, r in ((t0, t_split, R), (t_split, t_end, 1)):
+            with f.loop(lo, hi, r, name=f"t{r}") as t:
+                c_main = width // C * C
+                if c_main:
+                    with f.loop(0, c_main, C, name="jc", unroll=False) as jc:
+                        tile(t0, t, r, f.add(j0, jc), C)
+                if width % C:
+                    tile(t0, t, r, f.add(j0, f.i64(c_main)), width % C)
+                if flush is not None:
+                    flush(t, r, j0)
+
+    with f.loop(0, rows.count, TB, name="tb") as t0:
+        t_end = f.smin(f.add(t0, TB), rows.count)
+        if inv is not None:
+            with f.loop(t0, t_end, name="tn") as t:
+                f.store(lib.inv_rms(f, rows.row(t), K, rows.eps), inv, f.sub(t, t0))
+        lo, hi, rest = _share_blocks(f, N, unit, tid, nth)
+        with f.loop(lo, hi, unit, name="j") as j0:
+            unit_columns(t0, t_end, j0, unit)
+        if rest:
+            with f.when(b.icmp_signed("==", tid, b.sub(nth, f.i64(1)))):
+                unit_columns(t0, t_end, f.i64(N - rest), rest)
+
+
+def _accumulators(f: KernelBuilder, ty: ir.Type, nw: int, r: int, c: int, name: str) -> list:
+    accs = [[[f.alloca(ty, name=f"{name}{wi}_{ri}_{ci}") for ci in range(c)] for ri in range(r)] for wi in range(nw)]
+    zero = ir.Constant(ty, [0.0] * ty.count) if isinstance(ty, ir.VectorType) else f.f32(0.0)
+    for plane in accs:
+        for row in plane:
+            for acc in row:
+                f.b.store(zero, acc)
+    return accs
+
+
+def _tile_a32_float(f: KernelBuilder, rows: _Rows, access: list, t: ir.Value, r: int, j0: ir.Value, c: int) -> list:
+    """Float weights: a scalar reduction over k per (row, column), vectorised by LLVM."""
+    b, K, nw = f.b, rows.K, len(access)
+    accs = _accumulators(f, F32, nw, r, c, "acc")
+    xrows = [rows.row(f.add(t, ri)) for ri in range(r)]
+    wrows = [[f.mul(f.add(j0, ci), K) for ci in range(c)] for _ in access]
+    with f.loop(0, K, name="k") as k:
+        xs = [f.load(xr, k) for xr in xrows]
+        if rows.norm is not None:
+            g = f.load(rows.norm, k)
+            xs = [f.fmul(xv, g) for xv in xs]
+        for wi, (ptr, storage) in enumerate(access):
+            for ci in range(c):
+                wv = _load_weight(f, ptr, f.add(wrows[wi][ci], k), storage)
+                for ri in range(r):
+                    acc = accs[wi][ri][ci]
+                    b.store(f.fadd(b.load(acc), f.fmul(xs[ri], wv)), acc)
+    return [[[b.load(accs[wi][ri][ci]) for ci in range(c)] for ri in range(r)] for wi in range(nw)]
+
+
+def _tile_a32_groups(f: KernelBuilder, rows: _Rows, access: list[SplitWeight], t: ir.Value, r: int, j0: ir.Value,
+                     c: int) -> list:
+    """Integer weights × float rows: each 64-group dequantized in registers, explicit vector FMAs."""
+    b, K, nw = f.b, rows.K, len(access)
+    accs = _accumulators(f, vec(F32, 16), nw, r, c, "acc")
+    xrows = [rows.row(f.add(t, ri)) for ri in range(r)]
+
+    def group(g: ir.Value, slices: int) -> None:
+        base = f.mul(g, GROUP)
+        xs = [[f.vload(xr, f.add(base, 16 * s)) for s in range(slices)] for xr in xrows]
+        if rows.norm is not None:
+            gs = [f.vload(rows.norm, f.add(base, 16 * s)) for s in range(slices)]
+            xs = [[f.fmul(xv, gv) for xv, gv in zip(row, gs)] for row in xs]
+        for wi, w in enumerate(access):
+            for ci in range(c):
+                ws = w.values(f.add(j0, ci), g, slices)
+                for ri in range(r):
+                    acc = accs[wi][ri][ci]
+                    total = b.load(acc)
+                    for wv, xv in zip(ws, xs[ri]):
+                        total = f.fadd(total, f.fmul(wv, xv))
+                    b.store(total, acc)
+
+    full, half = K // GROUP, K % GROUP // 16
+    with f.loop(0, full, name="g", unroll=False) as g:
+        group(g, 4)
+    if half:
+        group(f.i64(full), half)
+    return [[[f.reduce_vector(b.load(accs[wi][ri][ci])) for ci in range(c)] for ri in range(r)] for wi in range(nw)]
+
+
+def _tile_a8(f: KernelBuilder, rows: _Rows, access: list[SplitWeight], t: ir.Value, r: int, j0: ir.Value, c: int,
+             isa: tgt.Isa) -> list:
+    """Integer weights × quantized rows: per 64-group one integer dot product per (row, column)."""
+    b, nw = f.b, len(access)
+    accs = _accumulators(f, vec(F32, 16), nw, r, c, "acc")
+    offs = _accumulators(f, vec(F32, 4), nw, r, c, "off")
+    groups = access[0].groups
+    with f.loop(0, groups, name="g", unroll=False) as g:
+        cols = []
+        for w in access:
+            per_col = []
+            for ci in range(c):
+                j = f.add(j0, ci)
+                w.prefetch(j, g, PREFETCH_BYTES)
+                scale = w.scale4(j, g)
+                per_col.append((w.codes(j, g), scale, w.offset4(j, g, scale)))
+            cols.append(per_col)
+        for ri in range(r):
+            row = f.add(rows.first, f.add(t, ri))
+            xq, d4, s4 = rows.q.qs(row, g), rows.q.d4(row, g), rows.q.s4(row, g)
+            for wi, per_col in enumerate(cols):
+                for ci, (codes, scale, offset) in enumerate(per_col):
+                    dot = b.sitofp(integer_dot(f, isa, codes, xq, access[wi].bits), vec(F32, 16))
+                    lanes = lanes_of_slices(f, b.fmul(scale, d4))
+                    acc, off = accs[wi][ri][ci], offs[wi][ri][ci]
+                    b.store(f.fadd(b.load(acc), f.fmul(dot, lanes)), acc)
+                    b.store(f.fadd(b.load(off), f.fmul(offset, s4)), off)
+    return [[[f.fadd(f.reduce_vector(b.load(accs[wi][ri][ci])), f.reduce_vector(b.load(offs[wi][ri][ci])))
+              for ci in range(c)] for ri in range(r)] for wi in range(nw)]
+
+
+def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> None:
+    """out[t, j] (+)= x̂[t] · w[j] (+ bias[j]); `last_row`: only row rows-1, into out row 0."""
+    N, K = tgt.dims(op.weight)
+    eps = op.eps.value.data if op.eps is not None else 1e-5
+    rows = _Rows(lib, f, a["x"], op.x, K, a["rows"], a.get("norm"), eps, op.last_row is not None)
+    out = _floats(f, a["out"])
+    bias = _floats(f, a["bias"]) if "bias" in a else None
+    accumulate = op.accumulate is not None
+
+    def finish(ts: list[ir.Value], js: list[ir.Value], vals: list[list[list[ir.Value]]]) -> None:
+        biases = [f.load(bias, j) for j in js] if bias is not None else None
+        for ri, t in enumerate(ts):
+            for ci, j in enumerate(js):
+                v = vals[0][ri][ci]
+                if biases is not None:
+                    v = f.b.fadd(v, biases[ci])
+                idx = f.add(f.mul(t, N), j)
+                if accumulate:
+                    v = f.b.fadd(f.load(out, idx), v)
+                f.store(v, out, idx)
+
+    isa = op.isa.data if op.isa is not None else None
+    _gemm(lib, f, rows, N, [(a["weight"], _weight_type(op.weight))], finish, a["tid"], a["nth"], isa)
+
+
+def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> None:
+    """out[t, j] = silu(x̂[t]·w_gate[j]) * (x̂[t]·w_up[j]), into float rows or quantized rows.
+
+    Quantized rows are written a block of 32 columns at a time: the thread computing
+    the block keeps it in `block` (one tile of rows) and quantizes it when it is full.
+    """
+    N, K = tgt.dims(op.gate)
+    eps = op.eps.value.data if op.eps is not None else 1e-5
+    rows = _Rows(lib, f, a["x"], op.x, K, a["rows"], a.get("norm"), eps, False)
+    q = QRowsAccess(f, a["out"], op.out.type) if tgt.is_quantized(op.out) else None
+    block = f.alloca(F32, TILE_ROWS * QBLOCK, name="block") if q is not None else None
+    out = _floats(f, a["out"]) if q is None else None
+
+    def finish(ts: list[ir.Value], js: list[ir.Value], vals: list[list[list[ir.Value]]]) -> None:
+        # the tile's gate values go through one vector silu (exp is the costly part)
         b = f.b
-        G = H // KVH
-        h_lo, h_hi = f.share(KVH, tid, nth)  # this thread's kv heads
-        rows = f.smin(n, f.smax(f.sub(S, start), 0))
-        # 1. RoPE and the cache write
-        if rope:
-            cos_t, sin_t, fill = self._rope_tables(f, D, theta)
-        with f.loop(0, rows, name="t") as t:
-            pos = f.add(start, t)
-            if rope:
-                fill(pos)
-                own = f.sub(h_hi, h_lo)
-                self._rope_apply(f, f.ptr(q, f.add(f.mul(t, H * D), f.mul(h_lo, G * D))), f.mul(own, G), D,
-                                 cos_t, sin_t)
-                self._rope_apply(f, f.ptr(k, f.add(f.mul(t, KVH * D), f.mul(h_lo, D))), own, D, cos_t, sin_t)
-            with f.loop(h_lo, h_hi, name="ch", unroll=False) as h:
-                src = f.mul(f.add(f.mul(t, KVH), h), D)
-                dst = f.mul(f.add(f.mul(h, S), pos), D)
-                with f.loop(0, D, name="cd", unroll=False) as d:
-                    f.store(f.load(k, f.add(src, d)), k_cache, f.add(dst, d))
-                    f.store(f.load(v, f.add(src, d)), v_cache, f.add(dst, d))
+        cells = [(ri, ci) for ri in range(len(ts)) for ci in range(len(js))]
+        g = ir.Constant(ir.VectorType(F32, len(cells)), None)
+        for i, (ri, ci) in enumerate(cells):
+            g = b.insert_element(g, vals[0][ri][ci], ir.Constant(I32, i))
+        act = f.silu(g)
+        for i, (ri, ci) in enumerate(cells):
+            y = b.fmul(b.extract_element(act, ir.Constant(I32, i)), vals[1][ri][ci])
+            if block is not None:
+                f.store(y, block, f.add(f.i64(ri * QBLOCK), b.srem(js[ci], f.i64(QBLOCK))))
+            else:
+                f.store(y, out, f.add(f.mul(ts[ri], N), js[ci]))
 
-        # 2. causal GQA: the G query heads of one kv head share each K/V row. Rows of D
-        # are handled as explicit vector chunks (q and the output accumulators stay in
-        # registers across the position loop; LLVM only has to vectorise softmax).
-        chunks = _chunks(D)
-        scores = f.alloca(F32, G * S, name="scores")
-        accs = [[f.alloca(ir.VectorType(F32, w), name=f"acc{g}_{o}") for o, w in chunks] for g in range(G)]
-        inv_sum = f.alloca(F32, G, name="inv_sum")
-        mx = f.alloca(F32, name="max")
-        scale = f.f32(1.0 / np.sqrt(np.float32(D)))
-        with f.loop(0, rows, name="t") as t:
-            span = f.add(f.add(start, t), 1)
-            with f.loop(h_lo, h_hi, name="h") as h:
-                kv_base = f.mul(h, S * D)
-                kbase = f.ptr(k_cache, kv_base)
-                vbase = f.ptr(v_cache, kv_base)
-                row_offs = [f.mul(f.add(f.mul(t, H), f.add(f.mul(h, G), g)), D) for g in range(G)]
-                qv = [[f.vload(q, f.add(off, o), w) for o, w in chunks] for off in row_offs]
-                # scores[g, s] = q_g · k_s / sqrt(D)
-                with f.loop(0, span, name="s") as s:
-                    krow = f.mul(s, D)
-                    kv = [f.vload(kbase, f.add(krow, o), w) for o, w in chunks]
-                    for g in range(G):
-                        dot = f.vdot(qv[g], kv)
-                        f.store(b.fmul(dot, scale), scores, f.add(s, g * S))
-                # softmax per query head (max-subtracted), then the weighted sum of V rows
-                # (one copy of the softmax code, looping over the G heads at run time)
-                with f.loop(0, G, name="sg", unroll=False) as g:
-                    srow = f.ptr(scores, f.mul(g, S))
-                    b.store(f.f32(float("-inf")), mx)
-                    with f.loop(0, span, name="m") as s:
-                        b.store(f.intrinsic("llvm.maxnum", b.load(mx), f.load(srow, s)), mx)
-                    m = b.load(mx)
-                    total = f.reduce_sum(span, lambda s: self._exp_store(f, srow, s, m), name="e")
-                    f.store(b.fdiv(f.f32(1.0), total), inv_sum, g)
-                inv_sums = [f.load(inv_sum, g) for g in range(G)]
+    def flush(t: ir.Value, r: int, j0: ir.Value) -> None:
+        for ri in range(r):
+            row = f.ptr(block, ri * QBLOCK)
+            q.store_block(f.add(t, ri), f.b.sdiv(j0, f.i64(QBLOCK)), f.vload(row, f.i64(0)), f.vload(row, f.i64(16)))
+
+    weights = [(a["gate"], _weight_type(op.gate)), (a["up"], _weight_type(op.up))]
+    isa = op.isa.data if op.isa is not None else None
+    if q is None:
+        _gemm(lib, f, rows, N, weights, finish, a["tid"], a["nth"], isa)
+        return
+    _gemm(lib, f, rows, N, weights, finish, a["tid"], a["nth"], isa, unit=QBLOCK, flush=flush)
+    if N % GROUP:
+        with f.when(f.b.icmp_signed("==", a["tid"], f.b.sub(a["nth"], f.i64(1)))):
+            with f.loop(0, rows.count, name="tp") as t:
+                q.clear_padding(t)
+
+
+# ------------------------------------------------------------------------ rope, attention
+
+
+def _rope_tables(lib: KernelLibrary, f: KernelBuilder, D: int, theta: float
+                 ) -> tuple[ir.Value, ir.Value, Callable[[ir.Value], None]]:
+    """Stack tables cos/sin[D/2] and a function that fills them for a position."""
+    half = D // 2
+    cos_t = f.alloca(F32, half, name="rope_cos")
+    sin_t = f.alloca(F32, half, name="rope_sin")
+    table = lib.inv_freq_table(D, theta)
+
+    def fill(pos: ir.Value) -> None:
+        b = f.b
+        p = b.sitofp(pos, F32)
+        freqs = b.bitcast(table, FPTR)
+        with f.loop(0, half, name="ri", unroll=False) as i:
+            angle = b.fpext(b.fmul(p, f.load(freqs, i)), F64)  # f32 product, as numpy
+            f.store(b.fptrunc(f.intrinsic("llvm.cos", angle), F32), cos_t, i)
+            f.store(b.fptrunc(f.intrinsic("llvm.sin", angle), F32), sin_t, i)
+
+    return cos_t, sin_t, fill
+
+
+def _rope_apply(f: KernelBuilder, base: ir.Value, heads: int | ir.Value, D: int, cos_t: ir.Value,
+                sin_t: ir.Value) -> None:
+    """Rotate-half RoPE of `heads` rows of D floats at `base`, with filled tables."""
+    b, half = f.b, D // 2
+    with f.loop(0, heads, name="rh", unroll=False) as h:
+        row = f.ptr(base, f.mul(h, D))
+        with f.loop(0, half, name="rd", unroll=False) as i:
+            i2 = f.add(i, half)
+            x1, x2 = f.load(row, i), f.load(row, i2)
+            c, s = f.load(cos_t, i), f.load(sin_t, i)
+            f.store(b.fsub(b.fmul(x1, c), b.fmul(x2, s)), row, i)
+            f.store(b.fadd(b.fmul(x2, c), b.fmul(x1, s)), row, i2)
+
+
+def _rope(lib: KernelLibrary, f: KernelBuilder, op: tgt.RopeOp, a: dict) -> None:
+    """Rotate-half RoPE in place on x [rows, H, D] at positions start, start+1, …"""
+    _, H, D = tgt.dims(op.x)
+    x = _floats(f, a["x"])
+    cos_t, sin_t, fill = _rope_tables(lib, f, D, op.theta.value.data)
+    with f.loop(0, a["rows"], name="t") as t:
+        fill(f.add(a["start"], t))
+        _rope_apply(f, f.ptr(x, f.mul(t, H * D)), H, D, cos_t, sin_t)
+
+
+def _exp_store(f: KernelBuilder, row: ir.Value, s: ir.Value, m: ir.Value) -> ir.Value:
+    e = f.exp(f.b.fsub(f.load(row, s), m))
+    f.store(e, row, s)
+    return e
+
+
+def _attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict) -> None:
+    """q [n, H, D], k and v [n, KVH, D]; the layer's caches [KVH, S, D]. With `rope`, q and k
+    are rotated in place first. Rows of k, v go to cache positions start..start+n-1, then
+    each query row t attends causally to positions 0..start+t (GQA: query head h reads kv
+    head h / (H/KVH)); out [n, H·D], float or quantized. Rows whose position would be ≥ S
+    are skipped. Thread `tid` of `nth` handles its share of the kv heads, with their
+    query heads."""
+    _, H, D = tgt.dims(op.q)
+    KVH, S, _ = tgt.dims(op.k_cache)
+    q, k, v, k_cache, v_cache = (_floats(f, a[name]) for name in ("q", "k", "v", "k_cache", "v_cache"))
+    n, start, tid, nth = a["rows"], a["start"], a["tid"], a["nth"]
+    quantized = tgt.is_quantized(op.out)
+    qout = QRowsAccess(f, a["out"], op.out.type) if quantized else None
+    out = None if quantized else _floats(f, a["out"])
+    b = f.b
+    G = H // KVH
+    h_lo, h_hi = f.share(KVH, tid, nth)  # this thread's kv heads
+    rows = f.smin(n, f.smax(f.sub(S, start), 0))
+    # 1. RoPE and the cache write
+    if op.rope is not None:
+        cos_t, sin_t, fill = _rope_tables(lib, f, D, op.rope.value.data)
+    with f.loop(0, rows, name="t") as t:
+        pos = f.add(start, t)
+        if op.rope is not None:
+            fill(pos)
+            own = f.sub(h_hi, h_lo)
+            _rope_apply(f, f.ptr(q, f.add(f.mul(t, H * D), f.mul(h_lo, G * D))), f.mul(own, G), D, cos_t, sin_t)
+            _rope_apply(f, f.ptr(k, f.add(f.mul(t, KVH * D), f.mul(h_lo, D))), own, D, cos_t, sin_t)
+        with f.loop(h_lo, h_hi, name="ch", unroll=False) as h:
+            src = f.mul(f.add(f.mul(t, KVH), h), D)
+            dst = f.mul(f.add(f.mul(h, S), pos), D)
+            with f.loop(0, D, name="cd", unroll=False) as d:
+                f.store(f.load(k, f.add(src, d)), k_cache, f.add(dst, d))
+                f.store(f.load(v, f.add(src, d)), v_cache, f.add(dst, d))
+
+    # 2. causal GQA: the G query heads of one kv head share each K/V row. Rows of D
+    # are handled as explicit vector chunks (q and the output accumulators stay in
+    # registers across the position loop; LLVM only has to vectorise softmax).
+    chunks = _chunks(D)
+    scores = f.alloca(F32, G * S, name="scores")
+    accs = [[f.alloca(ir.VectorType(F32, w), name=f"acc{g}_{o}") for o, w in chunks] for g in range(G)]
+    inv_sum = f.alloca(F32, G, name="inv_sum")
+    mx = f.alloca(F32, name="max")
+    scale = f.f32(1.0 / np.sqrt(np.float32(D)))
+    with f.loop(0, rows, name="t") as t:
+        span = f.add(f.add(start, t), 1)
+        with f.loop(h_lo, h_hi, name="h") as h:
+            kv_base = f.mul(h, S * D)
+            kbase = f.ptr(k_cache, kv_base)
+            vbase = f.ptr(v_cache, kv_base)
+            row_offs = [f.mul(f.add(f.mul(t, H), f.add(f.mul(h, G), g)), D) for g in range(G)]
+            qv = [[f.vload(q, f.add(off, o), w) for o, w in chunks] for off in row_offs]
+            # scores[g, s] = q_g · k_s / sqrt(D)
+            with f.loop(0, span, name="s") as s:
+                krow = f.mul(s, D)
+                kv = [f.vload(kbase, f.add(krow, o), w) for o, w in chunks]
                 for g in range(G):
-                    for a, (_, w) in zip(accs[g], chunks):
-                        b.store(f.const(ir.VectorType(F32, w), 0.0), a)
-                with f.loop(0, span, name="pv") as s:
-                    vrow = f.mul(s, D)
-                    vv = [f.vload(vbase, f.add(vrow, o), w) for o, w in chunks]
-                    for g in range(G):
-                        p = f.load(scores, f.add(s, g * S))
-                        for a, x in zip(accs[g], vv):
-                            b.store(f.fadd(b.load(a), f.fmul(f.splat(p, x.type), x)), a)
+                    dot = f.vdot(qv[g], kv)
+                    f.store(b.fmul(dot, scale), scores, f.add(s, g * S))
+            # softmax per query head (max-subtracted), then the weighted sum of V rows
+            # (one copy of the softmax code, looping over the G heads at run time)
+            with f.loop(0, G, name="sg", unroll=False) as g:
+                srow = f.ptr(scores, f.mul(g, S))
+                b.store(f.f32(float("-inf")), mx)
+                with f.loop(0, span, name="m") as s:
+                    b.store(f.intrinsic("llvm.maxnum", b.load(mx), f.load(srow, s)), mx)
+                m = b.load(mx)
+                total = f.reduce_sum(span, lambda s: _exp_store(f, srow, s, m), name="e")
+                f.store(b.fdiv(f.f32(1.0), total), inv_sum, g)
+            inv_sums = [f.load(inv_sum, g) for g in range(G)]
+            for g in range(G):
+                for acc, (_, w) in zip(accs[g], chunks):
+                    b.store(f.const(ir.VectorType(F32, w), 0.0), acc)
+            with f.loop(0, span, name="pv") as s:
+                vrow = f.mul(s, D)
+                vv = [f.vload(vbase, f.add(vrow, o), w) for o, w in chunks]
                 for g in range(G):
-                    for a, (o, w) in zip(accs[g], chunks):
-                        y = f.fmul(b.load(a), f.splat(inv_sums[g], a.type.pointee))
+                    p = f.load(scores, f.add(s, g * S))
+                    for acc, x in zip(accs[g], vv):
+                        b.store(f.fadd(b.load(acc), f.fmul(f.splat(p, x.type), x)), acc)
+            for g in range(G):
+                ys = [f.fmul(b.load(acc), f.splat(inv_sums[g], acc.type.pointee)) for acc in accs[g]]
+                if qout is None:
+                    for y, (o, _) in zip(ys, chunks):
                         f.vstore(y, out, f.add(row_offs[g], o))
-        f.finish()
-        return fn
+                    continue
+                first_block = f.b.sdiv(row_offs[g], f.i64(QBLOCK))
+                head = f.sub(first_block, f.mul(t, H * D // QBLOCK))
+                for blk in range(D // QBLOCK):
+                    qout.store_block(t, f.add(head, blk), ys[2 * blk], ys[2 * blk + 1])
+    if qout is not None and (H * D) % GROUP:
+        with f.when(b.icmp_signed("==", tid, b.sub(nth, f.i64(1)))):
+            with f.loop(0, rows, name="tp") as t:
+                qout.clear_padding(t)
 
-    @staticmethod
-    def _exp_store(f: KernelBuilder, row: ir.Value, s: ir.Value, m: ir.Value) -> ir.Value:
-        e = f.exp(f.b.fsub(f.load(row, s), m))
-        f.store(e, row, s)
-        return e
 
-    def _elementwise(self, kind: str, W: int, arity: int,
-                     op: Callable[[KernelBuilder, list[ir.Value]], ir.Value]) -> ir.Function:
-        key = (kind, W)
-        if (fn := self._cached(key)) is not None:
-            return fn
-        names = ["a", "b"][:arity] if arity == 2 else ["x"]
-        fn, f = self._new(key, f"{kind}_{W}", [*[(a, FPTR) for a in names], ("out", FPTR), ("n", I64)], False)
-        *ins, out, n = fn.args
-        f.vec_map(f.mul(n, W), ins, out, lambda vals: op(f, vals), name="e")
-        f.finish()
-        return fn
+# ------------------------------------------------------------------------ elementwise
 
-    def add(self, W: int) -> ir.Function:
-        """`void(float* a, float* b, float* out, i64 n)`: out = a + b over n rows of W."""
-        return self._elementwise("add", W, 2, lambda f, v: f.b.fadd(v[0], v[1]))
 
-    def mul(self, W: int) -> ir.Function:
-        """`void(float* a, float* b, float* out, i64 n)`: out = a * b over n rows of W."""
-        return self._elementwise("mul", W, 2, lambda f, v: f.b.fmul(v[0], v[1]))
+def _elementwise(op_fn: Callable[[KernelBuilder, list[ir.Value]], ir.Value], names: tuple[str, ...]):
+    def emit(lib: KernelLibrary, f: KernelBuilder, op: tgt.Kernel, a: dict) -> None:
+        W = tgt.row_width(op.out)
+        f.vec_map(f.mul(a["rows"], W), [_floats(f, a[n]) for n in names], _floats(f, a["out"]),
+                  lambda vals: op_fn(f, vals), name="e")
 
-    def silu(self, W: int) -> ir.Function:
-        """`void(float* x, float* out, i64 n)`: out = x / (1 + e**-x) over n rows of W."""
-        return self._elementwise("silu", W, 1, lambda f, v: f.silu(v[0]))
+    return emit
+
+
+_EMITTERS: dict[type[tgt.Kernel], Callable] = {
+    tgt.EmbeddingOp: _embedding,
+    tgt.RMSNormOp: _rms_norm,
+    tgt.QuantizeOp: _quantize,
+    tgt.MatmulOp: _matmul,
+    tgt.SwigluOp: _swiglu,
+    tgt.RopeOp: _rope,
+    tgt.AttentionOp: _attention,
+    tgt.AddOp: _elementwise(lambda f, v: f.b.fadd(v[0], v[1]), ("lhs", "rhs")),
+    tgt.MulOp: _elementwise(lambda f, v: f.b.fmul(v[0], v[1]), ("lhs", "rhs")),
+    tgt.SiluOp: _elementwise(lambda f, v: f.silu(v[0]), ("x",)),
+}
+

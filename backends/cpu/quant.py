@@ -1,0 +1,278 @@
+"""Integer formats in CPU kernels: reading split-layout weights and quantized rows, integer dot products.
+
+Kernels see every integer weight format the same way (`llmc.ir.formats`): per row and
+64-weight group, 64 unsigned codes and, per 16-weight slice, a scale and a zero point
+or a minimum. `SplitWeight` loads them from the split layout (`llmc.ir.layouts`),
+`QRowsAccess` reads and writes quantized activation rows, and `integer_dot` multiplies
+64 codes by 64 int8 values into 16 lanes of 4 products each, with the instructions the
+kernel's `isa` names:
+
+    w = SplitWeight(f, ptr, weight_type)
+    codes = w.codes(j, g)                         # <64 x i8>
+    lanes = integer_dot(f, Isa.VNNI512, codes, x.qs(t, g), w.bits)   # <16 x i32>, lane l = Σ 4l..4l+3
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+
+from llmc.backends.cpu.builder import F32, I32, I64, KernelBuilder
+from llmc.ir.formats import FORMATS, SLICE
+from llmc.ir.layouts import GROUP, Plane, QRowLayout, padded, weight_planes
+from llmc.ir.tgt import Isa, QRowsType, WeightType
+
+I1 = ir.IntType(1)
+I8 = ir.IntType(8)
+I16 = ir.IntType(16)
+F16 = ir.HalfType()
+I8PTR = I8.as_pointer()
+
+
+def vec(ty: ir.Type, n: int) -> ir.VectorType:
+    return ir.VectorType(ty, n)
+
+
+def declare(f: KernelBuilder, name: str, ret: ir.Type, args: list[ir.Type]) -> ir.Function:
+    """The function `name` of the module, declared on first use."""
+    fn = f.module.globals.get(name)
+    return fn if fn is not None else ir.Function(f.module, ir.FunctionType(ret, args), name=name)
+
+
+def splat_i(ty: ir.VectorType, value: int) -> ir.Constant:
+    return ir.Constant(ty, [value] * ty.count)
+
+
+def shuffle(f: KernelBuilder, v: ir.Value, mask: list[int], other: ir.Value | None = None) -> ir.Value:
+    other = other if other is not None else ir.Constant(v.type, None)
+    return f.b.shuffle_vector(v, other, ir.Constant(vec(I32, len(mask)), mask))
+
+
+def lanes_of_slices(f: KernelBuilder, v4: ir.Value) -> ir.Value:
+    """`<4 x float>` per slice → `<16 x float>`, each slice's value over its 4 dot-product lanes."""
+    return shuffle(f, v4, [i // 4 for i in range(16)])
+
+
+def typed_ptr(f: KernelBuilder, base: ir.Value, plane: Plane, element: ir.Type) -> ir.Value:
+    return f.b.bitcast(f.b.gep(base, [ir.Constant(I64, plane.offset)], inbounds=True), element.as_pointer())
+
+
+def load_vector(f: KernelBuilder, ptr: ir.Value, index: ir.Value, ty: ir.VectorType, align: int = 1) -> ir.Value:
+    p = f.b.bitcast(f.b.gep(ptr, [index], inbounds=True), ty.as_pointer())
+    return f.b.load(p, align=align)
+
+
+def _to_float(f: KernelBuilder, value: ir.Value, dtype: str) -> ir.Value:
+    ty = vec(F32, value.type.count) if isinstance(value.type, ir.VectorType) else F32
+    if dtype == "f16":
+        return f.b.fpext(value, ty)
+    if dtype == "u8":
+        return f.b.uitofp(value, ty)
+    return f.b.sitofp(value, ty)
+
+
+class SplitWeight:
+    """An integer-format `[N, K]` weight in the split layout at `base` (an `i8*`)."""
+
+    def __init__(self, f: KernelBuilder, base: ir.Value, weight_type: WeightType):
+        self.f = f
+        self.fmt = FORMATS[weight_type.storage]
+        self.n, self.k = weight_type.shape
+        self.kp = padded(self.k)
+        self.groups = self.kp // GROUP
+        self.bits = self.fmt.bits
+        self.planes = {p.name: p for p in weight_planes(weight_type.storage, weight_type.shape)}
+        self.base = base
+        self.code_bytes = self.kp if self.bits == 8 else self.kp // 2
+        self.ptrs = {name: typed_ptr(f, base, p, self._element(name)) for name, p in self.planes.items()}
+
+    def _element(self, name: str) -> ir.Type:
+        if name == "codes":
+            return I8
+        if name.startswith("bit"):
+            return I64
+        dtype = self.fmt.field(name).dtype
+        return F16 if dtype == "f16" else I8
+
+    def codes(self, j: ir.Value, g: ir.Value) -> ir.Value:
+        """The 64 unsigned codes of group `g` of row `j`: `<64 x i8>`."""
+        f, b = self.f, self.f.b
+        row = f.mul(j, self.code_bytes)
+        if self.bits == 8:
+            return load_vector(f, self.ptrs["codes"], f.add(row, f.mul(g, GROUP)), vec(I8, 64))
+        raw = load_vector(f, self.ptrs["codes"], f.add(row, f.mul(g, GROUP // 2)), vec(I8, 32))
+        low = b.and_(raw, splat_i(vec(I8, 32), 15))
+        high = b.lshr(raw, splat_i(vec(I8, 32), 4))
+        codes = shuffle(f, low, list(range(64)), high)
+        for bit in range(4, self.bits):
+            mask = b.load(f.ptr(self.ptrs[f"bit{bit}"], f.add(f.mul(j, self.groups), g)), align=8)
+            plane = b.zext(b.bitcast(mask, vec(I1, 64)), vec(I8, 64))
+            codes = b.or_(codes, b.shl(plane, splat_i(vec(I8, 64), bit)))
+        return codes
+
+    def prefetch(self, j: ir.Value, g: ir.Value, ahead: int) -> None:
+        """Prefetch the codes `ahead` bytes past group `g` of row `j` (into L1)."""
+        f = self.f
+        per_group = GROUP if self.bits == 8 else GROUP // 2
+        offset = f.add(f.add(f.mul(j, self.code_bytes), f.mul(g, per_group)), ahead)
+        fn = declare(f, "llvm.prefetch.p0", ir.VoidType(), [I8PTR, I32, I32, I32])
+        f.b.call(fn, [f.b.gep(self.ptrs["codes"], [offset]), ir.Constant(I32, 0), ir.Constant(I32, 3),
+                      ir.Constant(I32, 1)])
+
+    def _field4(self, name: str, j: ir.Value, g: ir.Value) -> ir.Value:
+        """A field's value for each of the 4 slices of group `g` of row `j`: `<4 x float>`."""
+        f = self.f
+        field = self.fmt.field(name)
+        per_row = self.kp // field.group
+        row = f.mul(j, per_row)
+        ty = F16 if field.dtype == "f16" else I8
+        if field.group == SLICE:
+            v = load_vector(f, self.ptrs[name], f.add(row, f.mul(g, 4)), vec(ty, 4))
+        elif field.group == 2 * SLICE:
+            v = shuffle(f, load_vector(f, self.ptrs[name], f.add(row, f.mul(g, 2)), vec(ty, 2)), [0, 0, 1, 1])
+        else:
+            per = field.group // GROUP
+            one = f.b.load(f.ptr(self.ptrs[name], f.add(row, f.b.sdiv(g, f.i64(per)) if per > 1 else g)))
+            v = f.b.insert_element(ir.Constant(vec(ty, 1), None), one, ir.Constant(I32, 0))
+            v = shuffle(f, v, [0, 0, 0, 0])
+        return _to_float(f, v, field.dtype)
+
+    def _product(self, names: tuple[str, ...], j: ir.Value, g: ir.Value) -> ir.Value:
+        out = None
+        for name in names:
+            v = self._field4(name, j, g)
+            out = v if out is None else self.f.b.fmul(out, v)
+        return out
+
+    def scale4(self, j: ir.Value, g: ir.Value) -> ir.Value:
+        return self._product(self.fmt.scale, j, g)
+
+    def zero4(self) -> ir.Value | None:
+        zero = self.fmt.zero
+        return ir.Constant(vec(F32, 4), [float(zero)] * 4) if zero is not None else None
+
+    def minimum4(self, j: ir.Value, g: ir.Value) -> ir.Value | None:
+        if not self.fmt.minimum:
+            return None
+        m = self._product(self.fmt.minimum, j, g)
+        return self.f.b.fneg(m) if self.fmt.minimum_sign < 0 else m
+
+    def offset4(self, j: ir.Value, g: ir.Value, scale4: ir.Value) -> ir.Value:
+        """Per slice, what multiplies the activations' sums: the minimum, or `−zero · scale`."""
+        m = self.minimum4(j, g)
+        if m is not None:
+            return m
+        return self.f.b.fneg(self.f.b.fmul(self.zero4(), scale4))
+
+    def values(self, j: ir.Value, g: ir.Value, slices: int = 4) -> list[ir.Value]:
+        """The dequantized weights of group `g` of row `j`: `slices` × `<16 x float>`.
+
+        `(code − zero) · scale`, or `code · scale + minimum`: the arithmetic of GGUF's own
+        dequantization, so the results are the same floats.
+        """
+        f, b = self.f, self.f.b
+        codes = self.codes(j, g)
+        scale = self.scale4(j, g)
+        zero, minimum = self.zero4(), self.minimum4(j, g)
+        out = []
+        for s in range(slices):
+            u = b.uitofp(shuffle(f, codes, list(range(16 * s, 16 * s + 16))), vec(F32, 16))
+            pick = [s] * 16
+            if zero is not None:
+                out.append(b.fmul(b.fsub(u, shuffle(f, zero, pick)), shuffle(f, scale, pick)))
+            else:
+                out.append(b.fadd(b.fmul(u, shuffle(f, scale, pick)), shuffle(f, minimum, pick)))
+        return out
+
+
+class QRowsAccess:
+    """Quantized activation rows (`!tgt.qrows<R x W>`) at `base` (an `i8*`), row by row."""
+
+    def __init__(self, f: KernelBuilder, base: ir.Value, qrows: QRowsType):
+        self.f = f
+        self.base = base
+        self.row = QRowLayout(qrows.width)
+        self.wp = self.row.wp
+        self.width = qrows.width
+
+    def _at(self, t: ir.Value, offset: int, element: ir.Type) -> ir.Value:
+        f = self.f
+        p = f.b.gep(self.base, [f.add(f.mul(t, self.row.row_bytes), offset)], inbounds=True)
+        return f.b.bitcast(p, element.as_pointer())
+
+    def qs_ptr(self, t: ir.Value) -> ir.Value:
+        return self._at(t, 0, I8)
+
+    def qs(self, t: ir.Value, g: ir.Value) -> ir.Value:
+        return load_vector(self.f, self.qs_ptr(t), self.f.mul(g, GROUP), vec(I8, 64))
+
+    def d4(self, t: ir.Value, g: ir.Value) -> ir.Value:
+        return load_vector(self.f, self._at(t, self.row.d_offset, F32), self.f.mul(g, 4), vec(F32, 4), align=4)
+
+    def s4(self, t: ir.Value, g: ir.Value) -> ir.Value:
+        return load_vector(self.f, self._at(t, self.row.s_offset, F32), self.f.mul(g, 4), vec(F32, 4), align=4)
+
+    def clear_padding(self, t: ir.Value) -> None:
+        """Zero row `t` beyond the width, up to the padded width (whole 64-groups for the kernels)."""
+        for b in range(self.width // 32, self.wp // 32):
+            zero16 = ir.Constant(vec(F32, 16), [0.0] * 16)
+            self.store_block(t, b, zero16, zero16)
+
+    def store_block(self, t: ir.Value, block: int | ir.Value, v0: ir.Value, v1: ir.Value) -> None:
+        """Quantize 32 floats (two `<16 x float>`) into block `block` of row `t`.
+
+        `d = amax / 127`, `q = roundeven(x · (127 / amax))`, `s = d · Σ q` per slice: the
+        same float operations as `formats.quantize_rows`, so the bytes are identical.
+        """
+        f, b = self.f, self.f.b
+        block = f.i64(block)
+        qs, d_ptr, s_ptr = self.qs_ptr(t), self._at(t, self.row.d_offset, F32), self._at(t, self.row.s_offset, F32)
+        fabs = [f.intrinsic("llvm.fabs", v) for v in (v0, v1)]
+        both = f.intrinsic("llvm.maxnum", *fabs)
+        amax = b.call(declare(f, "llvm.vector.reduce.fmax.v16f32", F32, [both.type]), [both])
+        d = b.fdiv(amax, f.f32(127.0))
+        positive = b.fcmp_ordered(">", amax, f.f32(0.0))
+        inv = b.select(positive, b.fdiv(f.f32(127.0), amax), f.f32(0.0))
+        inv16 = f.splat(inv, vec(F32, 16))
+        at_qs, at_d = f.mul(block, 32), f.mul(block, 2)
+        radd = declare(f, "llvm.vector.reduce.add.v16i32", I32, [vec(I32, 16)])
+        for half, v in enumerate((v0, v1)):
+            q = b.fptosi(f.intrinsic("llvm.roundeven", b.fmul(v, inv16)), vec(I32, 16))
+            p = b.bitcast(f.ptr(qs, f.add(at_qs, 16 * half)), vec(I8, 16).as_pointer())
+            b.store(b.trunc(q, vec(I8, 16)), p, align=1)
+            total = b.sitofp(b.call(radd, [q]), F32)
+            f.store(d, d_ptr, f.add(at_d, half))
+            f.store(b.fmul(d, total), s_ptr, f.add(at_d, half))
+
+
+def integer_dot(f: KernelBuilder, isa: Isa, codes: ir.Value, x: ir.Value, bits: int) -> ir.Value:
+    """64 unsigned codes × 64 int8 values → `<16 x i32>`, lane `l` the sum of products `4l..4l+3`."""
+    b = f.b
+    if isa is Isa.VNNI512:
+        fn = declare(f, "llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [vec(I32, 16), vec(I8, 64), vec(I8, 64)])
+        return b.call(fn, [ir.Constant(vec(I32, 16), [0] * 16), codes, x])
+    halves = [(shuffle(f, codes, list(range(h, h + 32))), shuffle(f, x, list(range(h, h + 32)))) for h in (0, 32)]
+    if isa is Isa.VNNI256:
+        fn = declare(f, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), [vec(I32, 8), vec(I8, 32), vec(I8, 32)])
+        parts = [b.call(fn, [ir.Constant(vec(I32, 8), [0] * 8), c, v]) for c, v in halves]
+        return shuffle(f, parts[0], list(range(16)), parts[1])
+    if isa is Isa.AVX2:
+        maddubs = declare(f, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vec(I8, 32), vec(I8, 32)])
+        maddwd = declare(f, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16), vec(I16, 16)])
+        ones = splat_i(vec(I16, 16), 1)
+        parts = []
+        for c, v in halves:
+            if bits < 8:  # codes ≤ 63: pairs of products fit in i16 without saturating
+                parts.append(b.call(maddwd, [b.call(maddubs, [c, v]), ones]))
+            else:  # 8-bit codes: high and low nibbles separately, 16·high + low
+                high = b.call(maddubs, [b.lshr(c, splat_i(vec(I8, 32), 4)), v])
+                low = b.call(maddubs, [b.and_(c, splat_i(vec(I8, 32), 15)), v])
+                parts.append(b.add(b.call(maddwd, [high, splat_i(vec(I16, 16), 16)]), b.call(maddwd, [low, ones])))
+        return shuffle(f, parts[0], list(range(16)), parts[1])
+    wide = b.mul(b.zext(codes, vec(I32, 64)), b.sext(x, vec(I32, 64)))
+    total = None
+    for i in range(4):
+        part = shuffle(f, wide, list(range(i, 64, 4)))
+        total = part if total is None else b.add(total, part)
+    return total
+
+

@@ -1,0 +1,74 @@
+"""CPU targets: `--cpu native|x86-64-v3|NAME` → the `#tgt.target` the passes choose from.
+
+The attribute records the CPU name and the features that change a choice (integer dot
+products, vector width, bf16, AMX). `native` reads the host through LLVM; other names
+come from the table below. Code generation builds for exactly what was recorded: the
+CPU name's defaults, with every feature of `FEATURES` switched on or off as recorded.
+
+    cpu_target("x86-64-v3")   # #tgt.target<cpu, "x86_64", "x86-64-v3", ["avx2", "bmi2", "f16c", "fma"]>
+"""
+
+from __future__ import annotations
+
+from llmc.errors import UsageError
+from llmc.ir.tgt import Isa, TargetAttr
+
+# The features recorded in a CPU target (LLVM's names).
+FEATURES = (
+    "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avxvnni",
+    "avx512bf16", "avx512fp16", "amx-tile", "amx-int8", "amx-bf16",
+)
+
+_V3 = ("avx2", "fma", "f16c", "bmi2")
+_V4 = (*_V3, "avx512f", "avx512bw", "avx512vl", "avx512dq")
+_ICELAKE = (*_V4, "avx512vnni")
+_SAPPHIRE = (*_ICELAKE, "avxvnni", "avx512bf16", "avx512fp16", "amx-tile", "amx-int8", "amx-bf16")
+_ALDER = (*_V3, "avxvnni")
+_ZEN4 = (*_ICELAKE, "avx512bf16")
+
+CPUS: dict[str, tuple[str, ...]] = {
+    "x86-64": (), "x86-64-v2": (), "x86-64-v3": _V3, "x86-64-v4": _V4,
+    "haswell": _V3, "broadwell": _V3, "skylake": _V3, "skylake-avx512": _V4, "cascadelake": _ICELAKE,
+    "icelake-client": _ICELAKE, "icelake-server": _ICELAKE, "tigerlake": _ICELAKE, "rocketlake": _ICELAKE,
+    "sapphirerapids": _SAPPHIRE, "emeraldrapids": _SAPPHIRE, "graniterapids": _SAPPHIRE,
+    "alderlake": _ALDER, "raptorlake": _ALDER, "meteorlake": _ALDER, "arrowlake": _ALDER,
+    "znver2": _V3, "znver3": _V3, "znver4": _ZEN4, "znver5": _ZEN4,
+}
+
+
+def cpu_target(cpu: str = "native") -> TargetAttr:
+    """The target for `--cpu`: this machine (`native`) or a CPU of the table."""
+    if cpu == "native":
+        from llmc.backends.cpu.toolchain import host_cpu
+
+        name, features = host_cpu()
+        present = {f[1:] for f in features.split(",") if f.startswith("+")}
+        return TargetAttr("cpu", "x86_64", name, [f for f in FEATURES if f in present])
+    if cpu not in CPUS:
+        raise UsageError(f"unknown CPU '{cpu}' (known: native, {', '.join(CPUS)})")
+    return TargetAttr("cpu", "x86_64", cpu, CPUS[cpu])
+
+
+def llvm_features(target: TargetAttr) -> str:
+    """The LLVM feature string for a recorded target: each known feature on or off."""
+    return ",".join(("+" if f in target.features else "-") + f for f in FEATURES)
+
+
+def integer_isa(target: TargetAttr) -> Isa:
+    """The best integer dot product the target has, for `a8` kernels."""
+    if target.has("avx512vnni", "avx512bw", "avx512vl"):
+        return Isa.VNNI512
+    if target.has("avxvnni", "avx2"):
+        return Isa.VNNI256
+    if target.has("avx2"):
+        return Isa.AVX2
+    return Isa.GENERIC
+
+
+def target_machine_for(target: TargetAttr):
+    """An LLVM target machine for exactly the recorded CPU and features."""
+    from llmc.backends.cpu.toolchain import target_machine
+
+    if target.kind.data != "cpu":
+        raise UsageError(f"the CPU backend cannot build for a '{target.kind.data}' target")
+    return target_machine(target.cpu.data, features=llvm_features(target))

@@ -174,14 +174,24 @@ def _non_negative(text: str) -> int:
 QUANT_TYPES = "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, int4-g32, int4-g64, int4-g128"
 
 
+def _storage_name(text: str) -> str:
+    from llmc.ir.formats import Storage
+
+    try:
+        Storage.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _add_quant_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu", default="native", metavar="NAME",
                    help="CPU to generate code for: 'native' (this machine) or a CPU name such as x86-64-v3, "
                         "sapphirerapids, znver4")
-    p.add_argument("--quant", metavar="TYPE",
+    p.add_argument("--quant", metavar="TYPE", type=_storage_name,
                    help=f"storage of the matmul weights ({QUANT_TYPES}); applies to float tensors, and to "
                         "quantized ones with --requantize (default: the model's own types)")
-    p.add_argument("--quant-output", metavar="TYPE",
+    p.add_argument("--quant-output", metavar="TYPE", type=_storage_name,
                    help="storage of the token embedding and the LM head (default: --quant, but not below q8_0)")
     p.add_argument("--requantize", action="store_true",
                    help="let --quant convert tensors that the model file already stores quantized")

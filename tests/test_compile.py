@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -32,16 +33,18 @@ TOKENS = [5, 17, 42, 100, 150, 7, 9, 11, 200, 3, 4, 66, 250]
 
 @pytest.fixture(scope="module")
 def artifact(tiny, tmp_path_factory) -> Callable[..., Path]:
-    """`artifact(spec, chunk=4, group=True)` → a compiled artifact directory, built once."""
+    """`artifact(spec, chunk=4, group=True, cpu="native", form="gguf", **options)` → an artifact, built once."""
     root = tmp_path_factory.mktemp("artifacts")
     built: dict[tuple, Path] = {}
 
-    def build(spec: TinySpec, chunk: int = 4, group: bool = True) -> Path:
-        key = (spec, chunk, group)
+    def build(spec: TinySpec, chunk: int = 4, group: bool = True, cpu: str = "native", form: str = "gguf",
+              **options) -> Path:
+        key = (spec, chunk, group, cpu, form, tuple(sorted(options.items())))
         if key not in built:
             out = root / f"a{len(built)}"
-            compile_model(str(tiny(spec, "gguf")), out, CompileOptions(prefill_chunk=chunk, max_seq=32, group=group),
-                          BackendOptions(), progress=lambda _: None)
+            compile_model(str(tiny(spec, form)), out,
+                          CompileOptions(prefill_chunk=chunk, max_seq=32, group=group, **options),
+                          BackendOptions(cpu=cpu), progress=lambda _: None)
             built[key] = out
         return built[key]
 
@@ -313,3 +316,154 @@ def test_bad_options_are_one_line(argv: list[str], capsys) -> None:
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and ": error: " in err and "--help" in err
+
+
+# quantized artifacts ---------------------------------------------------------------
+
+_PROJ = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+QSPECS = {
+    "mixed": TinySpec(hidden=64, heads=2, kv_heads=1, head_dim=32, ffn=128, context_length=64, gguf_storage=(
+        ("token_embd", "q8_0"), ("attn_q", "q4_1"), ("attn_k", "q4_0"), ("attn_v", "q8_0"), ("attn_output", "q5_0"),
+        ("ffn_gate", "q5_1"), ("ffn_up", "q4_1"), ("ffn_down", "f16"))),
+    "k-quants": TinySpec(hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=512, context_length=64, gguf_storage=(
+        ("token_embd", "q6_k"), ("attn_q", "q4_k"), ("attn_k", "q5_k"), ("attn_v", "q6_k"), ("attn_output", "q4_k"),
+        ("ffn_gate", "q5_k"), ("ffn_up", "q4_k"), ("ffn_down", "q6_k"))),
+    "half-groups": TinySpec(hidden=96, heads=3, kv_heads=1, head_dim=32, ffn=160, context_length=64,
+                            gguf_storage=(("token_embd", "q8_0"), *((k, "q4_1") for k in _PROJ))),
+    "head-dim-16": TinySpec(arch="qwen2", hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, context_length=64,
+                            gguf_storage=tuple((k, "q8_0") for k in _PROJ)),
+}
+
+
+def _stage_logits(tiny, spec: TinySpec, tokens: list[int], form: str = "gguf", **options) -> np.ndarray:
+    """The quantize stage's logits, teacher-forced one token at a time (as the artifact runs)."""
+    from llmc.backends.cpu.target import cpu_target
+    from llmc.ir import find_function, tgt
+    from llmc.ir.interpreter import KVCache
+    from llmc.passes.pipeline import run_phase
+
+    model = load_model(str(tiny(spec, form)))
+    module = import_model(model)
+    module.attributes[tgt.TARGET] = cpu_target("native")
+    for phase in ("import", "optimize", "quantize"):
+        run_phase(module, phase, options=CompileOptions(**options))
+    cache = KVCache.for_type(find_function(module, "forward").function_type.inputs.data[2], len(tokens))
+    return teacher_forced(lambda chunk, start: forward_logits(module, model.weights, chunk, start, cache)[-1], tokens)
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+@pytest.mark.parametrize("spec", QSPECS.values(), ids=QSPECS.keys())
+def test_a32_artifacts_compute_the_quantize_stage_exactly(tiny, artifact, spec: TinySpec) -> None:
+    """Integer weights dequantized in registers: the same numbers as the graph, within float rounding."""
+    session = Session(artifact(spec, compute="a32"))
+    _close(teacher_forced(lambda chunk, start: session.feed(chunk), TOKENS),
+           _stage_logits(tiny, spec, TOKENS, compute="a32"))
+
+
+@pytest.mark.parametrize("cpu", ["native", "x86-64-v3"])
+@pytest.mark.parametrize("spec", QSPECS.values(), ids=QSPECS.keys())
+def test_a8_artifacts_agree_with_the_quantize_stage(tiny, artifact, spec: TinySpec, cpu: str) -> None:
+    """Integer dot products (VNNI here, pmaddubsw for x86-64-v3). An activation within a float bit of an
+    int8 rounding tie may round the other way in compiled code than in numpy, so the bound is a cosine."""
+    directory = artifact(spec, cpu=cpu)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert manifest["cpu"]["name"] == ("x86-64-v3" if cpu != "native" else manifest["cpu"]["name"])
+    session = Session(directory)
+    ours = teacher_forced(lambda chunk, start: session.feed(chunk), TOKENS)
+    reference = _stage_logits(tiny, spec, TOKENS)
+    assert _cosines(ours, reference).min() > 0.999
+    assert (ours.argmax(-1) == reference.argmax(-1)).mean() >= 0.9
+
+
+def test_the_tgt_interpreter_reproduces_the_quantize_stage(tiny) -> None:
+    """Lowering, packing and the memory plan change no number: the numpy kernels over the packed
+    weights and the planned arena give the quantize stage's logits."""
+    from llmc.backends.cpu.target import cpu_target
+    from llmc.ir import find_function, tgt
+    from llmc.ir.interpreter import KVCache
+    from llmc.ir.tgt_interpreter import KernelWeights, run_entry
+    from llmc.passes.pipeline import PHASES, run_phase
+
+    for name, spec in QSPECS.items():
+        model = load_model(str(tiny(spec, "gguf")))
+        module = import_model(model)
+        module.attributes[tgt.TARGET] = cpu_target("native")
+        for phase in PHASES:
+            run_phase(module, phase, options=CompileOptions(prefill_chunk=4, max_seq=32))
+        entries = {e: find_function(module, e) for e in ("prefill", "decode")}
+        cache = KVCache.zeros(tgt.dims(entries["decode"].body.block.args[3]))
+        weights = KernelWeights(model.weights)
+        ours = teacher_forced(lambda chunk, start: run_entry(entries["prefill" if start == 0 else "decode"], weights,
+                                                             np.asarray(chunk, np.int32), start, cache)[0], TOKENS)
+        reference = _stage_logits(tiny, spec, TOKENS)
+        assert np.abs(ours - reference).max() <= 1e-4 * np.abs(reference).max(), name
+
+
+def test_quantized_artifacts_store_the_chosen_types(tiny, artifact) -> None:
+    directory = artifact(QSPECS["k-quants"])
+    manifest = json.loads((directory / "manifest.json").read_text())
+    weights = manifest["weights"]
+    assert weights["blk.0.attn_q"]["storage"] == "q4_k" and weights["blk.1.ffn_down"]["storage"] == "q6_k"
+    assert {w["layout"] for n, w in weights.items() if w["storage"] != "f32"} == {"split"}
+    assert manifest["entry_points"]["decode"]["arguments"][:6] == ["tokens", "n", "start", "k_cache", "v_cache",
+                                                                   "logits"]
+    stored = sum(load_model(str(tiny(QSPECS["k-quants"], "gguf"))).weights[n].data.nbytes for n in weights)
+    assert (directory / "weights.bin").stat().st_size <= 1.05 * stored
+    ir_text = compile_model(str(tiny(QSPECS["k-quants"], "gguf")), None, CompileOptions(prefill_chunk=4, max_seq=32),
+                            BackendOptions(), compile_to="lower", progress=lambda _: None)
+    assert "!tgt.weight<256x256, q4_k, split>" in ir_text and "!tgt.qrows<" in ir_text and "isa vnni" in ir_text
+
+
+def test_float_models_take_quant(tiny, artifact) -> None:
+    spec = QSPECS["mixed"]
+    directory = artifact(spec, form="hf", quant="q8_0")
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert manifest["weights"]["blk.0.attn_q"]["storage"] == "q8_0"
+    assert manifest["compile_options"]["quant"] == "q8_0"
+    session = Session(directory)
+    ours = teacher_forced(lambda chunk, start: session.feed(chunk), TOKENS)
+    reference = _stage_logits(tiny, spec, TOKENS, form="hf", quant="q8_0")
+    assert _cosines(ours, reference).min() > 0.999
+
+
+def test_score_returns_every_rows_logits(tiny, artifact) -> None:
+    """The `score` entry point: a prompt's logits at every position, in chunks, from an empty cache."""
+    spec = QSPECS["mixed"]
+    session = Session(artifact(spec, compute="a32"))
+    scores = session.score(TOKENS)
+    assert scores.shape == (len(TOKENS), session.vocab_size)
+    reference = _stage_logits(tiny, spec, TOKENS, compute="a32")
+    _close(scores, reference)
+    assert session.position == len(TOKENS)
+    session.reset()
+    session.feed(TOKENS[:5])  # with history in the cache
+    _close(session.score(TOKENS[5:]), reference[5:])
+
+
+def test_perplexity_cli_on_a_tiny_model(artifact, tmp_path, capsys) -> None:
+    directory = artifact(QSPECS["mixed"])
+    text = tmp_path / "text.txt"
+    text.write_text("the cat in the hat sat on the mat in 2018 and then the cat ran " * 4 + "\n")
+    assert main(["perplexity", str(directory), "--text", str(text), "--ctx", "16", "--kl-base", str(directory)]) == 0
+    out = capsys.readouterr().out
+    ppl = float(re.search(r"^perplexity (\S+) ± ", out, re.M)[1])
+    assert 1 < ppl < float("inf")  # a random-weight model: a poor predictor, but a number
+    assert re.search(r"^mean KL\s+0\.000000", out, re.M) and "same top   100.000" in out
+    assert main(["perplexity", str(directory), "--text", str(text), "--ctx", "512"]) == 2
+    assert "needs at least 1024" in capsys.readouterr().err
+
+
+def test_an_artifact_for_a_cpu_this_machine_lacks_is_refused(artifact, tmp_path, capsys) -> None:
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(artifact(QSPECS["mixed"]), copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["cpu"]["features"].append("avx1024")
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["run", str(copy), "-p", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lacks (avx1024)" in err

@@ -18,6 +18,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from llmc.frontend.hf import ir_name
+from llmc.ir.formats import FORMATS, Storage
 
 
 @dataclass(frozen=True)
@@ -216,13 +217,20 @@ def write_gguf(spec: TinySpec, weights: dict[str, np.ndarray], path: Path, pre: 
         elif storage == "f16":
             writer.add_tensor(name, w.astype(np.float16))
         else:
-            qtype = gguf.GGMLQuantizationType[storage.upper()]
-            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+            writer.add_tensor(name, _blocks(storage, w), raw_dtype=gguf.GGMLQuantizationType[storage.upper()])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _blocks(storage: str, w: np.ndarray) -> np.ndarray:
+    """GGUF blocks of `w`: gguf's quantizer where it has one, llmc's for the k-quants."""
+    fmt = FORMATS[Storage(storage)]
+    if storage in ("q4_k", "q5_k", "q6_k"):
+        return fmt.to_blocks(fmt.quantize(w))
+    return gguf.quants.quantize(w, fmt.ggml)
 
 
 def dequantized_like_gguf(spec: TinySpec, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -235,6 +243,6 @@ def dequantized_like_gguf(spec: TinySpec, weights: dict[str, np.ndarray]) -> dic
             w = w.astype(np.float16).astype(np.float32)
         elif storage != "f32":
             qtype = gguf.GGMLQuantizationType[storage.upper()]
-            w = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype).reshape(w.shape)
+            w = gguf.quants.dequantize(_blocks(storage, w), qtype).reshape(w.shape)
         out[hf] = w.astype(np.float32)
     return out

@@ -2,8 +2,15 @@
 
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
+from xdsl.ir import Operation, SSAValue
 
 from llmc.errors import LlmcError
+
+
+def named_operands(op: Operation) -> dict[str, SSAValue | None]:
+    """An op's operands by the names its definition gives them, in definition order
+    (None for an optional operand that is absent)."""
+    return {name: getattr(op, name) for name, _ in op.get_irdl_definition().operands}
 
 
 def find_function(module: ModuleOp, name: str) -> func.FuncOp:

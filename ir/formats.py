@@ -30,6 +30,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 SLICE = 16  # the granularity of scales the kernels see: every format's groups are multiples of 16
 ACT_BLOCK = 32  # activations are quantized to int8 per 32 values (one scale each)
+GROUP = 64  # values the kernels read at once: rows are padded to whole groups
 
 
 class Storage(StrEnum):
@@ -50,10 +51,6 @@ class Storage(StrEnum):
     INT4_G64 = "int4_g64"
     INT4_G128 = "int4_g128"
     INT4_G256 = "int4_g256"
-
-    @property
-    def format(self) -> BlockFormat:
-        return FORMATS[self]
 
     @property
     def is_float(self) -> bool:
@@ -198,6 +195,8 @@ class BlockFormat:
     def quantize(self, w: np.ndarray) -> QuantizedTensor:
         """Round-to-nearest quantization of float32 `[rows, K]` (for q8_0, q4_1, q5_1 GGUF's reference
         quantizer; for the others, llmc's: block scales chosen as in `_QUANTIZE`)."""
+        if self.is_float:
+            raise ValueError(f"{self.storage} is a float format: see to_float_storage")
         w = np.ascontiguousarray(w, dtype=np.float32)
         rows, k = w.shape
         if not self.fits(k):
@@ -498,9 +497,13 @@ FORMATS: dict[Storage, BlockFormat] = {
 # ------------------------------------------------------------ int8 activations
 
 
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def padded_width(width: int) -> int:
-    """A row width rounded up to whole 64-value groups (what kernels read at once)."""
-    return -(-width // 64) * 64
+    """A row width rounded up to whole `GROUP`s of values (what kernels read at once)."""
+    return round_up(width, GROUP)
 
 
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -17,7 +17,7 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Operation, SSAValue
 
-from llmc.ir import find_function, llm
+from llmc.ir import find_function, llm, named_operands
 from llmc.ir.formats import integer_matmul, quantize_rows
 from llmc.ir.weights import WeightStore
 
@@ -91,10 +91,9 @@ Projection = llm.MatmulOp | llm.LogitsOp | llm.SwigluOp
 
 
 def _operands(op: Projection, values: tuple) -> dict[str, np.ndarray | None]:
-    """The operand values of an op with optional operands, by operand name."""
+    """The operand values of an op with optional operands, by operand name (None when absent)."""
     present = iter(values)
-    return {name: (next(present) if getattr(op, name) is not None else None)
-            for name, _ in op.get_irdl_definition().operands}
+    return {name: (next(present) if value is not None else None) for name, value in named_operands(op).items()}
 
 
 def _product(op: Projection, env: Env, x: np.ndarray, norm: np.ndarray | None, weight: SSAValue,

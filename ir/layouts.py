@@ -8,9 +8,9 @@ A `tgt` weight is in one of two layouts (`!tgt.weight<576x576, q4_1, split>`):
   weights 0–31 and high nibbles weights 32–63, so unpacking is one `and` and one
   shift; bit 4 (and 5) of the codes follow as one 64-bit mask per group (`bit4`,
   `bit5`); 8-bit codes are plain bytes. The format's fields (scales, minimums, zero
-  points) follow as planes of their own, `[rows, K / group]`. Rows are padded to a
-  multiple of 64 weights with zero codes and fields. The bytes equal the stored
-  ones but for the padding and 64-byte plane alignment.
+  points) follow as planes of their own, `[rows, K / group]`, one byte or f16 each
+  (q4_k/q5_k's 6-bit scales take a byte: +2.8% for q4_k). Rows are padded to a
+  multiple of 64 weights with zero codes and fields; planes are 64-byte aligned.
 
 Quantized activation rows (`!tgt.qrows<128x576>`) hold, per row of width `W` (padded
 to `Wp`, a multiple of 64): `qs int8[Wp]` (the values, quantized per 32 by
@@ -31,10 +31,9 @@ from enum import StrEnum
 
 import numpy as np
 
-from llmc.ir.formats import FORMATS, SLICE, QuantizedTensor, Storage, padded_width
+from llmc.ir.formats import FORMATS, GROUP, SLICE, QuantizedTensor, Storage, padded_width, round_up
 
-ALIGN = 64
-GROUP = 64  # weights per code group of the split layout
+ALIGN = 64  # bytes: planes, weights and buffers start at multiples of it
 
 
 class Layout(StrEnum):
@@ -67,11 +66,9 @@ class Plane:
         return buffer[self.offset : self.offset + self.nbytes].view(self.dtype).reshape(self.rows, self.per_row)
 
 
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-padded = padded_width
+def align(n: int) -> int:
+    """`n` bytes rounded up to the alignment of planes, weights and arena buffers."""
+    return round_up(n, ALIGN)
 
 
 def _planes(specs: list[tuple[str, np.dtype, int, int]]) -> list[Plane]:
@@ -79,7 +76,7 @@ def _planes(specs: list[tuple[str, np.dtype, int, int]]) -> list[Plane]:
     for name, dtype, rows, per_row in specs:
         plane = Plane(name, np.dtype(dtype), rows, per_row, offset)
         out.append(plane)
-        offset = _align(offset + plane.nbytes)
+        offset = align(offset + plane.nbytes)
     return out
 
 
@@ -88,7 +85,7 @@ def weight_planes(storage: Storage, shape: tuple[int, ...]) -> list[Plane]:
     fmt = FORMATS[storage]
     assert fmt.bits is not None, f"{storage} is not an integer format"
     n, k = shape
-    kp = padded(k)
+    kp = padded_width(k)
     specs: list[tuple[str, np.dtype, int, int]] = [("codes", np.uint8, n, kp if fmt.bits == 8 else kp // 2)]
     for bit in range(4, fmt.bits if fmt.bits < 8 else 4):
         specs.append((f"bit{bit}", np.uint64, n, kp // GROUP))
@@ -100,7 +97,7 @@ def weight_planes(storage: Storage, shape: tuple[int, ...]) -> list[Plane]:
 def weight_nbytes(storage: Storage, layout: Layout, shape: tuple[int, ...]) -> int:
     if layout is Layout.SPLIT:
         planes = weight_planes(storage, shape)
-        return _align(planes[-1].offset + planes[-1].nbytes)
+        return align(planes[-1].offset + planes[-1].nbytes)
     return FORMATS[storage].nbytes(shape)
 
 
@@ -108,7 +105,7 @@ def pack_split(qt: QuantizedTensor) -> np.ndarray:
     """The split-layout bytes of a quantized tensor."""
     fmt = FORMATS[qt.storage]
     n, k = qt.shape
-    kp = padded(k)
+    kp = padded_width(k)
     codes = np.zeros((n, kp), np.uint8)
     codes[:, :k] = qt.codes
     groups = codes.reshape(n, kp // GROUP, GROUP)
@@ -133,7 +130,7 @@ def unpack_split(data: np.ndarray, storage: Storage, shape: tuple[int, int]) -> 
     """The quantized tensor in split-layout bytes (the padding dropped)."""
     fmt = FORMATS[storage]
     n, k = shape
-    kp = padded(k)
+    kp = padded_width(k)
     buffer = np.asarray(data, np.uint8)
     codes = np.zeros((n, kp // GROUP, GROUP), np.uint8)
     fields = {}
@@ -165,7 +162,7 @@ class QRowLayout:
 
     @property
     def wp(self) -> int:
-        return padded(self.width)
+        return padded_width(self.width)
 
     @property
     def slices(self) -> int:
@@ -181,7 +178,7 @@ class QRowLayout:
 
     @property
     def row_bytes(self) -> int:
-        return _align(self.s_offset + 4 * self.slices)
+        return align(self.s_offset + 4 * self.slices)
 
     def views(self, buffer: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`(qs int8[R, Wp], d f32[R, Wp/16], s f32[R, Wp/16])`: views of the rows in `buffer` (uint8)."""

@@ -15,13 +15,14 @@ buffer; none returns a value. Types say what the bytes are:
 Activations live in one arena per entry point (`tgt.alloc`, placed by `plan-memory`),
 weights are symbols into the artifact's weight file (`tgt.weight`), the KV cache and
 the logits are arguments. Shapes are static except the row count `%n` (tokens in this
-call, ≤ `tgt.max_tokens`); row `t` is at position `%start + t`. The module carries the
+call, ≤ `tgt.max_tokens`); row `t` is at position `%positions[t]`. The module carries the
 target (`tgt.target`), set before any phase runs.
 
 ```mlir
 builtin.module attributes {tgt.target = #tgt.target<cpu, "x86_64", "sapphirerapids", ["avx2", "avx512vnni"]>} {
-  func.func @decode(%tokens: memref<1xi32>, %n: index, %start: index, %k_cache: memref<30x3x4096x64xf32>,
-                    %v_cache: memref<30x3x4096x64xf32>, %logits: memref<1x49152xf32>) attributes {...} {
+  func.func @decode(%tokens: memref<1xi32>, %positions: memref<1xi32>, %n: index,
+                    %k_cache: memref<30x3x4096x64xf32>, %v_cache: memref<30x3x4096x64xf32>,
+                    %logits: memref<1x49152xf32>) attributes {...} {
     %x = tgt.alloc offset 0 : memref<1x576xf32>
     %h = tgt.alloc offset 2304 : !tgt.qrows<1x576>
     %wn = tgt.weight @blk.0.attn_norm : !tgt.weight<576, f32, stored>
@@ -32,8 +33,9 @@ builtin.module attributes {tgt.target = #tgt.target<cpu, "x86_64", "sapphirerapi
 ```
 
 A kernel's definition is its ABI: the operands it declares, in order, are the
-arguments of its compiled function (`Kernel.abi`); the tgt interpreter, the CPU call
-sites and the packager all read that one definition.
+arguments of its compiled function (`Kernel.abi`): the CPU call sites and kernel
+signatures are derived from it, the tgt interpreter reads the same named operands, and
+a buffer's type alone says how the packager writes it and how kernels read it.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from xdsl.dialects.builtin import (
     StringAttr,
     SymbolRefAttr,
     UnitAttr,
+    i32,
     i64,
 )
 from xdsl.dialects.utils.enum_attribute import EnumAttribute
@@ -80,6 +83,7 @@ from xdsl.printer import Printer
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
+from llmc.ir import named_operands
 from llmc.ir.formats import FORMATS, Storage
 from llmc.ir.layouts import Layout, qrows_nbytes, weight_nbytes
 
@@ -94,7 +98,7 @@ KV_LAYOUT = "layer,kv_head,position,dim"
 class TargetAttr(ParametrizedAttribute):
     """What the code is for: `#tgt.target<cpu, "x86_64", "sapphirerapids", ["avx2", "avx512vnni", …]>`.
 
-    `kind` is `cpu` (later `cuda`), `arch` the architecture, `name` the CPU (or GPU)
+    `kind` is `cpu` (later `cuda`), `arch` the architecture, `cpu` the CPU (or GPU)
     name, `features` the features that change the passes' choices. Set on the module as
     `tgt.target` before any phase runs; passes choose from it, codegen builds for it.
     """
@@ -215,7 +219,7 @@ class WeightType(ParametrizedAttribute, TypeAttribute):
         dims = _parse_dims(parser)
         parser.parse_punctuation(",")
         pos = parser.pos
-        storage, layout = parser.parse_identifier(), None
+        storage = parser.parse_identifier()
         parser.parse_punctuation(",")
         layout = parser.parse_identifier()
         parser.parse_punctuation(">")
@@ -311,6 +315,13 @@ def per_row(t: Attribute) -> str:
     if isinstance(t, QRowsType):
         return f"!tgt.qrows<?x{t.width}>"
     return str(t)
+
+
+def root(value: SSAValue) -> SSAValue:
+    """The buffer a value is a view of."""
+    while isinstance(value.owner, (ViewOp, SubviewOp)):
+        value = value.owner.source
+    return value
 
 
 def is_quantized(value: SSAValue) -> bool:
@@ -437,23 +448,17 @@ class Kernel(IRDLOperation):
     """A kernel: its declared operands, in order, are the arguments of its function.
 
     `THREADED`: the kernel splits its work among the threads of an entry point (it also
-    receives `tid`, `nth`); otherwise one thread runs it. `WRITES`: the operands it
-    writes. `ROWS`: the operands it reads or writes `rows` rows of, whatever number of
-    rows their buffers hold (so one function serves every entry point).
+    receives `tid`, `nth`); otherwise one thread runs it. `ROWS`: the operands it reads
+    or writes `rows` rows of, whatever number of rows their buffers hold (so one
+    function serves every entry point).
     """
 
     THREADED: ClassVar[bool] = False
-    WRITES: ClassVar[tuple[str, ...]] = ("out",)
     ROWS: ClassVar[tuple[str, ...]] = ("x", "out")
 
     def abi(self) -> list[tuple[str, SSAValue]]:
         """`(name, value)` of every present operand in definition order: the call's arguments."""
-        out = []
-        for name, _ in self.get_irdl_definition().operands:
-            value = getattr(self, name)
-            if value is not None:
-                out.append((name, value))
-        return out
+        return [(name, value) for name, value in named_operands(self).items() if value is not None]
 
     def _fail(self, message: str) -> None:
         raise VerifyException(f"{self.name}: {message}")
@@ -469,11 +474,22 @@ class Kernel(IRDLOperation):
         if not isinstance(t, WeightType) or t.storage is not Storage.F32 or t.shape != (width,):
             self._fail(f"{what} must be !tgt.weight<{width}, f32, stored>, got {t}")
 
-    def _quantized_kernel(self, x: SSAValue) -> None:
-        """An a8 kernel (quantized input) needs an integer weight format and an isa."""
-        if is_quantized(x) and getattr(self, "isa") is None and any(
-                isinstance(v.type, WeightType) and v.type.layout is Layout.SPLIT for _, v in self.abi()):
-            self._fail("a kernel reading quantized rows from split weights needs an isa (run pack)")
+    def _quantized_kernel(self, x: SSAValue, *weights: SSAValue) -> None:
+        """An a8 kernel (quantized input) needs integer weight formats, and in the split layout an isa."""
+        if not is_quantized(x):
+            return
+        for w in weights:
+            t = w.type
+            assert isinstance(t, WeightType)
+            if t.storage.is_float:
+                self._fail(f"quantized rows need an integer weight format, not {t.storage}")
+            if t.layout is Layout.SPLIT and getattr(self, "isa") is None:
+                self._fail("a kernel reading quantized rows from split weights needs an isa (run pack)")
+
+
+def _positions(op: Kernel, positions: SSAValue, rows: int) -> None:
+    if positions.type != memref(rows, element_type=i32):
+        op._fail(f"positions must be memref<{rows}xi32>, got {positions.type}")
 
 
 def _eps_props(eps: float | None) -> dict[str, Attribute]:
@@ -613,7 +629,9 @@ class MatmulOp(Kernel):
             self._fail("'norm' and 'eps' go together")
         if self.norm is not None and is_quantized(self.x):
             self._fail("quantized rows cannot be normalized: the producer of the rows normalizes")
-        self._quantized_kernel(self.x)
+        if self.accumulate is not None and root(self.x) is root(self.out):
+            self._fail("x and out are one buffer: accumulating would overwrite the rows it reads")
+        self._quantized_kernel(self.x, self.weight)
 
 
 @irdl_op_definition
@@ -655,71 +673,70 @@ class SwigluOp(Kernel):
         self._float_weight("norm", self.norm, k)
         if self.norm is not None and is_quantized(self.x):
             self._fail("quantized rows cannot be normalized: the producer of the rows normalizes")
-        self._quantized_kernel(self.x)
+        self._quantized_kernel(self.x, self.gate, self.up)
 
 
 @irdl_op_definition
 class RopeOp(Kernel):
-    """Rotate-half RoPE in place on `x [rows, heads, head_dim]`, row `t` at position `start + t`.
+    """Rotate-half RoPE in place on `x [rows, heads, head_dim]`, row `t` at position `positions[t]`.
 
     ```mlir
-    tgt.rope %q rows %n start %start theta 1.000000e+05 : memref<128x9x64xf32>
+    tgt.rope %q positions %positions rows %n theta 1.000000e+05 : memref<128x9x64xf32>, memref<128xi32>
     ```
     """
 
     name = "tgt.rope"
-    WRITES: ClassVar[tuple[str, ...]] = ("x",)
-    ROWS: ClassVar[tuple[str, ...]] = ("x",)
+    ROWS: ClassVar[tuple[str, ...]] = ("x", "positions")
     x = operand_def(MemRefType)
+    positions = operand_def(MemRefType)
     rows = operand_def(IndexType)
-    start = operand_def(IndexType)
     theta = prop_def(FloatAttr[Float32Type])
-    assembly_format = "$x `rows` $rows `start` $start `theta` $theta attr-dict `:` type($x)"
+    assembly_format = "$x `positions` $positions `rows` $rows `theta` $theta attr-dict `:` type($x) `,` type($positions)"
 
-    def __init__(self, x: SSAValue, rows: SSAValue, start: SSAValue, theta: float):
-        super().__init__(operands=[x, rows, start], properties={"theta": FloatAttr(theta, f32)})
+    def __init__(self, x: SSAValue, positions: SSAValue, rows: SSAValue, theta: float):
+        super().__init__(operands=[x, positions, rows], properties={"theta": FloatAttr(theta, f32)})
 
     def verify_(self) -> None:
         if len(dims(self.x)) != 3 or dims(self.x)[2] % 2:
             self._fail(f"x must be [rows, heads, even head_dim], got {self.x.type}")
+        _positions(self, self.positions, dims(self.x)[0])
 
 
 @irdl_op_definition
 class AttentionOp(Kernel):
-    """Causal GQA of one layer: write `k`, `v` rows at `start..start+n-1` into the layer's
+    """Causal GQA of one layer: write each row `t` of `k`, `v` at position `positions[t]` of the layer's
     cache (`[kv_heads, capacity, head_dim]`, a `tgt.subview` of the KV cache), attend.
 
     With `rope T`, `q` and `k` are rotated first (in place): RoPE and the KV-cache write
     fused into the attention kernel. Writes float or quantized rows `[rows, heads·head_dim]`.
 
     ```mlir
-    tgt.attention %q, %k, %v, %kc, %vc -> %a rows %n start %start rope 1.000000e+05 : memref<128x9x64xf32>, memref<128x3x64xf32>, memref<128x3x64xf32>, memref<3x4096x64xf32>, memref<3x4096x64xf32> -> !tgt.qrows<128x576>
+    tgt.attention %q, %k, %v, %kc, %vc -> %a positions %positions rows %n rope 1.000000e+05 : memref<128x9x64xf32>, memref<128x3x64xf32>, memref<128x3x64xf32>, memref<3x4096x64xf32>, memref<3x4096x64xf32> -> !tgt.qrows<128x576>, memref<128xi32>
     ```
     """
 
     name = "tgt.attention"
     THREADED: ClassVar[bool] = True
-    WRITES: ClassVar[tuple[str, ...]] = ("q", "k", "k_cache", "v_cache", "out")
-    ROWS: ClassVar[tuple[str, ...]] = ("q", "k", "v", "out")
+    ROWS: ClassVar[tuple[str, ...]] = ("q", "k", "v", "out", "positions")
     q = operand_def(MemRefType)
     k = operand_def(MemRefType)
     v = operand_def(MemRefType)
     k_cache = operand_def(MemRefType)
     v_cache = operand_def(MemRefType)
     out = operand_def(Activations)
+    positions = operand_def(MemRefType)
     rows = operand_def(IndexType)
-    start = operand_def(IndexType)
     rope = opt_prop_def(FloatAttr[Float32Type])
     assembly_format = (
-        "$q `,` $k `,` $v `,` $k_cache `,` $v_cache `->` $out `rows` $rows `start` $start "
+        "$q `,` $k `,` $v `,` $k_cache `,` $v_cache `->` $out `positions` $positions `rows` $rows "
         "(`rope` $rope^)? attr-dict `:` type($q) `,` type($k) `,` type($v) `,` type($k_cache) `,` "
-        "type($v_cache) `->` type($out)"
+        "type($v_cache) `->` type($out) `,` type($positions)"
     )
 
     def __init__(self, q: SSAValue, k: SSAValue, v: SSAValue, k_cache: SSAValue, v_cache: SSAValue,
-                 out: SSAValue, rows: SSAValue, start: SSAValue, rope: float | None = None):
+                 out: SSAValue, positions: SSAValue, rows: SSAValue, rope: float | None = None):
         props = {"rope": FloatAttr(rope, f32)} if rope is not None else {}
-        super().__init__(operands=[q, k, v, k_cache, v_cache, out, rows, start], properties=props)
+        super().__init__(operands=[q, k, v, k_cache, v_cache, out, positions, rows], properties=props)
 
     def verify_(self) -> None:
         _, heads, d = dims(self.q)
@@ -733,6 +750,7 @@ class AttentionOp(Kernel):
         self._same("width (q vs out)", heads * d, row_width(self.out))
         if heads % kv_heads:
             self._fail(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
+        _positions(self, self.positions, dims(self.q)[0])
         if is_quantized(self.out) and d % 32:
             self._fail(f"quantized output needs a head dimension that is a multiple of 32, got {d}")
 

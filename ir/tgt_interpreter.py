@@ -38,7 +38,6 @@ class QRows:
     qs: np.ndarray
     d: np.ndarray
     s: np.ndarray
-    width: int
 
     def write(self, rows: np.ndarray) -> None:
         qs, d, s = quantize_rows(rows)
@@ -65,21 +64,21 @@ class KernelWeights:
         key = (name, weight_type)
         if key not in self._prepared:
             storage = weight_type.storage
-            encoded = self.store.encode(name, storage)
-            if isinstance(encoded, QuantizedTensor):
-                if weight_type.layout is Layout.SPLIT:
-                    encoded = unpack_split(pack_split(encoded), storage, encoded.shape)
-                self._prepared[key] = Matrix(encoded.dequantize().reshape(weight_type.shape), encoded)
-            else:
+            if storage.is_float:
                 self._prepared[key] = Matrix(self.store.f32(name, storage))
+            else:
+                quantized = self.store.quantized(name, storage)
+                if weight_type.layout is Layout.SPLIT:  # through the bytes the artifact holds
+                    quantized = unpack_split(pack_split(quantized), storage, quantized.shape)
+                self._prepared[key] = Matrix(quantized.dequantize().reshape(weight_type.shape), quantized)
         return self._prepared[key]
 
 
 class _State:
-    """The arrays of an entry point's values, and this call's row count and start position."""
+    """The arrays of an entry point's values, and this call's row count."""
 
-    def __init__(self, n: int, start: int):
-        self.n, self.start = n, start
+    def __init__(self, n: int):
+        self.n = n
         self.values: dict[SSAValue, object] = {}
 
     def __call__(self, value: SSAValue):
@@ -149,24 +148,21 @@ def _swiglu(op: tgt.SwigluOp, get: _State) -> None:
     _store(get, op.out, silu(_project(get, op, op.gate, get.n)) * _project(get, op, op.up, get.n))
 
 
-def _positions(get: _State) -> np.ndarray:
-    return np.arange(get.start, get.start + get.n, dtype=np.int32)
-
-
 @kernel(tgt.RopeOp)
 def _rope(op: tgt.RopeOp, get: _State) -> None:
     x = get(op.x)
-    x[: get.n] = rope(x[: get.n], _positions(get), op.theta.value.data)
+    x[: get.n] = rope(x[: get.n], get(op.positions)[: get.n], op.theta.value.data)
 
 
 @kernel(tgt.AttentionOp)
 def _attention(op: tgt.AttentionOp, get: _State) -> None:
     q, k, v = get(op.q)[: get.n], get(op.k)[: get.n], get(op.v)[: get.n]
+    positions = get(op.positions)[: get.n]
     if op.rope is not None:
-        q[...] = rope(q, _positions(get), op.rope.value.data)
-        k[...] = rope(k, _positions(get), op.rope.value.data)
+        q[...] = rope(q, positions, op.rope.value.data)
+        k[...] = rope(k, positions, op.rope.value.data)
     cache = KVCache(get(op.k_cache)[None], get(op.v_cache)[None])  # one layer
-    _store(get, op.out, attention(q, k, v, _positions(get), cache, 0))
+    _store(get, op.out, attention(q, k, v, positions, cache, 0))
 
 
 @kernel(tgt.AddOp)
@@ -197,22 +193,24 @@ def _buffer(arena: np.ndarray, alloc: tgt.AllocOp) -> np.ndarray | QRows:
     if isinstance(t, MemRefType):
         return arena[offset : offset + alloc.nbytes].view(np.float32).reshape(tgt.dims(alloc.result))
     assert isinstance(t, tgt.QRowsType)
-    return QRows(*QRowLayout(t.width).views(arena[offset : offset + alloc.nbytes], t.rows), t.width)
+    return QRows(*QRowLayout(t.width).views(arena[offset : offset + alloc.nbytes], t.rows))
 
 
 def run_entry(function: func.FuncOp, weights: KernelWeights, tokens: np.ndarray, start: int,
               cache: KVCache) -> np.ndarray:
     """Run one entry point on `tokens` at positions `start..`; returns its logits `[rows, vocab]`."""
-    tokens_arg, n_arg, start_arg, k_arg, v_arg, logits_arg = function.body.block.args
+    tokens_arg, positions_arg, n_arg, k_arg, v_arg, logits_arg = function.body.block.args
     arena = np.zeros(arena_bytes(function), np.uint8)
-    state = _State(len(tokens), start)
+    n = len(tokens)
+    state = _State(n)
     capacity = tgt.dims(tokens_arg)[0]
-    if not 1 <= len(tokens) <= capacity:
-        raise ValueError(f"@{function.sym_name.data} takes 1..{capacity} tokens, got {len(tokens)}")
-    padded = np.zeros(capacity, np.int32)
-    padded[: len(tokens)] = tokens
+    if not 1 <= n <= capacity:
+        raise ValueError(f"@{function.sym_name.data} takes 1..{capacity} tokens, got {n}")
+    ids, positions = np.zeros(capacity, np.int32), np.zeros(capacity, np.int32)
+    ids[:n], positions[:n] = tokens, np.arange(start, start + n)
     logits = np.zeros(tgt.dims(logits_arg), np.float32)
-    state.values |= {tokens_arg: padded, k_arg: cache.keys, v_arg: cache.values, logits_arg: logits}
+    state.values |= {tokens_arg: ids, positions_arg: positions, k_arg: cache.keys, v_arg: cache.values,
+                     logits_arg: logits}
     for op in function.body.block.ops:
         if isinstance(op, tgt.AllocOp):
             state.values[op.result] = _buffer(arena, op)

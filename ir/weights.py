@@ -104,10 +104,11 @@ class WeightStore(Mapping[str, Weight]):
         storage = storage or weight.storage
         key = (name, storage)
         if key not in self._f32:
-            if storage is weight.storage:
-                self._f32[key] = weight.to_f32()
+            if storage.is_float:
+                encoded = weight.rows() if storage is weight.storage else weight.encode(storage)
+                self._f32[key] = decoded_f32(encoded, storage, weight.shape)
             else:
-                self._f32[key] = decoded_f32(weight.encode(storage), storage, weight.shape)
+                self._f32[key] = self.quantized(name, storage).dequantize().reshape(weight.shape)
         return self._f32[key]
 
     def __getitem__(self, name: str) -> Weight:

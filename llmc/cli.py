@@ -103,6 +103,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _compile_options_given(args: argparse.Namespace) -> bool:
+    return bool(args.quant or args.quant_output or args.requantize or args.compute != "auto" or args.cpu != "native"
+                or args.max_seq or args.prefill_chunk or args.no_group)
+
+
 def cmd_perplexity(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -120,9 +125,15 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 
         def session_of(spec: str, name: str) -> Session:
             path = Path(spec)
-            if not (path.is_dir() and (path / MANIFEST).exists()):
-                from llmc.compile import BackendOptions, compile_model
-
+            if path.is_dir() and (path / MANIFEST).exists():
+                if _compile_options_given(args):
+                    _progress(f"note: {spec} is an artifact; the compile options do not apply to it")
+            else:
+                try:
+                    from llmc.compile import BackendOptions, compile_model
+                except ImportError as e:
+                    raise UsageError(f"{spec} is not an artifact directory, and compiling it needs the compiler "
+                                     f"({e.name} is not installed)") from e
                 _progress(f"compiling {spec} (--ctx {args.ctx})")
                 options = replace(compile_options(args), max_seq=max(args.ctx, args.max_seq or 0),
                                   prefill_chunk=args.prefill_chunk or min(128, args.ctx))
@@ -132,6 +143,9 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 
         session = session_of(args.model, "model")
         base = session_of(args.kl_base, "base") if args.kl_base else None
+        if base is not None and base.vocab_size != session.vocab_size:
+            raise UsageError(f"--kl-base has a vocabulary of {base.vocab_size}, the model {session.vocab_size}: "
+                             f"KL divergence needs the same vocabulary")
         codec = TextCodec.from_artifact(session.manifest)
         chunks = chunk_tokens(codec.encode(text), args.ctx, args.chunks, codec.bos_id, codec.add_bos)
         _progress(f"{sum(c.size for c in chunks)} tokens in {len(chunks)} chunks of {args.ctx}")
@@ -171,27 +185,19 @@ def _non_negative(text: str) -> int:
     return value
 
 
-QUANT_TYPES = "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, int4-g32, int4-g64, int4-g128"
-
-
-def _storage_name(text: str) -> str:
-    from llmc.ir.formats import Storage
-
-    try:
-        Storage.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+# the storage types of `llmc.ir.formats.Storage` (not imported here: `llmc run` needs no compiler)
+QUANT_TYPES = ("f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, int4-g32, int4-g64, int4-g128, "
+               "int4-g256")
 
 
 def _add_quant_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu", default="native", metavar="NAME",
                    help="CPU to generate code for: 'native' (this machine) or a CPU name such as x86-64-v3, "
                         "sapphirerapids, znver4")
-    p.add_argument("--quant", metavar="TYPE", type=_storage_name,
+    p.add_argument("--quant", metavar="TYPE",
                    help=f"storage of the matmul weights ({QUANT_TYPES}); applies to float tensors, and to "
                         "quantized ones with --requantize (default: the model's own types)")
-    p.add_argument("--quant-output", metavar="TYPE", type=_storage_name,
+    p.add_argument("--quant-output", metavar="TYPE",
                    help="storage of the token embedding and the LM head (default: --quant, but not below q8_0)")
     p.add_argument("--requantize", action="store_true",
                    help="let --quant convert tensors that the model file already stores quantized")
@@ -215,8 +221,15 @@ def _default_output(model: str) -> Path:
 
 
 def compile_options(args: argparse.Namespace):
+    from llmc.ir.formats import Storage
     from llmc.passes.pipeline import CompileOptions
 
+    for option, value in (("--quant", args.quant), ("--quant-output", args.quant_output)):
+        if value:
+            try:
+                Storage.parse(value)
+            except ValueError as e:
+                raise UsageError(f"{option}: {e}") from None
     return CompileOptions(prefill_chunk=getattr(args, "prefill_chunk", None) or 0,
                           max_seq=getattr(args, "max_seq", None) or 0, group=not getattr(args, "no_group", False),
                           quant=args.quant or "", quant_output=args.quant_output or "", requantize=args.requantize,
@@ -311,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Parse an .mlir file of llmc's dialects, verify it, run passes, print the result.")
     p.add_argument("file", metavar="FILE.mlir", help="IR text to read ('-' for stdin)")
     p.add_argument("-p", "--passes", metavar="PASS,PASS",
-                   help="comma-separated passes to run in order (verify, canonicalize, dce)")
+                   help="comma-separated passes to run in order (verify, canonicalize, dce, quantize, split, "
+                        "group, lower, pack, plan-memory)")
     _add_dump_options(p, to_directory=False)
     p.add_argument("-o", "--output", metavar="FILE", help="write the IR to FILE instead of stdout")
     p.add_argument("--generic", action="store_true", help="print the generic op form instead of the custom one")

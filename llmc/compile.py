@@ -1,17 +1,17 @@
 """The compiler driver: model → phases → (IR | artifact), with a progress line per phase.
 
-    compile_model("smollm2-135m", Path("out"), CompileOptions(prefill_chunk=64))
+    compile_model("smollm2-135m", Path("out"), CompileOptions(), BackendOptions())
 
 prints
 
-    import      0.06 s
-    optimize    0.31 s
-    quantize    0.02 s   q4_1 ×210, f32 ×61, q8_0 ×1; a8 ×181
-    split       0.22 s   prefill chunk 64, KV capacity 4096
-    group       0.05 s
-    lower       0.42 s   arena: prefill 3.4 MB, prefill_kv 3.4 MB, decode 0.1 MB
-    codegen     1.95 s   kernels-3f2a….so (cpu rocketlake, a8 on vnni512)
-    package     2.10 s   out (weights.bin 96.6 MB)
+    import       0.03 s
+    optimize     0.06 s
+    quantize     0.03 s   q4_1 ×210, f32 ×61, q8_0 ×1; a8 ×211
+    split        0.08 s   prefill chunk 128, KV capacity 4096
+    group        0.05 s
+    lower        0.36 s   arena: prefill 0.9 MB, prefill_kv 0.9 MB, decode 0.0 MB, score 0.9 MB
+    codegen      3.95 s   kernels-7c9932fe2d970007.so (cpu rocketlake, a8 on vnni512)
+    package      0.60 s   out (weights.bin 96.6 MB, 97.0 MB with kernels and manifest)
 """
 
 from __future__ import annotations

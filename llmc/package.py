@@ -21,15 +21,13 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import IntegerAttr, ModuleOp, StringAttr
 
 from llmc import __version__
-from llmc.backends.cpu.codegen import entry_symbol
+from llmc.backends.cpu.codegen import entry_arguments, entry_symbol
 from llmc.errors import UsageError
 from llmc.frontend.model import Model
 from llmc.ir import tgt
 from llmc.ir.formats import FORMATS, QuantizedTensor
-from llmc.ir.layouts import Layout, pack_split
-from llmc.runtime.artifact import ENTRY_ARGUMENTS, MANIFEST, SCHEMA_VERSION, sha256_file
-
-ALIGN = 64
+from llmc.ir.layouts import Layout, align, pack_split
+from llmc.runtime.artifact import MANIFEST, SCHEMA_VERSION, sha256_file
 
 
 @dataclass(frozen=True)
@@ -56,7 +54,7 @@ def weight_layout(module: ModuleOp) -> WeightLayout:
                                      f"{op.weight_type}; one artifact stores one of them")
                 continue
             entries[op.sym_name] = (size, op.weight_type)
-            size += -(-op.weight_type.nbytes // ALIGN) * ALIGN
+            size += align(op.weight_type.nbytes)
     return WeightLayout(entries, size)
 
 
@@ -103,11 +101,11 @@ def write_artifact(directory: Path, module: ModuleOp, model: Model, kernels: Pat
             continue
         stage = function.attributes["llm.stage"]
         assert isinstance(stage, StringAttr)
-        tokens, _, _, k_cache, _, logits = function.body.block.args
+        tokens, _, _, k_cache, _, logits = function.body.block.args  # passes.lower.ENTRY_ARGUMENTS
         kv_shape = list(tgt.dims(k_cache))
         entry_points[stage.data] = {
             "symbol": entry_symbol(stage.data),
-            "arguments": list(ENTRY_ARGUMENTS),
+            "arguments": entry_arguments(function),
             "max_tokens": tgt.dims(tokens)[0],
             "arena_bytes": _int(function.attributes["tgt.arena_bytes"]),
             "logits": list(tgt.dims(logits)),

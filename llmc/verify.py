@@ -41,8 +41,11 @@ from pathlib import Path
 
 import numpy as np
 
+from llmc.runtime.perplexity import kl_divergence, log_softmax
+
 A8_ACTIVATIONS = 0.99
 REQUANTIZED = {8: 0.999, 6: 0.99, 5: 0.99, 4: 0.97}  # by the fewest code bits of a requantized weight
+BF16 = 0.9995  # weights rounded to bf16 (8 mantissa bits); f16's 11 bits keep the fp32 bound
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ class Agreement:
         return cls(
             cosine=min_cosine(a, b),
             max_abs_error=float(np.abs(a - b).max()),
-            kl=float(kl_divergence(b, a).mean()),
+            kl=float(kl_divergence(log_softmax(b), log_softmax(a)).mean()),
             top1_agree=int((a.argmax(-1) == b.argmax(-1)).sum()),
             positions=a.shape[0],
         )
@@ -76,18 +79,6 @@ class Agreement:
 def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
     norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
     return float((np.sum(a * b, axis=-1) / np.maximum(norms, 1e-30)).min())
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
-def kl_divergence(reference: np.ndarray, logits: np.ndarray) -> np.ndarray:
-    """KL(reference ‖ logits) of each row's next-token distribution (nats)."""
-    p_log = log_softmax(reference)
-    return np.sum(np.exp(p_log) * (p_log - log_softmax(logits)), axis=-1)
 
 
 @dataclass(frozen=True)
@@ -132,15 +123,18 @@ def teacher_forced(feed: Callable[[list[int], int], np.ndarray], tokens: list[in
 def quantize_tolerance(module, model, fp32_tolerance: float) -> tuple[float, str]:
     """The tolerance of the quantize stage against fp32, from what `quantize` chose."""
     from llmc.ir import llm
-    from llmc.ir.formats import FORMATS
+    from llmc.ir.formats import FORMATS, Storage
 
     tolerance, why = fp32_tolerance, []
     a8 = any(isinstance(op, (llm.MatmulOp, llm.LogitsOp)) and op.mode is llm.Compute.A8 for op in module.walk())
     if a8:
         tolerance, why = min(tolerance, A8_ACTIVATIONS), ["a8 activations"]
-    bits = [FORMATS[op.storage.data].bits for op in module.walk()
-            if isinstance(op, llm.WeightOp) and op.storage.data is not model.weights[op.sym_name].storage
-            and not op.storage.data.is_float]
+    changed = [op.storage.data for op in module.walk()
+               if isinstance(op, llm.WeightOp) and op.storage.data is not model.weights[op.sym_name].storage]
+    if Storage.BF16 in changed:
+        tolerance = min(tolerance, BF16)
+        why.append("weights rounded to bf16")
+    bits = [FORMATS[s].bits for s in changed if not s.is_float]
     if bits:
         tolerance = min(tolerance, REQUANTIZED[min(bits)])
         why.append(f"weights requantized to {min(bits)} bits")
@@ -165,10 +159,13 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
 
     if not 0.0 < tolerance <= 1.0:
         raise UsageError(f"--tolerance must be in (0, 1], got {tolerance}")
-    if artifact is not None:  # rebuild the stages the artifact was compiled with
-        built = load_manifest(artifact).data["compile_options"]
+    backend = BackendOptions(cpu=cpu)
+    target = target_attr(backend)
+    if artifact is not None:  # rebuild the stages the artifact was compiled with, for the CPU it was built for
+        manifest = load_manifest(artifact).data
+        built = manifest["compile_options"]
         options = CompileOptions(**{k: built[k] for k in CompileOptions.__dataclass_fields__ if k in built})
-        cpu = built.get("cpu", cpu)
+        target = tgt.TargetAttr("cpu", target.arch.data, manifest["cpu"]["name"], manifest["cpu"]["features"])
     model = load_model(spec, allow_pickle)
     tokens = model.tokenizer.encode(prompt)
     if not tokens:
@@ -180,9 +177,8 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
     reference = reference_logits(model.source, tokens)
     progress(f"reference computed in {time.perf_counter() - start:.1f} s")
 
-    backend = BackendOptions(cpu=cpu)
     module = import_model(model)
-    module.attributes[tgt.TARGET] = target_attr(backend)
+    module.attributes[tgt.TARGET] = target
     max_seq = min(c.context_length, max(64, len(tokens)))
     options = replace(options or CompileOptions(), prefill_chunk=min(128, max_seq), max_seq=max_seq)
     for phase in ("import", "optimize"):

@@ -83,6 +83,15 @@ def fuse_rope(block: Block, attention: llm.AttentionOp) -> None:
     _replace(block, attention, fused, q_rope, k_rope)
 
 
+def _views(value: SSAValue) -> set[SSAValue]:
+    """`value` and every value that shares its buffer after lowering (reshapes, last_token)."""
+    out = {value}
+    for op in users(value):
+        if isinstance(op, (llm.ReshapeOp, llm.LastTokenOp)):
+            out |= _views(op.result)
+    return out
+
+
 def fuse_residual(block: Block, add: llm.AddOp, index: dict[Operation, int]) -> None:
     for residual, update in ((add.lhs, add.rhs), (add.rhs, add.lhs)):
         matmul = update.owner
@@ -91,9 +100,12 @@ def fuse_residual(block: Block, add: llm.AddOp, index: dict[Operation, int]) -> 
         source = residual.owner
         if not isinstance(source, Operation) or isinstance(source, llm.WeightOp):
             continue  # a function argument or a weight cannot be updated in place
-        others = [u for u in users(residual) if u is not add]
-        if any(index[u] > index[add] or isinstance(u, llm.ReshapeOp) for u in others):
-            continue  # read after the add, or through a view: the in-place update would change it
+        shared = _views(residual)
+        if matmul.input in shared:
+            continue  # the matmul would overwrite the rows it reads (a parallel-residual block)
+        readers = [u for v in shared for u in users(v) if u is not add and u.results[0] not in shared]
+        if any(index[u] > index[add] for u in readers):
+            continue  # read after the add: the in-place update would change what it reads
         fused = llm.MatmulOp(matmul.input, matmul.weight, matmul.bias, residual=residual, compute=matmul.mode)
         index[fused] = index[add]
         _replace(block, add, fused, matmul)
@@ -148,13 +160,13 @@ def group_function(function: func.FuncOp) -> None:
     for op in list(block.ops):
         if isinstance(op, llm.AttentionOp):
             fuse_rope(block, op)
+    for op in list(block.ops):  # before residuals: a fused norm reads its input where the norm stood
+        if isinstance(op, llm.RMSNormOp):
+            fuse_norm(block, op)
     index = {op: i for i, op in enumerate(block.ops)}
     for op in list(block.ops):
         if isinstance(op, llm.AddOp):
             fuse_residual(block, op, index)
-    for op in list(block.ops):
-        if isinstance(op, llm.RMSNormOp):
-            fuse_norm(block, op)
 
 
 @dataclass(frozen=True)

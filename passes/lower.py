@@ -4,8 +4,8 @@ Each `llm` value gets a buffer (`tgt.alloc`, placed later by `plan-memory`) size
 the entry point's largest chunk: float rows, or quantized rows when every reader is an
 `a8` projection and the producing kernel can quantize its output (RMSNorm, SwiGLU,
 attention); an `a8` reader of float rows gets them through one `tgt.quantize`.
-Reshapes become views; the token positions become `%start` (chunks are consecutive);
-the KV cache becomes `%k_cache` / `%v_cache` in the layout `tgt.kv_layout`, one
+Reshapes become views; the token positions become `%positions`, one per row; the KV
+cache becomes `%k_cache` / `%v_cache` in the layout `tgt.kv_layout`, one
 `tgt.subview` per layer; logits are written to the `%logits` argument. Weights keep
 the storage `quantize` chose, in the `stored` layout (`pack` chooses the target's).
 
@@ -52,7 +52,7 @@ class _Lowering:
     block: Block
     rows: int
     n: SSAValue
-    start: SSAValue
+    positions: SSAValue
     k_cache: SSAValue
     v_cache: SSAValue
     logits: SSAValue
@@ -190,7 +190,7 @@ def _rope(lo: _Lowering, op: llm.RopeOp) -> None:
     if single_user(op.input) is not op:
         raise LlmcError(f"lower: the input of {op.name} has other users; in-place RoPE would change them")
     lo.buffers[op.result] = lo.buffers[op.input]
-    lo.emit(tgt.RopeOp(lo.buffers[op.input], lo.n, lo.start, op.theta.value.data))
+    lo.emit(tgt.RopeOp(lo.buffers[op.input], lo.positions, lo.n, op.theta.value.data))
 
 
 @lowering(llm.AttentionOp)
@@ -202,7 +202,7 @@ def _attention(lo: _Lowering, op: llm.AttentionOp) -> None:
     out = lo.out(op.result, can_quantize=head_dim is not None and head_dim % 32 == 0)
     rope = op.rope.value.data if op.rope is not None else None
     lo.emit(tgt.AttentionOp(lo.buffers[op.query], lo.buffers[op.key], lo.buffers[op.value], k_cache, v_cache, out,
-                            lo.n, lo.start, rope))
+                            lo.positions, lo.n, rope))
 
 
 @lowering(llm.LastTokenOp)
@@ -227,25 +227,30 @@ def _return(lo: _Lowering, op: func.ReturnOp) -> None:
     lo.emit(func.ReturnOp())
 
 
+# the arguments of every lowered entry point, in order
+ENTRY_ARGUMENTS = ("tokens", "positions", "n", "k_cache", "v_cache", "logits")
+
+
 def lower_function(function: func.FuncOp) -> func.FuncOp:
     stage = function.attributes["llm.stage"]
     max_tokens = function.attributes["llm.max_tokens"]
     assert isinstance(max_tokens, IntegerAttr)
     rows = max_tokens.value.data
-    tokens_arg, _, kv_arg = function.body.block.args
+    tokens_arg, positions_arg, kv_arg = function.body.block.args
     kv = kv_arg.type
     assert isinstance(kv, llm.KVCacheType)
     (logits_type,) = function.function_type.outputs.data
     cache = tgt.memref(*kv.shape)
+    ids = tgt.memref(rows, element_type=i32)
     block = Block(arg_types=[
-        tgt.memref(rows, element_type=i32), IndexType(), IndexType(), cache, cache,
-        tgt.memref(*(d if d is not None else rows for d in llm.shape_of(logits_type))),
+        ids, ids, IndexType(), cache, cache, tgt.memref(*(d if d is not None else rows for d in llm.shape_of(logits_type))),
     ])
-    for arg, name in zip(block.args, ("tokens", "n", "start", "k_cache", "v_cache", "logits")):
+    for arg, name in zip(block.args, ENTRY_ARGUMENTS):
         arg.name_hint = name
-    tokens, n, start, k_cache, v_cache, logits = block.args
-    lo = _Lowering(block, rows, n, start, k_cache, v_cache, logits)
+    tokens, positions, n, k_cache, v_cache, logits = block.args
+    lo = _Lowering(block, rows, n, positions, k_cache, v_cache, logits)
     lo.buffers[tokens_arg] = tokens
+    lo.buffers[positions_arg] = positions
     for op in function.body.block.ops:
         lower_op = _LOWERINGS.get(type(op))
         if lower_op is None:

@@ -31,7 +31,7 @@ from llmc.passes.quantize import module_target
 @dataclass(frozen=True)
 class PackPass(LlmcPass):
     name = "pack"
-    requires_phase = "group"
+    requires_phase = "split"
 
     def run(self, ctx: Context, module: ModuleOp) -> None:
         target = module_target(module)

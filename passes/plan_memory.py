@@ -19,18 +19,10 @@ from dataclasses import dataclass
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import IntegerAttr, ModuleOp, i64
-from xdsl.ir import SSAValue
 
 from llmc.ir import tgt
+from llmc.ir.layouts import align
 from llmc.passes.base import LlmcPass
-
-ALIGN = 64
-
-
-def _root(value: SSAValue) -> SSAValue:
-    while isinstance(value.owner, tgt.ViewOp):
-        value = value.owner.source
-    return value
 
 
 def lifetimes(function: func.FuncOp) -> dict[tgt.AllocOp, tuple[int, int]]:
@@ -40,7 +32,7 @@ def lifetimes(function: func.FuncOp) -> dict[tgt.AllocOp, tuple[int, int]]:
         if isinstance(op, (tgt.AllocOp, tgt.ViewOp, tgt.SubviewOp, tgt.WeightOp)):
             continue
         for operand in op.operands:
-            alloc = _root(operand).owner
+            alloc = tgt.root(operand).owner
             if isinstance(alloc, tgt.AllocOp):
                 first, _ = spans.get(alloc, (index, index))
                 spans[alloc] = (first, index)
@@ -53,7 +45,7 @@ def plan(function: func.FuncOp) -> int:
     size = 0
     spans = lifetimes(function)
     for alloc, (first, last) in sorted(spans.items(), key=lambda item: item[1][0]):
-        nbytes = -(-alloc.nbytes // ALIGN) * ALIGN
+        nbytes = align(alloc.nbytes)
         busy = sorted((o, e) for o, e, f, l in placed if not (l < first or last < f))
         offset = 0
         for o, e in busy:
@@ -73,7 +65,7 @@ def plan(function: func.FuncOp) -> int:
 @dataclass(frozen=True)
 class PlanMemoryPass(LlmcPass):
     name = "plan-memory"
-    requires_phase = "group"
+    requires_phase = "split"
 
     def run(self, ctx: Context, module: ModuleOp) -> None:
         for function in self.functions(module):

@@ -1,8 +1,10 @@
 """`quantize`: choose each weight's storage type and each matmul's compute mode, from the target.
 
 Storage (`llm.weight @w q4_1`): a GGUF file's quantized tensors keep their stored type;
-`--quant T` sets the type of the float tensors (and, with `--requantize`, of quantized
-ones too), round-to-nearest, with a per-tensor policy like llama.cpp's:
+`--quant T` sets the type of the float tensors, round-to-nearest (a float `T` —
+f32, f16, bf16 — applies to quantized tensors too: dequantizing is always allowed; an
+integer `T` requantizes them only with `--requantize`), with a per-tensor policy like
+llama.cpp's:
 
 - vectors (norms, biases) stay f32;
 - the token embedding and the LM head (`token_embd`, `output`) stay at q8_0 or above

@@ -25,8 +25,9 @@ from llmc.errors import LlmcError
 SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
 ENTRY_POINTS = ("prefill", "prefill_kv", "decode", "score")
-# the arguments of every entry point, in order (the compiler writes them into the manifest)
-ENTRY_ARGUMENTS = ("tokens", "n", "start", "k_cache", "v_cache", "logits", "arena", "weights", "tid", "nth", "sync")
+# what the runtime passes for each argument an entry point may name in the manifest
+ARGUMENTS = ("tokens", "positions", "n", "k_cache", "v_cache", "logits", "arena", "weights", "tid", "nth", "sync")
+INTEGER_ARGUMENTS = ("n", "tid", "nth")
 # /proc/cpuinfo flag of each CPU feature a kernel may need
 _CPU_FLAGS = {
     "avx2": "avx2", "fma": "fma", "f16c": "f16c", "bmi2": "bmi2", "avx512f": "avx512f", "avx512bw": "avx512bw",
@@ -100,12 +101,19 @@ def _check_schema(path: Path, data: dict) -> None:
             entry = data["entry_points"][name]
             if entry["symbol"] != f"llmc_{name}":
                 raise ValueError(f"entry point {name} has symbol {entry['symbol']!r}")
-            if tuple(entry["arguments"]) != ENTRY_ARGUMENTS:
-                raise ValueError(f"entry point {name} takes arguments {entry['arguments']!r}, "
-                                 f"this runtime passes {list(ENTRY_ARGUMENTS)}")
+            arguments = entry["arguments"]
+            if not (isinstance(arguments, list) and sorted(arguments) == sorted(ARGUMENTS)):
+                raise ValueError(f"entry point {name} takes arguments {arguments!r}; this runtime passes "
+                                 f"{', '.join(ARGUMENTS)}")
+            rows = entry["max_tokens"] if name == "score" else 1
+            if entry["logits"] != [rows, data["model"]["vocab_size"]]:
+                raise ValueError(f"entry point {name} writes logits {entry['logits']!r}, not {rows} x vocabulary")
             if not (positive_ints([entry["max_tokens"]]) and type(entry["arena_bytes"]) is int
                     and 0 <= entry["arena_bytes"] < _MAX_BYTES):
                 raise ValueError(f"entry point {name} has malformed sizes")
+        chunks = {data["entry_points"][name]["max_tokens"] for name in ("prefill", "prefill_kv", "score")}
+        if len(chunks) != 1 or data["entry_points"]["decode"]["max_tokens"] != 1:
+            raise ValueError("entry points disagree on the prefill chunk (prefill, prefill_kv, score) or decode's 1 token")
         if not positive_ints(data["kv_cache"]["shape"], 4):
             raise ValueError("kv_cache.shape must be four positive integers")
         if not positive_ints([data["model"]["vocab_size"]]):

@@ -8,8 +8,8 @@ estimate is `exp(mean NLL)` with the standard error of the mean NLL, times the
 perplexity. With a base session, the same positions give the mean KL divergence
 `KL(base ‖ this)`, the share of positions whose top token agrees, and both perplexities.
 
-    result = perplexity(session, tokens, ctx=512, progress=print)
-    print(result.report())
+    chunks = chunk_tokens(codec.encode(text), 512, None, codec.bos_id, codec.add_bos)
+    print(perplexity(session, chunks, base=None, progress=print).report())
 """
 
 from __future__ import annotations
@@ -24,10 +24,16 @@ from llmc.errors import LlmcError
 from llmc.runtime.session import Session
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities of each row's next-token distribution, in float64."""
     x = logits.astype(np.float64)
     x = x - x.max(axis=-1, keepdims=True)
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def kl_divergence(p_log: np.ndarray, q_log: np.ndarray) -> np.ndarray:
+    """KL(p ‖ q) per row, from log-probabilities (nats)."""
+    return np.sum(np.exp(p_log) * (p_log - q_log), axis=-1)
 
 
 def _mean_and_error(values: np.ndarray) -> tuple[float, float]:
@@ -96,7 +102,7 @@ def _scored(session: Session, chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray
     session.reset()
     logits = session.score(chunk)
     first = chunk.size // 2
-    return _log_softmax(logits[first:-1]), chunk[first + 1 :]
+    return log_softmax(logits[first:-1]), chunk[first + 1 :]
 
 
 def perplexity(session: Session, chunks: list[np.ndarray], base: Session | None = None,
@@ -115,7 +121,7 @@ def perplexity(session: Session, chunks: list[np.ndarray], base: Session | None 
         if base is not None:
             base_logp, _ = _scored(base, chunk)
             result.base_nll.append(-base_logp[rows, targets])
-            result.kl.append(np.sum(np.exp(base_logp) * (base_logp - logp), axis=-1))
+            result.kl.append(kl_divergence(base_logp, logp))
             result.same_top.append(logp.argmax(-1) == base_logp.argmax(-1))
         result.chunks = i
         if progress is not None:

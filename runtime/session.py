@@ -20,17 +20,14 @@ import numpy as np
 
 from llmc.errors import LlmcError
 from llmc.runtime.artifact import (
-    ENTRY_ARGUMENTS,
     ENTRY_POINTS,
+    INTEGER_ARGUMENTS,
     ArtifactError,
     Manifest,
     load_manifest,
     load_verified_library,
     missing_cpu_features,
 )
-
-_INTEGER_ARGUMENTS = ("n", "start", "tid", "nth")
-_ENTRY_ARGS = [ctypes.c_int64 if name in _INTEGER_ARGUMENTS else ctypes.c_void_p for name in ENTRY_ARGUMENTS]
 
 
 def default_threads() -> int:
@@ -101,11 +98,13 @@ class Session:
             self.library = load_verified_library(self.manifest, check_files)
         except OSError as e:
             raise ArtifactError(f"{self.manifest.file('kernels')}: cannot load: {e}") from e
-        self.entries = {}
+        self.entries = {}  # entry point → (function, its argument names in order)
         for name in ENTRY_POINTS:
-            fn = getattr(self.library, self.manifest.entry_points[name]["symbol"])
-            fn.argtypes, fn.restype = _ENTRY_ARGS, None
-            self.entries[name] = fn
+            entry = self.manifest.entry_points[name]
+            fn = getattr(self.library, entry["symbol"])
+            fn.argtypes = [ctypes.c_int64 if a in INTEGER_ARGUMENTS else ctypes.c_void_p for a in entry["arguments"]]
+            fn.restype = None
+            self.entries[name] = (fn, entry["arguments"])
         kv = self.manifest.kv_cache
         self.capacity = kv["shape"][2]
         self.k_cache = np.zeros(kv["shape"], np.float32)
@@ -113,8 +112,10 @@ class Session:
         self.arena = np.zeros(max(e["arena_bytes"] for e in self.manifest.entry_points.values()) + 64, np.uint8)
         self.vocab_size = self.manifest.model["vocab_size"]
         self.chunk = self.manifest.entry_points["prefill"]["max_tokens"]
-        self.logits = np.zeros((self.chunk, self.vocab_size), np.float32)
+        self.logits = np.zeros(self.manifest.entry_points["decode"]["logits"], np.float32)
+        self._all_logits: np.ndarray | None = None  # `score`'s rows, allocated when first scored
         self.tokens = np.zeros(self.chunk, np.int32)
+        self.positions = np.zeros(self.chunk, np.int32)
         self.position = 0
         self.threads = threads or default_threads()
         if self.threads < 1:
@@ -130,15 +131,17 @@ class Session:
         """Forget the conversation (the cache rows are overwritten as new tokens arrive)."""
         self.position = 0
 
-    def _call(self, entry: str, tokens: np.ndarray) -> None:
+    def _call(self, entry: str, tokens: np.ndarray, logits: np.ndarray) -> None:
         n = len(tokens)
         self.tokens[:n] = tokens
-        fn, threads = self.entries[entry], self.threads
-        buffers = {"tokens": _ptr(self.tokens), "n": n, "start": self.position, "k_cache": _ptr(self.k_cache),
-                   "v_cache": _ptr(self.v_cache), "logits": _ptr(self.logits), "arena": _ptr(self.arena),
-                   "weights": self.weights.ctypes.data, "nth": threads, "sync": _ptr(self.sync)}
-        args = [buffers.get(name) for name in ENTRY_ARGUMENTS]
-        tid_at = ENTRY_ARGUMENTS.index("tid")
+        self.positions[:n] = np.arange(self.position, self.position + n)
+        (fn, names), threads = self.entries[entry], self.threads
+        buffers = {"tokens": _ptr(self.tokens), "positions": _ptr(self.positions), "n": n,
+                   "k_cache": _ptr(self.k_cache), "v_cache": _ptr(self.v_cache), "logits": _ptr(logits),
+                   "arena": _ptr(self.arena), "weights": self.weights.ctypes.data, "nth": threads,
+                   "sync": _ptr(self.sync)}
+        args = [buffers.get(name) for name in names]
+        tid_at = names.index("tid")
 
         def run(tid: int) -> None:
             mine = list(args)
@@ -164,19 +167,22 @@ class Session:
         tokens = np.asarray(tokens, dtype=np.int32)
         self._check(tokens)
         if tokens.size == 1 and self.position > 0:
-            self._call("decode", tokens)
+            self._call("decode", tokens, self.logits)
         else:
             for begin in range(0, tokens.size, self.chunk):
-                self._call("prefill" if self.position == 0 else "prefill_kv", tokens[begin : begin + self.chunk])
+                entry = "prefill" if self.position == 0 else "prefill_kv"
+                self._call(entry, tokens[begin : begin + self.chunk], self.logits)
         return self.logits[0].copy()
 
     def score(self, tokens: list[int] | np.ndarray) -> np.ndarray:
         """Run `tokens` after the ones already fed; returns every token's logits `[T, vocab]`."""
         tokens = np.asarray(tokens, dtype=np.int32)
         self._check(tokens)
+        if self._all_logits is None:
+            self._all_logits = np.zeros(self.manifest.entry_points["score"]["logits"], np.float32)
         out = np.empty((tokens.size, self.vocab_size), np.float32)
         for begin in range(0, tokens.size, self.chunk):
             chunk = tokens[begin : begin + self.chunk]
-            self._call("score", chunk)
-            out[begin : begin + chunk.size] = self.logits[: chunk.size]
+            self._call("score", chunk, self._all_logits)
+            out[begin : begin + chunk.size] = self._all_logits[: chunk.size]
         return out

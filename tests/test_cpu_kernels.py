@@ -120,7 +120,7 @@ def qrows_of(x: np.ndarray, capacity: int) -> tuple[np.ndarray, QRows]:
     views = QRowLayout(width).views(buf, capacity)
     for view, values in zip(views, quantize_rows(x)):
         view[: x.shape[0]] = values
-    return buf, QRows(*views, width)
+    return buf, QRows(*views)
 
 
 def read_qrows(buf: np.ndarray, capacity: int, width: int, rows: int) -> tuple[np.ndarray, ...]:
@@ -357,7 +357,8 @@ def test_matmul_a8_equals_the_integer_reference(tmp_path, tm, storage):
                 assert not out[ref.shape[0]:].any()
 
 
-def swiglu_op(has_norm=False, isa=None):
+def swiglu_op(isa=None):
+    """A swiglu op; a sixth block argument, when given, is its norm weight."""
     def make(x, g, u, out, n, *norm):
         op = tgt.SwigluOp(x, g, u, out, n, norm=norm[0] if norm else None, eps=1e-6 if norm else None)
         if isa is not None:
@@ -374,7 +375,7 @@ def test_swiglu(tmp_path, tm, has_norm, K, N, n):
     x, wg, wu, nw = rand(rng, n, K), rand(rng, N, K, scale=0.3), rand(rng, N, K, scale=0.3), rand(rng, K)
     x[0, :5] *= 40  # large gate values: e**-g far from 1 on both sides
     types = [tgt.memref(n, K), f32_weight(wg), f32_weight(wu), tgt.memref(n, N), IDX] + [f32_weight(nw)] * has_norm
-    k = Kernel(tmp_path, tm, swiglu_op(has_norm), types)
+    k = Kernel(tmp_path, tm, swiglu_op(), types)
     out = np.zeros((n, N), f32)
     k({"x": x, "gate": wg, "up": wu, "out": out, "rows": n, "norm": nw})
     xn = ref_rms_norm(x, nw, 1e-6) if has_norm else x.astype(np.float64)
@@ -412,19 +413,27 @@ def test_swiglu_a8_writes_quantized_rows(tmp_path, tm, storage, N):
 def test_rope(tmp_path, tm, H, D, theta, start):
     rng = np.random.default_rng(3)
     n = 7
-    k = Kernel(tmp_path, tm, lambda x, r, s: tgt.RopeOp(x, r, s, theta), [tgt.memref(n, H, D), IDX, IDX])
+    k = Kernel(tmp_path, tm, lambda x, p, r: tgt.RopeOp(x, p, r, theta),
+               [tgt.memref(n, H, D), tgt.memref(n, element_type=i32), IDX])
     x = rand(rng, n, H, D)
     y = x.copy()
-    k({"x": y, "rows": n, "start": start})
+    k({"x": y, "positions": positions(start, n, n), "rows": n})
     assert_close(y, ref_rope(x, np.arange(start, start + n), theta))
+
+
+def positions(start: int, n: int, capacity: int) -> np.ndarray:
+    """The positions of n consecutive rows from `start`, in a buffer of `capacity` rows."""
+    out = np.zeros(capacity, np.int32)
+    out[:n] = np.arange(start, start + n)
+    return out
 
 
 def attention_kernel(tmp_path, tm, H, KVH, D, S, R, rope, quantized=False):
     out = tgt.QRowsType(R, H * D) if quantized else tgt.memref(R, H, D)
-    return Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, n, s: tgt.AttentionOp(q, k, v, kc, vc, o, n, s,
+    return Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, p, n: tgt.AttentionOp(q, k, v, kc, vc, o, p, n,
                                                                                   10000.0 if rope else None),
                   [tgt.memref(R, H, D), tgt.memref(R, KVH, D), tgt.memref(R, KVH, D), tgt.memref(KVH, S, D),
-                   tgt.memref(KVH, S, D), out, IDX, IDX])
+                   tgt.memref(KVH, S, D), out, tgt.memref(R, element_type=i32), IDX])
 
 
 @pytest.mark.parametrize("rope", [False, True])
@@ -445,7 +454,8 @@ def test_attention(tmp_path, tm, rope, H, KVH, D, S):
         qa, ka, va = (np.zeros_like(a) for a in (q, k, v))
         qa[: hi - lo], ka[: hi - lo], va[: hi - lo] = q[lo:hi], k[lo:hi], v[lo:hi]
         out = np.zeros((total, H, D), f32)
-        k_fn({"q": qa, "k": ka, "v": va, "k_cache": kc, "v_cache": vc, "out": out, "rows": hi - lo, "start": lo})
+        k_fn({"q": qa, "k": ka, "v": va, "k_cache": kc, "v_cache": vc, "out": out,
+              "positions": positions(lo, hi - lo, total), "rows": hi - lo})
         keys, values = kc0.copy(), vc0.copy()
         keys[:, :hi] = kr[:hi].transpose(1, 0, 2)
         values[:, :hi] = v[:hi].transpose(1, 0, 2)
@@ -469,14 +479,16 @@ def test_attention_decode_long_and_capacity(tmp_path, tm):
     q, k, v = rand(rng, 5, H, D, scale=3.0), rand(rng, 5, KVH, D), rand(rng, 5, KVH, D)
     out = np.zeros((5, H, D), f32)
     start = 250
-    k_fn({"q": q, "k": k, "v": v, "k_cache": kc, "v_cache": vc, "out": out, "rows": 1, "start": start})
+    k_fn({"q": q, "k": k, "v": v, "k_cache": kc, "v_cache": vc, "out": out, "positions": positions(start, 1, 5),
+          "rows": 1})
     keys = kc.copy()
     assert_close(out[:1], ref_attention(q[:1], keys, vc, np.array([start])))
     big = np.zeros((5, KVH, D), f32)
     kc_before = kc.copy()
     out5 = np.zeros((5, H, D), f32)
+    outside = np.array([S - 2, S - 1, S, S + 1, -1], np.int32)  # the last three are outside the cache: skipped
     k_fn({"q": rand(rng, 5, H, D), "k": big, "v": big, "k_cache": kc, "v_cache": vc, "out": out5, "rows": 5,
-          "start": S - 2})  # rows at S, S+1, S+2 skipped
+          "positions": outside})
     np.testing.assert_array_equal(kc[:, : S - 2], kc_before[:, : S - 2])
     assert not kc[:, S - 2:].any()
     assert not out5[2:].any()
@@ -498,7 +510,8 @@ def test_attention_writes_quantized_rows(tmp_path, tm, H, KVH, D):
         out = np.full(qrows_nbytes(R, H * D), 0xFF, np.uint8)
         qa, ka, kca, vca = q.copy(), k.copy(), kc.copy(), vc.copy()
         for tid in range(nth):
-            k_fn({"q": qa, "k": ka, "v": v, "k_cache": kca, "v_cache": vca, "out": out, "rows": n, "start": start},
+            k_fn({"q": qa, "k": ka, "v": v, "k_cache": kca, "v_cache": vca, "out": out,
+                  "positions": positions(start, n, R), "rows": n},
                  tid, nth)
         qs, d, _ = read_qrows(out, R, H * D, n)
         rq, rd, _ = quantize_rows(ref.astype(f32))
@@ -565,7 +578,7 @@ def test_threads_share_the_work_exactly(tmp_path, tm, nth):
     x = rand(rng, R, K)
     mm = Kernel(tmp_path, tm, matmul_op(True, True), [tgt.memref(R, K), f32_weight(w), tgt.memref(R, N), IDX,
                                                       f32_weight(bias), f32_weight(nw)])
-    sw = Kernel(tmp_path, tm, swiglu_op(True), [tgt.memref(R, K), f32_weight(w), f32_weight(wu), tgt.memref(R, N),
+    sw = Kernel(tmp_path, tm, swiglu_op(), [tgt.memref(R, K), f32_weight(w), f32_weight(wu), tgt.memref(R, N),
                                                 IDX, f32_weight(nw)])
     qw = FORMATS[Storage.Q4_1].quantize(rand(rng, 96, 256))
     xq, _ = qrows_of(rand(rng, R, 256), R)
@@ -587,7 +600,8 @@ def test_threads_share_the_work_exactly(tmp_path, tm, nth):
         qa, ka, out = q.copy(), kk.copy(), np.zeros((4, H, D), f32)
         kc, vc = np.zeros((KVH, S, D), f32), np.zeros((KVH, S, D), f32)
         for tid, count in shares:
-            att({"q": qa, "k": ka, "v": v, "k_cache": kc, "v_cache": vc, "out": out, "rows": 4, "start": 2},
+            att({"q": qa, "k": ka, "v": v, "k_cache": kc, "v_cache": vc, "out": out,
+                 "positions": positions(2, 4, 4), "rows": 4},
                 tid, count)
         results.append((out, kc, vc, qa))
     for a, b in zip(*results):

@@ -2,11 +2,12 @@
 
 Each entry point becomes
 
-    void llmc_<stage>(i32* tokens, i64 n, i64 start, float* k_cache, float* v_cache,
-                      float* logits, i8* arena, i8* weights, i64 tid, i64 nth, i64* sync)
+    void llmc_<stage>(i8* tokens, i8* positions, i64 n, i8* k_cache, i8* v_cache,
+                      i8* logits, i8* arena, i8* weights, i64 tid, i64 nth, i64* sync)
 
-(`ENTRY_ARGUMENTS`: the function's own arguments, then the arena, the weight file and
-the thread's place), whose body is straight-line calls into the kernels of
+(`entry_arguments`: the `tgt` function's own arguments by name, buffers as `i8*` and
+indices as `i64`, then the arena, the weight file and the thread's place), whose body
+is straight-line calls into the kernels of
 `KernelLibrary`, with every buffer an offset into the arena (from `plan-memory`), into
 the weight file (from the artifact's weight layout) or into the KV cache (a layer's
 `tgt.subview`). `nth` threads call it at once, each with its `tid`: kernels marked
@@ -21,19 +22,30 @@ from collections.abc import Mapping
 
 from llvmlite import ir
 from xdsl.dialects import func
-from xdsl.dialects.builtin import ModuleOp, StringAttr
+from xdsl.dialects.builtin import IndexType, ModuleOp, StringAttr
 from xdsl.ir import SSAValue
 
-from llmc.backends.cpu.builder import FPTR, I32PTR, I64, VOID
+from llmc.backends.cpu.builder import I64, VOID
 from llmc.backends.cpu.kernels import KernelLibrary
 from llmc.backends.cpu.quant import I8PTR
 from llmc.errors import LlmcError
 from llmc.ir import tgt
 from llmc.ir.layouts import Layout
-from llmc.runtime.artifact import ENTRY_ARGUMENTS
 
 I64PTR = I64.as_pointer()
-ENTRY_TYPE = ir.FunctionType(VOID, [I32PTR, I64, I64, FPTR, FPTR, FPTR, I8PTR, I8PTR, I64, I64, I64PTR])
+# after the function's own arguments: what every entry point also takes
+IMPLICIT_ARGUMENTS = (("arena", I8PTR), ("weights", I8PTR), ("tid", I64), ("nth", I64), ("sync", I64PTR))
+
+
+def _entry_parameters(function: func.FuncOp) -> list[tuple[str, ir.Type]]:
+    own = [(arg.name_hint or f"arg{i}", I64 if isinstance(arg.type, IndexType) else I8PTR)
+           for i, arg in enumerate(function.body.block.args)]
+    return own + list(IMPLICIT_ARGUMENTS)
+
+
+def entry_arguments(function: func.FuncOp) -> list[str]:
+    """The argument names of an entry point's exported function, in order (for the manifest)."""
+    return [name for name, _ in _entry_parameters(function)]
 
 
 SPINS_BEFORE_YIELD = 2000
@@ -96,20 +108,15 @@ class _EntryEmitter:
     nothing here knows any kernel's signature.
     """
 
-    def __init__(self, lib: KernelLibrary, fn: ir.Function, weight_offsets: Mapping[str, int], barrier: ir.Function):
+    def __init__(self, lib: KernelLibrary, fn: ir.Function, function: func.FuncOp, weight_offsets: Mapping[str, int],
+                 barrier: ir.Function):
         self.lib = lib
         self.b = ir.IRBuilder(fn.append_basic_block("entry"))
         self.weight_offsets = weight_offsets
         self.barrier = barrier
-        named = dict(zip(ENTRY_ARGUMENTS, fn.args))
-        self.arena, self.weights, self.tid, self.nth, self.sync = (
-            named[k] for k in ("arena", "weights", "tid", "nth", "sync"))
-        self.args = [named[k] for k in ENTRY_ARGUMENTS[:6]]
-        self.values: dict[SSAValue, ir.Value] = {}
-
-    def bind_arguments(self, function: func.FuncOp) -> None:
-        for value, arg in zip(function.body.block.args, self.args, strict=True):
-            self.values[value] = self.b.bitcast(arg, I8PTR) if isinstance(arg.type, ir.PointerType) else arg
+        own = len(function.body.block.args)
+        self.arena, self.weights, self.tid, self.nth, self.sync = fn.args[own:]
+        self.values: dict[SSAValue, ir.Value] = dict(zip(function.body.block.args, fn.args[:own]))
 
     def at(self, base: ir.Value, offset: int) -> ir.Value:
         return self.b.gep(base, [ir.Constant(I64, offset)])
@@ -156,11 +163,11 @@ def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int]) -> tuple[ir
         if not isinstance(stage, StringAttr):
             raise LlmcError(f"cpu codegen: @{function.sym_name.data} is not a lowered entry point")
         symbol = entry_symbol(stage.data)
-        fn = ir.Function(llvm_module, ENTRY_TYPE, name=symbol)
-        for arg, name in zip(fn.args, ENTRY_ARGUMENTS):
+        parameters = _entry_parameters(function)
+        fn = ir.Function(llvm_module, ir.FunctionType(VOID, [t for _, t in parameters]), name=symbol)
+        for arg, (name, _) in zip(fn.args, parameters):
             arg.name = name
-        emitter = _EntryEmitter(lib, fn, weight_offsets, barrier)
-        emitter.bind_arguments(function)
+        emitter = _EntryEmitter(lib, fn, function, weight_offsets, barrier)
         for op in function.body.block.ops:
             emitter.emit(op)
         symbols[stage.data] = symbol

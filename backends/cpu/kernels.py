@@ -5,7 +5,7 @@ function that carries out `op`. Its arguments are the op's operands in definitio
 order (`tgt.Kernel.abi`): every buffer is an `i8*` (float rows, quantized rows, a
 weight), every index an `i64`; kernels that split their work among threads
 (`THREADED`) also take `i64 tid, i64 nth`. Shapes, storage types, layouts, eps and
-theta are baked in as constants; only the row count `rows` and the position `start`
+theta are baked in as constants; only the row count `rows` and the rows' `positions`
 arrive at run time.
 
     module = ir.Module("kernels")
@@ -48,9 +48,9 @@ from llmc.backends.cpu.quant import (
     vec,
 )
 from llmc.ir import tgt
-from llmc.ir.formats import Storage
+from llmc.ir.formats import ACT_BLOCK, GROUP, Storage
 from llmc.ir.interpreter import rope_inv_freq
-from llmc.ir.layouts import GROUP, Layout
+from llmc.ir.layouts import Layout
 
 # matmul register tiles: R rows × C output columns per weight matrix
 TILE_ROWS = 4
@@ -59,7 +59,6 @@ TILE_COLS = {1: 4, 2: 2}
 BLOCK_BYTES = 192 * 1024
 MAX_BLOCK_ROWS = 64
 PREFETCH_BYTES = 4096  # how far ahead the integer kernels prefetch weight codes
-QBLOCK = 32  # values per quantization block of activations
 
 
 def _fmt(value: float) -> str:
@@ -90,6 +89,10 @@ def kernel_name(op: tgt.Kernel) -> str:
         parts.append("a8" if tgt.is_quantized(op.x) else "a32")
         n, k = tgt.dims(op.weight if isinstance(op, tgt.MatmulOp) else op.gate)
         parts.append(f"k{k}_n{n}")
+        flags = {"bias": "bias", "norm": "norm", "accumulate": "acc", "last_row": "last"}
+        parts += [short for name, short in flags.items() if getattr(op, name, None) is not None]
+    if "out" in dict(op.abi()) and tgt.is_quantized(op.out):
+        parts.append("q8")
     return "_".join(parts)
 
 
@@ -98,13 +101,12 @@ class KernelLibrary:
 
     `linkage` is that of every emitted function: "" (external, callable through
     ctypes from the shared library) or "internal" (callable only from functions of the
-    same module, which lets LLVM drop unused ones). `prefix` is prepended to names.
+    same module, which lets LLVM drop unused ones).
     """
 
-    def __init__(self, module: ir.Module, *, linkage: str = "", prefix: str = ""):
+    def __init__(self, module: ir.Module, *, linkage: str = ""):
         self.module = module
         self.linkage = linkage
-        self.prefix = prefix
         self._cache: dict[tuple, ir.Function] = {}
 
     def kernel(self, op: tgt.Kernel) -> ir.Function:
@@ -119,21 +121,20 @@ class KernelLibrary:
                   for name, v in op.abi()]
         if op.THREADED:
             params += [("tid", I64), ("nth", I64)]
-        fn, f = self._new(key, self.prefix + kernel_name(op), params)
+        fn, f = self._new(key, kernel_name(op), params)
         emitter(self, f, op, dict(zip((p for p, _ in params), fn.args)))
         f.finish()
         return fn
 
     def functions(self) -> list[ir.Function]:
-        """Every kernel emitted so far, in emission order (internal helpers left out)."""
-        return [fn for key, fn in self._cache.items() if not str(key[0]).endswith("_impl")]
+        """Every kernel emitted so far, in emission order."""
+        return list(self._cache.values())
 
-    def _new(self, key: tuple, name: str, args: Sequence[tuple[str, ir.Type]],
-             linkage: str | None = None) -> tuple[ir.Function, KernelBuilder]:
+    def _new(self, key: tuple, name: str, args: Sequence[tuple[str, ir.Type]]) -> tuple[ir.Function, KernelBuilder]:
         if name in self.module.globals:
             name = self.module.get_unique_name(name)
         fn = ir.Function(self.module, ir.FunctionType(VOID, [t for _, t in args]), name=name)
-        fn.linkage = self.linkage if linkage is None else linkage
+        fn.linkage = self.linkage
         fn.attributes.add("nounwind")
         for arg, (arg_name, ty) in zip(fn.args, args):
             arg.name = arg_name
@@ -141,9 +142,6 @@ class KernelLibrary:
                 arg.add_attribute("noalias")
         self._cache[key] = fn
         return fn, KernelBuilder(self.module, fn)
-
-    def _cached(self, key: tuple) -> ir.Function | None:
-        return self._cache.get(key)
 
     # shared helpers --------------------------------------------------------------
 
@@ -159,7 +157,7 @@ class KernelLibrary:
         return f.b.fdiv(f.f32(1.0), root)
 
     def inv_freq_table(self, D: int, theta: float) -> ir.Value:
-        name = f"{self.prefix}rope_inv_freq_d{D}_theta{_fmt(theta)}"
+        name = f"rope_inv_freq_d{D}_theta{_fmt(theta)}"
         if name not in self.module.globals:
             values = rope_inv_freq(D, theta)
             ty = ir.ArrayType(F32, len(values))
@@ -242,8 +240,8 @@ def _rms_norm(lib: KernelLibrary, f: KernelBuilder, op: tgt.RMSNormOp, a: dict) 
             f.vec_map(D, [row, w], dst, lambda v: f.fmul(f.fmul(v[0], f.splat(inv, v[0].type)), v[1]), name="k")
         else:
             inv16 = f.splat(inv, vec(F32, 16))
-            with f.loop(0, D // QBLOCK, name="b", unroll=False) as blk:
-                base = f.mul(blk, QBLOCK)
+            with f.loop(0, D // ACT_BLOCK, name="b", unroll=False) as blk:
+                base = f.mul(blk, ACT_BLOCK)
                 v0, v1 = (f.fmul(f.fmul(f.vload(row, f.add(base, o)), inv16), f.vload(w, f.add(base, o)))
                           for o in (0, 16))
                 q.store_block(t, blk, v0, v1)
@@ -257,8 +255,8 @@ def _quantize(lib: KernelLibrary, f: KernelBuilder, op: tgt.QuantizeOp, a: dict)
     q = QRowsAccess(f, a["out"], op.out.type)
     with f.loop(0, a["rows"], name="t") as t:
         row = f.ptr(x, f.mul(t, D))
-        with f.loop(0, D // QBLOCK, name="b", unroll=False) as blk:
-            base = f.mul(blk, QBLOCK)
+        with f.loop(0, D // ACT_BLOCK, name="b", unroll=False) as blk:
+            base = f.mul(blk, ACT_BLOCK)
             q.store_block(t, blk, f.vload(row, base), f.vload(row, f.add(base, 16)))
         q.clear_padding(t)
 
@@ -271,15 +269,14 @@ Finish = Callable[[list[ir.Value], list[ir.Value], list[list[list[ir.Value]]]], 
 class _Rows:
     """The rows a projection reads: float rows (optionally normalized) or quantized rows."""
 
-    def __init__(self, lib: KernelLibrary, f: KernelBuilder, x: ir.Value, x_value, K: int, rows: ir.Value,
-                 norm: ir.Value | None, eps: float, last_row: bool):
+    def __init__(self, f: KernelBuilder, x: ir.Value, x_value, K: int, rows: ir.Value,
+                 norm: ir.Value | None, eps, last_row: bool):
         self.f, self.K = f, K
         self.quantized = tgt.is_quantized(x_value)
         self.first = f.sub(rows, 1) if last_row else f.i64(0)  # the first row read
         self.count = f.i64(1) if last_row else rows
         self.norm = _floats(f, norm) if norm is not None else None
-        self.eps = eps
-        self.lib = lib
+        self.eps = eps.value.data if eps is not None else None  # with the norm
         if self.quantized:
             self.q = QRowsAccess(f, x, x_value.type)
         else:
@@ -456,8 +453,7 @@ def _tile_a8(f: KernelBuilder, rows: _Rows, access: list[SplitWeight], t: ir.Val
 def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> None:
     """out[t, j] (+)= x̂[t] · w[j] (+ bias[j]); `last_row`: only row rows-1, into out row 0."""
     N, K = tgt.dims(op.weight)
-    eps = op.eps.value.data if op.eps is not None else 1e-5
-    rows = _Rows(lib, f, a["x"], op.x, K, a["rows"], a.get("norm"), eps, op.last_row is not None)
+    rows = _Rows(f, a["x"], op.x, K, a["rows"], a.get("norm"), op.eps, op.last_row is not None)
     out = _floats(f, a["out"])
     bias = _floats(f, a["bias"]) if "bias" in a else None
     accumulate = op.accumulate is not None
@@ -485,10 +481,9 @@ def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> 
     the block keeps it in `block` (one tile of rows) and quantizes it when it is full.
     """
     N, K = tgt.dims(op.gate)
-    eps = op.eps.value.data if op.eps is not None else 1e-5
-    rows = _Rows(lib, f, a["x"], op.x, K, a["rows"], a.get("norm"), eps, False)
+    rows = _Rows(f, a["x"], op.x, K, a["rows"], a.get("norm"), op.eps, False)
     q = QRowsAccess(f, a["out"], op.out.type) if tgt.is_quantized(op.out) else None
-    block = f.alloca(F32, TILE_ROWS * QBLOCK, name="block") if q is not None else None
+    block = f.alloca(F32, TILE_ROWS * ACT_BLOCK, name="block") if q is not None else None
     out = _floats(f, a["out"]) if q is None else None
 
     def finish(ts: list[ir.Value], js: list[ir.Value], vals: list[list[list[ir.Value]]]) -> None:
@@ -502,21 +497,21 @@ def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> 
         for i, (ri, ci) in enumerate(cells):
             y = b.fmul(b.extract_element(act, ir.Constant(I32, i)), vals[1][ri][ci])
             if block is not None:
-                f.store(y, block, f.add(f.i64(ri * QBLOCK), b.srem(js[ci], f.i64(QBLOCK))))
+                f.store(y, block, f.add(f.i64(ri * ACT_BLOCK), b.srem(js[ci], f.i64(ACT_BLOCK))))
             else:
                 f.store(y, out, f.add(f.mul(ts[ri], N), js[ci]))
 
     def flush(t: ir.Value, r: int, j0: ir.Value) -> None:
         for ri in range(r):
-            row = f.ptr(block, ri * QBLOCK)
-            q.store_block(f.add(t, ri), f.b.sdiv(j0, f.i64(QBLOCK)), f.vload(row, f.i64(0)), f.vload(row, f.i64(16)))
+            row = f.ptr(block, ri * ACT_BLOCK)
+            q.store_block(f.add(t, ri), f.b.sdiv(j0, f.i64(ACT_BLOCK)), f.vload(row, f.i64(0)), f.vload(row, f.i64(16)))
 
     weights = [(a["gate"], _weight_type(op.gate)), (a["up"], _weight_type(op.up))]
     isa = op.isa.data if op.isa is not None else None
     if q is None:
         _gemm(lib, f, rows, N, weights, finish, a["tid"], a["nth"], isa)
         return
-    _gemm(lib, f, rows, N, weights, finish, a["tid"], a["nth"], isa, unit=QBLOCK, flush=flush)
+    _gemm(lib, f, rows, N, weights, finish, a["tid"], a["nth"], isa, unit=ACT_BLOCK, flush=flush)
     if N % GROUP:
         with f.when(f.b.icmp_signed("==", a["tid"], f.b.sub(a["nth"], f.i64(1)))):
             with f.loop(0, rows.count, name="tp") as t:
@@ -560,13 +555,18 @@ def _rope_apply(f: KernelBuilder, base: ir.Value, heads: int | ir.Value, D: int,
             f.store(b.fadd(b.fmul(x2, c), b.fmul(x1, s)), row, i2)
 
 
+def _position(f: KernelBuilder, positions: ir.Value, t: ir.Value) -> ir.Value:
+    """Row `t`'s position, as an i64."""
+    return f.b.sext(f.load(f.b.bitcast(positions, I32.as_pointer()), t), I64)
+
+
 def _rope(lib: KernelLibrary, f: KernelBuilder, op: tgt.RopeOp, a: dict) -> None:
-    """Rotate-half RoPE in place on x [rows, H, D] at positions start, start+1, …"""
+    """Rotate-half RoPE in place on x [rows, H, D], row t at positions[t]."""
     _, H, D = tgt.dims(op.x)
     x = _floats(f, a["x"])
     cos_t, sin_t, fill = _rope_tables(lib, f, D, op.theta.value.data)
     with f.loop(0, a["rows"], name="t") as t:
-        fill(f.add(a["start"], t))
+        fill(_position(f, a["positions"], t))
         _rope_apply(f, f.ptr(x, f.mul(t, H * D)), H, D, cos_t, sin_t)
 
 
@@ -578,27 +578,32 @@ def _exp_store(f: KernelBuilder, row: ir.Value, s: ir.Value, m: ir.Value) -> ir.
 
 def _attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict) -> None:
     """q [n, H, D], k and v [n, KVH, D]; the layer's caches [KVH, S, D]. With `rope`, q and k
-    are rotated in place first. Rows of k, v go to cache positions start..start+n-1, then
-    each query row t attends causally to positions 0..start+t (GQA: query head h reads kv
-    head h / (H/KVH)); out [n, H·D], float or quantized. Rows whose position would be ≥ S
-    are skipped. Thread `tid` of `nth` handles its share of the kv heads, with their
-    query heads."""
+    are rotated in place first. Row t of k, v goes to cache position positions[t], then
+    each query row t attends causally to positions 0..positions[t] (GQA: query head h
+    reads kv head h / (H/KVH)); out [n, H·D], float or quantized. Rows whose position is
+    outside the cache are skipped. Thread `tid` of `nth` handles its share of the kv
+    heads, with their query heads."""
     _, H, D = tgt.dims(op.q)
     KVH, S, _ = tgt.dims(op.k_cache)
     q, k, v, k_cache, v_cache = (_floats(f, a[name]) for name in ("q", "k", "v", "k_cache", "v_cache"))
-    n, start, tid, nth = a["rows"], a["start"], a["tid"], a["nth"]
+    n, tid, nth = a["rows"], a["tid"], a["nth"]
     quantized = tgt.is_quantized(op.out)
     qout = QRowsAccess(f, a["out"], op.out.type) if quantized else None
     out = None if quantized else _floats(f, a["out"])
     b = f.b
     G = H // KVH
     h_lo, h_hi = f.share(KVH, tid, nth)  # this thread's kv heads
-    rows = f.smin(n, f.smax(f.sub(S, start), 0))
+
+    def inside(t: ir.Value) -> ir.Value:
+        """Whether row t's position is inside the cache (the row is skipped otherwise)."""
+        pos = _position(f, a["positions"], t)
+        return b.and_(b.icmp_signed(">=", pos, f.i64(0)), b.icmp_signed("<", pos, f.i64(S)))
+
     # 1. RoPE and the cache write
     if op.rope is not None:
         cos_t, sin_t, fill = _rope_tables(lib, f, D, op.rope.value.data)
-    with f.loop(0, rows, name="t") as t:
-        pos = f.add(start, t)
+    with f.loop(0, n, name="t") as t, f.when(inside(t)):
+        pos = _position(f, a["positions"], t)
         if op.rope is not None:
             fill(pos)
             own = f.sub(h_hi, h_lo)
@@ -620,8 +625,8 @@ def _attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dic
     inv_sum = f.alloca(F32, G, name="inv_sum")
     mx = f.alloca(F32, name="max")
     scale = f.f32(1.0 / np.sqrt(np.float32(D)))
-    with f.loop(0, rows, name="t") as t:
-        span = f.add(f.add(start, t), 1)
+    with f.loop(0, n, name="t") as t, f.when(inside(t)):
+        span = f.add(_position(f, a["positions"], t), 1)
         with f.loop(h_lo, h_hi, name="h") as h:
             kv_base = f.mul(h, S * D)
             kbase = f.ptr(k_cache, kv_base)
@@ -662,13 +667,13 @@ def _attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dic
                     for y, (o, _) in zip(ys, chunks):
                         f.vstore(y, out, f.add(row_offs[g], o))
                     continue
-                first_block = f.b.sdiv(row_offs[g], f.i64(QBLOCK))
-                head = f.sub(first_block, f.mul(t, H * D // QBLOCK))
-                for blk in range(D // QBLOCK):
+                first_block = f.b.sdiv(row_offs[g], f.i64(ACT_BLOCK))
+                head = f.sub(first_block, f.mul(t, H * D // ACT_BLOCK))
+                for blk in range(D // ACT_BLOCK):
                     qout.store_block(t, f.add(head, blk), ys[2 * blk], ys[2 * blk + 1])
     if qout is not None and (H * D) % GROUP:
         with f.when(b.icmp_signed("==", tid, b.sub(nth, f.i64(1)))):
-            with f.loop(0, rows, name="tp") as t:
+            with f.loop(0, n, name="tp") as t:
                 qout.clear_padding(t)
 
 

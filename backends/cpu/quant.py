@@ -17,8 +17,8 @@ from __future__ import annotations
 from llvmlite import ir
 
 from llmc.backends.cpu.builder import F32, I32, I64, KernelBuilder
-from llmc.ir.formats import FORMATS, SLICE
-from llmc.ir.layouts import GROUP, Plane, QRowLayout, padded, weight_planes
+from llmc.ir.formats import FORMATS, GROUP, SLICE, padded_width
+from llmc.ir.layouts import Plane, QRowLayout, weight_planes
 from llmc.ir.tgt import Isa, QRowsType, WeightType
 
 I1 = ir.IntType(1)
@@ -77,7 +77,7 @@ class SplitWeight:
         self.f = f
         self.fmt = FORMATS[weight_type.storage]
         self.n, self.k = weight_type.shape
-        self.kp = padded(self.k)
+        self.kp = padded_width(self.k)
         self.groups = self.kp // GROUP
         self.bits = self.fmt.bits
         self.planes = {p.name: p for p in weight_planes(weight_type.storage, weight_type.shape)}

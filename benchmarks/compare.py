@@ -29,14 +29,11 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # before transformers is imported: i
 def transformers_speed(source: Path, prompt: np.ndarray, decode_tokens: int, repeat: int, threads: int
                        ) -> tuple[float, float]:
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from llmc.frontend.reference import reference_model
 
     torch.set_num_threads(threads)
-    if source.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-    model.eval()
+    model = reference_model(source)
     ids = torch.tensor([prompt.tolist()])
     best_prefill = best_decode = float("inf")
     with torch.no_grad():

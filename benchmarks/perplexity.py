@@ -26,17 +26,11 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # before transformers is imported: i
 
 def transformers_perplexity(source: Path, chunks: list[np.ndarray]) -> tuple[float, float]:
     import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
 
+    from llmc.frontend.reference import reference_model
     from llmc.runtime.perplexity import Perplexity, log_softmax
 
-    transformers.utils.logging.disable_progress_bar()
-    if source.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-    model.eval()
+    model = reference_model(source)
     result = Perplexity(chunks[0].size)
     with torch.no_grad():
         for chunk in chunks:

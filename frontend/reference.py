@@ -24,8 +24,8 @@ def reference_name() -> str:
     return f"transformers {transformers.__version__} fp32"
 
 
-def reference_logits(source: Path, tokens: list[int]) -> np.ndarray:
-    """Logits `[T, vocab]` of `tokens` at positions 0.. from transformers in float32."""
+def reference_model(source: Path):
+    """The transformers model of a GGUF file or HF directory, in float32, for inference."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import torch
@@ -39,7 +39,14 @@ def reference_logits(source: Path, tokens: list[int]) -> np.ndarray:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-    model.eval()
+    return model.eval()
+
+
+def reference_logits(source: Path, tokens: list[int]) -> np.ndarray:
+    """Logits `[T, vocab]` of `tokens` at positions 0.. from transformers in float32."""
+    import torch
+
+    model = reference_model(source)
     with torch.no_grad():
         out = model(torch.tensor([tokens], dtype=torch.long)).logits[0]
     return out.float().numpy()

@@ -19,18 +19,13 @@ from pathlib import Path
 
 def write_smollm2_hf(directory: Path) -> Path:
     os.environ.setdefault("TQDM_DISABLE", "1")
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    from llmc.frontend import load_model, resolve
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    gguf = resolve("smollm2-135m")
     from safetensors.torch import save_file
 
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    from llmc.frontend import load_model, resolve
+    from llmc.frontend.reference import reference_model
+
+    gguf = resolve("smollm2-135m")
+    model = reference_model(gguf)
     directory.mkdir(parents=True, exist_ok=True)
     # transformers will not save a model it loaded from GGUF: write its tensors and config directly
     tensors = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}

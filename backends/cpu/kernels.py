@@ -12,16 +12,8 @@ arrive at run time.
     lib = KernelLibrary(module)
     fn = lib.kernel(matmul_op)   # void @matmul_q4_1_a8_k576_n576(i8* x, i8* weight, i8* out, i64 rows, i64 tid, i64 nth)
 
-The matmul family (matmul, swiglu, the LM head) has three inner loops:
-
-- float weights (f32, f16, bf16) × float rows: a scalar reduction loop per tile of
-  4 rows × 4 columns that LLVM vectorises (f16/bf16 converted as they are loaded);
-- integer weights × float rows (`a32`): per 64-weight group, the codes dequantized in
-  registers (`quant.SplitWeight.values`) and multiplied with explicit vectors;
-- integer weights × quantized rows (`a8`): per 64-weight group, one integer dot product
-  of codes and int8 values (`quant.integer_dot`, `vpdpbusd` with VNNI), scaled per
-  16-weight slice by weight and row scales, plus the weight minimums times the rows' sums.
-
+The matmul family (matmul, swiglu, the LM head) runs on `gemm`'s loop nests, whose
+inner loop follows the weight format and whether the rows are float or quantized.
 Kernels that write quantized rows (RMSNorm, SwiGLU, attention, quantize) quantize each
 32-value block as soon as it is computed (`quant.QRowsAccess.store_block`). exp is
 inline (Cephes polynomial), so silu and softmax vectorise and need no libm; RoPE calls
@@ -37,28 +29,17 @@ from llvmlite import ir
 from xdsl.dialects.builtin import MemRefType
 
 from llmc.backends.cpu.builder import F32, F64, FPTR, I32, I64, VOID, KernelBuilder, _chunks
+from llmc.backends.cpu.gemm import TILE_ROWS, Rows, floats, gemm, inv_rms, load_weight, weight_ptr
 from llmc.backends.cpu.quant import (
-    F16,
     I8PTR,
-    I16,
     QRowsAccess,
     SplitWeight,
-    integer_dot,
-    lanes_of_slices,
     vec,
 )
 from llmc.ir import tgt
-from llmc.ir.formats import ACT_BLOCK, GROUP, Storage
+from llmc.ir.formats import ACT_BLOCK, GROUP
 from llmc.ir.interpreter import rope_inv_freq
 from llmc.ir.layouts import Layout
-
-# matmul register tiles: R rows × C output columns per weight matrix
-TILE_ROWS = 4
-TILE_COLS = {1: 4, 2: 2}
-# Rows per block: the x rows of one block stay in L2 while every weight tile passes.
-BLOCK_BYTES = 192 * 1024
-MAX_BLOCK_ROWS = 64
-PREFETCH_BYTES = 4096  # how far ahead the integer kernels prefetch weight codes
 
 
 def _fmt(value: float) -> str:
@@ -143,19 +124,6 @@ class KernelLibrary:
         self._cache[key] = fn
         return fn, KernelBuilder(self.module, fn)
 
-    # shared helpers --------------------------------------------------------------
-
-    def inv_rms(self, f: KernelBuilder, row: ir.Value, D: int, eps: float) -> ir.Value:
-        """1 / sqrt(mean(row²) + eps) of a float row."""
-        def square(k: ir.Value) -> ir.Value:
-            v = f.load(row, k)
-            return f.fmul(v, v)
-
-        ss = f.reduce_sum(D, square, name="ss", unroll=False)
-        mean = f.fmul(ss, f.f32(1.0 / D))
-        root = f.intrinsic("llvm.sqrt", f.b.fadd(mean, f.f32(eps)))
-        return f.b.fdiv(f.f32(1.0), root)
-
     def inv_freq_table(self, D: int, theta: float) -> ir.Value:
         name = f"rope_inv_freq_d{D}_theta{_fmt(theta)}"
         if name not in self.module.globals:
@@ -166,25 +134,6 @@ class KernelLibrary:
             g.global_constant = True
             g.linkage = "internal"
         return self.module.globals[name]
-
-
-def _floats(f: KernelBuilder, p: ir.Value) -> ir.Value:
-    return f.b.bitcast(p, FPTR)
-
-
-def _load_weight(f: KernelBuilder, ptr: ir.Value, index: ir.Value, storage: Storage) -> ir.Value:
-    """One element of a float-format weight as f32 (`ptr` typed for the storage)."""
-    value = f.b.load(f.ptr(ptr, index), align=2 if storage is not Storage.F32 else 4)
-    if storage is Storage.F16:
-        return f.b.fpext(value, F32)
-    if storage is Storage.BF16:
-        return f.b.bitcast(f.b.shl(f.b.zext(value, I32), ir.Constant(I32, 16)), F32)
-    return value
-
-
-def _weight_ptr(f: KernelBuilder, p: ir.Value, storage: Storage) -> ir.Value:
-    element = {Storage.F32: F32, Storage.F16: F16, Storage.BF16: I16}[storage]
-    return f.b.bitcast(p, element.as_pointer())
 
 
 def _weight_type(value) -> tgt.WeightType:
@@ -201,7 +150,7 @@ def _embedding(lib: KernelLibrary, f: KernelBuilder, op: tgt.EmbeddingOp, a: dic
     table_type = _weight_type(op.table)
     D = table_type.shape[1]
     tokens = f.b.bitcast(a["tokens"], I32.as_pointer())
-    out = _floats(f, a["out"])
+    out = floats(f, a["out"])
     with f.loop(0, a["rows"], name="t") as t:
         tok = f.b.sext(f.load(tokens, t), I64)
         dst = f.ptr(out, f.mul(t, D))
@@ -215,10 +164,10 @@ def _embedding(lib: KernelLibrary, f: KernelBuilder, op: tgt.EmbeddingOp, a: dic
                 for s, v in enumerate(w.values(tok, f.i64(full), slices=half)):
                     f.vstore(v, dst, f.i64(full * GROUP + 16 * s))
         else:
-            src_base = _weight_ptr(f, a["table"], table_type.storage)
+            src_base = weight_ptr(f, a["table"], table_type.storage)
             src = f.mul(tok, D)
             with f.loop(0, D, name="d") as d:
-                f.store(_load_weight(f, src_base, f.add(src, d), table_type.storage), dst, d)
+                f.store(load_weight(f, src_base, f.add(src, d), table_type.storage), dst, d)
 
 
 # ------------------------------------------------------------------------ rms_norm, quantize
@@ -228,13 +177,13 @@ def _rms_norm(lib: KernelLibrary, f: KernelBuilder, op: tgt.RMSNormOp, a: dict) 
     """out[t] = x[t] / rms(x[t]) * w, into float rows or quantized rows."""
     D = tgt.row_width(op.x)
     eps = op.eps.value.data
-    x, w = _floats(f, a["x"]), _floats(f, a["weight"])
+    x, w = floats(f, a["x"]), floats(f, a["weight"])
     quantized = tgt.is_quantized(op.out)
     q = QRowsAccess(f, a["out"], op.out.type) if quantized else None
-    out = None if quantized else _floats(f, a["out"])
+    out = None if quantized else floats(f, a["out"])
     with f.loop(0, a["rows"], name="t") as t:
         row = f.ptr(x, f.mul(t, D))
-        inv = lib.inv_rms(f, row, D, eps)
+        inv = inv_rms(f, row, D, eps)
         if q is None:
             dst = f.ptr(out, f.mul(t, D))
             f.vec_map(D, [row, w], dst, lambda v: f.fmul(f.fmul(v[0], f.splat(inv, v[0].type)), v[1]), name="k")
@@ -251,7 +200,7 @@ def _rms_norm(lib: KernelLibrary, f: KernelBuilder, op: tgt.RMSNormOp, a: dict) 
 def _quantize(lib: KernelLibrary, f: KernelBuilder, op: tgt.QuantizeOp, a: dict) -> None:
     """out = x quantized to int8 per 32 values."""
     D = tgt.row_width(op.x)
-    x = _floats(f, a["x"])
+    x = floats(f, a["x"])
     q = QRowsAccess(f, a["out"], op.out.type)
     with f.loop(0, a["rows"], name="t") as t:
         row = f.ptr(x, f.mul(t, D))
@@ -263,199 +212,12 @@ def _quantize(lib: KernelLibrary, f: KernelBuilder, op: tgt.QuantizeOp, a: dict)
 
 # ------------------------------------------------------------------------ the matmul family
 
-Finish = Callable[[list[ir.Value], list[ir.Value], list[list[list[ir.Value]]]], None]
-
-
-class _Rows:
-    """The rows a projection reads: float rows (optionally normalized) or quantized rows."""
-
-    def __init__(self, f: KernelBuilder, x: ir.Value, x_value, K: int, rows: ir.Value,
-                 norm: ir.Value | None, eps, last_row: bool):
-        self.f, self.K = f, K
-        self.quantized = tgt.is_quantized(x_value)
-        self.first = f.sub(rows, 1) if last_row else f.i64(0)  # the first row read
-        self.count = f.i64(1) if last_row else rows
-        self.norm = _floats(f, norm) if norm is not None else None
-        self.eps = eps.value.data if eps is not None else None  # with the norm
-        if self.quantized:
-            self.q = QRowsAccess(f, x, x_value.type)
-        else:
-            self.x = _floats(f, x)
-
-    def row(self, t: ir.Value) -> ir.Value:
-        return self.f.ptr(self.x, self.f.mul(self.f.add(self.first, t), self.K))
-
-
-def _share_blocks(f: KernelBuilder, N: int, unit: int, tid: ir.Value, nth: ir.Value
-                  ) -> tuple[ir.Value, ir.Value, int]:
-    """This thread's columns `[lo, hi)` in whole units, and the columns left over (for the last thread)."""
-    lo, hi = f.share(N // unit, tid, nth, unit)
-    return lo, hi, N % unit
-
-
-def _gemm(lib: KernelLibrary, f: KernelBuilder, rows: _Rows, N: int, weights: list[tuple[ir.Value, tgt.WeightType]],
-          finish: Finish, tid: ir.Value, nth: ir.Value, isa: tgt.Isa | None, unit: int | None = None,
-          flush: Callable[[ir.Value, int, ir.Value], None] | None = None) -> None:
-    """For every tile of rows ts and columns js: finish(ts, js, vals) with
-    vals[w][r][c] = x̂[ts[r]] · weights[w][js[c]], x̂ the rows (RMS-normalised when
-    `rows.norm`: the scale 1/rms is applied to the finished dot product, the norm weight
-    inside it). Thread `tid` of `nth` takes its share of the output columns in whole
-    `unit`s (a tile's width by default); the last thread takes the columns left over.
-    With `flush`, after the tiles of one unit of columns for a tile of rows `t` of `r`
-    rows: flush(t, r, j0) (quantized outputs are written from there)."""
-    b = f.b
-    nw = len(weights)
-    K = rows.K
-    R, C = TILE_ROWS, TILE_COLS[nw]
-    unit = unit or C
-    assert unit % C == 0
-    integer = weights[0][1].layout is Layout.SPLIT
-    access = [SplitWeight(f, p, t) if integer else (_weight_ptr(f, p, t.storage), t.storage) for p, t in weights]
-    TB = max(R, min(MAX_BLOCK_ROWS, BLOCK_BYTES // (4 * K)) // R * R)
-    inv = f.alloca(F32, TB, name="inv_rms") if rows.norm is not None else None
-
-    def tile(t0: ir.Value, t: ir.Value, r: int, j0: ir.Value, c: int) -> None:
-        if rows.quantized:
-            vals = _tile_a8(f, rows, access, t, r, j0, c, isa)
-        elif integer:
-            vals = _tile_a32_groups(f, rows, access, t, r, j0, c)
-        else:
-            vals = _tile_a32_float(f, rows, access, t, r, j0, c)
-        ts = [f.add(t, ri) for ri in range(r)]
-        js = [f.add(j0, ci) for ci in range(c)]
-        if inv is not None:
-            for ri in range(r):
-                scale = f.load(inv, f.sub(ts[ri], t0))
-                for wi in range(nw):
-                    vals[wi][ri] = [f.fmul(v, scale) for v in vals[wi][ri]]
-        finish(ts, js, vals)
-
-    def unit_columns(t0: ir.Value, t_end: ir.Value, j0: ir.Value, width: int) -> None:
-        """Rows t0..t_end of the `width` columns from j0, row tile by row tile."""
-        span = f.sub(t_end, t0)
-        t_split = f.add(t0, b.and_(span, f.i64(-R)))  # R is a power of two
-        for lo, hi, r in ((t0, t_split, R), (t_split, t_end, 1)):
-            with f.loop(lo, hi, r, name=f"t{r}") as t:
-                c_main = width // C * C
-                if c_main:
-                    with f.loop(0, c_main, C, name="jc", unroll=False) as jc:
-                        tile(t0, t, r, f.add(j0, jc), C)
-                if width % C:
-                    tile(t0, t, r, f.add(j0, f.i64(c_main)), width % C)
-                if flush is not None:
-                    flush(t, r, j0)
-
-    with f.loop(0, rows.count, TB, name="tb") as t0:
-        t_end = f.smin(f.add(t0, TB), rows.count)
-        if inv is not None:
-            with f.loop(t0, t_end, name="tn") as t:
-                f.store(lib.inv_rms(f, rows.row(t), K, rows.eps), inv, f.sub(t, t0))
-        lo, hi, rest = _share_blocks(f, N, unit, tid, nth)
-        with f.loop(lo, hi, unit, name="j") as j0:
-            unit_columns(t0, t_end, j0, unit)
-        if rest:
-            with f.when(b.icmp_signed("==", tid, b.sub(nth, f.i64(1)))):
-                unit_columns(t0, t_end, f.i64(N - rest), rest)
-
-
-def _accumulators(f: KernelBuilder, ty: ir.Type, nw: int, r: int, c: int, name: str) -> list:
-    accs = [[[f.alloca(ty, name=f"{name}{wi}_{ri}_{ci}") for ci in range(c)] for ri in range(r)] for wi in range(nw)]
-    zero = ir.Constant(ty, [0.0] * ty.count) if isinstance(ty, ir.VectorType) else f.f32(0.0)
-    for plane in accs:
-        for row in plane:
-            for acc in row:
-                f.b.store(zero, acc)
-    return accs
-
-
-def _tile_a32_float(f: KernelBuilder, rows: _Rows, access: list, t: ir.Value, r: int, j0: ir.Value, c: int) -> list:
-    """Float weights: a scalar reduction over k per (row, column), vectorised by LLVM."""
-    b, K, nw = f.b, rows.K, len(access)
-    accs = _accumulators(f, F32, nw, r, c, "acc")
-    xrows = [rows.row(f.add(t, ri)) for ri in range(r)]
-    wrows = [[f.mul(f.add(j0, ci), K) for ci in range(c)] for _ in access]
-    with f.loop(0, K, name="k") as k:
-        xs = [f.load(xr, k) for xr in xrows]
-        if rows.norm is not None:
-            g = f.load(rows.norm, k)
-            xs = [f.fmul(xv, g) for xv in xs]
-        for wi, (ptr, storage) in enumerate(access):
-            for ci in range(c):
-                wv = _load_weight(f, ptr, f.add(wrows[wi][ci], k), storage)
-                for ri in range(r):
-                    acc = accs[wi][ri][ci]
-                    b.store(f.fadd(b.load(acc), f.fmul(xs[ri], wv)), acc)
-    return [[[b.load(accs[wi][ri][ci]) for ci in range(c)] for ri in range(r)] for wi in range(nw)]
-
-
-def _tile_a32_groups(f: KernelBuilder, rows: _Rows, access: list[SplitWeight], t: ir.Value, r: int, j0: ir.Value,
-                     c: int) -> list:
-    """Integer weights × float rows: each 64-group dequantized in registers, explicit vector FMAs."""
-    b, K, nw = f.b, rows.K, len(access)
-    accs = _accumulators(f, vec(F32, 16), nw, r, c, "acc")
-    xrows = [rows.row(f.add(t, ri)) for ri in range(r)]
-
-    def group(g: ir.Value, slices: int) -> None:
-        base = f.mul(g, GROUP)
-        xs = [[f.vload(xr, f.add(base, 16 * s)) for s in range(slices)] for xr in xrows]
-        if rows.norm is not None:
-            gs = [f.vload(rows.norm, f.add(base, 16 * s)) for s in range(slices)]
-            xs = [[f.fmul(xv, gv) for xv, gv in zip(row, gs)] for row in xs]
-        for wi, w in enumerate(access):
-            for ci in range(c):
-                ws = w.values(f.add(j0, ci), g, slices)
-                for ri in range(r):
-                    acc = accs[wi][ri][ci]
-                    total = b.load(acc)
-                    for wv, xv in zip(ws, xs[ri]):
-                        total = f.fadd(total, f.fmul(wv, xv))
-                    b.store(total, acc)
-
-    full, half = K // GROUP, K % GROUP // 16
-    with f.loop(0, full, name="g", unroll=False) as g:
-        group(g, 4)
-    if half:
-        group(f.i64(full), half)
-    return [[[f.reduce_vector(b.load(accs[wi][ri][ci])) for ci in range(c)] for ri in range(r)] for wi in range(nw)]
-
-
-def _tile_a8(f: KernelBuilder, rows: _Rows, access: list[SplitWeight], t: ir.Value, r: int, j0: ir.Value, c: int,
-             isa: tgt.Isa) -> list:
-    """Integer weights × quantized rows: per 64-group one integer dot product per (row, column)."""
-    b, nw = f.b, len(access)
-    accs = _accumulators(f, vec(F32, 16), nw, r, c, "acc")
-    offs = _accumulators(f, vec(F32, 4), nw, r, c, "off")
-    groups = access[0].groups
-    with f.loop(0, groups, name="g", unroll=False) as g:
-        cols = []
-        for w in access:
-            per_col = []
-            for ci in range(c):
-                j = f.add(j0, ci)
-                w.prefetch(j, g, PREFETCH_BYTES)
-                scale = w.scale4(j, g)
-                per_col.append((w.codes(j, g), scale, w.offset4(j, g, scale)))
-            cols.append(per_col)
-        for ri in range(r):
-            row = f.add(rows.first, f.add(t, ri))
-            xq, d4, s4 = rows.q.qs(row, g), rows.q.d4(row, g), rows.q.s4(row, g)
-            for wi, per_col in enumerate(cols):
-                for ci, (codes, scale, offset) in enumerate(per_col):
-                    dot = b.sitofp(integer_dot(f, isa, codes, xq, access[wi].bits), vec(F32, 16))
-                    lanes = lanes_of_slices(f, b.fmul(scale, d4))
-                    acc, off = accs[wi][ri][ci], offs[wi][ri][ci]
-                    b.store(f.fadd(b.load(acc), f.fmul(dot, lanes)), acc)
-                    b.store(f.fadd(b.load(off), f.fmul(offset, s4)), off)
-    return [[[f.fadd(f.reduce_vector(b.load(accs[wi][ri][ci])), f.reduce_vector(b.load(offs[wi][ri][ci])))
-              for ci in range(c)] for ri in range(r)] for wi in range(nw)]
-
-
 def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> None:
     """out[t, j] (+)= x̂[t] · w[j] (+ bias[j]); `last_row`: only row rows-1, into out row 0."""
     N, K = tgt.dims(op.weight)
-    rows = _Rows(f, a["x"], op.x, K, a["rows"], a.get("norm"), op.eps, op.last_row is not None)
-    out = _floats(f, a["out"])
-    bias = _floats(f, a["bias"]) if "bias" in a else None
+    rows = Rows(f, a["x"], op.x, K, a["rows"], a.get("norm"), op.eps, op.last_row is not None)
+    out = floats(f, a["out"])
+    bias = floats(f, a["bias"]) if "bias" in a else None
     accumulate = op.accumulate is not None
 
     def finish(ts: list[ir.Value], js: list[ir.Value], vals: list[list[list[ir.Value]]]) -> None:
@@ -471,7 +233,7 @@ def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> 
                 f.store(v, out, idx)
 
     isa = op.isa.data if op.isa is not None else None
-    _gemm(lib, f, rows, N, [(a["weight"], _weight_type(op.weight))], finish, a["tid"], a["nth"], isa)
+    gemm(f, rows, N, [(a["weight"], _weight_type(op.weight))], finish, a["tid"], a["nth"], isa)
 
 
 def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> None:
@@ -481,10 +243,10 @@ def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> 
     the block keeps it in `block` (one tile of rows) and quantizes it when it is full.
     """
     N, K = tgt.dims(op.gate)
-    rows = _Rows(f, a["x"], op.x, K, a["rows"], a.get("norm"), op.eps, False)
+    rows = Rows(f, a["x"], op.x, K, a["rows"], a.get("norm"), op.eps, False)
     q = QRowsAccess(f, a["out"], op.out.type) if tgt.is_quantized(op.out) else None
     block = f.alloca(F32, TILE_ROWS * ACT_BLOCK, name="block") if q is not None else None
-    out = _floats(f, a["out"]) if q is None else None
+    out = floats(f, a["out"]) if q is None else None
 
     def finish(ts: list[ir.Value], js: list[ir.Value], vals: list[list[list[ir.Value]]]) -> None:
         # the tile's gate values go through one vector silu (exp is the costly part)
@@ -509,9 +271,9 @@ def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> 
     weights = [(a["gate"], _weight_type(op.gate)), (a["up"], _weight_type(op.up))]
     isa = op.isa.data if op.isa is not None else None
     if q is None:
-        _gemm(lib, f, rows, N, weights, finish, a["tid"], a["nth"], isa)
+        gemm(f, rows, N, weights, finish, a["tid"], a["nth"], isa)
         return
-    _gemm(lib, f, rows, N, weights, finish, a["tid"], a["nth"], isa, unit=ACT_BLOCK, flush=flush)
+    gemm(f, rows, N, weights, finish, a["tid"], a["nth"], isa, unit=ACT_BLOCK, flush=flush)
     if N % GROUP:
         with f.when(f.b.icmp_signed("==", a["tid"], f.b.sub(a["nth"], f.i64(1)))):
             with f.loop(0, rows.count, name="tp") as t:
@@ -563,7 +325,7 @@ def _position(f: KernelBuilder, positions: ir.Value, t: ir.Value) -> ir.Value:
 def _rope(lib: KernelLibrary, f: KernelBuilder, op: tgt.RopeOp, a: dict) -> None:
     """Rotate-half RoPE in place on x [rows, H, D], row t at positions[t]."""
     _, H, D = tgt.dims(op.x)
-    x = _floats(f, a["x"])
+    x = floats(f, a["x"])
     cos_t, sin_t, fill = _rope_tables(lib, f, D, op.theta.value.data)
     with f.loop(0, a["rows"], name="t") as t:
         fill(_position(f, a["positions"], t))
@@ -585,11 +347,11 @@ def _attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dic
     heads, with their query heads."""
     _, H, D = tgt.dims(op.q)
     KVH, S, _ = tgt.dims(op.k_cache)
-    q, k, v, k_cache, v_cache = (_floats(f, a[name]) for name in ("q", "k", "v", "k_cache", "v_cache"))
+    q, k, v, k_cache, v_cache = (floats(f, a[name]) for name in ("q", "k", "v", "k_cache", "v_cache"))
     n, tid, nth = a["rows"], a["tid"], a["nth"]
     quantized = tgt.is_quantized(op.out)
     qout = QRowsAccess(f, a["out"], op.out.type) if quantized else None
-    out = None if quantized else _floats(f, a["out"])
+    out = None if quantized else floats(f, a["out"])
     b = f.b
     G = H // KVH
     h_lo, h_hi = f.share(KVH, tid, nth)  # this thread's kv heads
@@ -683,7 +445,7 @@ def _attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dic
 def _elementwise(op_fn: Callable[[KernelBuilder, list[ir.Value]], ir.Value], names: tuple[str, ...]):
     def emit(lib: KernelLibrary, f: KernelBuilder, op: tgt.Kernel, a: dict) -> None:
         W = tgt.row_width(op.out)
-        f.vec_map(f.mul(a["rows"], W), [_floats(f, a[n]) for n in names], _floats(f, a["out"]),
+        f.vec_map(f.mul(a["rows"], W), [floats(f, a[n]) for n in names], floats(f, a["out"]),
                   lambda vals: op_fn(f, vals), name="e")
 
     return emit

@@ -1,0 +1,259 @@
+"""The matmul family's loop nests: every tile of rows × columns, for every weight format and row kind.
+
+`gemm(f, rows, N, weights, finish, tid, nth, isa)` visits tiles of `TILE_ROWS` rows ×
+`TILE_COLS` columns (per weight; swiglu passes two) and hands each tile's dot products
+to `finish`, which writes them (bias, accumulate, silu·up, quantized rows). The inner
+loop depends on what the operands are:
+
+- float weights (f32, f16, bf16) × float rows: a scalar reduction over k per (row,
+  column) that LLVM vectorises (f16/bf16 converted as they are loaded);
+- integer weights × float rows (`a32`): per 64-weight group, the codes dequantized in
+  registers (`quant.SplitWeight.values`) and multiplied with explicit vectors;
+- integer weights × quantized rows (`a8`): per 64-weight group, one integer dot product
+  of codes and int8 values (`quant.integer_dot`), scaled per 16-weight slice by the
+  weight's and the row's scales, plus the weight minimums times the rows' sums.
+
+Rows come in blocks that stay in L2 while every weight tile passes; threads share the
+output columns in whole units.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from llvmlite import ir
+
+from llmc.backends.cpu.builder import F32, FPTR, I32, KernelBuilder
+from llmc.backends.cpu.quant import F16, I16, QRowsAccess, SplitWeight, integer_dot, lanes_of_slices, vec
+from llmc.ir import tgt
+from llmc.ir.formats import GROUP, Storage
+from llmc.ir.layouts import Layout
+
+# matmul register tiles: R rows × C output columns per weight matrix
+TILE_ROWS = 4
+TILE_COLS = {1: 4, 2: 2}
+# Rows per block: the x rows of one block stay in L2 while every weight tile passes.
+BLOCK_BYTES = 192 * 1024
+MAX_BLOCK_ROWS = 64
+PREFETCH_BYTES = 4096  # how far ahead the integer kernels prefetch weight codes
+
+
+def floats(f: KernelBuilder, p: ir.Value) -> ir.Value:
+    return f.b.bitcast(p, FPTR)
+
+
+def load_weight(f: KernelBuilder, ptr: ir.Value, index: ir.Value, storage: Storage) -> ir.Value:
+    """One element of a float-format weight as f32 (`ptr` typed for the storage)."""
+    value = f.b.load(f.ptr(ptr, index), align=2 if storage is not Storage.F32 else 4)
+    if storage is Storage.F16:
+        return f.b.fpext(value, F32)
+    if storage is Storage.BF16:
+        return f.b.bitcast(f.b.shl(f.b.zext(value, I32), ir.Constant(I32, 16)), F32)
+    return value
+
+
+def weight_ptr(f: KernelBuilder, p: ir.Value, storage: Storage) -> ir.Value:
+    element = {Storage.F32: F32, Storage.F16: F16, Storage.BF16: I16}[storage]
+    return f.b.bitcast(p, element.as_pointer())
+
+
+def inv_rms(f: KernelBuilder, row: ir.Value, D: int, eps: float) -> ir.Value:
+    """1 / sqrt(mean(row²) + eps) of a float row."""
+    def square(k: ir.Value) -> ir.Value:
+        v = f.load(row, k)
+        return f.fmul(v, v)
+
+    ss = f.reduce_sum(D, square, name="ss", unroll=False)
+    mean = f.fmul(ss, f.f32(1.0 / D))
+    root = f.intrinsic("llvm.sqrt", f.b.fadd(mean, f.f32(eps)))
+    return f.b.fdiv(f.f32(1.0), root)
+
+
+
+Finish = Callable[[list[ir.Value], list[ir.Value], list[list[list[ir.Value]]]], None]
+
+
+class Rows:
+    """The rows a projection reads: float rows (optionally normalized) or quantized rows."""
+
+    def __init__(self, f: KernelBuilder, x: ir.Value, x_value, K: int, rows: ir.Value,
+                 norm: ir.Value | None, eps, last_row: bool):
+        self.f, self.K = f, K
+        self.quantized = tgt.is_quantized(x_value)
+        self.first = f.sub(rows, 1) if last_row else f.i64(0)  # the first row read
+        self.count = f.i64(1) if last_row else rows
+        self.norm = floats(f, norm) if norm is not None else None
+        self.eps = eps.value.data if eps is not None else None  # with the norm
+        if self.quantized:
+            self.q = QRowsAccess(f, x, x_value.type)
+        else:
+            self.x = floats(f, x)
+
+    def row(self, t: ir.Value) -> ir.Value:
+        return self.f.ptr(self.x, self.f.mul(self.f.add(self.first, t), self.K))
+
+
+def _share_blocks(f: KernelBuilder, N: int, unit: int, tid: ir.Value, nth: ir.Value
+                  ) -> tuple[ir.Value, ir.Value, int]:
+    """This thread's columns `[lo, hi)` in whole units, and the columns left over (for the last thread)."""
+    lo, hi = f.share(N // unit, tid, nth, unit)
+    return lo, hi, N % unit
+
+
+def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt.WeightType]],
+          finish: Finish, tid: ir.Value, nth: ir.Value, isa: tgt.Isa | None, unit: int | None = None,
+          flush: Callable[[ir.Value, int, ir.Value], None] | None = None) -> None:
+    """For every tile of rows ts and columns js: finish(ts, js, vals) with
+    vals[w][r][c] = x̂[ts[r]] · weights[w][js[c]], x̂ the rows (RMS-normalised when
+    `rows.norm`: the scale 1/rms is applied to the finished dot product, the norm weight
+    inside it). Thread `tid` of `nth` takes its share of the output columns in whole
+    `unit`s (a tile's width by default); the last thread takes the columns left over.
+    With `flush`, after the tiles of one unit of columns for a tile of rows `t` of `r`
+    rows: flush(t, r, j0) (quantized outputs are written from there)."""
+    b = f.b
+    nw = len(weights)
+    K = rows.K
+    R, C = TILE_ROWS, TILE_COLS[nw]
+    unit = unit or C
+    assert unit % C == 0
+    integer = weights[0][1].layout is Layout.SPLIT
+    access = [SplitWeight(f, p, t) if integer else (weight_ptr(f, p, t.storage), t.storage) for p, t in weights]
+    TB = max(R, min(MAX_BLOCK_ROWS, BLOCK_BYTES // (4 * K)) // R * R)
+    inv = f.alloca(F32, TB, name="inv_rms") if rows.norm is not None else None
+
+    def tile(t0: ir.Value, t: ir.Value, r: int, j0: ir.Value, c: int) -> None:
+        if rows.quantized:
+            vals = _tile_a8(f, rows, access, t, r, j0, c, isa)
+        elif integer:
+            vals = _tile_a32_groups(f, rows, access, t, r, j0, c)
+        else:
+            vals = _tile_a32_float(f, rows, access, t, r, j0, c)
+        ts = [f.add(t, ri) for ri in range(r)]
+        js = [f.add(j0, ci) for ci in range(c)]
+        if inv is not None:
+            for ri in range(r):
+                scale = f.load(inv, f.sub(ts[ri], t0))
+                for wi in range(nw):
+                    vals[wi][ri] = [f.fmul(v, scale) for v in vals[wi][ri]]
+        finish(ts, js, vals)
+
+    def unit_columns(t0: ir.Value, t_end: ir.Value, j0: ir.Value, width: int) -> None:
+        """Rows t0..t_end of the `width` columns from j0, row tile by row tile."""
+        span = f.sub(t_end, t0)
+        t_split = f.add(t0, b.and_(span, f.i64(-R)))  # R is a power of two
+        for lo, hi, r in ((t0, t_split, R), (t_split, t_end, 1)):
+            with f.loop(lo, hi, r, name=f"t{r}") as t:
+                c_main = width // C * C
+                if c_main:
+                    with f.loop(0, c_main, C, name="jc", unroll=False) as jc:
+                        tile(t0, t, r, f.add(j0, jc), C)
+                if width % C:
+                    tile(t0, t, r, f.add(j0, f.i64(c_main)), width % C)
+                if flush is not None:
+                    flush(t, r, j0)
+
+    with f.loop(0, rows.count, TB, name="tb") as t0:
+        t_end = f.smin(f.add(t0, TB), rows.count)
+        if inv is not None:
+            with f.loop(t0, t_end, name="tn") as t:
+                f.store(inv_rms(f, rows.row(t), K, rows.eps), inv, f.sub(t, t0))
+        lo, hi, rest = _share_blocks(f, N, unit, tid, nth)
+        with f.loop(lo, hi, unit, name="j") as j0:
+            unit_columns(t0, t_end, j0, unit)
+        if rest:
+            with f.when(b.icmp_signed("==", tid, b.sub(nth, f.i64(1)))):
+                unit_columns(t0, t_end, f.i64(N - rest), rest)
+
+
+def _accumulators(f: KernelBuilder, ty: ir.Type, nw: int, r: int, c: int, name: str) -> list:
+    accs = [[[f.alloca(ty, name=f"{name}{wi}_{ri}_{ci}") for ci in range(c)] for ri in range(r)] for wi in range(nw)]
+    zero = ir.Constant(ty, [0.0] * ty.count) if isinstance(ty, ir.VectorType) else f.f32(0.0)
+    for plane in accs:
+        for row in plane:
+            for acc in row:
+                f.b.store(zero, acc)
+    return accs
+
+
+def _tile_a32_float(f: KernelBuilder, rows: Rows, access: list, t: ir.Value, r: int, j0: ir.Value, c: int) -> list:
+    """Float weights: a scalar reduction over k per (row, column), vectorised by LLVM."""
+    b, K, nw = f.b, rows.K, len(access)
+    accs = _accumulators(f, F32, nw, r, c, "acc")
+    xrows = [rows.row(f.add(t, ri)) for ri in range(r)]
+    wrows = [[f.mul(f.add(j0, ci), K) for ci in range(c)] for _ in access]
+    with f.loop(0, K, name="k") as k:
+        xs = [f.load(xr, k) for xr in xrows]
+        if rows.norm is not None:
+            g = f.load(rows.norm, k)
+            xs = [f.fmul(xv, g) for xv in xs]
+        for wi, (ptr, storage) in enumerate(access):
+            for ci in range(c):
+                wv = load_weight(f, ptr, f.add(wrows[wi][ci], k), storage)
+                for ri in range(r):
+                    acc = accs[wi][ri][ci]
+                    b.store(f.fadd(b.load(acc), f.fmul(xs[ri], wv)), acc)
+    return [[[b.load(accs[wi][ri][ci]) for ci in range(c)] for ri in range(r)] for wi in range(nw)]
+
+
+def _tile_a32_groups(f: KernelBuilder, rows: Rows, access: list[SplitWeight], t: ir.Value, r: int, j0: ir.Value,
+                     c: int) -> list:
+    """Integer weights × float rows: each 64-group dequantized in registers, explicit vector FMAs."""
+    b, K, nw = f.b, rows.K, len(access)
+    accs = _accumulators(f, vec(F32, 16), nw, r, c, "acc")
+    xrows = [rows.row(f.add(t, ri)) for ri in range(r)]
+
+    def group(g: ir.Value, slices: int) -> None:
+        base = f.mul(g, GROUP)
+        xs = [[f.vload(xr, f.add(base, 16 * s)) for s in range(slices)] for xr in xrows]
+        if rows.norm is not None:
+            gs = [f.vload(rows.norm, f.add(base, 16 * s)) for s in range(slices)]
+            xs = [[f.fmul(xv, gv) for xv, gv in zip(row, gs)] for row in xs]
+        for wi, w in enumerate(access):
+            for ci in range(c):
+                ws = w.values(f.add(j0, ci), g, slices)
+                for ri in range(r):
+                    acc = accs[wi][ri][ci]
+                    total = b.load(acc)
+                    for wv, xv in zip(ws, xs[ri]):
+                        total = f.fadd(total, f.fmul(wv, xv))
+                    b.store(total, acc)
+
+    full, half = K // GROUP, K % GROUP // 16
+    with f.loop(0, full, name="g", unroll=False) as g:
+        group(g, 4)
+    if half:
+        group(f.i64(full), half)
+    return [[[f.reduce_vector(b.load(accs[wi][ri][ci])) for ci in range(c)] for ri in range(r)] for wi in range(nw)]
+
+
+def _tile_a8(f: KernelBuilder, rows: Rows, access: list[SplitWeight], t: ir.Value, r: int, j0: ir.Value, c: int,
+             isa: tgt.Isa) -> list:
+    """Integer weights × quantized rows: per 64-group one integer dot product per (row, column)."""
+    b, nw = f.b, len(access)
+    accs = _accumulators(f, vec(F32, 16), nw, r, c, "acc")
+    offs = _accumulators(f, vec(F32, 4), nw, r, c, "off")
+    groups = access[0].groups
+    with f.loop(0, groups, name="g", unroll=False) as g:
+        cols = []
+        for w in access:
+            per_col = []
+            for ci in range(c):
+                j = f.add(j0, ci)
+                w.prefetch(j, g, PREFETCH_BYTES)
+                scale = w.scale4(j, g)
+                per_col.append((w.codes(j, g), scale, w.offset4(j, g, scale)))
+            cols.append(per_col)
+        for ri in range(r):
+            row = f.add(rows.first, f.add(t, ri))
+            xq, d4, s4 = rows.q.qs(row, g), rows.q.d4(row, g), rows.q.s4(row, g)
+            for wi, per_col in enumerate(cols):
+                for ci, (codes, scale, offset) in enumerate(per_col):
+                    dot = b.sitofp(integer_dot(f, isa, codes, xq, access[wi].bits), vec(F32, 16))
+                    lanes = lanes_of_slices(f, b.fmul(scale, d4))
+                    acc, off = accs[wi][ri][ci], offs[wi][ri][ci]
+                    b.store(f.fadd(b.load(acc), f.fmul(dot, lanes)), acc)
+                    b.store(f.fadd(b.load(off), f.fmul(offset, s4)), off)
+    return [[[f.fadd(f.reduce_vector(b.load(accs[wi][ri][ci])), f.reduce_vector(b.load(offs[wi][ri][ci])))
+              for ci in range(c)] for ri in range(r)] for wi in range(nw)]
+
+

@@ -87,16 +87,13 @@ def _rms_norm(op: llm.RMSNormOp, env: Env, x: np.ndarray, w: np.ndarray) -> np.n
     return rms_norm(x, w, op.eps.value.data)
 
 
-Projection = llm.MatmulOp | llm.LogitsOp | llm.SwigluOp
-
-
-def _operands(op: Projection, values: tuple) -> dict[str, np.ndarray | None]:
+def _operands(op: llm.Projection, values: tuple) -> dict[str, np.ndarray | None]:
     """The operand values of an op with optional operands, by operand name (None when absent)."""
     present = iter(values)
     return {name: (next(present) if value is not None else None) for name, value in named_operands(op).items()}
 
 
-def _product(op: Projection, env: Env, x: np.ndarray, norm: np.ndarray | None, weight: SSAValue,
+def _product(op: llm.Projection, env: Env, x: np.ndarray, norm: np.ndarray | None, weight: SSAValue,
              w: np.ndarray) -> np.ndarray:
     """`x · wᵀ` of a projection: the input normalized when a norm is fused; with `a8`, the
     input quantized to int8 and multiplied by the weight's codes as the kernels do it."""

@@ -289,7 +289,7 @@ class RMSNormOp(IRDLOperation, _ShapeChecks):
         self._same("normalized width (input vs weight)", x[-1], d)
 
 
-class _Projection(IRDLOperation, _ShapeChecks):
+class Projection(IRDLOperation, _ShapeChecks):
     """What the ops that multiply by a weight matrix share: a compute mode set by
     `quantize`, and a fused RMSNorm prologue that `group` may add (`norm %g eps E`:
     the input is RMS-normalized with weight `g` first)."""
@@ -320,7 +320,7 @@ def _norm_props(eps: float | None, compute: Compute | None) -> dict[str, Attribu
 
 
 @irdl_op_definition
-class MatmulOp(_Projection):
+class MatmulOp(Projection):
     """Activations times a transposed weight, plus an optional bias: `x · wᵀ + b`.
 
     ```mlir
@@ -376,7 +376,7 @@ class MatmulOp(_Projection):
 
 
 @irdl_op_definition
-class LogitsOp(_Projection):
+class LogitsOp(Projection):
     """The language-model head: next-token scores over the vocabulary, `x · wᵀ`.
 
     A separate op from `llm.matmul` so that later phases can find the head (decode
@@ -416,7 +416,7 @@ class LogitsOp(_Projection):
 
 
 @irdl_op_definition
-class SwigluOp(_Projection):
+class SwigluOp(Projection):
     """The gated feed-forward input, fused by `group`: `silu(x · w_gateᵀ) * (x · w_upᵀ)`.
 
     ```mlir

@@ -126,7 +126,7 @@ def quantize_tolerance(module, model, fp32_tolerance: float) -> tuple[float, str
     from llmc.ir.formats import FORMATS, Storage
 
     tolerance, why = fp32_tolerance, []
-    a8 = any(isinstance(op, (llm.MatmulOp, llm.LogitsOp)) and op.mode is llm.Compute.A8 for op in module.walk())
+    a8 = any(isinstance(op, llm.Projection) and op.mode is llm.Compute.A8 for op in module.walk())
     if a8:
         tolerance, why = min(tolerance, A8_ACTIVATIONS), ["a8 activations"]
     changed = [op.storage.data for op in module.walk()

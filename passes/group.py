@@ -33,8 +33,6 @@ from xdsl.ir import Block, Operation, SSAValue
 from llmc.ir import llm
 from llmc.passes.base import LlmcPass
 
-Projection = (llm.MatmulOp, llm.LogitsOp, llm.SwigluOp)
-
 
 def users(value: SSAValue) -> list[Operation]:
     return [use.operation for use in value.uses]
@@ -120,7 +118,7 @@ def _normalized_readers(norm: llm.RMSNormOp) -> list[tuple[Operation, Operation]
         projection = reader
         if isinstance(reader, llm.LastTokenOp):
             projection = single_user(reader.result)
-        if not (isinstance(projection, Projection) and projection.mode is llm.Compute.A32
+        if not (isinstance(projection, llm.Projection) and projection.mode is llm.Compute.A32
                 and projection.norm is None and projection.input in (norm.result, reader.results[0])):
             return None
         pairs.append((reader, projection))

@@ -19,6 +19,7 @@ the storage `quantize` chose, in the `stored` layout (`pack` chooses the target'
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,7 +42,7 @@ def _reads_quantized(value: SSAValue) -> bool:
         if isinstance(op, (llm.ReshapeOp, llm.LastTokenOp)):
             if not _reads_quantized(op.result):
                 return False
-        elif not (isinstance(op, (llm.MatmulOp, llm.LogitsOp, llm.SwigluOp)) and op.mode is llm.Compute.A8
+        elif not (isinstance(op, llm.Projection) and op.mode is llm.Compute.A8
                   and op.input == value):
             return False
     return bool(readers)
@@ -77,9 +78,7 @@ class _Lowering:
     def out(self, value: SSAValue, can_quantize: bool = False) -> SSAValue:
         """A buffer for `value`: quantized rows when its readers want them and the producer can write them."""
         shape = self._shape(value)
-        width = 1
-        for d in shape[1:]:
-            width *= d
+        width = math.prod(shape[1:])
         if can_quantize and width % 32 == 0 and _reads_quantized(value):
             buf = self._alloc(value, tgt.QRowsType(shape[0], width))
             self.quantized[value] = buf
@@ -88,7 +87,7 @@ class _Lowering:
         self.buffers[value] = buf
         return buf
 
-    def x(self, op: llm.MatmulOp | llm.LogitsOp | llm.SwigluOp) -> SSAValue:
+    def x(self, op: llm.Projection) -> SSAValue:
         """The rows a projection reads: quantized for `a8` (quantizing float rows once), else float."""
         value = op.input
         if op.mode is not llm.Compute.A8:
@@ -107,7 +106,7 @@ class _Lowering:
             if source in table:
                 table[result] = table[source]
 
-    def norm(self, op: llm.MatmulOp | llm.LogitsOp | llm.SwigluOp) -> dict:
+    def norm(self, op: llm.Projection) -> dict:
         return {"norm": self.buffers[op.norm], "eps": op.eps.value.data} if op.norm is not None else {}
 
     def cache_layer(self, layer: int) -> tuple[SSAValue, SSAValue]:

@@ -109,10 +109,10 @@ class QuantizePass(LlmcPass):
                     shape = tuple(d for d in llm.shape_of(op.result) if d is not None)
                     op.storage = llm.StorageAttr(self.storage_for(op.sym_name, op.storage.data, shape))
             for op in function.walk():
-                if isinstance(op, (llm.MatmulOp, llm.LogitsOp, llm.SwigluOp)):
+                if isinstance(op, llm.Projection):
                     op.compute = llm.ComputeAttr(self.mode_for(op, integer_dot))
 
-    def mode_for(self, op: llm.MatmulOp | llm.LogitsOp | llm.SwigluOp, integer_dot: bool) -> llm.Compute:
+    def mode_for(self, op: llm.Projection, integer_dot: bool) -> llm.Compute:
         weight = op.weight if not isinstance(op, llm.SwigluOp) else op.gate
         owner = weight.owner
         storage = owner.storage.data if isinstance(owner, llm.WeightOp) else Storage.F32
@@ -130,7 +130,7 @@ def summary(module: ModuleOp) -> str:
         for op in function.walk():
             if isinstance(op, llm.WeightOp):
                 storages[op.storage.data.value] += 1
-            elif isinstance(op, (llm.MatmulOp, llm.LogitsOp, llm.SwigluOp)):
+            elif isinstance(op, llm.Projection):
                 modes[op.mode.value] += 1
     weights = ", ".join(f"{s} ×{c}" for s, c in storages.most_common())
     return f"{weights}; " + ", ".join(f"{m} ×{c}" for m, c in modes.most_common())

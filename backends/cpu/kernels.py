@@ -194,7 +194,6 @@ def _rms_norm(lib: KernelLibrary, f: KernelBuilder, op: tgt.RMSNormOp, a: dict) 
                 v0, v1 = (f.fmul(f.fmul(f.vload(row, f.add(base, o)), inv16), f.vload(w, f.add(base, o)))
                           for o in (0, 16))
                 q.store_block(t, blk, v0, v1)
-            q.clear_padding(t)
 
 
 def _quantize(lib: KernelLibrary, f: KernelBuilder, op: tgt.QuantizeOp, a: dict) -> None:
@@ -207,7 +206,6 @@ def _quantize(lib: KernelLibrary, f: KernelBuilder, op: tgt.QuantizeOp, a: dict)
         with f.loop(0, D // ACT_BLOCK, name="b", unroll=False) as blk:
             base = f.mul(blk, ACT_BLOCK)
             q.store_block(t, blk, f.vload(row, base), f.vload(row, f.add(base, 16)))
-        q.clear_padding(t)
 
 
 # ------------------------------------------------------------------------ the matmul family
@@ -274,10 +272,6 @@ def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> 
         gemm(f, rows, N, weights, finish, a["tid"], a["nth"], isa)
         return
     gemm(f, rows, N, weights, finish, a["tid"], a["nth"], isa, unit=ACT_BLOCK, flush=flush)
-    if N % GROUP:
-        with f.when(f.b.icmp_signed("==", a["tid"], f.b.sub(a["nth"], f.i64(1)))):
-            with f.loop(0, rows.count, name="tp") as t:
-                q.clear_padding(t)
 
 
 # ------------------------------------------------------------------------ rope, attention
@@ -433,10 +427,6 @@ def _attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dic
                 head = f.sub(first_block, f.mul(t, H * D // ACT_BLOCK))
                 for blk in range(D // ACT_BLOCK):
                     qout.store_block(t, f.add(head, blk), ys[2 * blk], ys[2 * blk + 1])
-    if qout is not None and (H * D) % GROUP:
-        with f.when(b.icmp_signed("==", tid, b.sub(nth, f.i64(1)))):
-            with f.loop(0, n, name="tp") as t:
-                qout.clear_padding(t)
 
 
 # ------------------------------------------------------------------------ elementwise

@@ -17,7 +17,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from llmc.backends.cpu.builder import F32, I32, I64, KernelBuilder
-from llmc.ir.formats import FORMATS, GROUP, SLICE, padded_width
+from llmc.ir.formats import ACT_BLOCK, FORMATS, GROUP, SLICE, padded_width
 from llmc.ir.layouts import Plane, QRowLayout, weight_planes
 from llmc.ir.tgt import Isa, QRowsType, WeightType
 
@@ -211,20 +211,25 @@ class QRowsAccess:
     def s4(self, t: ir.Value, g: ir.Value) -> ir.Value:
         return load_vector(self.f, self._at(t, self.row.s_offset, F32), self.f.mul(g, 4), vec(F32, 4), align=4)
 
-    def clear_padding(self, t: ir.Value) -> None:
-        """Zero row `t` beyond the width, up to the padded width (whole 64-groups for the kernels)."""
-        for b in range(self.width // 32, self.wp // 32):
-            zero16 = ir.Constant(vec(F32, 16), [0.0] * 16)
-            self.store_block(t, b, zero16, zero16)
-
     def store_block(self, t: ir.Value, block: int | ir.Value, v0: ir.Value, v1: ir.Value) -> None:
         """Quantize 32 floats (two `<16 x float>`) into block `block` of row `t`.
 
         `d = amax / 127`, `q = roundeven(x · (127 / amax))`, `s = d · Σ q` per slice: the
         same float operations as `formats.quantize_rows`, so the bytes are identical.
+        Whoever stores a row's last block also zeroes the padding after it (to a whole
+        64-group), so readers of whole groups see zeros there.
         """
-        f, b = self.f, self.f.b
+        f = self.f
         block = f.i64(block)
+        self._store(t, block, v0, v1)
+        if self.width % GROUP:
+            last = self.width // ACT_BLOCK - 1
+            with f.when(f.b.icmp_signed("==", block, f.i64(last))):
+                zero = ir.Constant(vec(F32, 16), [0.0] * 16)
+                self._store(t, f.i64(last + 1), zero, zero)
+
+    def _store(self, t: ir.Value, block: ir.Value, v0: ir.Value, v1: ir.Value) -> None:
+        f, b = self.f, self.f.b
         qs, d_ptr, s_ptr = self.qs_ptr(t), self._at(t, self.row.d_offset, F32), self._at(t, self.row.s_offset, F32)
         fabs = [f.intrinsic("llvm.fabs", v) for v in (v0, v1)]
         both = f.intrinsic("llvm.maxnum", *fabs)

@@ -48,11 +48,12 @@ class KVCache:
     def for_type(cls, cache_type: llm.KVCacheType, positions: int | None = None) -> KVCache:
         """A zeroed cache of `cache_type`, or of its first `positions` rows only."""
         layers, kv_heads, capacity, head_dim = cache_type.shape
-        return cls.zeros((layers, kv_heads, min(capacity, positions or capacity), head_dim))
+        dtype = np.float16 if str(cache_type.element_type) == "f16" else np.float32
+        return cls.zeros((layers, kv_heads, min(capacity, positions or capacity), head_dim), dtype)
 
     @classmethod
-    def zeros(cls, shape: tuple[int, ...]) -> KVCache:
-        return cls(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+    def zeros(cls, shape: tuple[int, ...], dtype: type = np.float32) -> KVCache:
+        return cls(np.zeros(shape, dtype), np.zeros(shape, dtype))
 
 
 @dataclass

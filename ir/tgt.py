@@ -139,6 +139,8 @@ class TargetAttr(ParametrizedAttribute):
 
 
 TARGET = "tgt.target"
+MAX_THREADS = 64  # the most threads an entry point runs on (the runtime caps its team)
+ATTENTION_SPLIT_ROWS = 4  # up to this many rows, attention's threads share cache positions
 
 
 # ------------------------------------------------------------------ types
@@ -147,6 +149,7 @@ TARGET = "tgt.target"
 class Isa(StrEnum):
     """The integer dot product an `a8` kernel is built on, chosen by `pack` from the target."""
 
+    AMX = "amx"  # AMX-INT8 tiles for blocks of 16 rows, VNNI-512 for the rest
     VNNI512 = "vnni512"  # AVX-512 VNNI vpdpbusd on 512-bit vectors
     VNNI256 = "vnni256"  # AVX-VNNI vpdpbusd on 256-bit vectors
     AVX2 = "avx2"  # pmaddubsw + pmaddwd
@@ -302,7 +305,7 @@ def row_width(value: SSAValue) -> int:
 def nbytes(t: Attribute) -> int:
     """Bytes of a buffer type."""
     if isinstance(t, MemRefType):
-        return math.prod(t.get_shape()) * 4
+        return math.prod(t.get_shape()) * (2 if str(t.element_type) == "f16" else 4)
     if isinstance(t, (QRowsType, WeightType)):
         return t.nbytes
     raise VerifyException(f"expected a buffer type, got {t}")
@@ -400,11 +403,11 @@ class SubviewOp(IRDLOperation):
 
     def __init__(self, source: SSAValue, index: int):
         super().__init__(operands=[source], properties={"index": IntegerAttr(index, i64)},
-                         result_types=[memref(*dims(source)[1:])])
+                         result_types=[memref(*dims(source)[1:], element_type=source.type.element_type)])
 
     @property
     def byte_offset(self) -> int:
-        return self.index.value.data * math.prod(dims(self.result)) * 4
+        return self.index.value.data * nbytes(self.result.type)
 
     def verify_(self) -> None:
         src, dst = dims(self.source), dims(self.result)
@@ -447,14 +450,18 @@ class WeightOp(IRDLOperation):
 class Kernel(IRDLOperation):
     """A kernel: its declared operands, in order, are the arguments of its function.
 
-    `THREADED`: the kernel splits its work among the threads of an entry point (it also
-    receives `tid`, `nth`); otherwise one thread runs it. `ROWS`: the operands it reads
+    Every thread of an entry point calls every kernel, which takes its share of the work
+    (it also receives `tid`, `nth`). `ROWS`: the operands it reads
     or writes `rows` rows of, whatever number of rows their buffers hold (so one
-    function serves every entry point).
+    function serves every entry point). `WRITES`: the operands it writes (it may read
+    every operand): codegen puts a barrier between two kernels only where one writes
+    what the other touches. `SYNCS`: the kernel also receives the entry point's barrier
+    (`i64* sync`) and waits on it between phases of its own.
     """
 
-    THREADED: ClassVar[bool] = False
     ROWS: ClassVar[tuple[str, ...]] = ("x", "out")
+    WRITES: ClassVar[tuple[str, ...]] = ("out",)
+    SYNCS: ClassVar[bool] = False
 
     def abi(self) -> list[tuple[str, SSAValue]]:
         """`(name, value)` of every present operand in definition order: the call's arguments."""
@@ -589,7 +596,6 @@ class MatmulOp(Kernel):
     """
 
     name = "tgt.matmul"
-    THREADED: ClassVar[bool] = True
     x = operand_def(Activations)
     weight = operand_def(WeightType)
     out = operand_def(MemRefType)
@@ -646,7 +652,6 @@ class SwigluOp(Kernel):
     """
 
     name = "tgt.swiglu"
-    THREADED: ClassVar[bool] = True
     x = operand_def(Activations)
     gate = operand_def(WeightType)
     up = operand_def(WeightType)
@@ -687,6 +692,7 @@ class RopeOp(Kernel):
 
     name = "tgt.rope"
     ROWS: ClassVar[tuple[str, ...]] = ("x", "positions")
+    WRITES: ClassVar[tuple[str, ...]] = ("x",)
     x = operand_def(MemRefType)
     positions = operand_def(MemRefType)
     rows = operand_def(IndexType)
@@ -709,15 +715,19 @@ class AttentionOp(Kernel):
 
     With `rope T`, `q` and `k` are rotated first (in place): RoPE and the KV-cache write
     fused into the attention kernel. Writes float or quantized rows `[rows, heads·head_dim]`.
+    The cache holds f32 or f16 (`--kv-type`). `partials` is scratch where, for up to
+    `ATTENTION_SPLIT_ROWS` rows, each thread leaves its share of the positions' result
+    for the merge (flash-decoding).
 
     ```mlir
-    tgt.attention %q, %k, %v, %kc, %vc -> %a positions %positions rows %n rope 1.000000e+05 : memref<128x9x64xf32>, memref<128x3x64xf32>, memref<128x3x64xf32>, memref<3x4096x64xf32>, memref<3x4096x64xf32> -> !tgt.qrows<128x576>, memref<128xi32>
+    tgt.attention %q, %k, %v, %kc, %vc -> %a positions %positions partials %p rows %n rope 1.000000e+05 : memref<128x9x64xf32>, memref<128x3x64xf32>, memref<128x3x64xf32>, memref<3x4096x64xf16>, memref<3x4096x64xf16> -> !tgt.qrows<128x576>, memref<128xi32>, memref<64x4x9x66xf32>
     ```
     """
 
     name = "tgt.attention"
-    THREADED: ClassVar[bool] = True
     ROWS: ClassVar[tuple[str, ...]] = ("q", "k", "v", "out", "positions")
+    WRITES: ClassVar[tuple[str, ...]] = ("q", "k", "k_cache", "v_cache", "out", "partials")  # rope: q, k in place
+    SYNCS: ClassVar[bool] = True
     q = operand_def(MemRefType)
     k = operand_def(MemRefType)
     v = operand_def(MemRefType)
@@ -725,18 +735,24 @@ class AttentionOp(Kernel):
     v_cache = operand_def(MemRefType)
     out = operand_def(Activations)
     positions = operand_def(MemRefType)
+    partials = operand_def(MemRefType)
     rows = operand_def(IndexType)
     rope = opt_prop_def(FloatAttr[Float32Type])
     assembly_format = (
-        "$q `,` $k `,` $v `,` $k_cache `,` $v_cache `->` $out `positions` $positions `rows` $rows "
-        "(`rope` $rope^)? attr-dict `:` type($q) `,` type($k) `,` type($v) `,` type($k_cache) `,` "
-        "type($v_cache) `->` type($out) `,` type($positions)"
+        "$q `,` $k `,` $v `,` $k_cache `,` $v_cache `->` $out `positions` $positions `partials` $partials "
+        "`rows` $rows (`rope` $rope^)? attr-dict `:` type($q) `,` type($k) `,` type($v) `,` type($k_cache) `,` "
+        "type($v_cache) `->` type($out) `,` type($positions) `,` type($partials)"
     )
 
     def __init__(self, q: SSAValue, k: SSAValue, v: SSAValue, k_cache: SSAValue, v_cache: SSAValue,
-                 out: SSAValue, positions: SSAValue, rows: SSAValue, rope: float | None = None):
+                 out: SSAValue, positions: SSAValue, partials: SSAValue, rows: SSAValue, rope: float | None = None):
         props = {"rope": FloatAttr(rope, f32)} if rope is not None else {}
-        super().__init__(operands=[q, k, v, k_cache, v_cache, out, positions, rows], properties=props)
+        super().__init__(operands=[q, k, v, k_cache, v_cache, out, positions, partials, rows], properties=props)
+
+    @staticmethod
+    def partials_type(heads: int, head_dim: int) -> MemRefType:
+        """Where decode's threads leave their partial results (max, sum, weighted values per head)."""
+        return memref(MAX_THREADS, ATTENTION_SPLIT_ROWS, heads, head_dim + 2)
 
     def verify_(self) -> None:
         _, heads, d = dims(self.q)
@@ -751,6 +767,9 @@ class AttentionOp(Kernel):
         if heads % kv_heads:
             self._fail(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
         _positions(self, self.positions, dims(self.q)[0])
+        self._same("partials", self.partials.type, self.partials_type(heads, d))
+        if str(self.k_cache.type.element_type) not in ("f32", "f16"):
+            self._fail(f"the cache holds f32 or f16, not {self.k_cache.type.element_type}")
         if is_quantized(self.out) and d % 32:
             self._fail(f"quantized output needs a head dimension that is a multiple of 32, got {d}")
 

@@ -5,7 +5,7 @@
     llmc verify MODEL [--prompt TEXT] [--quant T]          compare every stage with the source model
     llmc compile MODEL --target cpu [-o DIR] [--quant T]   compile to an artifact directory
     llmc run DIR -p TEXT [-n N] [--chat] [sampling]       generate text with an artifact
-    llmc bench DIR                                        prefill and decode tokens/s
+    llmc bench DIR [--depth D,D] [--vs PEER,PEER]         prefill and decode tokens/s, next to peers
     llmc perplexity MODEL|DIR --text FILE [--ctx 512]     perplexity (and KL divergence) on a text
 
 MODEL is a `.gguf` file, a Hugging Face directory, or a known name (`smollm2-135m`).
@@ -211,6 +211,8 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-group", action="store_true", help="skip layer grouping: one kernel per op (to compare)")
     p.add_argument("--max-seq", type=_positive, metavar="N",
                    help="KV cache capacity in tokens (default: the model's context length, at most 4096)")
+    p.add_argument("--kv-type", choices=["f32", "f16"], default="f16",
+                   help="element type of the KV cache (default: f16, half the bytes attention reads)")
     p.add_argument("--prefill-chunk", type=_positive, metavar="N",
                    help="most tokens one prefill call takes; longer prompts go in chunks (default: 128, "
                         "at most --max-seq)")
@@ -233,7 +235,7 @@ def compile_options(args: argparse.Namespace):
     return CompileOptions(prefill_chunk=getattr(args, "prefill_chunk", None) or 0,
                           max_seq=getattr(args, "max_seq", None) or 0, group=not getattr(args, "no_group", False),
                           quant=args.quant or "", quant_output=args.quant_output or "", requantize=args.requantize,
-                          compute=args.compute)
+                          compute=args.compute, kv_type=getattr(args, "kv_type", None) or "f16")
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -282,11 +284,71 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from llmc.runtime.bench import benchmark
+    from llmc.runtime.artifact import load_manifest
+    from llmc.runtime.bench import bandwidth_report, benchmark, decode_weight_bytes, fit_defaults, table
 
-    result = benchmark(Path(args.artifact), args.prompt_tokens, args.decode_tokens, args.repeat, args.threads)
-    print(result.report())
+    directory = Path(args.artifact)
+    if args.plot:
+        from llmc.plot import check_matplotlib
+
+        check_matplotlib()
+    manifest = load_manifest(directory, check_files=False)  # (the session checks the files)
+    prompts, depths, notes = fit_defaults(manifest.kv_cache["shape"][2], args.prompt_tokens, args.depth,
+                                          args.decode_tokens)
+    for note in notes:
+        _progress(f"note: {note}")
+    if not args.vs and (args.model or args.llama_bench):
+        _progress("note: --model and --llama-bench apply to --vs only")
+    if args.vs:  # the peers' model first: a bad --model ends the run before anything is measured
+        from llmc import peers
+
+        source, why = peers.source_model(args.model, manifest.data)
+    _progress(f"measuring llmc on {directory}")
+    result = benchmark(directory, prompts, args.decode_tokens, args.repeat, args.threads, depths)
+    engines, notes = [result.speeds], []
+    if args.vs:
+        plan = peers.Plan(prompts, depths, args.decode_tokens, args.repeat, result.threads, result.vocab_size)
+        found = peers.measure_all(args.vs, source, why, plan, args.llama_bench, _progress)
+        engines += found.engines
+        notes = found.notes
+    for note in notes:
+        print(note)
+    print(table(engines, prompts, depths, args.decode_tokens, result.threads))
+    nbytes, where = decode_weight_bytes(manifest)
+    print(bandwidth_report(nbytes, where, result))
+    if args.plot:
+        from llmc.plot import plot_bench
+
+        plot_bench(Path(args.plot), engines, prompts, depths, args.decode_tokens, result.threads,
+                   title=f"{directory.name} ({manifest.model.get('source', '')})")
+        print(f"plot: {args.plot}")
     return 0
+
+
+def _int_list(minimum: int):
+    """An argparse type: comma-separated integers >= `minimum`, duplicates dropped, order kept."""
+
+    def parse(text: str) -> list[int]:
+        values = []
+        for part in text.split(","):
+            value = _int(part.strip())
+            if value < minimum:
+                raise argparse.ArgumentTypeError(f"each value must be >= {minimum}, got {part.strip()}")
+            values.append(value)
+        return list(dict.fromkeys(values))
+
+    return parse
+
+
+def _peer_list(text: str) -> list[str]:
+    from llmc.peers import PEERS
+
+    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PEERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown peer {unknown[0]!r} (peers: {', '.join(PEERS)})" if unknown
+                                         else f"no peer named (peers: {', '.join(PEERS)})")
+    return list(dict.fromkeys(names))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -370,14 +432,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive, metavar="N", help="threads to run on (default: every CPU available)")
     p.set_defaults(run=cmd_run)
 
-    p = sub.add_parser("bench", parents=[common], help="measure prefill and decode speed of an artifact",
-                       description="Prefill tokens/s on a prompt of --prompt-tokens tokens and decode tokens/s "
-                                   "over --decode-tokens tokens, best of --repeat runs.")
+    p = sub.add_parser("bench", parents=[common], help="measure prefill and decode speed, next to other engines",
+                       description="Prefill tokens/s of each --prompt-tokens prompt and decode tokens/s over "
+                                   "--decode-tokens greedy steps, each with --depth tokens already in the KV cache "
+                                   "(as llama-bench's -p, -n, -d), best of --repeat runs; then the weight bytes a "
+                                   "decode step reads and the machine's streaming read bandwidth over them. "
+                                   "--vs measures llama.cpp (llama-bench, default path and --repack 0; or the "
+                                   "llama_cpp package) and transformers fp32 on the artifact's source model, "
+                                   "skipping any that is not installed.")
     p.add_argument("artifact", metavar="DIR", help="an artifact directory from 'llmc compile'")
-    p.add_argument("--prompt-tokens", type=_positive, default=512, metavar="N", help="prefill length (default: 512)")
+    p.add_argument("--prompt-tokens", type=_int_list(1), metavar="N,N",
+                   help="prefill lengths (default: 128,512,2048, those that fit the KV cache)")
+    p.add_argument("--depth", type=_int_list(0), metavar="D,D",
+                   help="tokens already in the KV cache for each test (default: 0,2048, those that fit)")
     p.add_argument("--decode-tokens", type=_positive, default=128, metavar="N", help="decode steps (default: 128)")
     p.add_argument("--repeat", type=_positive, default=3, metavar="N", help="runs; the best is reported (default: 3)")
-    p.add_argument("--threads", type=_positive, metavar="N", help="threads to run on (default: every CPU available)")
+    p.add_argument("--threads", type=_positive, metavar="N",
+                   help="threads to run on, for every engine (default: every CPU available)")
+    p.add_argument("--vs", type=_peer_list, metavar="PEER,PEER",
+                   help="also measure these engines: llama.cpp, transformers")
+    p.add_argument("--model", metavar="GGUF_OR_HF_DIR",
+                   help="the model the peers run (default: the artifact's source, if the manifest records one)")
+    p.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench binary (default: on PATH)")
+    p.add_argument("--plot", metavar="FILE.png", help="write a bar chart of the tokens/s (needs matplotlib)")
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("perplexity", parents=[common, model_args], help="perplexity of a model on a text",

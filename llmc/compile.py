@@ -107,12 +107,12 @@ def build_cpu_artifact(module: ModuleOp, model: Model, out: Path, backend: Backe
     target = module.attributes[tgt.TARGET]
     assert isinstance(target, tgt.TargetAttr)
     layout = weight_layout(module)
-    llvm_module, _ = emit_module(module, layout.offsets)
+    llvm_module, barriers = emit_module(module, layout.offsets)
     obj = compile_to_object(llvm_module, target_machine_for(target))
     clear_directory(out)
     kernels = link_shared([obj], out / content_name("kernels", obj, ".so"))
     progress(f"{'codegen':<10} {time.perf_counter() - start:6.2f} s   {kernels.name} (cpu {target.cpu.data}"
-             f"{_isa_note(module)})")
+             f"{_isa_note(module)}; barriers per call: decode {barriers.get('decode', 0)})")
     start = time.perf_counter()
     write_weights(model, layout, out / "weights.bin")
     write_artifact(out, module, model, kernels, backend.target, layout, compile_options)

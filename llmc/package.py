@@ -21,7 +21,7 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import IntegerAttr, ModuleOp, StringAttr
 
 from llmc import __version__
-from llmc.backends.cpu.codegen import entry_arguments, entry_symbol
+from llmc.backends.cpu.codegen import READ_PROBE, entry_arguments, entry_symbol
 from llmc.errors import UsageError
 from llmc.frontend.model import Model
 from llmc.ir import tgt
@@ -102,6 +102,7 @@ def write_artifact(directory: Path, module: ModuleOp, model: Model, kernels: Pat
         assert isinstance(stage, StringAttr)
         tokens, _, _, k_cache, _, logits = function.body.block.args  # passes.lower.ENTRY_ARGUMENTS
         kv_shape = list(tgt.dims(k_cache))
+        kv_dtype = str(k_cache.type.element_type)
         entry_points[stage.data] = {
             "symbol": entry_symbol(stage.data),
             "arguments": entry_arguments(function),
@@ -116,13 +117,15 @@ def write_artifact(directory: Path, module: ModuleOp, model: Model, kernels: Pat
         "target": target,
         "cpu": {"name": target_attr.cpu.data, "features": sorted(target_attr.features)},
         "model": {
-            "source": model.source.name, "arch": c.arch, "layers": c.layers, "hidden": c.hidden, "heads": c.heads,
-            "kv_heads": c.kv_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size,
-            "context_length": c.context_length,
+            "source": model.source.name, "source_path": str(model.source.resolve()),  # (for `llmc bench --vs`)
+            "arch": c.arch, "layers": c.layers, "hidden": c.hidden, "heads": c.heads, "kv_heads": c.kv_heads,
+            "head_dim": c.head_dim, "vocab_size": c.vocab_size, "context_length": c.context_length,
         },
         "compile_options": compile_options,
+        "max_threads": tgt.MAX_THREADS,
         "entry_points": entry_points,
-        "kv_cache": {"layout": tgt.KV_LAYOUT, "shape": kv_shape, "dtype": "f32", "tensors": ["keys", "values"]},
+        "read_probe": READ_PROBE,
+        "kv_cache": {"layout": tgt.KV_LAYOUT, "shape": kv_shape, "dtype": kv_dtype, "tensors": ["keys", "values"]},
         "weights": {
             name: {"offset": o, "bytes": t.nbytes, "shape": list(t.shape), "storage": t.storage.value,
                    "layout": t.layout.value}

@@ -200,8 +200,11 @@ def _attention(lo: _Lowering, op: llm.AttentionOp) -> None:
     head_dim = llm.shape_of(op.query)[2]
     out = lo.out(op.result, can_quantize=head_dim is not None and head_dim % 32 == 0)
     rope = op.rope.value.data if op.rope is not None else None
+    heads = llm.shape_of(op.query)[1]
+    partials = lo.emit(tgt.AllocOp(tgt.AttentionOp.partials_type(heads, head_dim))).result
+    partials.name_hint = f"l{op.layer.value.data}_partials"
     lo.emit(tgt.AttentionOp(lo.buffers[op.query], lo.buffers[op.key], lo.buffers[op.value], k_cache, v_cache, out,
-                            lo.positions, lo.n, rope))
+                            lo.positions, partials, lo.n, rope))
 
 
 @lowering(llm.LastTokenOp)
@@ -239,7 +242,7 @@ def lower_function(function: func.FuncOp) -> func.FuncOp:
     kv = kv_arg.type
     assert isinstance(kv, llm.KVCacheType)
     (logits_type,) = function.function_type.outputs.data
-    cache = tgt.memref(*kv.shape)
+    cache = tgt.memref(*kv.shape, element_type=kv.element_type)
     ids = tgt.memref(rows, element_type=i32)
     block = Block(arg_types=[
         ids, ids, IndexType(), cache, cache, tgt.memref(*(d if d is not None else rows for d in llm.shape_of(logits_type))),

@@ -5,7 +5,10 @@ On a CPU target every integer-format weight takes the `split` layout (codes in
 their own: `llmc.ir.layouts`), which the packager writes and the kernels read; float
 weights stay as stored. Each kernel that reads quantized rows gets the integer dot
 product of the target (`isa vnni512` with AVX-512 VNNI, `vnni256` with AVX-VNNI, `avx2`
-with `pmaddubsw`, `generic` otherwise).
+with `pmaddubsw`, `generic` otherwise); where the target also has AMX-INT8, the kernels
+of entry points of 16 rows or more (prefill, score) get `isa amx`: tiles for whole
+16-row blocks (`backends/cpu/amx.py`), when every weight format's scales are constant
+over 32-value blocks (q6_k's 16-value scales keep VNNI).
 
 ```mlir
 %wq = tgt.weight @blk.0.attn_q : !tgt.weight<576x576, q4_1, stored>     // before
@@ -27,6 +30,8 @@ from llmc.ir.layouts import Layout
 from llmc.passes.base import LlmcPass
 from llmc.passes.quantize import module_target
 
+AMX_MIN_ROWS = 16  # entry points of at least this many rows get AMX tiles (one tile of rows)
+
 
 @dataclass(frozen=True)
 class PackPass(LlmcPass):
@@ -37,11 +42,15 @@ class PackPass(LlmcPass):
         target = module_target(module)
         if target.kind.data != "cpu":
             raise LlmcError(f"pack: no layouts for target '{target.kind.data}' yet")
+        from llmc.backends.cpu.amx import supports
         from llmc.backends.cpu.target import integer_isa
 
-        isa = tgt.IsaAttr(integer_isa(target))
+        isa = integer_isa(target)
+        tiles = isa is tgt.Isa.VNNI512 and target.has("amx-tile", "amx-int8")
         for function in self.functions(module):
             block = function.body.block
+            rows = function.attributes.get("tgt.max_tokens")
+            blocks_of_rows = rows is not None and rows.value.data >= AMX_MIN_ROWS
             for op in list(block.ops):
                 if isinstance(op, tgt.WeightOp) and not op.weight_type.storage.is_float \
                         and op.weight_type.layout is Layout.STORED:
@@ -51,4 +60,7 @@ class PackPass(LlmcPass):
                     op.result.replace_all_uses_with(packed.result)
                     block.erase_op(op)
                 elif isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and tgt.is_quantized(op.x):
-                    op.isa = isa
+                    weights = [v.type for _, v in op.abi() if isinstance(v.type, tgt.WeightType) and len(v.type.shape) == 2]
+                    amx = tiles and blocks_of_rows and getattr(op, "last_row", None) is None \
+                        and all(supports(w.storage) for w in weights)
+                    op.isa = tgt.IsaAttr(tgt.Isa.AMX if amx else isa)

@@ -39,6 +39,7 @@ class CompileOptions:
     quant_output: str = ""  # storage of the token embedding and LM head ("" follows the policy)
     requantize: bool = False  # convert tensors that are already quantized too
     compute: str = "auto"  # a32, a8, or the fastest on the target
+    kv_type: str = "f16"  # element type of the KV cache: f32 or f16
 
 
 PHASES: dict[str, tuple[str, ...]] = {
@@ -58,7 +59,8 @@ def phase_passes(phase: str, options: CompileOptions) -> list[ModulePass]:
         if name == "split":
             from llmc.passes.split import SplitPass
 
-            passes.append(SplitPass(prefill_chunk=options.prefill_chunk, max_seq=options.max_seq))
+            passes.append(SplitPass(prefill_chunk=options.prefill_chunk, max_seq=options.max_seq,
+                                    kv_type=options.kv_type))
         elif name == "quantize":
             from llmc.passes.quantize import QuantizePass
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from xdsl.context import Context
 from xdsl.dialects import builtin, func
-from xdsl.dialects.builtin import DYNAMIC_INDEX, IntegerAttr, ModuleOp, StringAttr, TensorType, i64
+from xdsl.dialects.builtin import DYNAMIC_INDEX, IntegerAttr, ModuleOp, StringAttr, TensorType, f16, f32, i64
 from xdsl.ir import Attribute, Block, Region, SSAValue
 
 from llmc.errors import UsageError
@@ -37,6 +37,7 @@ from llmc.passes.base import LlmcPass
 STAGES = ("prefill", "prefill_kv", "decode", "score")
 DEFAULT_MAX_SEQ_CAP = 4096
 DEFAULT_PREFILL_CHUNK = 128
+KV_TYPES = {"f32": f32, "f16": f16}
 
 
 def retyped(function: func.FuncOp, name: str, subst: Callable[[Attribute], Attribute]) -> func.FuncOp:
@@ -88,6 +89,7 @@ class SplitPass(LlmcPass):
 
     prefill_chunk: int = 0  # 0: DEFAULT_PREFILL_CHUNK, at most max_seq
     max_seq: int = 0  # 0: the model's context length, capped at DEFAULT_MAX_SEQ_CAP
+    kv_type: str = "f32"  # the cache's element type: f32 or f16
 
     def run(self, ctx: Context, module: ModuleOp) -> None:
         forward = find_function(module, "forward")
@@ -100,7 +102,9 @@ class SplitPass(LlmcPass):
         chunk = self.prefill_chunk or min(DEFAULT_PREFILL_CHUNK, max_seq)
         if not 1 <= chunk <= max_seq:
             raise UsageError(f"--prefill-chunk must be in 1..{max_seq} (--max-seq), got {chunk}")
-        new_cache = llm.KVCacheType(layers, kv_heads, max_seq, head_dim, cache.element_type)
+        if self.kv_type not in KV_TYPES:
+            raise UsageError(f"--kv-type must be one of {', '.join(KV_TYPES)}, got '{self.kv_type}'")
+        new_cache = llm.KVCacheType(layers, kv_heads, max_seq, head_dim, KV_TYPES[self.kv_type])
 
         for stage in STAGES:
             tokens = 1 if stage == "decode" else None

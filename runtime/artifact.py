@@ -22,10 +22,11 @@ from pathlib import Path
 
 from llmc.errors import LlmcError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MANIFEST = "manifest.json"
 ENTRY_POINTS = ("prefill", "prefill_kv", "decode", "score")
 # what the runtime passes for each argument an entry point may name in the manifest
+KV_DTYPES = {"f32": "float32", "f16": "float16"}  # the KV cache's element types, as numpy names
 ARGUMENTS = ("tokens", "positions", "n", "k_cache", "v_cache", "logits", "arena", "weights", "tid", "nth", "sync")
 INTEGER_ARGUMENTS = ("n", "tid", "nth")
 # /proc/cpuinfo flag of each CPU feature a kernel may need
@@ -116,6 +117,12 @@ def _check_schema(path: Path, data: dict) -> None:
             raise ValueError("entry points disagree on the prefill chunk (prefill, prefill_kv, score) or decode's 1 token")
         if not positive_ints(data["kv_cache"]["shape"], 4):
             raise ValueError("kv_cache.shape must be four positive integers")
+        if not isinstance(data["read_probe"], str):
+            raise ValueError("read_probe must be a symbol name")
+        if not positive_ints([data["max_threads"]]):
+            raise ValueError("max_threads must be a positive integer")
+        if data["kv_cache"]["dtype"] not in KV_DTYPES:
+            raise ValueError(f"kv_cache.dtype must be one of {', '.join(KV_DTYPES)}")
         if not positive_ints([data["model"]["vocab_size"]]):
             raise ValueError("model.vocab_size must be a positive integer")
         if not isinstance(data["tokenizer"], dict):

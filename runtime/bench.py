@@ -1,54 +1,224 @@
-"""`llmc bench`: prefill and decode throughput of an artifact, best of a few runs.
+"""`llmc bench`: prefill and decode throughput of an artifact at a KV depth, best of a few runs.
 
-The prompt is a fixed pseudo-random token sequence (the speed does not depend on the
-text); decode continues greedily from it, as generation does.
+Measured as llama.cpp's `llama-bench -p P -n N -d D` measures: with D tokens already in
+the KV cache (fed once, not timed), the prefill speed of P more tokens, and the decode
+speed of N single-token steps (greedy, each token the argmax of the step before). The
+tokens are a fixed pseudo-random sequence: the speed does not depend on the text.
+
+The results of llmc and of other engines (`llmc.peers`) are `EngineSpeeds`; `table`
+prints them side by side, with ratios against a baseline engine. `Session.read_bandwidth`
+measures the machine's streaming read speed over the artifact's weights, the limit of a
+decode step that reads every weight once. Only numpy here, like the rest of the runtime.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from llmc.errors import LlmcError
-from llmc.runtime.session import Session
+from llmc.runtime.artifact import Manifest
+from llmc.runtime.session import CapacityError, Session
+
+DEFAULT_PROMPTS = (128, 512, 2048)
+DEFAULT_DEPTHS = (0, 2048)
+
+
+@dataclass
+class EngineSpeeds:
+    """One engine's tokens/s: `prefill[(depth, prompt)]` and `decode[depth]`."""
+
+    name: str
+    family: str  # "llmc", "llama.cpp" or "transformers": ratios are taken against a family's best
+    prefill: dict[tuple[int, int], float] = field(default_factory=dict)
+    decode: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class BenchResult:
     vocab_size: int
     threads: int
-    prompt_tokens: int
+    capacity: int
+    prompts: tuple[int, ...]
+    depths: tuple[int, ...]
     decode_tokens: int
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
+    speeds: EngineSpeeds
+    read_gb_per_s: float  # the weights read once by the kernels' read probe, on the same threads
+    weight_bytes: int
 
     def report(self) -> str:
-        return (
-            f"threads  {self.threads}\n"
-            f"prefill  {self.prompt_tokens:>4} tokens  {self.prefill_tokens_per_s:8.1f} tokens/s\n"
-            f"decode   {self.decode_tokens:>4} tokens  {self.decode_tokens_per_s:8.1f} tokens/s"
-        )
+        return table([self.speeds], self.prompts, self.depths, self.decode_tokens, self.threads)
 
 
-def benchmark(directory: Path, prompt_tokens: int = 512, decode_tokens: int = 128, repeat: int = 3,
-              threads: int | None = None) -> BenchResult:
+def check_capacity(capacity: int, prompts: Sequence[int], depths: Sequence[int], decode_tokens: int) -> None:
+    """Each test fits the KV cache: depth + prompt (prefill) and depth + decode tokens (decode)."""
+    for depth in depths:
+        for what, n in (("prompt", max(prompts)), ("decode", decode_tokens)):
+            if depth + n > capacity:
+                raise CapacityError(f"depth {depth} + {what} {n} tokens exceed the artifact's KV capacity of "
+                                    f"{capacity} (bench fewer tokens, or compile with a larger --max-seq)")
+
+
+def fit_defaults(capacity: int, prompts: Sequence[int] | None, depths: Sequence[int] | None, decode_tokens: int
+                 ) -> tuple[tuple[int, ...], tuple[int, ...], list[str]]:
+    """The prompt lengths and depths to run: those given, else the defaults that fit `capacity`.
+
+    Returns them with a note for each default left out; given values are checked, not cut.
+    """
+    notes = []
+    if prompts is None:
+        prompts = [p for p in DEFAULT_PROMPTS if p <= capacity] or [DEFAULT_PROMPTS[0]]  # (then refused below)
+        left = [p for p in DEFAULT_PROMPTS if p not in prompts]
+        if left:
+            notes.append(f"prompt lengths {', '.join(map(str, left))} left out: the KV capacity is {capacity}")
+    if depths is None:
+        depths = [d for d in DEFAULT_DEPTHS if d + max(max(prompts), decode_tokens) <= capacity] or [0]
+        left = [d for d in DEFAULT_DEPTHS if d not in depths]
+        if left:
+            notes.append(f"depths {', '.join(map(str, left))} left out: the KV capacity is {capacity}")
+    check_capacity(capacity, prompts, depths, decode_tokens)
+    return tuple(prompts), tuple(depths), notes
+
+
+def benchmark(directory: Path, prompts: int | Sequence[int] = (512,), decode_tokens: int = 128, repeat: int = 3,
+              threads: int | None = None, depths: Sequence[int] = (0,), name: str | None = None) -> BenchResult:
+    """llmc's prefill tokens/s for each (depth, prompt) and decode tokens/s for each depth, best of `repeat`."""
+    prompts = (prompts,) if isinstance(prompts, int) else tuple(prompts)
+    depths = tuple(depths)
+    if not prompts or not depths or min(prompts) < 1 or min(depths) < 0 or decode_tokens < 1 or repeat < 1:
+        raise ValueError("prompts and decode tokens must be positive, depths >= 0, repeat >= 1")
     session = Session(directory, threads=threads)
-    if prompt_tokens + decode_tokens > session.capacity:
-        raise LlmcError(f"{prompt_tokens} + {decode_tokens} tokens exceed the KV capacity of {session.capacity}")
-    prompt = np.random.default_rng(0).integers(0, session.vocab_size, prompt_tokens, dtype=np.int32)
-    best_prefill = best_decode = float("inf")
-    for _ in range(repeat):
-        session.reset()
-        start = time.perf_counter()
-        logits = session.feed(prompt)
-        best_prefill = min(best_prefill, time.perf_counter() - start)
-        start = time.perf_counter()
-        for _ in range(decode_tokens):
-            logits = session.feed([int(np.argmax(logits))])
-        best_decode = min(best_decode, time.perf_counter() - start)
-    session.close()
-    return BenchResult(session.vocab_size, session.threads, prompt_tokens, decode_tokens,
-                       prompt_tokens / best_prefill, decode_tokens / best_decode)
+    try:
+        check_capacity(session.capacity, prompts, depths, decode_tokens)
+        speeds = EngineSpeeds(name or f"llmc {directory.name}", "llmc")
+        tokens = np.random.default_rng(0).integers(0, session.vocab_size, max(depths) + max(prompts), dtype=np.int32)
+        session.feed(tokens[: min(session.chunk, max(prompts))])  # warm-up, as llama-bench's: weights paged in
+        session.feed(tokens[:1])
+        for depth in depths:
+            session.reset()
+            if depth:
+                session.feed(tokens[:depth])  # the context, once; later tests overwrite only the rows after it
+            for prompt in prompts:
+                best = float("inf")
+                for _ in range(repeat):
+                    session.position = depth
+                    start = time.perf_counter()
+                    session.feed(tokens[depth : depth + prompt])
+                    best = min(best, time.perf_counter() - start)
+                speeds.prefill[depth, prompt] = prompt / best
+            best = float("inf")
+            for _ in range(repeat):
+                session.position = depth
+                token = int(tokens[depth])
+                start = time.perf_counter()
+                for _ in range(decode_tokens):
+                    token = int(np.argmax(session.feed([token])))
+                best = min(best, time.perf_counter() - start)
+            speeds.decode[depth] = decode_tokens / best
+        read = session.read_bandwidth()
+    finally:
+        session.close()
+    return BenchResult(session.vocab_size, session.threads, session.capacity, prompts, depths, decode_tokens, speeds,
+                       read, session.weights.size)
+
+
+# ------------------------------------------------------------------ bandwidth
+
+
+def decode_weight_bytes(manifest: Manifest) -> tuple[int, str]:
+    """Bytes of weights one decode step reads, and where the number comes from.
+
+    Every weight is read whole, except the token embedding of an untied model (its LM
+    head is `output`), of which a step reads one row.
+    """
+    weights = manifest.data.get("weights")
+    if not isinstance(weights, dict) or not weights:
+        return manifest.data["files"]["weights"]["bytes"], "weights.bin"
+    total = sum(w["bytes"] for w in weights.values())
+    embedding = weights.get("token_embd")
+    if "output" in weights and embedding is not None:
+        total -= embedding["bytes"] - embedding["bytes"] // embedding["shape"][0]
+        return total, "the manifest's weights, one token_embd row"
+    return total, "the manifest's weights"
+
+
+def bandwidth_report(decode_bytes: int, source: str, result: BenchResult) -> str:
+    """The bytes a decode step reads, the read speed that implies, and the limit the read probe measured."""
+    depth = min(result.depths)
+    speed = result.speeds.decode[depth]
+    implied = decode_bytes * speed / 1e9
+    limit = result.read_gb_per_s * 1e9 / decode_bytes
+    return (f"weights   {decode_bytes / 1e6:.1f} MB read per decode token ({source}); llmc decode at depth {depth}, "
+            f"{speed:.1f} tokens/s, reads {implied:.1f} GB/s\n"
+            f"bandwidth limit ≈ {limit:.1f} tokens/s ({result.read_gb_per_s:.1f} GB/s: the kernels' read probe over "
+            f"the {result.weight_bytes / 1e6:.1f} MB of weights, {result.threads} threads); llmc decode at "
+            f"{100 * speed / limit:.0f}% of it")
+
+
+# ------------------------------------------------------------------ the table
+
+
+def baseline_of(engines: Sequence[EngineSpeeds]) -> tuple[str, EngineSpeeds] | None:
+    """The speeds to divide by: llama.cpp's fastest path per test, else transformers; None without peers.
+
+    Returns a description and an `EngineSpeeds` holding the best of that family per test.
+    """
+    for family, label in (("llama.cpp", "llama.cpp's fastest path per test"), ("transformers", "transformers")):
+        members = [e for e in engines if e.family == family]
+        if members:
+            best = EngineSpeeds(label, family)
+            for e in members:
+                for key, value in e.prefill.items():
+                    best.prefill[key] = max(best.prefill.get(key, 0.0), value)
+                for key, value in e.decode.items():
+                    best.decode[key] = max(best.decode.get(key, 0.0), value)
+            return label, best
+    return None
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    return f"{value / base:.2f}x" if value and base else ""
+
+
+def _speed(value: float | None) -> str:
+    return f"{value:.1f}" if value else "—"
+
+
+def table(engines: Sequence[EngineSpeeds], prompts: Sequence[int], depths: Sequence[int], decode_tokens: int,
+          threads: int) -> str:
+    """A Markdown table, padded to line up in a terminal: one row per engine × (depth, prompt).
+
+    An engine's decode speed depends on the depth only: it is shown on the first of its
+    rows at that depth.
+    """
+    found = baseline_of(engines)
+    base = found[1] if found else None
+    header = [f"engine ({threads} threads)", "depth", "prompt", "prefill tok/s", f"decode {decode_tokens} tok/s"]
+    if base:
+        header[4:4] = ["prefill ×"]
+        header.append("decode ×")
+    rows = []
+    for depth in depths:
+        for engine in engines:
+            for i, prompt in enumerate(prompts):
+                pp = engine.prefill.get((depth, prompt))
+                tg = engine.decode.get(depth) if i == 0 else None
+                row = [engine.name, str(depth), str(prompt), _speed(pp), _speed(tg) if i == 0 else ""]
+                if base:
+                    row[4:4] = [_ratio(pp, base.prefill.get((depth, prompt)))]
+                    row.append(_ratio(tg, base.decode.get(depth)) if i == 0 else "")
+                rows.append(row)
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        padded = [cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(cells, widths))]
+        return "| " + " | ".join(padded) + " |"
+
+    out = [line(header), "|" + "|".join("-" * (w + 1) + (":" if c else "-") for c, w in enumerate(widths)) + "|"]
+    out += [line(r) for r in rows]
+    if found:
+        out.append(f"\nratios (×) against {found[0]}")
+    return "\n".join(out)

@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from llmc.errors import LlmcError
+from llmc.runtime import amx
 from llmc.runtime.artifact import (
     ENTRY_POINTS,
     INTEGER_ARGUMENTS,
+    KV_DTYPES,
     ArtifactError,
     Manifest,
     load_manifest,
@@ -98,6 +102,9 @@ class Session:
             self.library = load_verified_library(self.manifest, check_files)
         except OSError as e:
             raise ArtifactError(f"{self.manifest.file('kernels')}: cannot load: {e}") from e
+        self.amx, why = amx.enable(self.library)
+        if not self.amx and "failed" in why:
+            print(f"llmc: AMX tiles unavailable ({why}): prefill runs on VNNI", file=sys.stderr)
         self.entries = {}  # entry point → (function, its argument names in order)
         for name in ENTRY_POINTS:
             entry = self.manifest.entry_points[name]
@@ -107,8 +114,8 @@ class Session:
             self.entries[name] = (fn, entry["arguments"])
         kv = self.manifest.kv_cache
         self.capacity = kv["shape"][2]
-        self.k_cache = np.zeros(kv["shape"], np.float32)
-        self.v_cache = np.zeros(kv["shape"], np.float32)
+        self.k_cache = np.zeros(kv["shape"], KV_DTYPES[kv["dtype"]])
+        self.v_cache = np.zeros(kv["shape"], KV_DTYPES[kv["dtype"]])
         self.arena = np.zeros(max(e["arena_bytes"] for e in self.manifest.entry_points.values()) + 64, np.uint8)
         self.vocab_size = self.manifest.model["vocab_size"]
         self.chunk = self.manifest.entry_points["prefill"]["max_tokens"]
@@ -117,9 +124,10 @@ class Session:
         self.tokens = np.zeros(self.chunk, np.int32)
         self.positions = np.zeros(self.chunk, np.int32)
         self.position = 0
-        self.threads = threads or default_threads()
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        most = self.manifest.data["max_threads"]
+        self.threads = threads or min(default_threads(), most)
+        if not 1 <= self.threads <= most:
+            raise ValueError(f"threads must be in 1..{most} (the artifact's kernels), got {self.threads}")
         self.sync = np.zeros(2, np.int64)
         self.team = _Team(self.threads)
 
@@ -173,6 +181,21 @@ class Session:
                 entry = "prefill" if self.position == 0 else "prefill_kv"
                 self._call(entry, tokens[begin : begin + self.chunk], self.logits)
         return self.logits[0].copy()
+
+    def read_bandwidth(self, repeat: int = 5) -> float:
+        """GB/s at which this session's threads read the weights once (the kernels' read
+        probe, as a decode step streams them), best of `repeat` passes after a warm one."""
+        probe = getattr(self.library, self.manifest.data["read_probe"])
+        probe.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        probe.restype = None
+        out = np.zeros(self.threads, np.int64)
+        size = self.weights.size
+        best = float("inf")
+        for _ in range(repeat + 1):
+            start = time.perf_counter()
+            self.team.run(lambda tid: probe(self.weights.ctypes.data, size, tid, self.threads, _ptr(out)))
+            best = min(best, time.perf_counter() - start)
+        return size // 256 * 256 / best / 1e9
 
     def score(self, tokens: list[int] | np.ndarray) -> np.ndarray:
         """Run `tokens` after the ones already fed; returns every token's logits `[T, vocab]`."""

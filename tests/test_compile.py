@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 import subprocess
@@ -18,8 +19,10 @@ from llmc.cli import main
 from llmc.compile import BackendOptions, compile_model
 from llmc.errors import LlmcError
 from llmc.frontend import import_model, load_model
-from llmc.ir.interpreter import forward_logits
+from llmc.ir import find_function
+from llmc.ir.interpreter import KVCache, forward_logits
 from llmc.passes.pipeline import CompileOptions
+from llmc.runtime import amx as amx_permission
 from llmc.runtime.artifact import ArtifactError
 from llmc.runtime.session import CapacityError, Session
 from llmc.verify import teacher_forced
@@ -33,7 +36,8 @@ TOKENS = [5, 17, 42, 100, 150, 7, 9, 11, 200, 3, 4, 66, 250]
 
 @pytest.fixture(scope="module")
 def artifact(tiny, tmp_path_factory) -> Callable[..., Path]:
-    """`artifact(spec, chunk=4, group=True, cpu="native", form="gguf", **options)` → an artifact, built once."""
+    """`artifact(spec, chunk=4, group=True, cpu="native", form="gguf", **options)` → an artifact, built once
+    (with an f32 KV cache unless `kv_type` says otherwise: the interpreter's reference keeps f32)."""
     root = tmp_path_factory.mktemp("artifacts")
     built: dict[tuple, Path] = {}
 
@@ -43,7 +47,8 @@ def artifact(tiny, tmp_path_factory) -> Callable[..., Path]:
         if key not in built:
             out = root / f"a{len(built)}"
             compile_model(str(tiny(spec, form)), out,
-                          CompileOptions(prefill_chunk=chunk, max_seq=32, group=group, **options),
+                          CompileOptions(**{"prefill_chunk": chunk, "max_seq": 32, "group": group, "kv_type": "f32",
+                                            **options}),
                           BackendOptions(cpu=cpu), progress=lambda _: None)
             built[key] = out
         return built[key]
@@ -69,6 +74,22 @@ def test_compiled_logits_match_the_interpreter(tiny, artifact, spec: TinySpec, g
     session = Session(artifact(spec, group=group))
     logits = teacher_forced(lambda chunk, start: session.feed(chunk), TOKENS)
     _close(logits, _reference(tiny, spec, TOKENS))
+
+
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+def test_f16_kv_cache_matches_the_interpreter_with_an_f16_cache(tiny, artifact, spec: TinySpec) -> None:
+    """`--kv-type f16` (the default): the artifact stores keys and values as f16, like the
+    interpreter given an f16 cache; against the f32 cache the logits move measurably."""
+    session = Session(artifact(spec, kv_type="f16"))
+    assert session.k_cache.dtype == np.float16
+    logits = teacher_forced(lambda chunk, start: session.feed(chunk), TOKENS)
+    model = load_model(str(tiny(spec, "gguf")))
+    module = import_model(model)
+    cache_type = find_function(module, "forward").function_type.inputs.data[2]
+    shape = (*cache_type.shape[:2], len(TOKENS), cache_type.shape[3])
+    with_f16 = forward_logits(module, model.weights, TOKENS, cache=KVCache.zeros(shape, np.float16))
+    _close(logits, with_f16)
+    assert np.abs(with_f16 - _reference(tiny, spec, TOKENS)).max() > 0  # the f16 cache is not a no-op
 
 
 @pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
@@ -290,17 +311,25 @@ def test_malformed_manifest_is_refused(artifact, tmp_path, capsys, edit, message
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("name", ["f32-odd-heads", "a8-mixed", "a8-half-groups"])
 def test_threads_give_the_single_thread_logits(artifact, threads: int, name: str) -> None:
-    """Threads split each kernel's outputs (and quantize the int8 blocks they computed), so
-    every logit is computed the same way; running truly in parallel, no thread disturbs another."""
+    """Threads split each kernel's outputs (and quantize the int8 blocks they computed); only
+    decode's attention sums its positions in another order (each thread's share, merged), so
+    the logits agree to rounding, and a run repeats bit for bit: running truly in parallel,
+    no thread disturbs another."""
     spec = {"f32-odd-heads": SPECS["qwen2-bias-untied-odd-heads"], "a8-mixed": QSPECS["mixed"],
             "a8-half-groups": QSPECS["half-groups"]}[name]
     directory = artifact(spec, chunk=4)
     one, many = Session(directory, threads=1), Session(directory, threads=threads)
+    runs = []
     for _ in range(3):  # repeated: a race would show up now and then
         one.reset(), many.reset()
-        for chunk in (TOKENS[:7], TOKENS[7:8], TOKENS[8:]):
-            np.testing.assert_array_equal(one.feed(chunk), many.feed(chunk))
-        np.testing.assert_array_equal(one.score(TOKENS[:5]), many.score(TOKENS[:5]))
+        got = [many.feed(chunk).copy() for chunk in (TOKENS[:7], TOKENS[7:8], TOKENS[8:])] + [many.score(TOKENS[:5])]
+        want = [one.feed(chunk).copy() for chunk in (TOKENS[:7], TOKENS[7:8], TOKENS[8:])] + [one.score(TOKENS[:5])]
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=0, atol=1e-3 * np.abs(w).max())
+        runs.append(got)
+    for run in runs[1:]:
+        for g, first in zip(run, runs[0]):
+            np.testing.assert_array_equal(g, first)
     many.close()
 
 
@@ -394,6 +423,45 @@ def test_a8_artifacts_agree_with_the_quantize_stage(tiny, artifact, spec: TinySp
     assert (ours.argmax(-1) == reference.argmax(-1)).mean() >= 0.9
 
 
+LONG = [int(t) for t in np.random.default_rng(3).integers(0, 256, 45)]
+
+
+@pytest.mark.parametrize("spec", [QSPECS["mixed"], QSPECS["k-quants"], QSPECS["half-groups"]],
+                         ids=["mixed", "k-quants", "half-groups"])
+def test_prefill_on_amx_tiles_agrees_with_the_quantize_stage(tiny, artifact, spec: TinySpec) -> None:
+    """Chunks of 32 rows: on an AMX host the a8 projections of prefill and score take `isa amx`
+    (two 16-row tiles, the 13 rows of the last chunk on VNNI), decode keeps VNNI; with the tiles
+    refused, the same kernels run on VNNI alone, as close to the reference."""
+    from llmc.backends.cpu.target import cpu_target
+    from llmc.ir import tgt
+    from llmc.passes.pipeline import run_phase
+
+    directory = artifact(spec, chunk=32, max_seq=64)
+    amx = cpu_target("native").has("amx-tile", "amx-int8") and amx_permission.request()[0]
+    text = compile_model(str(tiny(spec, "gguf")), None, CompileOptions(prefill_chunk=32, max_seq=64), BackendOptions(),
+                         compile_to="lower", progress=lambda _: None)
+    decode = text[text.index("@decode"):text.index("@score")]
+    assert ("isa amx" in text) == amx and "isa amx" not in decode
+    session = Session(directory)
+    assert session.amx == amx
+    ours = session.score(LONG)
+    model = load_model(str(tiny(spec, "gguf")))
+    module = import_model(model)
+    module.attributes[tgt.TARGET] = cpu_target("native")
+    for phase in ("import", "optimize", "quantize"):
+        run_phase(module, phase, options=CompileOptions())
+    reference = forward_logits(module, model.weights, LONG)
+    assert _cosines(ours, reference).min() > 0.999
+    assert (ours.argmax(-1) == reference.argmax(-1)).mean() >= 0.9
+    flag = ctypes.c_int32.in_dll(session.library, "llmc_amx")
+    flag.value = 0
+    session.reset()
+    vnni = session.score(LONG)  # (sums in another order: an int8 rounding may flip, so cosines again)
+    assert _cosines(vnni, reference).min() > 0.999
+    assert (vnni.argmax(-1) == reference.argmax(-1)).mean() >= 0.9
+    session.close()
+
+
 def test_the_tgt_interpreter_reproduces_the_quantize_stage(tiny) -> None:
     """Lowering, packing and the memory plan change no number: the numpy kernels over the packed
     weights and the planned arena give the quantize stage's logits."""
@@ -408,7 +476,7 @@ def test_the_tgt_interpreter_reproduces_the_quantize_stage(tiny) -> None:
         module = import_model(model)
         module.attributes[tgt.TARGET] = cpu_target("native")
         for phase in PHASES:
-            run_phase(module, phase, options=CompileOptions(prefill_chunk=4, max_seq=32))
+            run_phase(module, phase, options=CompileOptions(prefill_chunk=4, max_seq=32, kv_type="f32"))
         entries = {e: find_function(module, e) for e in ("prefill", "decode")}
         cache = KVCache.zeros(tgt.dims(entries["decode"].body.block.args[3]))
         weights = KernelWeights(model.weights)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,9 +23,12 @@ import numpy as np
 import pytest
 from llvmlite import ir
 from xdsl.dialects.builtin import IndexType, i32
+from xdsl.dialects.builtin import f16 as F16_ATTR
+from xdsl.dialects.builtin import f32 as F32_ATTR
 from xdsl.ir import Attribute, Block
 
 from llmc.backends.cpu import KernelLibrary, ToolchainError, compile_to_object, link_shared, target_machine
+from llmc.backends.cpu import amx as amx_tiles
 from llmc.backends.cpu.builder import FPTR, I64
 from llmc.backends.cpu.target import CPUS, cpu_target, integer_isa, llvm_features
 from llmc.errors import LlmcError, UsageError
@@ -33,6 +37,7 @@ from llmc.ir.formats import FORMATS, Storage, integer_matmul, quantize_rows
 from llmc.ir.interpreter import rope_inv_freq
 from llmc.ir.layouts import Layout, QRowLayout, pack_split, qrows_nbytes
 from llmc.ir.tgt_interpreter import QRows
+from llmc.runtime import amx as amx_permission
 
 f32 = np.float32
 INTEGER_FORMATS = [s for s in Storage if not s.is_float]
@@ -64,7 +69,7 @@ def tm(request) -> Machine:
 
 
 class Kernel:
-    """One kernel op compiled alone; `kernel(values, tid, nth)` calls it with operands by name."""
+    """One kernel op compiled alone; `kernel(values, nth)` calls it with operands by name."""
 
     def __init__(self, tmp_path: Path, tm: Machine, make: Callable[..., tgt.Kernel], types: list[Attribute]):
         block = Block(arg_types=types)
@@ -74,10 +79,14 @@ class Kernel:
         module = ir.Module(name="kernels")
         self.fn = KernelLibrary(module).kernel(self.op)
         path = link_shared([compile_to_object(module, tm.tm)], tmp_path / f"k_{uuid.uuid4().hex}.so")
-        self.c = getattr(ctypes.CDLL(str(path)), self.fn.name)
+        self.library = ctypes.CDLL(str(path))
+        self.amx, _ = amx_permission.enable(self.library)  # kernels with `isa amx` may use the tiles
+        self.c = getattr(self.library, self.fn.name)
         self.c.restype = None
 
-    def __call__(self, values: dict[str, object], tid: int = 0, nth: int = 1) -> None:
+    def __call__(self, values: dict[str, object], nth: int = 1, tid: int | None = None) -> None:
+        """Run the kernel on `nth` threads at once (each with its tid, as an entry point
+        does), or only thread `tid`'s share (kernels that do not synchronise)."""
         args = []
         for name, _ in self.op.abi():
             v = values[name]
@@ -86,9 +95,19 @@ class Kernel:
             else:
                 assert isinstance(v, np.ndarray) and v.flags.c_contiguous, name
                 args.append(ctypes.c_void_p(v.ctypes.data))
-        if self.op.THREADED:
-            args += [ctypes.c_int64(tid), ctypes.c_int64(nth)]
-        self.c(*args)
+        sync = np.zeros(2, np.int64)
+        extra = [ctypes.c_void_p(sync.ctypes.data)] if self.op.SYNCS else []
+        if tid is not None:
+            assert not self.op.SYNCS, "a kernel that synchronises runs on all its threads"
+            self.c(*args, ctypes.c_int64(tid), ctypes.c_int64(nth))
+            return
+        threads = [threading.Thread(target=self.c, args=(*args, ctypes.c_int64(tid), ctypes.c_int64(nth), *extra))
+                   for tid in range(1, nth)]
+        for t in threads:
+            t.start()
+        self.c(*args, ctypes.c_int64(0), ctypes.c_int64(nth), *extra)
+        for t in threads:
+            t.join()
 
 
 def assert_close(got: np.ndarray, ref: np.ndarray, rtol: float = 1e-4) -> None:
@@ -396,7 +415,7 @@ def test_swiglu_a8_writes_quantized_rows(tmp_path, tm, storage, N):
     for n, nth in ((1, 1), (4, 1), (5, 2), (5, 3)):
         out = np.full(qrows_nbytes(R, N), 0xFF, np.uint8)
         for tid in range(nth):
-            k({"x": buf, "gate": gd, "up": ud, "out": out, "rows": n}, tid, nth)
+            k({"x": buf, "gate": gd, "up": ud, "out": out, "rows": n}, nth, tid=tid)
         x = (rows.qs[:n], rows.d[:n], rows.s[:n])
         y = silu64(integer_matmul(*x, qg)) * integer_matmul(*x, qu)
         qs, d, s = read_qrows(out, R, N, n)
@@ -404,6 +423,72 @@ def test_swiglu_a8_writes_quantized_rows(tmp_path, tm, storage, N):
         assert np.abs(qs.astype(int) - rq).max() <= 1 and (qs != rq).mean() < 0.01
         np.testing.assert_allclose(d, rd, rtol=1e-5)
         assert not qs[:, N:].any()
+
+
+# AMX tiles -------------------------------------------------------------------------
+
+AMX_FORMATS = [s for s in INTEGER_FORMATS if amx_tiles.supports(s)]
+
+
+@pytest.fixture(scope="module")
+def host_amx() -> Machine:
+    """The host CPU, for AMX kernels (skipped where the host or its kernel has no AMX-INT8)."""
+    if not _host_has("amx-tile", "amx-int8", "avx512vnni"):
+        pytest.skip("the host has no AMX-INT8")
+    if not amx_permission.request()[0]:
+        pytest.skip("the kernel refuses the AMX tile data")
+    return Machine("native", target_machine("native"))
+
+
+def test_amx_formats_are_those_with_32_value_scales():
+    assert Storage.Q4_1 in AMX_FORMATS and Storage.Q8_0 in AMX_FORMATS and Storage.Q4_K in AMX_FORMATS
+    assert Storage.Q6_K not in AMX_FORMATS  # 16-value scales: VNNI
+
+
+@pytest.mark.parametrize("storage", AMX_FORMATS, ids=str)
+@pytest.mark.parametrize("N,K", [(100, 256), (64, 576)])
+def test_matmul_amx_equals_the_integer_reference(tmp_path, host_amx, storage, N, K):
+    """Tiles for whole 16-row blocks, VNNI for the rows and columns left, on the same
+    quantized data as the reference; with the tiles switched off, the VNNI path alone."""
+    tm = host_amx
+    rng = np.random.default_rng(17)
+    R = 48
+    K = K if K % FORMATS[storage].block == 0 else 768  # k-quants: whole 256-blocks
+    w = rand(rng, N, K)
+    w[:, :64] *= 20
+    wtype, data, _ = weight_of(storage, w)
+    qt = FORMATS[storage].quantize(w)
+    buf, rows = qrows_of(rand(rng, R, K, scale=3.0), R)
+    k = Kernel(tmp_path, tm, matmul_op(isa=tgt.Isa.AMX), [tgt.QRowsType(R, K), wtype, tgt.memref(R, N), IDX])
+    assert k.amx
+    flag = ctypes.c_int32.in_dll(k.library, amx_tiles.FLAG)
+    for tiles, n, nth in ((1, 16, 1), (1, 37, 1), (1, 48, 3), (0, 37, 2)):
+        flag.value = tiles
+        out = np.zeros((R, N), f32)
+        k({"x": buf, "weight": data, "out": out, "rows": n}, nth)
+        ref = integer_matmul(rows.qs[:n], rows.d[:n], rows.s[:n], qt)
+        assert_close(out[:n], ref, rtol=2e-6)
+        assert not out[n:].any()
+
+
+@pytest.mark.parametrize("storage", [Storage.Q4_1, Storage.Q8_0, Storage.Q5_K], ids=str)
+def test_swiglu_amx_writes_quantized_rows(tmp_path, host_amx, storage):
+    tm = host_amx
+    rng = np.random.default_rng(19)
+    N, K, R = 160, 256, 40
+    wtype = tgt.WeightType((N, K), storage, Layout.SPLIT)
+    qg, qu = (FORMATS[storage].quantize(rand(rng, N, K)) for _ in range(2))
+    buf, rows = qrows_of(rand(rng, R, K), R)
+    k = Kernel(tmp_path, tm, swiglu_op(isa=tgt.Isa.AMX), [tgt.QRowsType(R, K), wtype, wtype, tgt.QRowsType(R, N), IDX])
+    for n, nth in ((16, 1), (35, 2)):
+        out = np.full(qrows_nbytes(R, N), 0xFF, np.uint8)
+        k({"x": buf, "gate": pack_split(qg), "up": pack_split(qu), "out": out, "rows": n}, nth)
+        x = (rows.qs[:n], rows.d[:n], rows.s[:n])
+        y = silu64(integer_matmul(*x, qg)) * integer_matmul(*x, qu)
+        qs, d, _ = read_qrows(out, R, N, n)
+        rq, rd, _ = quantize_rows(y.astype(f32))
+        assert np.abs(qs.astype(int) - rq).max() <= 1 and (qs != rq).mean() < 0.01
+        np.testing.assert_allclose(d, rd, rtol=1e-5)
 
 
 # rope and attention ----------------------------------------------------------------
@@ -421,6 +506,22 @@ def test_rope(tmp_path, tm, H, D, theta, start):
     assert_close(y, ref_rope(x, np.arange(start, start + n), theta))
 
 
+@pytest.mark.parametrize("D", [10, 64])
+def test_rope_angles_exact(tmp_path, tm, D):
+    """The inline sin/cos (no libm) equal libm's to 1e-6 over positions up to 2**17: rotating
+    (1, 0) pairs leaves cos in the first half and sin in the second."""
+    pos = np.concatenate([np.arange(0, 64), np.geomspace(64, 2 ** 17, 64).astype(np.int64)]).astype(np.int32)
+    n = len(pos)
+    k = Kernel(tmp_path, tm, lambda x, p, r: tgt.RopeOp(x, p, r, 10000.0),
+               [tgt.memref(n, 1, D), tgt.memref(n, element_type=i32), IDX])
+    y = np.zeros((n, 1, D), f32)
+    y[..., : D // 2] = 1.0
+    k({"x": y, "positions": pos, "rows": n})
+    angles = (pos.astype(f32)[:, None] * rope_inv_freq(D, 10000.0)[None, :]).astype(np.float64)
+    np.testing.assert_allclose(y[:, 0, : D // 2], np.cos(angles), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(y[:, 0, D // 2 :], np.sin(angles), rtol=0, atol=1e-6)
+
+
 def positions(start: int, n: int, capacity: int) -> np.ndarray:
     """The positions of n consecutive rows from `start`, in a buffer of `capacity` rows."""
     out = np.zeros(capacity, np.int32)
@@ -428,24 +529,32 @@ def positions(start: int, n: int, capacity: int) -> np.ndarray:
     return out
 
 
-def attention_kernel(tmp_path, tm, H, KVH, D, S, R, rope, quantized=False):
+def attention_kernel(tmp_path, tm, H, KVH, D, S, R, rope, quantized=False, cache=f32):
     out = tgt.QRowsType(R, H * D) if quantized else tgt.memref(R, H, D)
-    return Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, p, n: tgt.AttentionOp(q, k, v, kc, vc, o, p, n,
-                                                                                  10000.0 if rope else None),
-                  [tgt.memref(R, H, D), tgt.memref(R, KVH, D), tgt.memref(R, KVH, D), tgt.memref(KVH, S, D),
-                   tgt.memref(KVH, S, D), out, tgt.memref(R, element_type=i32), IDX])
+    element = F16_ATTR if cache == np.float16 else F32_ATTR
+    return Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, p, s, n: tgt.AttentionOp(q, k, v, kc, vc, o, p, s, n,
+                                                                                     10000.0 if rope else None),
+                  [tgt.memref(R, H, D), tgt.memref(R, KVH, D), tgt.memref(R, KVH, D),
+                   tgt.memref(KVH, S, D, element_type=element), tgt.memref(KVH, S, D, element_type=element), out,
+                   tgt.memref(R, element_type=i32), tgt.AttentionOp.partials_type(H, D), IDX])
+
+
+def partials(H, D) -> np.ndarray:
+    return np.zeros(tgt.dims(tgt.AttentionOp.partials_type(H, D)), f32)
 
 
 @pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("H,KVH,D,S", [(4, 2, 8, 32), (4, 4, 8, 32), (6, 1, 6, 24), (9, 3, 64, 64)])
-def test_attention(tmp_path, tm, rope, H, KVH, D, S):
-    """A 5-row prefill at 0, then 3 more rows at start=5 against a recomputation over
-    all 8 rows; the layer's cache holds every (rotated) key and value."""
+@pytest.mark.parametrize("nth,cache", [(1, f32), (3, f32), (2, np.float16)])
+def test_attention(tmp_path, tm, rope, H, KVH, D, S, nth, cache):
+    """A 5-row prefill at 0 (query tiles), then 3 more rows at start=5 (positions split
+    among the threads, partials merged) against a recomputation over all 8 rows; the
+    layer's cache holds every (rotated) key and value, rounded to the cache's type."""
     rng = np.random.default_rng(5)
     theta, total = 10000.0, 8
-    k_fn = attention_kernel(tmp_path, tm, H, KVH, D, S, total, rope)
+    k_fn = attention_kernel(tmp_path, tm, H, KVH, D, S, total, rope, cache=cache)
     q, k, v = rand(rng, total, H, D), rand(rng, total, KVH, D), rand(rng, total, KVH, D)
-    kc, vc = rand(rng, KVH, S, D), rand(rng, KVH, S, D)  # unused positions hold garbage
+    kc, vc = rand(rng, KVH, S, D).astype(cache), rand(rng, KVH, S, D).astype(cache)  # unused positions: garbage
     kc0, vc0 = kc.copy(), vc.copy()
     pos = np.arange(total)
     qr = ref_rope(q, pos, theta) if rope else q
@@ -455,13 +564,13 @@ def test_attention(tmp_path, tm, rope, H, KVH, D, S):
         qa[: hi - lo], ka[: hi - lo], va[: hi - lo] = q[lo:hi], k[lo:hi], v[lo:hi]
         out = np.zeros((total, H, D), f32)
         k_fn({"q": qa, "k": ka, "v": va, "k_cache": kc, "v_cache": vc, "out": out,
-              "positions": positions(lo, hi - lo, total), "rows": hi - lo})
+              "positions": positions(lo, hi - lo, total), "partials": partials(H, D), "rows": hi - lo}, nth)
         keys, values = kc0.copy(), vc0.copy()
         keys[:, :hi] = kr[:hi].transpose(1, 0, 2)
         values[:, :hi] = v[:hi].transpose(1, 0, 2)
         assert_close(out[: hi - lo], ref_attention(qr[lo:hi], keys, values, pos[lo:hi]))
-        assert_close(kc[:, :hi], kr[:hi].transpose(1, 0, 2))
-        np.testing.assert_array_equal(vc[:, :hi], v[:hi].transpose(1, 0, 2))
+        assert_close(kc[:, :hi], kr[:hi].transpose(1, 0, 2).astype(cache))
+        np.testing.assert_array_equal(vc[:, :hi], v[:hi].transpose(1, 0, 2).astype(cache))
         if rope:  # q and k rotated in place
             assert_close(qa[: hi - lo], qr[lo:hi])
             assert_close(ka[: hi - lo], kr[lo:hi])
@@ -469,9 +578,10 @@ def test_attention(tmp_path, tm, rope, H, KVH, D, S):
         np.testing.assert_array_equal(c[:, total:], c0[:, total:])
 
 
-def test_attention_decode_long_and_capacity(tmp_path, tm):
-    """Decode near the end of a 256-row cache (large score spread), then rows past the
-    capacity are skipped instead of written out of bounds."""
+@pytest.mark.parametrize("nth", [1, 2, 5])
+def test_attention_decode_long_and_capacity(tmp_path, tm, nth):
+    """Decode near the end of a 256-row cache (large score spread, several position
+    blocks per thread), then rows past the capacity are skipped instead of written out of bounds."""
     rng = np.random.default_rng(6)
     H, KVH, D, S = 4, 2, 16, 256
     k_fn = attention_kernel(tmp_path, tm, H, KVH, D, S, 5, False)
@@ -480,7 +590,7 @@ def test_attention_decode_long_and_capacity(tmp_path, tm):
     out = np.zeros((5, H, D), f32)
     start = 250
     k_fn({"q": q, "k": k, "v": v, "k_cache": kc, "v_cache": vc, "out": out, "positions": positions(start, 1, 5),
-          "rows": 1})
+          "partials": partials(H, D), "rows": 1}, nth)
     keys = kc.copy()
     assert_close(out[:1], ref_attention(q[:1], keys, vc, np.array([start])))
     big = np.zeros((5, KVH, D), f32)
@@ -488,7 +598,7 @@ def test_attention_decode_long_and_capacity(tmp_path, tm):
     out5 = np.zeros((5, H, D), f32)
     outside = np.array([S - 2, S - 1, S, S + 1, -1], np.int32)  # the last three are outside the cache: skipped
     k_fn({"q": rand(rng, 5, H, D), "k": big, "v": big, "k_cache": kc, "v_cache": vc, "out": out5, "rows": 5,
-          "positions": outside})
+          "positions": outside, "partials": partials(H, D)}, nth)
     np.testing.assert_array_equal(kc[:, : S - 2], kc_before[:, : S - 2])
     assert not kc[:, S - 2:].any()
     assert not out5[2:].any()
@@ -509,10 +619,8 @@ def test_attention_writes_quantized_rows(tmp_path, tm, H, KVH, D):
     for nth in (1, 2):
         out = np.full(qrows_nbytes(R, H * D), 0xFF, np.uint8)
         qa, ka, kca, vca = q.copy(), k.copy(), kc.copy(), vc.copy()
-        for tid in range(nth):
-            k_fn({"q": qa, "k": ka, "v": v, "k_cache": kca, "v_cache": vca, "out": out,
-                  "positions": positions(start, n, R), "rows": n},
-                 tid, nth)
+        k_fn({"q": qa, "k": ka, "v": v, "k_cache": kca, "v_cache": vca, "out": out,
+              "positions": positions(start, n, R), "partials": partials(H, D), "rows": n}, nth)
         qs, d, _ = read_qrows(out, R, H * D, n)
         rq, rd, _ = quantize_rows(ref.astype(f32))
         assert np.abs(qs.astype(int) - rq).max() <= 1 and (qs != rq).mean() < 0.01
@@ -591,21 +699,20 @@ def test_threads_share_the_work_exactly(tmp_path, tm, nth):
         whole, parts = np.zeros((R, n_out), f32), np.zeros((R, n_out), f32)
         k({**values, "out": whole, "rows": R})
         for tid in range(nth):
-            k({**values, "out": parts, "rows": R}, tid, nth)
+            k({**values, "out": parts, "rows": R}, nth, tid=tid)
         np.testing.assert_array_equal(parts, whole)
     att = attention_kernel(tmp_path, tm, H, KVH, D, S, 4, True)
     q, kk, v = rand(rng, 4, H, D), rand(rng, 4, KVH, D), rand(rng, 4, KVH, D)
     results = []
-    for shares in ([(0, 1)], [(tid, nth) for tid in range(nth)]):
+    for count in (1, nth):  # the cache and rotated q exactly; the output merged from partials
         qa, ka, out = q.copy(), kk.copy(), np.zeros((4, H, D), f32)
         kc, vc = np.zeros((KVH, S, D), f32), np.zeros((KVH, S, D), f32)
-        for tid, count in shares:
-            att({"q": qa, "k": ka, "v": v, "k_cache": kc, "v_cache": vc, "out": out,
-                 "positions": positions(2, 4, 4), "rows": 4},
-                tid, count)
-        results.append((out, kc, vc, qa))
-    for a, b in zip(*results):
+        att({"q": qa, "k": ka, "v": v, "k_cache": kc, "v_cache": vc, "out": out,
+             "positions": positions(2, 4, 4), "partials": partials(H, D), "rows": 4}, count)
+        results.append((kc, vc, qa, out))
+    for a, b in zip(results[0][:3], results[1][:3]):
         np.testing.assert_array_equal(a, b)
+    assert_close(results[1][3], results[0][3], rtol=1e-6)
 
 
 # the library -----------------------------------------------------------------------

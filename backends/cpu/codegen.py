@@ -10,10 +10,14 @@ indices as `i64`, then the arena, the weight file and the thread's place), whose
 is straight-line calls into the kernels of
 `KernelLibrary`, with every buffer an offset into the arena (from `plan-memory`), into
 the weight file (from the artifact's weight layout) or into the KV cache (a layer's
-`tgt.subview`). `nth` threads call it at once, each with its `tid`: kernels marked
-`THREADED` split their work among them, the others run on thread 0, and a barrier on
-`sync` (two i64: arrivals, generation) separates kernels. One native call per chunk or
-token per thread; no per-op calls from Python.
+`tgt.subview`). `nth` threads call it at once, each with its `tid`, and every kernel splits its work
+among them (rows, output columns, cache positions). A barrier on
+`sync` (two i64: arrivals, generation) goes before a kernel only where it touches bytes
+that a kernel since the last barrier wrote, or writes bytes one of them read
+(`tgt.Kernel.WRITES`; arena regions from plan-memory, cache regions from subviews):
+the q, k and v projections of a layer read the same rows and write disjoint buffers,
+so no barrier separates them. One native call per chunk or token per thread; no per-op
+calls from Python.
 """
 
 from __future__ import annotations
@@ -25,14 +29,13 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import IndexType, ModuleOp, StringAttr
 from xdsl.ir import SSAValue
 
-from llmc.backends.cpu.builder import I64, VOID
-from llmc.backends.cpu.kernels import KernelLibrary
-from llmc.backends.cpu.quant import I8PTR
+from llmc.backends.cpu.builder import I64, VOID, KernelBuilder
+from llmc.backends.cpu.kernels import I64PTR, KernelLibrary
+from llmc.backends.cpu.quant import I8PTR, declare
 from llmc.errors import LlmcError
 from llmc.ir import tgt
 from llmc.ir.layouts import Layout
 
-I64PTR = I64.as_pointer()
 # after the function's own arguments: what every entry point also takes
 IMPLICIT_ARGUMENTS = (("arena", I8PTR), ("weights", I8PTR), ("tid", I64), ("nth", I64), ("sync", I64PTR))
 
@@ -48,75 +51,54 @@ def entry_arguments(function: func.FuncOp) -> list[str]:
     return [name for name, _ in _entry_parameters(function)]
 
 
-SPINS_BEFORE_YIELD = 2000
-
-
-def barrier_function(module: ir.Module) -> ir.Function:
-    """`void llmc_barrier(i64* sync, i64 nth)`: wait until all `nth` threads arrive.
-
-    sync[0] counts arrivals; the last thread to arrive resets it and bumps the
-    generation sync[1], which the others watch: spinning with `pause` at first, then
-    yielding the core (another process may need it to run the thread everyone waits for).
-    """
-    fn = ir.Function(module, ir.FunctionType(VOID, [I64PTR, I64]), name="llmc_barrier")
-    fn.linkage = "internal"
-    fn.attributes.add("noinline")  # called ~1000 times per entry point: inlining would bloat them
-    sync, nth = fn.args
-    b = ir.IRBuilder(fn.append_basic_block("entry"))
-    spins = b.alloca(I64)
-    alone, arrive, last, wait, done = (fn.append_basic_block(n) for n in ("alone", "arrive", "last", "wait", "done"))
-    b.cbranch(b.icmp_signed("<=", nth, ir.Constant(I64, 1)), alone, arrive)
-    b.position_at_end(alone)
-    b.ret_void()
-
-    b.position_at_end(arrive)
-    generation = b.gep(sync, [ir.Constant(I64, 1)])
-    seen = b.load_atomic(generation, "acquire", 8)
-    b.store(ir.Constant(I64, 0), spins)
-    arrived = b.atomic_rmw("add", sync, ir.Constant(I64, 1), "acq_rel")
-    b.cbranch(b.icmp_signed("==", arrived, b.sub(nth, ir.Constant(I64, 1))), last, wait)
-
-    b.position_at_end(last)
-    b.store_atomic(ir.Constant(I64, 0), sync, "monotonic", 8)
-    b.atomic_rmw("add", generation, ir.Constant(I64, 1), "release")
-    b.ret_void()
-
-    b.position_at_end(wait)
-    pause = module.declare_intrinsic("llvm.x86.sse2.pause", fnty=ir.FunctionType(VOID, []))
-    sched_yield = ir.Function(module, ir.FunctionType(ir.IntType(32), []), name="sched_yield")
-    count = b.add(b.load(spins), ir.Constant(I64, 1))
-    b.store(count, spins)
-    with b.if_else(b.icmp_signed("<", count, ir.Constant(I64, SPINS_BEFORE_YIELD))) as (spin, give_way):
-        with spin:
-            b.call(pause, [])
-        with give_way:
-            b.call(sched_yield, [])
-    b.cbranch(b.icmp_signed("==", b.load_atomic(generation, "acquire", 8), seen), wait, done)
-    b.position_at_end(done)
-    b.ret_void()
-    return fn
-
-
 def entry_symbol(stage: str) -> str:
     return f"llmc_{stage}"
 
 
+Region = tuple[str, int, int]  # a buffer's bytes: (what it is in, first byte, end)
+WHOLE = 1 << 62  # an entry argument's extent: all of it
+
+
+def _overlap(a: Region, b: Region) -> bool:
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
 class _EntryEmitter:
-    """The body of one entry point: pointers for buffers, then one call per kernel op.
+    """The body of one entry point: pointers for buffers, then one call per kernel op,
+    with barriers where the data flow needs them.
 
     A kernel's arguments are its op's operands in definition order (`tgt.Kernel.abi`):
     nothing here knows any kernel's signature.
     """
 
-    def __init__(self, lib: KernelLibrary, fn: ir.Function, function: func.FuncOp, weight_offsets: Mapping[str, int],
-                 barrier: ir.Function):
+    def __init__(self, lib: KernelLibrary, fn: ir.Function, function: func.FuncOp, weight_offsets: Mapping[str, int]):
         self.lib = lib
         self.b = ir.IRBuilder(fn.append_basic_block("entry"))
         self.weight_offsets = weight_offsets
-        self.barrier = barrier
         own = len(function.body.block.args)
         self.arena, self.weights, self.tid, self.nth, self.sync = fn.args[own:]
         self.values: dict[SSAValue, ir.Value] = dict(zip(function.body.block.args, fn.args[:own]))
+        self.regions: dict[SSAValue, Region] = {
+            arg: (arg.name_hint or f"arg{i}", 0, WHOLE) for i, arg in enumerate(function.body.block.args)}
+        self.read: list[Region] = []  # since the last barrier
+        self.written: list[Region] = []
+        self.barriers = 0
+
+    def barrier(self) -> None:
+        self.b.call(self.lib.barrier(), [self.sync, self.nth])
+        self.read, self.written = [], []
+        self.barriers += 1
+
+    def _order(self, op: tgt.Kernel) -> None:
+        """A barrier first if `op` conflicts with a kernel since the last one; then record its accesses."""
+        writes = {name for name in op.WRITES}
+        mine_r = [self.regions[v] for name, v in op.abi() if v in self.regions and name not in writes]
+        mine_w = [self.regions[v] for name, v in op.abi() if v in self.regions and name in writes]
+        if any(_overlap(w, o) for w in mine_w for o in self.read + self.written) or \
+                any(_overlap(r, o) for r in mine_r for o in self.written):
+            self.barrier()
+        self.read += mine_r
+        self.written += mine_w
 
     def at(self, base: ir.Value, offset: int) -> ir.Value:
         return self.b.gep(base, [ir.Constant(I64, offset)])
@@ -125,50 +107,89 @@ class _EntryEmitter:
         v = self.values
         if isinstance(op, tgt.AllocOp):
             assert op.offset is not None, "run plan-memory before codegen"
-            v[op.result] = self.at(self.arena, op.offset.value.data)
+            offset = op.offset.value.data
+            v[op.result] = self.at(self.arena, offset)
+            self.regions[op.result] = ("arena", offset, offset + tgt.nbytes(op.result.type))
         elif isinstance(op, tgt.ViewOp):
             v[op.result] = v[op.source]
+            self.regions[op.result] = self.regions[op.source]
         elif isinstance(op, tgt.SubviewOp):
             v[op.result] = self.at(v[op.source], op.byte_offset)
+            where, lo, _ = self.regions[op.source]
+            self.regions[op.result] = (where, lo + op.byte_offset, lo + op.byte_offset + tgt.nbytes(op.result.type))
         elif isinstance(op, tgt.WeightOp):
             t = op.weight_type
             if t.layout is Layout.STORED and not t.storage.is_float:
                 raise LlmcError(f"cpu codegen: weight @{op.sym_name} ({t.storage}) is not packed: run the pack pass")
             v[op.result] = self.at(self.weights, self.weight_offsets[op.sym_name])
         elif isinstance(op, tgt.Kernel):
+            self._order(op)
             kernel = self.lib.kernel(op)
-            args = [v[value] for _, value in op.abi()]
-            if op.THREADED:  # every thread takes its share
-                self.b.call(kernel, [*args, self.tid, self.nth])
-            else:  # thread 0 runs it
-                with self.b.if_then(self.b.icmp_signed("==", self.tid, ir.Constant(I64, 0))):
-                    self.b.call(kernel, args)
-            self.b.call(self.barrier, [self.sync, self.nth])
+            sync = [self.sync] if op.SYNCS else []
+            self.b.call(kernel, [*(v[value] for _, value in op.abi()), self.tid, self.nth, *sync])
         elif isinstance(op, func.ReturnOp):
+            self.barrier()  # every thread returns with the results complete
             self.b.ret_void()
         else:
             raise LlmcError(f"cpu codegen: no emitter for {op.name}")
 
 
-def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int]) -> tuple[ir.Module, dict[str, str]]:
-    """The LLVM module of every entry point; returns it and `{stage: exported symbol}`."""
+READ_PROBE = "llmc_read"
+READ_STEP = 256  # bytes per iteration: four 64-byte loads into four accumulators
+
+
+def read_probe(module: ir.Module) -> ir.Function:
+    """`void llmc_read(i8* p, i64 bytes, i64 tid, i64 nth, i64* out)`: thread `tid` of `nth`
+    reads its share of `bytes` (whole 256-byte steps) once, as a decode step streams the
+    weights, and leaves the xor of what it read in out[tid]. `llmc bench` times it: the
+    read bandwidth the decode kernels are measured against."""
+    fn = ir.Function(module, ir.FunctionType(VOID, [I8PTR, I64, I64, I64, I64PTR]), name=READ_PROBE)
+    f = KernelBuilder(module, fn)
+    p, nbytes, tid, nth, out = fn.args
+    lanes = ir.VectorType(ir.IntType(32), 16)
+    accs = [f.alloca(lanes, name=f"acc{i}") for i in range(READ_STEP // 64)]
+    for acc in accs:
+        f.b.store(ir.Constant(lanes, [0] * 16), acc)
+    lo, hi = f.share(f.b.sdiv(nbytes, f.i64(READ_STEP)), tid, nth)
+    prefetch = declare(f, "llvm.prefetch.p0", VOID, [I8PTR, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
+    with f.loop(lo, hi, name="c", unroll=False) as c:
+        base = f.mul(c, READ_STEP)
+        f.b.call(prefetch, [f.b.gep(p, [f.add(base, 4096)]), ir.Constant(ir.IntType(32), 0),
+                            ir.Constant(ir.IntType(32), 3), ir.Constant(ir.IntType(32), 1)])
+        for i, acc in enumerate(accs):
+            v = f.b.load(f.b.bitcast(f.b.gep(p, [f.add(base, 64 * i)]), lanes.as_pointer()), align=64)
+            f.b.store(f.b.xor(f.b.load(acc), v), acc)
+    total = f.b.load(accs[0])
+    for acc in accs[1:]:
+        total = f.b.xor(total, f.b.load(acc))
+    word = f.b.bitcast(total, ir.VectorType(I64, 8))
+    folded = f.b.extract_element(word, ir.Constant(ir.IntType(32), 0))
+    for i in range(1, 8):
+        folded = f.b.xor(folded, f.b.extract_element(word, ir.Constant(ir.IntType(32), i)))
+    f.b.store(folded, f.b.gep(out, [tid]))
+    f.finish()
+    return fn
+
+
+def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int]) -> tuple[ir.Module, dict[str, int]]:
+    """The LLVM module of every entry point (`entry_symbol(stage)` each) and of the read
+    probe (`READ_PROBE`); returns it and the number of barriers each entry point's threads pass."""
     llvm_module = ir.Module("llmc")
     lib = KernelLibrary(llvm_module, linkage="internal")
-    barrier = barrier_function(llvm_module)
-    symbols: dict[str, str] = {}
+    barriers: dict[str, int] = {}
     for function in module.ops:
         if not isinstance(function, func.FuncOp):
             continue
         stage = function.attributes.get("llm.stage")
         if not isinstance(stage, StringAttr):
             raise LlmcError(f"cpu codegen: @{function.sym_name.data} is not a lowered entry point")
-        symbol = entry_symbol(stage.data)
         parameters = _entry_parameters(function)
-        fn = ir.Function(llvm_module, ir.FunctionType(VOID, [t for _, t in parameters]), name=symbol)
+        fn = ir.Function(llvm_module, ir.FunctionType(VOID, [t for _, t in parameters]), name=entry_symbol(stage.data))
         for arg, (name, _) in zip(fn.args, parameters):
             arg.name = name
-        emitter = _EntryEmitter(lib, fn, function, weight_offsets, barrier)
+        emitter = _EntryEmitter(lib, fn, function, weight_offsets)
         for op in function.body.block.ops:
             emitter.emit(op)
-        symbols[stage.data] = symbol
-    return llvm_module, symbols
+        barriers[stage.data] = emitter.barriers
+    read_probe(llvm_module)
+    return llvm_module, barriers

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from llvmlite import ir
 
+from llmc.backends.cpu import amx
 from llmc.backends.cpu.builder import F32, FPTR, I32, KernelBuilder
 from llmc.backends.cpu.quant import F16, I16, QRowsAccess, SplitWeight, integer_dot, lanes_of_slices, vec
 from llmc.ir import tgt
@@ -32,6 +33,7 @@ from llmc.ir.layouts import Layout
 # matmul register tiles: R rows × C output columns per weight matrix
 TILE_ROWS = 4
 TILE_COLS = {1: 4, 2: 2}
+AMX_UNIT = 32  # columns an AMX thread takes at once (the int8 rows' tile is reused across them)
 # Rows per block: the x rows of one block stay in L2 while every weight tile passes.
 BLOCK_BYTES = 192 * 1024
 MAX_BLOCK_ROWS = 64
@@ -116,6 +118,10 @@ def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt
     R, C = TILE_ROWS, TILE_COLS[nw]
     unit = unit or C
     assert unit % C == 0
+    tiles = isa is tgt.Isa.AMX  # AMX tiles for whole 16-row blocks, VNNI-512 for the rows left
+    if tiles:
+        assert rows.quantized and AMX_UNIT % unit == 0
+        unit, isa = AMX_UNIT, tgt.Isa.VNNI512
     integer = weights[0][1].layout is Layout.SPLIT
     access = [SplitWeight(f, p, t) if integer else (weight_ptr(f, p, t.storage), t.storage) for p, t in weights]
     TB = max(R, min(MAX_BLOCK_ROWS, BLOCK_BYTES // (4 * K)) // R * R)
@@ -152,7 +158,17 @@ def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt
                 if flush is not None:
                     flush(t, r, j0)
 
-    with f.loop(0, rows.count, TB, name="tb") as t0:
+    start = f.i64(0)  # the first row the loops below compute
+    if tiles:
+        lo, hi, rest = _share_blocks(f, N, unit, tid, nth)
+        t16 = b.select(amx.enabled(f), b.and_(rows.count, f.i64(-amx.TILE)), f.i64(0))
+        amx.gemm_amx(f, rows.q, access, t16, lo, hi, unit, finish, flush)
+        if rest:  # the columns left over, on the last thread
+            with f.when(b.icmp_signed("==", tid, b.sub(nth, f.i64(1)))):
+                with f.loop(0, t16, TB, name="tr") as t0:
+                    unit_columns(t0, f.smin(f.add(t0, TB), t16), f.i64(N - rest), rest)
+        start = t16
+    with f.loop(start, rows.count, TB, name="tb") as t0:
         t_end = f.smin(f.add(t0, TB), rows.count)
         if inv is not None:
             with f.loop(t0, t_end, name="tn") as t:

@@ -3,8 +3,8 @@
 `KernelLibrary.kernel(op)` emits (once per distinct operand types and properties) the
 function that carries out `op`. Its arguments are the op's operands in definition
 order (`tgt.Kernel.abi`): every buffer is an `i8*` (float rows, quantized rows, a
-weight), every index an `i64`; kernels that split their work among threads
-(`THREADED`) also take `i64 tid, i64 nth`. Shapes, storage types, layouts, eps and
+weight), every index an `i64`; then `i64 tid, i64 nth`: every kernel does thread
+`tid`'s share of the work of `nth` threads. Shapes, storage types, layouts, eps and
 theta are baked in as constants; only the row count `rows` and the rows' `positions`
 arrive at run time.
 
@@ -15,9 +15,9 @@ arrive at run time.
 The matmul family (matmul, swiglu, the LM head) runs on `gemm`'s loop nests, whose
 inner loop follows the weight format and whether the rows are float or quantized.
 Kernels that write quantized rows (RMSNorm, SwiGLU, attention, quantize) quantize each
-32-value block as soon as it is computed (`quant.QRowsAccess.store_block`). exp is
-inline (Cephes polynomial), so silu and softmax vectorise and need no libm; RoPE calls
-libm's cos/sin once per (position, frequency).
+32-value block as soon as it is computed (`quant.QRowsAccess.store_block`). exp, sin
+and cos are inline polynomials (`KernelBuilder.exp`, `.sincos`), so silu, softmax and
+RoPE vectorise and need no libm.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from xdsl.dialects.builtin import MemRefType
 from llmc.backends.cpu.builder import F32, F64, FPTR, I32, I64, VOID, KernelBuilder, _chunks
 from llmc.backends.cpu.gemm import TILE_ROWS, Rows, floats, gemm, inv_rms, load_weight, weight_ptr
 from llmc.backends.cpu.quant import (
+    F16,
     I8PTR,
     QRowsAccess,
     SplitWeight,
@@ -40,6 +41,10 @@ from llmc.ir import tgt
 from llmc.ir.formats import ACT_BLOCK, GROUP
 from llmc.ir.interpreter import rope_inv_freq
 from llmc.ir.layouts import Layout
+
+I64PTR = I64.as_pointer()
+QUERY_TILE = 4  # prefill attention: query rows per tile (they share every K/V row load)
+POS_BLOCK = 64  # attention: cache positions per online-softmax step
 
 
 def _fmt(value: float) -> str:
@@ -100,12 +105,18 @@ class KernelLibrary:
             raise NotImplementedError(f"cpu: no kernel emitter for {op.name}")
         params = [(name, I64 if not isinstance(v.type, (MemRefType, tgt.QRowsType, tgt.WeightType)) else I8PTR)
                   for name, v in op.abi()]
-        if op.THREADED:
-            params += [("tid", I64), ("nth", I64)]
+        params += [("tid", I64), ("nth", I64)]
+        if op.SYNCS:
+            params.append(("sync", I64PTR))
         fn, f = self._new(key, kernel_name(op), params)
         emitter(self, f, op, dict(zip((p for p, _ in params), fn.args)))
         f.finish()
         return fn
+
+    def barrier(self) -> ir.Function:
+        """`void llmc_barrier(i64* sync, i64 nth)` of the module (emitted on first use)."""
+        fn = self.module.globals.get("llmc_barrier")
+        return fn if fn is not None else _barrier_function(self.module)
 
     def functions(self) -> list[ir.Function]:
         """Every kernel emitted so far, in emission order."""
@@ -136,6 +147,55 @@ class KernelLibrary:
         return self.module.globals[name]
 
 
+SPINS_BEFORE_YIELD = 2000
+
+
+def _barrier_function(module: ir.Module) -> ir.Function:
+    """`void llmc_barrier(i64* sync, i64 nth)`: wait until all `nth` threads arrive.
+
+    sync[0] counts arrivals; the last thread to arrive resets it and bumps the
+    generation sync[1], which the others watch: spinning with `pause` at first, then
+    yielding the core (another process may need it to run the thread everyone waits for).
+    """
+    fn = ir.Function(module, ir.FunctionType(VOID, [I64PTR, I64]), name="llmc_barrier")
+    fn.linkage = "internal"
+    fn.attributes.add("noinline")  # called ~1000 times per entry point: inlining would bloat them
+    sync, nth = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    spins = b.alloca(I64)
+    alone, arrive, last, wait, done = (fn.append_basic_block(n) for n in ("alone", "arrive", "last", "wait", "done"))
+    b.cbranch(b.icmp_signed("<=", nth, ir.Constant(I64, 1)), alone, arrive)
+    b.position_at_end(alone)
+    b.ret_void()
+
+    b.position_at_end(arrive)
+    generation = b.gep(sync, [ir.Constant(I64, 1)])
+    seen = b.load_atomic(generation, "acquire", 8)
+    b.store(ir.Constant(I64, 0), spins)
+    arrived = b.atomic_rmw("add", sync, ir.Constant(I64, 1), "acq_rel")
+    b.cbranch(b.icmp_signed("==", arrived, b.sub(nth, ir.Constant(I64, 1))), last, wait)
+
+    b.position_at_end(last)
+    b.store_atomic(ir.Constant(I64, 0), sync, "monotonic", 8)
+    b.atomic_rmw("add", generation, ir.Constant(I64, 1), "release")
+    b.ret_void()
+
+    b.position_at_end(wait)
+    pause = module.declare_intrinsic("llvm.x86.sse2.pause", fnty=ir.FunctionType(VOID, []))
+    sched_yield = ir.Function(module, ir.FunctionType(ir.IntType(32), []), name="sched_yield")
+    count = b.add(b.load(spins), ir.Constant(I64, 1))
+    b.store(count, spins)
+    with b.if_else(b.icmp_signed("<", count, ir.Constant(I64, SPINS_BEFORE_YIELD))) as (spin, give_way):
+        with spin:
+            b.call(pause, [])
+        with give_way:
+            b.call(sched_yield, [])
+    b.cbranch(b.icmp_signed("==", b.load_atomic(generation, "acquire", 8), seen), wait, done)
+    b.position_at_end(done)
+    b.ret_void()
+    return fn
+
+
 def _weight_type(value) -> tgt.WeightType:
     t = value.type
     assert isinstance(t, tgt.WeightType)
@@ -151,7 +211,7 @@ def _embedding(lib: KernelLibrary, f: KernelBuilder, op: tgt.EmbeddingOp, a: dic
     D = table_type.shape[1]
     tokens = f.b.bitcast(a["tokens"], I32.as_pointer())
     out = floats(f, a["out"])
-    with f.loop(0, a["rows"], name="t") as t:
+    with f.loop(*f.share(a["rows"], a["tid"], a["nth"]), name="t") as t:
         tok = f.b.sext(f.load(tokens, t), I64)
         dst = f.ptr(out, f.mul(t, D))
         if table_type.layout is Layout.SPLIT:
@@ -181,7 +241,7 @@ def _rms_norm(lib: KernelLibrary, f: KernelBuilder, op: tgt.RMSNormOp, a: dict) 
     quantized = tgt.is_quantized(op.out)
     q = QRowsAccess(f, a["out"], op.out.type) if quantized else None
     out = None if quantized else floats(f, a["out"])
-    with f.loop(0, a["rows"], name="t") as t:
+    with f.loop(*f.share(a["rows"], a["tid"], a["nth"]), name="t") as t:
         row = f.ptr(x, f.mul(t, D))
         inv = inv_rms(f, row, D, eps)
         if q is None:
@@ -201,7 +261,7 @@ def _quantize(lib: KernelLibrary, f: KernelBuilder, op: tgt.QuantizeOp, a: dict)
     D = tgt.row_width(op.x)
     x = floats(f, a["x"])
     q = QRowsAccess(f, a["out"], op.out.type)
-    with f.loop(0, a["rows"], name="t") as t:
+    with f.loop(*f.share(a["rows"], a["tid"], a["nth"]), name="t") as t:
         row = f.ptr(x, f.mul(t, D))
         with f.loop(0, D // ACT_BLOCK, name="b", unroll=False) as blk:
             base = f.mul(blk, ACT_BLOCK)
@@ -287,12 +347,13 @@ def _rope_tables(lib: KernelLibrary, f: KernelBuilder, D: int, theta: float
 
     def fill(pos: ir.Value) -> None:
         b = f.b
-        p = b.sitofp(pos, F32)
         freqs = b.bitcast(table, FPTR)
-        with f.loop(0, half, name="ri", unroll=False) as i:
-            angle = b.fpext(b.fmul(p, f.load(freqs, i)), F64)  # f32 product, as numpy
-            f.store(b.fptrunc(f.intrinsic("llvm.cos", angle), F32), cos_t, i)
-            f.store(b.fptrunc(f.intrinsic("llvm.sin", angle), F32), sin_t, i)
+        for o in range(0, half, 8):  # f32 angles (as numpy), cos and sin in f64 vectors
+            w = min(8, half - o)
+            angle = f.fmul(f.splat(b.sitofp(pos, F32), vec(F32, w)), f.vload(freqs, f.i64(o), w), flags=())
+            sin, cos = f.sincos(b.fpext(angle, vec(F64, w)))
+            f.vstore(b.fptrunc(cos, vec(F32, w)), cos_t, f.i64(o))
+            f.vstore(b.fptrunc(sin, vec(F32, w)), sin_t, f.i64(o))
 
     return cos_t, sin_t, fill
 
@@ -321,9 +382,210 @@ def _rope(lib: KernelLibrary, f: KernelBuilder, op: tgt.RopeOp, a: dict) -> None
     _, H, D = tgt.dims(op.x)
     x = floats(f, a["x"])
     cos_t, sin_t, fill = _rope_tables(lib, f, D, op.theta.value.data)
-    with f.loop(0, a["rows"], name="t") as t:
+    with f.loop(*f.share(a["rows"], a["tid"], a["nth"]), name="t") as t:
         fill(_position(f, a["positions"], t))
         _rope_apply(f, f.ptr(x, f.mul(t, H * D)), H, D, cos_t, sin_t)
+
+
+def _cache_element(value) -> ir.Type:
+    return F16 if str(value.type.element_type) == "f16" else F32
+
+
+def _attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict) -> None:
+    """q [n, H, D], k and v [n, KVH, D]; the layer's caches [KVH, S, D] (f32 or f16). With
+    `rope`, q and k are rotated in place first. Row t of k, v goes to cache position
+    positions[t]; each query row t attends causally to positions 0..positions[t] (GQA:
+    query head h reads kv head h / (H/KVH)); out [n, H·D], float or quantized. Rows whose
+    position is outside the cache are skipped.
+
+    1. RoPE and the cache write, the threads sharing (row, head) pairs; a barrier.
+    2. Online softmax over blocks of `POS_BLOCK` positions (the scores of one block on the
+       stack, whatever the context length). Up to `tgt.ATTENTION_SPLIT_ROWS` rows (decode)
+       the threads share the positions of the cache: each leaves a partial (max, sum,
+       weighted values) per query head in `partials`, and after a barrier the threads
+       merge them head by head (flash-decoding). More rows (prefill): the threads share
+       tiles of `QUERY_TILE` rows × one kv head, dealt round-robin (later rows attend to
+       more positions); every K and V row is loaded once for the tile's rows and heads.
+    """
+    _, H, D = tgt.dims(op.q)
+    KVH, S, _ = tgt.dims(op.k_cache)
+    G = H // KVH
+    b = f.b
+    q, k, v, partials = (floats(f, a[name]) for name in ("q", "k", "v", "partials"))
+    element = _cache_element(op.k_cache)
+    k_cache, v_cache = (b.bitcast(a[name], element.as_pointer()) for name in ("k_cache", "v_cache"))
+    n, tid, nth = a["rows"], a["tid"], a["nth"]
+    qout = QRowsAccess(f, a["out"], op.out.type) if tgt.is_quantized(op.out) else None
+    out = None if qout is not None else floats(f, a["out"])
+    chunks = _chunks(D)
+    scale = f.f32(1.0 / np.sqrt(np.float32(D)))
+
+    def position(t: ir.Value) -> ir.Value:
+        return _position(f, a["positions"], t)
+
+    def inside(t: ir.Value) -> ir.Value:
+        """Whether row t's position is inside the cache (the row is skipped otherwise)."""
+        pos = position(t)
+        return b.and_(b.icmp_signed(">=", pos, f.i64(0)), b.icmp_signed("<", pos, f.i64(S)))
+
+    def cache_row(cache: ir.Value, index: ir.Value) -> list[ir.Value]:
+        p = f.ptr(cache, index)
+        rows = [b.load(b.bitcast(f.ptr(p, o), vec(element, w).as_pointer()), align=2) for o, w in chunks]
+        return rows if element is F32 else [b.fpext(r, vec(F32, r.type.count)) for r in rows]
+
+    # 1. RoPE and the cache write
+    if op.rope is not None:
+        cos_t, sin_t, fill = _rope_tables(lib, f, D, op.rope.value.data)
+    with f.loop(*f.share(f.mul(n, KVH), tid, nth), name="ck") as item:
+        t = b.sdiv(item, f.i64(KVH))
+        with f.when(inside(t)):
+            pos, h = position(t), b.srem(item, f.i64(KVH))
+            if op.rope is not None:
+                fill(pos)
+                _rope_apply(f, f.ptr(k, f.mul(item, D)), 1, D, cos_t, sin_t)
+            dst = f.mul(f.add(f.mul(h, S), pos), D)
+            for src, cache in ((k, k_cache), (v, v_cache)):
+                for o, w in chunks:
+                    row = f.vload(src, f.add(f.mul(item, D), o), w)
+                    row = row if element is F32 else b.fptrunc(row, vec(element, w))
+                    b.store(row, b.bitcast(f.ptr(cache, f.add(dst, o)), row.type.as_pointer()), align=2)
+    if op.rope is not None:
+        with f.loop(*f.share(f.mul(n, H), tid, nth), name="cq") as item:
+            t = b.sdiv(item, f.i64(H))
+            with f.when(inside(t)):
+                fill(position(t))
+                _rope_apply(f, f.ptr(q, f.mul(item, D)), 1, D, cos_t, sin_t)
+    f.b.call(lib.barrier(), [a["sync"], nth])
+
+    # 2. attention: per query (row r of a tile, head g of the kv head's group) a running
+    # max m, sum l and weighted sum acc, on the stack
+    TQ = QUERY_TILE
+    m_buf, l_buf = f.alloca(F32, TQ * G, name="m"), f.alloca(F32, TQ * G, name="l")
+    acc = f.alloca(F32, TQ * G * D, name="acc")
+    scores = f.alloca(F32, TQ * G * POS_BLOCK, name="scores")
+    limits = f.alloca(I64, TQ, name="limits")
+
+    def attend(t0: ir.Value, tq: int, h: ir.Value, s_lo: ir.Value, s_hi: ir.Value) -> None:
+        """Queries of rows t0..t0+tq (each up to its `limits[r]`) × the G heads of kv head h,
+        over cache positions [s_lo, s_hi)."""
+        nq = tq * G
+        for i in range(nq):
+            f.store(f.f32(float("-inf")), m_buf, i)
+            f.store(f.f32(0.0), l_buf, i)
+        with f.loop(0, nq * D, name="az") as i:
+            f.store(f.f32(0.0), acc, i)
+        qrow = [f.mul(f.add(f.mul(f.add(t0, i // G), H), f.add(f.mul(h, G), i % G)), D) for i in range(nq)]
+        kv_base = f.mul(h, S * D)
+        with f.loop(s_lo, s_hi, POS_BLOCK, name="blk", unroll=False) as s0:
+            count = f.smin(POS_BLOCK, f.sub(s_hi, s0))
+            with f.loop(0, count, name="s", unroll=False) as s:
+                krow = cache_row(k_cache, f.add(kv_base, f.mul(f.add(s0, s), D)))
+                for i in range(nq):
+                    qv = [f.vload(q, f.add(qrow[i], o), w) for o, w in chunks]
+                    f.store(f.fmul(f.vdot(qv, krow), scale), scores, f.add(f.i64(i * POS_BLOCK), s))
+            with f.loop(0, nq, name="sm", unroll=False) as i:
+                row = f.ptr(scores, f.mul(i, POS_BLOCK))
+                valid = f.smax(0, f.smin(count, f.sub(f.load(limits, b.sdiv(i, f.i64(G))), s0)))
+                with b.if_then(b.icmp_signed(">", valid, f.i64(0))):
+                    mx = f.alloca(F32, name="mx")
+                    b.store(f.load(m_buf, i), mx)
+                    with f.loop(0, valid, name="mm") as s:
+                        b.store(f.intrinsic("llvm.maxnum", b.load(mx), f.load(row, s)), mx)
+                    m_old, m_new = f.load(m_buf, i), b.load(mx)
+                    total = f.reduce_sum(valid, lambda s: _exp_store(f, row, s, m_new), name="e")
+                    corr = f.exp(b.fsub(m_old, m_new))
+                    f.store(f.fadd(f.fmul(f.load(l_buf, i), corr), total), l_buf, i)
+                    f.store(m_new, m_buf, i)
+                    arow = f.ptr(acc, f.mul(i, D))
+                    f.vec_map(D, [arow], arow, lambda x: f.fmul(x[0], f.splat(corr, x[0].type)), name="ac")
+                with f.loop(valid, POS_BLOCK, name="mz") as s:
+                    f.store(f.f32(0.0), row, s)
+            with f.loop(0, count, name="pv", unroll=False) as s:
+                vrow = cache_row(v_cache, f.add(kv_base, f.mul(f.add(s0, s), D)))
+                for i in range(nq):
+                    p = f.load(scores, f.add(f.i64(i * POS_BLOCK), s))
+                    for (o, w), x in zip(chunks, vrow):
+                        at = f.i64(i * D + o)
+                        f.vstore(f.fadd(f.vload(acc, at, w), f.fmul(f.splat(p, x.type), x)), acc, at)
+
+    def store_head(t: ir.Value, head: ir.Value, ys: list[ir.Value]) -> None:
+        """Row t's output for query head `head`: float, or quantized blocks of 32."""
+        if qout is None:
+            for y, (o, _) in zip(ys, chunks):
+                f.vstore(y, out, f.add(f.mul(f.add(f.mul(t, H), head), D), o))
+            return
+        for blk in range(D // ACT_BLOCK):
+            qout.store_block(t, f.add(f.mul(head, D // ACT_BLOCK), blk), ys[2 * blk], ys[2 * blk + 1])
+
+    split = b.icmp_signed("<=", n, f.i64(tgt.ATTENTION_SPLIT_ROWS))
+    stride = D + 2  # a partial: max, sum, D weighted values
+    with b.if_else(split) as (decode, prefill):
+        with decode:
+            with f.loop(0, n, name="dt") as t, f.when(inside(t)):
+                s_lo, s_hi = f.share(f.add(position(t), 1), tid, nth)
+                f.store(s_hi, limits, 0)
+                with f.loop(0, KVH, name="dh") as h:
+                    attend(t, 1, h, s_lo, s_hi)
+                    for g in range(G):
+                        base = f.mul(f.add(f.mul(f.add(f.mul(tid, tgt.ATTENTION_SPLIT_ROWS), t), H),
+                                           f.add(f.mul(h, G), g)), stride)
+                        f.store(f.load(m_buf, g), partials, base)
+                        f.store(f.load(l_buf, g), partials, f.add(base, 1))
+                        for o, w in chunks:
+                            f.vstore(f.vload(acc, f.i64(g * D + o), w), partials, f.add(base, 2 + o))
+            f.b.call(lib.barrier(), [a["sync"], nth])
+            with f.loop(*f.share(f.mul(n, H), tid, nth), name="mg") as item:
+                t, head = b.sdiv(item, f.i64(H)), b.srem(item, f.i64(H))
+                with f.when(inside(t)):
+                    def part(j: ir.Value) -> ir.Value:
+                        return f.mul(f.add(f.mul(f.add(f.mul(j, tgt.ATTENTION_SPLIT_ROWS), t), H), head), stride)
+
+                    top = f.alloca(F32, name="top")
+                    b.store(f.f32(float("-inf")), top)
+                    with f.loop(0, nth, name="mx") as j:
+                        b.store(f.intrinsic("llvm.maxnum", b.load(top), f.load(partials, part(j))), top)
+                    M = b.load(top)
+                    total = f.alloca(F32, name="total")
+                    b.store(f.f32(0.0), total)
+                    sums = [f.alloca(vec(F32, w), name=f"sum{o}") for o, w in chunks]
+                    for acc_o, (_, w) in zip(sums, chunks):
+                        b.store(f.const(vec(F32, w), 0.0), acc_o)
+                    with f.loop(0, nth, name="mj") as j:
+                        base = part(j)
+                        weight = f.exp(b.fsub(f.load(partials, base), M))
+                        b.store(f.fadd(b.load(total), f.fmul(weight, f.load(partials, f.add(base, 1)))), total)
+                        for acc_o, (o, w) in zip(sums, chunks):
+                            x = f.vload(partials, f.add(base, 2 + o), w)
+                            b.store(f.fadd(b.load(acc_o), f.fmul(f.splat(weight, x.type), x)), acc_o)
+                    inv = b.fdiv(f.f32(1.0), b.load(total))
+                    store_head(t, head, [f.fmul(b.load(acc_o), f.splat(inv, acc_o.type.pointee)) for acc_o in sums])
+        with prefill:
+            tiles = b.sdiv(f.add(n, TQ - 1), f.i64(TQ))
+            items = f.mul(tiles, KVH)
+            mine = b.sdiv(f.add(f.sub(items, tid), f.sub(nth, 1)), nth)  # items tid, tid + nth, …
+            with f.loop(0, mine, name="pt", unroll=False) as i:
+                item = f.add(tid, f.mul(i, nth))
+                t0, h = f.mul(b.sdiv(item, f.i64(KVH)), TQ), b.srem(item, f.i64(KVH))
+                s_hi = f.alloca(I64, name="s_hi")
+                b.store(f.i64(0), s_hi)
+                for r in range(TQ):
+                    t = f.add(t0, r)
+                    present = f.alloca(I64, name=f"lim{r}")
+                    b.store(f.i64(0), present)
+                    with f.when(b.icmp_signed("<", t, n)), f.when(inside(t)):
+                        b.store(f.add(position(t), 1), present)
+                    f.store(b.load(present), limits, r)
+                    b.store(f.smax(b.load(s_hi), b.load(present)), s_hi)
+                attend(t0, TQ, h, f.i64(0), b.load(s_hi))
+                for r in range(TQ):
+                    t = f.add(t0, r)
+                    with f.when(b.icmp_signed(">", f.load(limits, r), f.i64(0))):
+                        for g in range(G):
+                            i = r * G + g
+                            inv = b.fdiv(f.f32(1.0), f.load(l_buf, i))
+                            ys = [f.fmul(f.vload(acc, f.i64(i * D + o), w), f.splat(inv, vec(F32, w)))
+                                  for o, w in chunks]
+                            store_head(t, f.add(f.mul(h, G), g), ys)
 
 
 def _exp_store(f: KernelBuilder, row: ir.Value, s: ir.Value, m: ir.Value) -> ir.Value:
@@ -332,111 +594,16 @@ def _exp_store(f: KernelBuilder, row: ir.Value, s: ir.Value, m: ir.Value) -> ir.
     return e
 
 
-def _attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict) -> None:
-    """q [n, H, D], k and v [n, KVH, D]; the layer's caches [KVH, S, D]. With `rope`, q and k
-    are rotated in place first. Row t of k, v goes to cache position positions[t], then
-    each query row t attends causally to positions 0..positions[t] (GQA: query head h
-    reads kv head h / (H/KVH)); out [n, H·D], float or quantized. Rows whose position is
-    outside the cache are skipped. Thread `tid` of `nth` handles its share of the kv
-    heads, with their query heads."""
-    _, H, D = tgt.dims(op.q)
-    KVH, S, _ = tgt.dims(op.k_cache)
-    q, k, v, k_cache, v_cache = (floats(f, a[name]) for name in ("q", "k", "v", "k_cache", "v_cache"))
-    n, tid, nth = a["rows"], a["tid"], a["nth"]
-    quantized = tgt.is_quantized(op.out)
-    qout = QRowsAccess(f, a["out"], op.out.type) if quantized else None
-    out = None if quantized else floats(f, a["out"])
-    b = f.b
-    G = H // KVH
-    h_lo, h_hi = f.share(KVH, tid, nth)  # this thread's kv heads
-
-    def inside(t: ir.Value) -> ir.Value:
-        """Whether row t's position is inside the cache (the row is skipped otherwise)."""
-        pos = _position(f, a["positions"], t)
-        return b.and_(b.icmp_signed(">=", pos, f.i64(0)), b.icmp_signed("<", pos, f.i64(S)))
-
-    # 1. RoPE and the cache write
-    if op.rope is not None:
-        cos_t, sin_t, fill = _rope_tables(lib, f, D, op.rope.value.data)
-    with f.loop(0, n, name="t") as t, f.when(inside(t)):
-        pos = _position(f, a["positions"], t)
-        if op.rope is not None:
-            fill(pos)
-            own = f.sub(h_hi, h_lo)
-            _rope_apply(f, f.ptr(q, f.add(f.mul(t, H * D), f.mul(h_lo, G * D))), f.mul(own, G), D, cos_t, sin_t)
-            _rope_apply(f, f.ptr(k, f.add(f.mul(t, KVH * D), f.mul(h_lo, D))), own, D, cos_t, sin_t)
-        with f.loop(h_lo, h_hi, name="ch", unroll=False) as h:
-            src = f.mul(f.add(f.mul(t, KVH), h), D)
-            dst = f.mul(f.add(f.mul(h, S), pos), D)
-            with f.loop(0, D, name="cd", unroll=False) as d:
-                f.store(f.load(k, f.add(src, d)), k_cache, f.add(dst, d))
-                f.store(f.load(v, f.add(src, d)), v_cache, f.add(dst, d))
-
-    # 2. causal GQA: the G query heads of one kv head share each K/V row. Rows of D
-    # are handled as explicit vector chunks (q and the output accumulators stay in
-    # registers across the position loop; LLVM only has to vectorise softmax).
-    chunks = _chunks(D)
-    scores = f.alloca(F32, G * S, name="scores")
-    accs = [[f.alloca(ir.VectorType(F32, w), name=f"acc{g}_{o}") for o, w in chunks] for g in range(G)]
-    inv_sum = f.alloca(F32, G, name="inv_sum")
-    mx = f.alloca(F32, name="max")
-    scale = f.f32(1.0 / np.sqrt(np.float32(D)))
-    with f.loop(0, n, name="t") as t, f.when(inside(t)):
-        span = f.add(_position(f, a["positions"], t), 1)
-        with f.loop(h_lo, h_hi, name="h") as h:
-            kv_base = f.mul(h, S * D)
-            kbase = f.ptr(k_cache, kv_base)
-            vbase = f.ptr(v_cache, kv_base)
-            row_offs = [f.mul(f.add(f.mul(t, H), f.add(f.mul(h, G), g)), D) for g in range(G)]
-            qv = [[f.vload(q, f.add(off, o), w) for o, w in chunks] for off in row_offs]
-            # scores[g, s] = q_g · k_s / sqrt(D)
-            with f.loop(0, span, name="s") as s:
-                krow = f.mul(s, D)
-                kv = [f.vload(kbase, f.add(krow, o), w) for o, w in chunks]
-                for g in range(G):
-                    dot = f.vdot(qv[g], kv)
-                    f.store(b.fmul(dot, scale), scores, f.add(s, g * S))
-            # softmax per query head (max-subtracted), then the weighted sum of V rows
-            # (one copy of the softmax code, looping over the G heads at run time)
-            with f.loop(0, G, name="sg", unroll=False) as g:
-                srow = f.ptr(scores, f.mul(g, S))
-                b.store(f.f32(float("-inf")), mx)
-                with f.loop(0, span, name="m") as s:
-                    b.store(f.intrinsic("llvm.maxnum", b.load(mx), f.load(srow, s)), mx)
-                m = b.load(mx)
-                total = f.reduce_sum(span, lambda s: _exp_store(f, srow, s, m), name="e")
-                f.store(b.fdiv(f.f32(1.0), total), inv_sum, g)
-            inv_sums = [f.load(inv_sum, g) for g in range(G)]
-            for g in range(G):
-                for acc, (_, w) in zip(accs[g], chunks):
-                    b.store(f.const(ir.VectorType(F32, w), 0.0), acc)
-            with f.loop(0, span, name="pv") as s:
-                vrow = f.mul(s, D)
-                vv = [f.vload(vbase, f.add(vrow, o), w) for o, w in chunks]
-                for g in range(G):
-                    p = f.load(scores, f.add(s, g * S))
-                    for acc, x in zip(accs[g], vv):
-                        b.store(f.fadd(b.load(acc), f.fmul(f.splat(p, x.type), x)), acc)
-            for g in range(G):
-                ys = [f.fmul(b.load(acc), f.splat(inv_sums[g], acc.type.pointee)) for acc in accs[g]]
-                if qout is None:
-                    for y, (o, _) in zip(ys, chunks):
-                        f.vstore(y, out, f.add(row_offs[g], o))
-                    continue
-                first_block = f.b.sdiv(row_offs[g], f.i64(ACT_BLOCK))
-                head = f.sub(first_block, f.mul(t, H * D // ACT_BLOCK))
-                for blk in range(D // ACT_BLOCK):
-                    qout.store_block(t, f.add(head, blk), ys[2 * blk], ys[2 * blk + 1])
-
-
 # ------------------------------------------------------------------------ elementwise
 
 
 def _elementwise(op_fn: Callable[[KernelBuilder, list[ir.Value]], ir.Value], names: tuple[str, ...]):
     def emit(lib: KernelLibrary, f: KernelBuilder, op: tgt.Kernel, a: dict) -> None:
         W = tgt.row_width(op.out)
-        f.vec_map(f.mul(a["rows"], W), [floats(f, a[n]) for n in names], floats(f, a["out"]),
-                  lambda vals: op_fn(f, vals), name="e")
+        lo, hi = f.share(a["rows"], a["tid"], a["nth"])
+        start = f.mul(lo, W)
+        f.vec_map(f.mul(f.sub(hi, lo), W), [f.ptr(floats(f, a[n]), start) for n in names],
+                  f.ptr(floats(f, a["out"]), start), lambda vals: op_fn(f, vals), name="e")
 
     return emit
 

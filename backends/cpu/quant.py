@@ -202,14 +202,22 @@ class QRowsAccess:
     def qs_ptr(self, t: ir.Value) -> ir.Value:
         return self._at(t, 0, I8)
 
+    def d_ptr(self, t: ir.Value) -> ir.Value:
+        """Row t's scales, one per 16-value slice (each 32-block's twice)."""
+        return self._at(t, self.row.d_offset, F32)
+
+    def s_ptr(self, t: ir.Value) -> ir.Value:
+        """Row t's sums d · Σq, one per 16-value slice."""
+        return self._at(t, self.row.s_offset, F32)
+
     def qs(self, t: ir.Value, g: ir.Value) -> ir.Value:
         return load_vector(self.f, self.qs_ptr(t), self.f.mul(g, GROUP), vec(I8, 64))
 
     def d4(self, t: ir.Value, g: ir.Value) -> ir.Value:
-        return load_vector(self.f, self._at(t, self.row.d_offset, F32), self.f.mul(g, 4), vec(F32, 4), align=4)
+        return load_vector(self.f, self.d_ptr(t), self.f.mul(g, 4), vec(F32, 4), align=4)
 
     def s4(self, t: ir.Value, g: ir.Value) -> ir.Value:
-        return load_vector(self.f, self._at(t, self.row.s_offset, F32), self.f.mul(g, 4), vec(F32, 4), align=4)
+        return load_vector(self.f, self.s_ptr(t), self.f.mul(g, 4), vec(F32, 4), align=4)
 
     def store_block(self, t: ir.Value, block: int | ir.Value, v0: ir.Value, v1: ir.Value) -> None:
         """Quantize 32 floats (two `<16 x float>`) into block `block` of row `t`.
@@ -230,7 +238,7 @@ class QRowsAccess:
 
     def _store(self, t: ir.Value, block: ir.Value, v0: ir.Value, v1: ir.Value) -> None:
         f, b = self.f, self.f.b
-        qs, d_ptr, s_ptr = self.qs_ptr(t), self._at(t, self.row.d_offset, F32), self._at(t, self.row.s_offset, F32)
+        qs, d_ptr, s_ptr = self.qs_ptr(t), self.d_ptr(t), self.s_ptr(t)
         fabs = [f.intrinsic("llvm.fabs", v) for v in (v0, v1)]
         both = f.intrinsic("llvm.maxnum", *fabs)
         amax = b.call(declare(f, "llvm.vector.reduce.fmax.v16f32", F32, [both.type]), [both])

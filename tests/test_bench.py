@@ -1,0 +1,239 @@
+"""`llmc bench`: speeds at a KV depth, the peers (skipped when absent), the table, the plot, bad options."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import shutil
+import stat
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tiny_models import TinySpec
+
+from llmc.cli import main
+from llmc.compile import BackendOptions, compile_model
+from llmc.passes.pipeline import CompileOptions
+from llmc.runtime.artifact import Manifest
+from llmc.runtime.bench import EngineSpeeds, benchmark, decode_weight_bytes, fit_defaults, table
+from llmc.runtime.session import CapacityError, Session
+
+SPEC = TinySpec(context_length=64)
+FAST = ["--prompt-tokens", "4,8", "--depth", "0,8", "--decode-tokens", "4", "--repeat", "1", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny, tmp_path_factory) -> Callable[[str], Path]:
+    """`artifact("gguf" | "hf")` → the tiny model compiled from that form (KV capacity 32), built once."""
+    root = tmp_path_factory.mktemp("bench")
+    built: dict[str, Path] = {}
+
+    def build(form: str) -> Path:
+        if form not in built:
+            built[form] = compile_model(str(tiny(SPEC, form)), root / form, CompileOptions(prefill_chunk=8, max_seq=32),
+                                        BackendOptions(), progress=lambda _: None)
+        return built[form]
+
+    return build
+
+
+def _bench(capsys, directory: Path, *options: str) -> tuple[int, str, str]:
+    code = main(["bench", str(directory), *FAST, *options])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _rows(out: str, engine: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+            if line.startswith(f"| {engine}")]
+
+
+def test_benchmark_at_depth_gives_positive_speeds(artifact) -> None:
+    result = benchmark(artifact("gguf"), prompts=(4, 8), decode_tokens=4, repeat=1, threads=1, depths=(0, 16))
+    assert set(result.speeds.prefill) == {(0, 4), (0, 8), (16, 4), (16, 8)}
+    assert set(result.speeds.decode) == {0, 16}
+    assert all(v > 0 for v in [*result.speeds.prefill.values(), *result.speeds.decode.values()])
+    assert result.capacity == 32 and "llmc gguf" in result.report()
+
+
+def test_benchmark_refuses_more_than_the_kv_capacity(artifact) -> None:
+    with pytest.raises(CapacityError, match="depth 24 \\+ prompt 9 tokens exceed the artifact's KV capacity of 32"):
+        benchmark(artifact("gguf"), prompts=(9,), decode_tokens=4, repeat=1, depths=(24,))
+    with pytest.raises(CapacityError, match="decode 33"):
+        benchmark(artifact("gguf"), prompts=(4,), decode_tokens=33, repeat=1)
+    benchmark(artifact("gguf"), prompts=(8,), decode_tokens=8, repeat=1, threads=1, depths=(24,))  # exactly full
+
+
+def test_defaults_keep_what_fits() -> None:
+    assert fit_defaults(4096, None, None, 128)[:2] == ((128, 512, 2048), (0, 2048))
+    prompts, depths, notes = fit_defaults(1024, None, None, 128)
+    assert (prompts, depths) == ((128, 512), (0,)) and len(notes) == 2
+    assert fit_defaults(32, [8], None, 4)[:2] == ((8,), (0,))
+    with pytest.raises(CapacityError):
+        fit_defaults(32, None, None, 4)  # no default prompt fits: the user is told, not given another length
+    with pytest.raises(CapacityError):
+        fit_defaults(4096, [2048], [2049], 4)  # given values are checked, never cut
+
+
+def test_decode_reads_one_row_of_an_untied_embedding() -> None:
+    def manifest(names: list[str]) -> Manifest:
+        weights = {n: {"bytes": 1000, "shape": [10, 25]} for n in names}
+        return Manifest(Path("."), {"weights": weights, "files": {"weights": {"bytes": 4096}}})
+
+    assert decode_weight_bytes(manifest(["token_embd", "blk.0.attn_q"]))[0] == 2000  # tied: the LM head reads it all
+    assert decode_weight_bytes(manifest(["token_embd", "blk.0.attn_q", "output"]))[0] == 2100
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_read_probe_reads_every_byte_once(artifact, threads) -> None:
+    """The kernels' read probe (what `llmc bench` measures the limit with): the xor of what
+    the threads read is the xor of every 8-byte word of the buffer's whole 256-byte steps."""
+    session = Session(artifact("gguf"), threads=threads)
+    data = np.random.default_rng(1).integers(-2**62, 2**62, (1 << 17) + 5, dtype=np.int64)
+    probe = getattr(session.library, session.manifest.data["read_probe"])
+    out = np.zeros(threads, np.int64)
+    session.team.run(lambda tid: probe(ctypes.c_void_p(data.ctypes.data), ctypes.c_int64(data.nbytes),
+                                       ctypes.c_int64(tid), ctypes.c_int64(threads), ctypes.c_void_p(out.ctypes.data)))
+    whole = data[: data.nbytes // 256 * 32]
+    assert np.bitwise_xor.reduce(out) == np.bitwise_xor.reduce(whole)
+    assert session.read_bandwidth(repeat=1) > 0
+    session.close()
+
+
+def test_table_takes_ratios_against_llama_cpps_fastest_path() -> None:
+    ours = EngineSpeeds("llmc x", "llmc", {(0, 8): 100.0}, {0: 50.0})
+    fast = EngineSpeeds("llama.cpp repack", "llama.cpp", {(0, 8): 200.0}, {0: 20.0})
+    slow = EngineSpeeds("llama.cpp --repack 0", "llama.cpp", {(0, 8): 50.0}, {0: 25.0})
+    hf = EngineSpeeds("transformers", "transformers", {(0, 8): 400.0}, {0: 10.0})
+    text = table([ours, fast, slow, hf], [8], [0], 4, 2)
+    assert _rows(text, "llmc x")[0][3:] == ["100.0", "0.50x", "50.0", "2.00x"]  # prefill vs 200, decode vs 25
+    assert "against llama.cpp's fastest path per test" in text
+    assert "transformers" in table([ours, hf], [8], [0], 4, 2).splitlines()[-1]
+    assert "×" not in table([ours], [8], [0], 4, 2)  # nothing to compare with
+
+
+def test_cli_bench_prints_rows_and_the_bandwidth_limit(artifact, capsys) -> None:
+    code, out, _ = _bench(capsys, artifact("gguf"))
+    assert code == 0
+    rows = _rows(out, "llmc gguf")
+    assert [(r[1], r[2]) for r in rows] == [("0", "4"), ("0", "8"), ("8", "4"), ("8", "8")]
+    assert float(rows[0][3]) > 0 and float(rows[0][4]) > 0 and rows[1][4] == ""  # decode once per depth
+    assert "MB read per decode token" in out and "bandwidth limit ≈" in out and "% of it" in out
+
+
+def test_vs_llama_cpp_without_llama_bench_is_skipped(artifact, capsys, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no llama-bench on it
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # and the package not importable
+    code, out, _ = _bench(capsys, artifact("gguf"), "--vs", "llama.cpp", "--llama-bench", str(tmp_path / "nope"))
+    assert code == 0
+    assert f"llama.cpp: skipped (no llama-bench at {tmp_path / 'nope'} and llama_cpp not installed)" in out
+    assert len(_rows(out, "llmc gguf")) == 4 and not _rows(out, "llama.cpp")
+    code, out, _ = _bench(capsys, artifact("gguf"), "--vs", "llama.cpp")
+    assert code == 0 and "llama.cpp: skipped (no llama-bench on PATH and llama_cpp not installed)" in out
+
+
+FAKE_LLAMA_BENCH = textwrap.dedent(
+    """\
+    #!{python}
+    import json, sys
+    def arg(flag):
+        return sys.argv[sys.argv.index(flag) + 1]
+    repack = arg("--repack") == "1"
+    build = {{"build_commit": "abc1234", "build_number": 42, "cpu_info": "Fake CPU"}}
+    records = []
+    for d in map(int, arg("-d").split(",")):
+        for p in map(int, arg("-p").split(",")):
+            records.append(dict(build, n_prompt=p, n_gen=0, n_depth=d, avg_ts=1.0, samples_ts=[900.0 if repack else 300.0]))
+        records.append(dict(build, n_prompt=0, n_gen=int(arg("-n")), n_depth=d, avg_ts=1.0, samples_ts=[90.0 if repack else 60.0]))
+    print(json.dumps(records))
+    print("load_tensors:          AMX model buffer size =    95.34 MiB" if repack else "", file=sys.stderr)
+    print("load_tensors:   CPU_Mapped model buffer size =    92.10 MiB", file=sys.stderr)
+    """
+)
+
+
+def test_vs_llama_cpp_reads_llama_benchs_json(artifact, capsys, tmp_path) -> None:
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    code, out, _ = _bench(capsys, artifact("gguf"), "--vs", "llama.cpp", "--llama-bench", str(fake))
+    assert code == 0
+    assert "llama-bench build abc1234 (42), Fake CPU" in out and "AMX, CPU_Mapped buffers" in out
+    fast, slow = _rows(out, "llama.cpp repack (AMX)"), _rows(out, "llama.cpp --repack 0 (generic)")
+    assert len(fast) == len(slow) == 4
+    assert fast[0][3:] == ["900.0", "1.00x", "90.0", "1.00x"] and slow[0][3:] == ["300.0", "0.33x", "60.0", "0.67x"]
+    assert _rows(out, "llmc gguf")[0][4].endswith("x")  # against the fastest path
+
+
+def test_vs_without_a_known_source_asks_for_model(artifact, capsys, tmp_path) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(artifact("gguf"), copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["model"].update(source="elsewhere.gguf", source_path=str(tmp_path / "elsewhere.gguf"))
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    code, out, _ = _bench(capsys, copy, "--vs", "llama.cpp,transformers")
+    assert code == 0
+    assert "llama.cpp: skipped (the artifact's source model is unknown" in out and "pass --model" in out
+    assert "transformers: skipped (" in out and len(_rows(out, "llmc copy")) == 4
+
+
+def test_vs_transformers_measures_a_row(artifact, capsys) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    code, out, _ = _bench(capsys, artifact("hf"), "--vs", "transformers")
+    assert code == 0, out
+    rows = _rows(out, "transformers")
+    assert [(r[1], r[2]) for r in rows] == [("0", "4"), ("0", "8"), ("8", "4"), ("8", "8")]
+    assert float(rows[0][3]) > 0 and rows[0][4] == "1.00x" and float(rows[0][5]) > 0
+    assert "ratios (×) against transformers" in out
+
+
+def test_vs_llama_cpp_needs_a_gguf(artifact, tiny, capsys) -> None:
+    code, out, _ = _bench(capsys, artifact("hf"), "--vs", "llama.cpp")
+    assert code == 0 and "llama.cpp: skipped (it needs a GGUF file" in out
+    code, out, _ = _bench(capsys, artifact("gguf"), "--vs", "llama.cpp", "--model", str(tiny(SPEC, "hf")))
+    assert code == 0 and "llama.cpp: skipped (it needs a GGUF file" in out
+
+
+def test_plot_writes_a_png(artifact, capsys, tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.png"
+    code, out, _ = _bench(capsys, artifact("gguf"), "--plot", str(path))
+    assert code == 0 and f"plot: {path}" in out
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+@pytest.mark.parametrize("options", [
+    ["--prompt-tokens", "0"], ["--prompt-tokens", "abc"], ["--prompt-tokens", "4,,8"], ["--depth", "-1"],
+    ["--vs", "vllm"], ["--vs", "llama.cpp,bogus"], ["--decode-tokens", "0"],
+])
+def test_bad_options_are_one_line(artifact, capsys, options: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", str(artifact("gguf")), *options])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ": error: " in err and "--help" in err
+
+
+@pytest.mark.parametrize("options", [
+    ["--prompt-tokens", "8", "--depth", "30"], ["--prompt-tokens", "8", "--decode-tokens", "40"],
+    ["--prompt-tokens", "4", "--decode-tokens", "4"],  # the default depths that fit: 0 only
+])
+def test_capacity_is_checked_before_measuring(artifact, capsys, options: list[str]) -> None:
+    code = main(["bench", str(artifact("gguf")), "--repeat", "1", *options])
+    out, err = capsys.readouterr()
+    if "--depth" in options or "40" in options:
+        assert code == 2 and err.count("\n") == 1 and "exceed the artifact's KV capacity of 32" in err and not out
+    else:
+        assert code == 0 and "depths 2048 left out: the KV capacity is 32" in err
+
+
+def test_missing_model_for_peers_is_one_line(artifact, capsys, tmp_path) -> None:
+    code = main(["bench", str(artifact("gguf")), *FAST, "--vs", "transformers", "--model", str(tmp_path / "none")])
+    out, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and "no such model" in err and not out

@@ -1,6 +1,6 @@
 """Byte layouts of the target level: packed weights and quantized activation rows.
 
-A `tgt` weight is in one of two layouts (`!tgt.weight<576x576, q4_1, split>`):
+A `tgt` weight is in one of three layouts (`!tgt.weight<576x576, q4_1, tiles>`):
 
 - `stored`: as the model file keeps it, row-major (float formats; GGUF blocks).
 - `split`: integer formats repacked for SIMD loads. Each row's codes are cut into
@@ -11,6 +11,16 @@ A `tgt` weight is in one of two layouts (`!tgt.weight<576x576, q4_1, split>`):
   points) follow as planes of their own, `[rows, K / group]`, one byte or f16 each
   (q4_k/q5_k's 6-bit scales take a byte: +2.8% for q4_k). Rows are padded to a
   multiple of 64 weights with zero codes and fields; planes are 64-byte aligned.
+- `tiles`: integer formats in strips of 16 rows (output features) × blocks of 32
+  weights, the layout of a VNNI / AMX-INT8 operand `[8 quads][16 features][4 weights]`:
+  one 64-byte vector holds 4 consecutive weights of 16 features, so a `vpdpbusd` with
+  4 broadcast activation bytes yields 16 features' partial sums (no horizontal sums),
+  and a block's 8 vectors are an AMX B tile as they are. 4-bit codes pack quads q and
+  q+4 of a block into one byte (low and high nibble: 256 bytes a block); bits 4 and 5
+  follow as one 64-bit mask per quad row; 8-bit codes take 512 bytes a block. Fields
+  are `[strip][K / group][16]`: one vector load gives a group's value for the 16
+  features. A strip's codes are contiguous, so a kernel streams them. Rows are padded
+  to a multiple of 16, K to a multiple of 64, with zero codes and fields.
 
 Quantized activation rows (`!tgt.qrows<128x576>`) hold, per row of width `W` (padded
 to `Wp`, a multiple of 64): `qs int8[Wp]` (the values, quantized per 32 by
@@ -41,6 +51,7 @@ class Layout(StrEnum):
 
     STORED = "stored"
     SPLIT = "split"
+    TILES = "tiles"
 
 
 @dataclass(frozen=True)
@@ -94,11 +105,102 @@ def weight_planes(storage: Storage, shape: tuple[int, ...]) -> list[Plane]:
     return _planes(specs)
 
 
+STRIP = 16  # rows (output features) of a strip in the tiles layout
+TILE_K = 32  # weights of a block in the tiles layout
+QUADS = TILE_K // 4
+
+
+def tile_planes(storage: Storage, shape: tuple[int, ...]) -> list[Plane]:
+    """The planes of an integer-format `[N, K]` weight in the tiles layout: `[strips, per strip]` each."""
+    fmt = FORMATS[storage]
+    assert fmt.bits is not None, f"{storage} is not an integer format"
+    n, k = shape
+    strips, blocks = -(-n // STRIP), padded_width(k) // TILE_K
+    per_block = STRIP * TILE_K if fmt.bits == 8 else STRIP * TILE_K // 2
+    specs: list[tuple[str, np.dtype, int, int]] = [("codes", np.uint8, strips, blocks * per_block)]
+    for bit in range(4, fmt.bits if fmt.bits < 8 else 4):
+        specs.append((f"bit{bit}", np.uint64, strips, blocks * QUADS))
+    for f in fmt.fields:
+        specs.append((f.name, f.numpy, strips, padded_width(k) // f.group * STRIP))
+    return _planes(specs)
+
+
+def planes_of(storage: Storage, layout: Layout, shape: tuple[int, ...]) -> list[Plane]:
+    return tile_planes(storage, shape) if layout is Layout.TILES else weight_planes(storage, shape)
+
+
 def weight_nbytes(storage: Storage, layout: Layout, shape: tuple[int, ...]) -> int:
-    if layout is Layout.SPLIT:
-        planes = weight_planes(storage, shape)
+    if layout in (Layout.SPLIT, Layout.TILES):
+        planes = planes_of(storage, layout, shape)
         return align(planes[-1].offset + planes[-1].nbytes)
     return FORMATS[storage].nbytes(shape)
+
+
+def pack_tiles(qt: QuantizedTensor) -> np.ndarray:
+    """The tiles-layout bytes of a quantized tensor."""
+    fmt = FORMATS[qt.storage]
+    n, k = qt.shape
+    kp = padded_width(k)
+    strips, blocks = -(-n // STRIP), kp // TILE_K
+    codes = np.zeros((strips * STRIP, kp), np.uint8)
+    codes[:n, :k] = qt.codes
+    # [strip, feature, block, quad, 4] → [strip, block, quad, feature, 4]
+    quads = codes.reshape(strips, STRIP, blocks, QUADS, 4).transpose(0, 2, 3, 1, 4)
+    out = np.zeros(weight_nbytes(qt.storage, Layout.TILES, qt.shape), np.uint8)
+    for plane in tile_planes(qt.storage, qt.shape):
+        dst = plane.view(out)
+        if plane.name == "codes":
+            low = quads & 15
+            packed = quads if fmt.bits == 8 else low[:, :, : QUADS // 2] | (low[:, :, QUADS // 2 :] << 4)
+            dst[...] = np.ascontiguousarray(packed).reshape(strips, -1)
+        elif plane.name.startswith("bit"):
+            bit = int(plane.name[3:])
+            rows = ((quads >> bit) & 1).reshape(strips, blocks, QUADS, STRIP * 4)
+            mask = np.packbits(rows, axis=-1, bitorder="little")  # [strips, blocks, quads, 8] bytes
+            dst[...] = np.ascontiguousarray(mask).view("<u8").reshape(strips, -1)
+        else:
+            values = np.zeros((strips * STRIP, kp // fmt.field(plane.name).group), qt.fields[plane.name].dtype)
+            values[:n, : qt.fields[plane.name].shape[1]] = qt.fields[plane.name]
+            dst[...] = values.reshape(strips, STRIP, -1).transpose(0, 2, 1).reshape(strips, -1)
+    return out
+
+
+def unpack_tiles(data: np.ndarray, storage: Storage, shape: tuple[int, int]) -> QuantizedTensor:
+    """The quantized tensor in tiles-layout bytes (the padding dropped)."""
+    fmt = FORMATS[storage]
+    n, k = shape
+    kp = padded_width(k)
+    strips, blocks = -(-n // STRIP), kp // TILE_K
+    buffer = np.asarray(data, np.uint8)
+    quads = np.zeros((strips, blocks, QUADS, STRIP, 4), np.uint8)
+    fields = {}
+    for plane in tile_planes(storage, shape):
+        src = plane.view(buffer)
+        if plane.name == "codes":
+            if fmt.bits == 8:
+                quads[...] = src.reshape(quads.shape)
+            else:
+                nib = src.reshape(strips, blocks, QUADS // 2, STRIP, 4)
+                quads[...] = np.concatenate([nib & 15, nib >> 4], axis=2)
+        elif plane.name.startswith("bit"):
+            bit = int(plane.name[3:])
+            mask = np.ascontiguousarray(src).view(np.uint8).reshape(strips, blocks, QUADS, 8)
+            quads |= np.unpackbits(mask, axis=-1, bitorder="little").reshape(quads.shape) << bit
+        else:
+            group = fmt.field(plane.name).group
+            values = src.reshape(strips, kp // group, STRIP).transpose(0, 2, 1).reshape(strips * STRIP, -1)
+            fields[plane.name] = np.ascontiguousarray(values[:n, : k // group])
+    codes = quads.transpose(0, 3, 1, 2, 4).reshape(strips * STRIP, kp)
+    return QuantizedTensor(storage, np.ascontiguousarray(codes[:n, :k]), fields)
+
+
+def pack(qt: QuantizedTensor, layout: Layout) -> np.ndarray:
+    """A quantized tensor's bytes in `layout` (split or tiles)."""
+    return pack_tiles(qt) if layout is Layout.TILES else pack_split(qt)
+
+
+def unpack(data: np.ndarray, storage: Storage, layout: Layout, shape: tuple[int, int]) -> QuantizedTensor:
+    return unpack_tiles(data, storage, shape) if layout is Layout.TILES else unpack_split(data, storage, shape)
 
 
 def pack_split(qt: QuantizedTensor) -> np.ndarray:

@@ -237,8 +237,8 @@ class WeightType(ParametrizedAttribute, TypeAttribute):
             raise VerifyException(f"!tgt.weight: a {self.storage} weight must be a matrix, got {self.shape}")
         if not fmt.fits(self.shape[-1]):
             raise VerifyException(f"!tgt.weight: rows of {self.shape[-1]} are not whole {self.storage} blocks")
-        if self.layout is Layout.SPLIT and fmt.is_float:
-            raise VerifyException(f"!tgt.weight: the split layout is for integer formats, not {self.storage}")
+        if self.layout is not Layout.STORED and fmt.is_float:
+            raise VerifyException(f"!tgt.weight: the {self.layout} layout is for integer formats, not {self.storage}")
 
 
 @irdl_attr_definition
@@ -490,8 +490,8 @@ class Kernel(IRDLOperation):
             assert isinstance(t, WeightType)
             if t.storage.is_float:
                 self._fail(f"quantized rows need an integer weight format, not {t.storage}")
-            if t.layout is Layout.SPLIT and getattr(self, "isa") is None:
-                self._fail("a kernel reading quantized rows from split weights needs an isa (run pack)")
+            if t.layout is not Layout.STORED and getattr(self, "isa") is None:
+                self._fail("a kernel reading quantized rows from packed weights needs an isa (run pack)")
 
 
 def _positions(op: Kernel, positions: SSAValue, rows: int) -> None:

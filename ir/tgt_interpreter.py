@@ -25,7 +25,7 @@ from xdsl.ir import SSAValue
 from llmc.ir import tgt
 from llmc.ir.formats import QuantizedTensor, integer_matmul, quantize_rows
 from llmc.ir.interpreter import KVCache, OpTable, attention, rms_norm, rope, silu
-from llmc.ir.layouts import Layout, QRowLayout, pack_split, unpack_split
+from llmc.ir.layouts import Layout, QRowLayout, pack, unpack
 from llmc.ir.weights import WeightStore
 
 _KERNELS = OpTable()
@@ -68,8 +68,9 @@ class KernelWeights:
                 self._prepared[key] = Matrix(self.store.f32(name, storage))
             else:
                 quantized = self.store.quantized(name, storage)
-                if weight_type.layout is Layout.SPLIT:  # through the bytes the artifact holds
-                    quantized = unpack_split(pack_split(quantized), storage, quantized.shape)
+                if weight_type.layout is not Layout.STORED:  # through the bytes the artifact holds
+                    layout = weight_type.layout
+                    quantized = unpack(pack(quantized, layout), storage, layout, quantized.shape)
                 self._prepared[key] = Matrix(quantized.dequantize().reshape(weight_type.shape), quantized)
         return self._prepared[key]
 

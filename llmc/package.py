@@ -26,7 +26,7 @@ from llmc.errors import UsageError
 from llmc.frontend.model import Model
 from llmc.ir import tgt
 from llmc.ir.formats import QuantizedTensor
-from llmc.ir.layouts import Layout, align, pack_split
+from llmc.ir.layouts import Layout, align, pack
 from llmc.runtime.artifact import MANIFEST, SCHEMA_VERSION, sha256_file
 
 
@@ -60,9 +60,9 @@ def weight_layout(module: ModuleOp) -> WeightLayout:
 
 def weight_bytes(encoded: np.ndarray | QuantizedTensor, weight_type: tgt.WeightType) -> bytes:
     """A weight's bytes in the artifact: `Weight.encode`'s result in the type's layout."""
-    if isinstance(encoded, QuantizedTensor):  # integer formats: the kernels read the split layout (`pack`)
-        assert weight_type.layout is Layout.SPLIT, f"{weight_type} is not packed"
-        return pack_split(encoded).tobytes()
+    if isinstance(encoded, QuantizedTensor):  # integer formats: in the layout `pack` chose
+        assert weight_type.layout is not Layout.STORED, f"{weight_type} is not packed"
+        return pack(encoded, weight_type.layout).tobytes()
     return np.ascontiguousarray(encoded).tobytes()  # float formats, little-endian as the kernels read them
 
 

@@ -1,9 +1,12 @@
 """`pack`: choose each weight's layout and each integer kernel's instructions for the target.
 
-On a CPU target every integer-format weight takes the `split` layout (codes in
-64-weight groups whose nibbles unpack with one `and` and one shift, scales in planes of
-their own: `llmc.ir.layouts`), which the packager writes and the kernels read; float
-weights stay as stored. Each kernel that reads quantized rows gets the integer dot
+On a CPU target with AVX-512 VNNI, an integer-format weight that only `a8` kernels
+(quantized rows) and the embedding read takes the `tiles` layout (strips of 16 output
+features × 32-weight blocks, the operand of `vpdpbusd` and of an AMX tile:
+`llmc.ir.layouts`); every other integer weight the `split` layout (codes in 64-weight
+groups whose nibbles unpack with one `and` and one shift, scales in planes of their
+own). The packager writes the layout and the kernels read it; float weights stay as
+stored. Each kernel that reads quantized rows gets the integer dot
 product of the target (`isa vnni512` with AVX-512 VNNI, `vnni256` with AVX-VNNI, `avx2`
 with `pmaddubsw`, `generic` otherwise); where the target also has AMX-INT8, the kernels
 of entry points of 16 rows or more (prefill, score) get `isa amx`: tiles for whole
@@ -12,7 +15,7 @@ over 32-value blocks (q6_k's 16-value scales keep VNNI).
 
 ```mlir
 %wq = tgt.weight @blk.0.attn_q : !tgt.weight<576x576, q4_1, stored>     // before
-%wq = tgt.weight @blk.0.attn_q : !tgt.weight<576x576, q4_1, split>      // after
+%wq = tgt.weight @blk.0.attn_q : !tgt.weight<576x576, q4_1, tiles>      // after
 tgt.matmul %h, %wq -> %q rows %n isa vnni512 : ...
 ```
 """
@@ -46,21 +49,43 @@ class PackPass(LlmcPass):
         from llmc.backends.cpu.target import integer_isa
 
         isa = integer_isa(target)
-        tiles = isa is tgt.Isa.VNNI512 and target.has("amx-tile", "amx-int8")
+        amx = isa is tgt.Isa.VNNI512 and target.has("amx-tile", "amx-int8")
+        layouts = self._layouts(module, isa)
         for function in self.functions(module):
             block = function.body.block
             rows = function.attributes.get("tgt.max_tokens")
             blocks_of_rows = rows is not None and rows.value.data >= AMX_MIN_ROWS
             for op in list(block.ops):
-                if isinstance(op, tgt.WeightOp) and not op.weight_type.storage.is_float \
-                        and op.weight_type.layout is Layout.STORED:
+                if isinstance(op, tgt.WeightOp) and op.sym_name in layouts:
                     t = op.weight_type
-                    packed = tgt.WeightOp(op.sym_name, tgt.WeightType(t.shape, t.storage, Layout.SPLIT))
+                    packed = tgt.WeightOp(op.sym_name, tgt.WeightType(t.shape, t.storage, layouts[op.sym_name]))
                     block.insert_op_before(packed, op)
                     op.result.replace_all_uses_with(packed.result)
                     block.erase_op(op)
                 elif isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and tgt.is_quantized(op.x):
-                    weights = [v.type for _, v in op.abi() if isinstance(v.type, tgt.WeightType) and len(v.type.shape) == 2]
-                    amx = tiles and blocks_of_rows and getattr(op, "last_row", None) is None \
-                        and all(supports(w.storage) for w in weights)
-                    op.isa = tgt.IsaAttr(tgt.Isa.AMX if amx else isa)
+                    tiles = amx and blocks_of_rows and getattr(op, "last_row", None) is None \
+                        and all(supports(w.storage) for w in _matrices(op))
+                    op.isa = tgt.IsaAttr(tgt.Isa.AMX if tiles else isa)
+
+    def _layouts(self, module: ModuleOp, isa: tgt.Isa) -> dict[str, Layout]:
+        """Each integer weight's layout, the same in every entry point: `tiles` where every kernel
+        reading it takes quantized rows (or gathers rows: the embedding) and the target has
+        AVX-512 VNNI, `split` otherwise."""
+        readers: dict[str, list[tgt.Kernel]] = {}
+        for function in self.functions(module):
+            for op in function.body.block.ops:
+                if isinstance(op, tgt.WeightOp) and not op.weight_type.storage.is_float \
+                        and op.weight_type.layout is Layout.STORED:
+                    readers.setdefault(op.sym_name, []).extend(use.operation for use in op.result.uses)
+        tiles = isa is tgt.Isa.VNNI512
+        return {name: Layout.TILES if tiles and all(_reads_tiles(k) for k in kernels) else Layout.SPLIT
+                for name, kernels in readers.items()}
+
+
+def _matrices(op: tgt.Kernel) -> list[tgt.WeightType]:
+    return [v.type for _, v in op.abi() if isinstance(v.type, tgt.WeightType) and len(v.type.shape) == 2]
+
+
+def _reads_tiles(op) -> bool:
+    """Whether a kernel reads its integer weights in the tiles layout (on AVX-512 VNNI)."""
+    return isinstance(op, tgt.EmbeddingOp) or (isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and tgt.is_quantized(op.x))

@@ -35,7 +35,7 @@ from llmc.errors import LlmcError, UsageError
 from llmc.ir import tgt
 from llmc.ir.formats import FORMATS, Storage, integer_matmul, quantize_rows
 from llmc.ir.interpreter import rope_inv_freq
-from llmc.ir.layouts import Layout, QRowLayout, pack_split, qrows_nbytes
+from llmc.ir.layouts import Layout, QRowLayout, pack, pack_split, qrows_nbytes
 from llmc.ir.tgt_interpreter import QRows
 from llmc.runtime import amx as amx_permission
 
@@ -121,15 +121,17 @@ def rand(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarra
     return (rng.standard_normal(shape) * scale).astype(f32)
 
 
-def weight_of(storage: Storage, w: np.ndarray) -> tuple[tgt.WeightType, np.ndarray, np.ndarray]:
-    """A weight in `storage` as the artifact holds it: its type, its bytes, its float values."""
+def weight_of(storage: Storage, w: np.ndarray, layout: Layout = Layout.SPLIT
+              ) -> tuple[tgt.WeightType, np.ndarray, np.ndarray]:
+    """A weight in `storage` as the artifact holds it (integer formats in `layout`): its type, its
+    bytes, its float values."""
     if storage.is_float:
         from llmc.ir.formats import float_array, to_float_storage
 
         data = to_float_storage(storage, w)
         return tgt.WeightType(w.shape, storage), np.ascontiguousarray(data), float_array(storage, data)
     qt = FORMATS[storage].quantize(w)
-    return tgt.WeightType(w.shape, storage, Layout.SPLIT), pack_split(qt), qt.dequantize()
+    return tgt.WeightType(w.shape, storage, layout), pack(qt, layout), qt.dequantize()
 
 
 def qrows_of(x: np.ndarray, capacity: int) -> tuple[np.ndarray, QRows]:
@@ -188,13 +190,15 @@ def f32_weight(w: np.ndarray) -> tgt.WeightType:
 
 # embedding -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("storage", list(Storage), ids=str)
-def test_embedding_dequantizes_rows_of_every_storage(tmp_path, tm, storage):
+@pytest.mark.parametrize("storage,layout", [(s, Layout.STORED) for s in Storage if s.is_float] +
+                         [(s, layout) for s in Storage if not s.is_float for layout in (Layout.SPLIT, Layout.TILES)],
+                         ids=str)
+def test_embedding_dequantizes_rows_of_every_storage(tmp_path, tm, storage, layout):
     rng = np.random.default_rng(0)
     V, D = 50, 256 + 32  # one half group: D % 64 == 32
     if not FORMATS[storage].fits(D):
         D = 512
-    wtype, data, values = weight_of(storage, rand(rng, V, D))
+    wtype, data, values = weight_of(storage, rand(rng, V, D), layout)
     k = Kernel(tmp_path, tm, tgt.EmbeddingOp, [tgt.memref(8, element_type=i32), wtype, tgt.memref(8, D), IDX])
     tokens = np.array([3, 0, 49, 3, 17, 8, 22, 1], np.int32)
     out = np.full((8, D), np.nan, f32)
@@ -359,11 +363,12 @@ def test_matmul_a8_equals_the_integer_reference(tmp_path, tm, storage):
     R = 6
     w = rand(rng, N, K)
     w[:, :64] *= 20  # a group of large weights: scales of different magnitudes
-    wtype, data, _ = weight_of(storage, w)
     qt = FORMATS[storage].quantize(w)
     x = rand(rng, R, K, scale=3.0)
     buf, rows = qrows_of(x, R)
-    for isa in tm.isas:
+    layouts = [(isa, Layout.SPLIT) for isa in tm.isas] + [(tgt.Isa.VNNI512, Layout.TILES)] * (tm.isas[0] is tgt.Isa.VNNI512)
+    for isa, layout in layouts:
+        wtype, data, _ = weight_of(storage, w, layout)
         for last_row in (False, True):
             k = Kernel(tmp_path, tm, matmul_op(last_row=last_row, isa=isa),
                        [tgt.QRowsType(R, K), wtype, tgt.memref(R, N), IDX])
@@ -407,10 +412,11 @@ def test_swiglu_a8_writes_quantized_rows(tmp_path, tm, storage, N):
     """Integer gate and up, output quantized 32 columns at a time by the thread computing them."""
     rng = np.random.default_rng(N)
     K, R = 256, 5
-    wtype = tgt.WeightType((N, K), storage, Layout.SPLIT)
     qg, qu = (FORMATS[storage].quantize(rand(rng, N, K)) for _ in range(2))
-    gd, ud = pack_split(qg), pack_split(qu)
     buf, rows = qrows_of(rand(rng, R, K), R)
+    layout = Layout.TILES if tm.isas[0] is tgt.Isa.VNNI512 else Layout.SPLIT
+    wtype = tgt.WeightType((N, K), storage, layout)
+    gd, ud = pack(qg, layout), pack(qu, layout)
     k = Kernel(tmp_path, tm, swiglu_op(isa=tm.isas[0]), [tgt.QRowsType(R, K), wtype, wtype, tgt.QRowsType(R, N), IDX])
     for n, nth in ((1, 1), (4, 1), (5, 2), (5, 3)):
         out = np.full(qrows_nbytes(R, N), 0xFF, np.uint8)
@@ -456,7 +462,7 @@ def test_matmul_amx_equals_the_integer_reference(tmp_path, host_amx, storage, N,
     K = K if K % FORMATS[storage].block == 0 else 768  # k-quants: whole 256-blocks
     w = rand(rng, N, K)
     w[:, :64] *= 20
-    wtype, data, _ = weight_of(storage, w)
+    wtype, data, _ = weight_of(storage, w, Layout.TILES)
     qt = FORMATS[storage].quantize(w)
     buf, rows = qrows_of(rand(rng, R, K, scale=3.0), R)
     k = Kernel(tmp_path, tm, matmul_op(isa=tgt.Isa.AMX), [tgt.QRowsType(R, K), wtype, tgt.memref(R, N), IDX])
@@ -476,13 +482,13 @@ def test_swiglu_amx_writes_quantized_rows(tmp_path, host_amx, storage):
     tm = host_amx
     rng = np.random.default_rng(19)
     N, K, R = 160, 256, 40
-    wtype = tgt.WeightType((N, K), storage, Layout.SPLIT)
+    wtype = tgt.WeightType((N, K), storage, Layout.TILES)
     qg, qu = (FORMATS[storage].quantize(rand(rng, N, K)) for _ in range(2))
     buf, rows = qrows_of(rand(rng, R, K), R)
     k = Kernel(tmp_path, tm, swiglu_op(isa=tgt.Isa.AMX), [tgt.QRowsType(R, K), wtype, wtype, tgt.QRowsType(R, N), IDX])
     for n, nth in ((16, 1), (35, 2)):
         out = np.full(qrows_nbytes(R, N), 0xFF, np.uint8)
-        k({"x": buf, "gate": pack_split(qg), "up": pack_split(qu), "out": out, "rows": n}, nth)
+        k({"x": buf, "gate": pack(qg, Layout.TILES), "up": pack(qu, Layout.TILES), "out": out, "rows": n}, nth)
         x = (rows.qs[:n], rows.d[:n], rows.s[:n])
         y = silu64(integer_matmul(*x, qg)) * integer_matmul(*x, qu)
         qs, d, _ = read_qrows(out, R, N, n)

@@ -25,15 +25,25 @@ from llvmlite import ir
 
 from llmc.backends.cpu import amx
 from llmc.backends.cpu.builder import F32, FPTR, I32, KernelBuilder
-from llmc.backends.cpu.quant import F16, I16, QRowsAccess, SplitWeight, integer_dot, lanes_of_slices, vec
+from llmc.backends.cpu.quant import (
+    F16,
+    I8,
+    I16,
+    QRowsAccess,
+    SplitWeight,
+    TiledWeight,
+    declare,
+    integer_dot,
+    lanes_of_slices,
+    vec,
+)
 from llmc.ir import tgt
-from llmc.ir.formats import GROUP, Storage
-from llmc.ir.layouts import Layout
+from llmc.ir.formats import GROUP, SLICE, Storage
+from llmc.ir.layouts import QUADS, STRIP, TILE_K, Layout
 
 # matmul register tiles: R rows × C output columns per weight matrix
 TILE_ROWS = 4
 TILE_COLS = {1: 4, 2: 2}
-AMX_UNIT = 32  # columns an AMX thread takes at once (the int8 rows' tile is reused across them)
 # Rows per block: the x rows of one block stay in L2 while every weight tile passes.
 BLOCK_BYTES = 192 * 1024
 MAX_BLOCK_ROWS = 64
@@ -118,10 +128,9 @@ def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt
     R, C = TILE_ROWS, TILE_COLS[nw]
     unit = unit or C
     assert unit % C == 0
-    tiles = isa is tgt.Isa.AMX  # AMX tiles for whole 16-row blocks, VNNI-512 for the rows left
-    if tiles:
-        assert rows.quantized and AMX_UNIT % unit == 0
-        unit, isa = AMX_UNIT, tgt.Isa.VNNI512
+    if weights[0][1].layout is Layout.TILES:
+        gemm_tiles(f, rows, N, [TiledWeight(f, p, t) for p, t in weights], finish, tid, nth, isa, unit, flush)
+        return
     integer = weights[0][1].layout is Layout.SPLIT
     access = [SplitWeight(f, p, t) if integer else (weight_ptr(f, p, t.storage), t.storage) for p, t in weights]
     TB = max(R, min(MAX_BLOCK_ROWS, BLOCK_BYTES // (4 * K)) // R * R)
@@ -158,17 +167,7 @@ def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt
                 if flush is not None:
                     flush(t, r, j0)
 
-    start = f.i64(0)  # the first row the loops below compute
-    if tiles:
-        lo, hi, rest = _share_blocks(f, N, unit, tid, nth)
-        t16 = b.select(amx.enabled(f), b.and_(rows.count, f.i64(-amx.TILE)), f.i64(0))
-        amx.gemm_amx(f, rows.q, access, t16, lo, hi, unit, finish, flush)
-        if rest:  # the columns left over, on the last thread
-            with f.when(b.icmp_signed("==", tid, b.sub(nth, f.i64(1)))):
-                with f.loop(0, t16, TB, name="tr") as t0:
-                    unit_columns(t0, f.smin(f.add(t0, TB), t16), f.i64(N - rest), rest)
-        start = t16
-    with f.loop(start, rows.count, TB, name="tb") as t0:
+    with f.loop(0, rows.count, TB, name="tb") as t0:
         t_end = f.smin(f.add(t0, TB), rows.count)
         if inv is not None:
             with f.loop(t0, t_end, name="tn") as t:
@@ -273,3 +272,113 @@ def _tile_a8(f: KernelBuilder, rows: Rows, access: list[SplitWeight], t: ir.Valu
               for ci in range(c)] for ri in range(r)] for wi in range(nw)]
 
 
+
+
+# ------------------------------------------------------------------ the tiles layout
+
+
+def broadcast_quad(f: KernelBuilder, q: QRowsAccess, t: ir.Value, k: ir.Value) -> ir.Value:
+    """Row t's int8 values k..k+3 (k a multiple of 4) in every lane: `<64 x i8>`, a `vpdpbusd` operand."""
+    word = f.load(f.b.bitcast(q.qs_ptr(t), I32.as_pointer()), f.b.sdiv(k, f.i64(4)))
+    lanes = f.b.insert_element(ir.Constant(vec(I32, 1), None), word, ir.Constant(I32, 0))
+    lanes = f.b.shuffle_vector(lanes, ir.Constant(vec(I32, 1), None), ir.Constant(vec(I32, 16), [0] * 16))
+    return f.b.bitcast(lanes, vec(I8, 64))
+
+
+def vpdpbusd(f: KernelBuilder, acc: ir.Value, codes: ir.Value, x: ir.Value) -> ir.Value:
+    fn = declare(f, "llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [vec(I32, 16), vec(I8, 64), vec(I8, 64)])
+    return f.b.call(fn, [acc, codes, x])
+
+
+def strips_of_thread(f: KernelBuilder, N: int, unit: int, tid: ir.Value, nth: ir.Value
+                     ) -> tuple[ir.Value, ir.Value, int, int]:
+    """This thread's columns `[lo, hi)` in whole units (of whole strips), the unit, and the columns
+    left over for the last thread (`N` not a multiple of the unit)."""
+    unit = max(STRIP, unit)
+    assert unit % STRIP == 0
+    lo, hi = f.share(N // unit, tid, nth, unit)
+    return lo, hi, unit, N % unit
+
+
+def columns_of(f: KernelBuilder, j0: ir.Value, count: int) -> list[ir.Value]:
+    return [f.add(j0, c) for c in range(count)]
+
+
+def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], finish: Finish, tid: ir.Value,
+               nth: ir.Value, isa: tgt.Isa, unit: int, flush) -> None:
+    """Quantized rows × weights in the tiles layout. Whole 16-row blocks on AMX tiles where the
+    kernel has `isa amx` (and the runtime allowed them); every other row on VNNI-512: per strip
+    of 16 columns and 32-block, 8 `vpdpbusd` of the block's code vectors and 4 broadcast
+    int8 values of each row (the 16 columns' sums in the lanes), scaled once per scale group:
+    `acc += dot · (d_w · d_x) + off_w · s_x`."""
+    assert rows.quantized
+    b = f.b
+    lo, hi, unit, rest = strips_of_thread(f, N, unit, tid, nth)
+    start = f.i64(0)
+    if isa is tgt.Isa.AMX:
+        start = b.select(amx.enabled(f), b.and_(rows.count, f.i64(-amx.TILE)), f.i64(0))
+        amx.gemm_amx(f, rows.q, access, start, lo, hi, unit, finish, flush)
+    R = TILE_ROWS
+
+    def unit_rows(t: ir.Value, r: int, j0: ir.Value, width: int) -> None:
+        """Rows t..t+r of the `width` columns from j0 (whole strips, the last one possibly partial)."""
+        nstrips = -(-width // STRIP)
+        vals = [[[None] * width for _ in range(r)] for _ in access]
+        for si in range(nstrips):
+            s = b.sdiv(f.add(j0, si * STRIP), f.i64(STRIP))
+            sums = _strip_dot(f, rows.q, access, f.add(rows.first, t), r, s)  # (last_row: the last row)
+            for wi in range(len(access)):
+                for ri in range(r):
+                    for c in range(min(STRIP, width - si * STRIP)):
+                        vals[wi][ri][si * STRIP + c] = b.extract_element(sums[wi][ri], ir.Constant(I32, c))
+        finish([f.add(t, ri) for ri in range(r)], columns_of(f, j0, width), vals)
+        if flush is not None:
+            flush(t, r, j0)
+
+    def span(first: ir.Value, j0: ir.Value, width: int) -> None:
+        """Rows first..count of the `width` columns from j0, R rows at a time, then one."""
+        t_split = f.add(first, b.and_(f.sub(rows.count, first), f.i64(-R)))
+        for t_lo, t_hi, r in ((first, t_split, R), (t_split, rows.count, 1)):
+            with f.loop(t_lo, t_hi, r, name=f"tt{r}") as t:
+                unit_rows(t, r, j0, width)
+
+    with f.loop(lo, hi, unit, name="ju") as j0:
+        span(start, j0, unit)
+    if rest:  # the columns left over, every row of them, on the last thread
+        with f.when(b.icmp_signed("==", tid, b.sub(nth, f.i64(1)))):
+            span(f.i64(0), f.i64(N - rest), rest)
+
+
+def _strip_dot(f: KernelBuilder, q: QRowsAccess, access: list[TiledWeight], t: ir.Value, r: int,
+               s: ir.Value) -> list[list[ir.Value]]:
+    """`<16 x float>` per weight and row: rows t..t+r · the 16 columns of strip s."""
+    b = f.b
+    accs = _accumulators(f, vec(F32, STRIP), len(access), r, 1, "tacc")
+    step = min(w.scale_step() for w in access)  # 16-slices per scale group
+    with f.loop(0, access[0].blocks, name="blk", unroll=False) as blk:
+        codes = []
+        for w in access:
+            w.prefetch(s, blk, PREFETCH_BYTES)
+            codes.append(w.quads(s, blk))
+        xs_by_row = [[broadcast_quad(f, q, f.add(t, ri), f.add(f.mul(blk, TILE_K), 4 * quad)) for quad in range(QUADS)]
+                     for ri in range(r)]
+        for first in range(0, TILE_K // SLICE, step):
+            quads = range(first * SLICE // 4, (first + step) * SLICE // 4)
+            sl = f.add(f.mul(blk, TILE_K // SLICE), first)
+            for wi, w in enumerate(access):
+                scale = w.scale16(s, sl)
+                offset = w.offset16(s, sl, scale)
+                for ri in range(r):
+                    row = f.add(t, ri)
+                    dot = ir.Constant(vec(I32, STRIP), [0] * STRIP)
+                    for quad in quads:
+                        dot = vpdpbusd(f, dot, codes[wi][quad], xs_by_row[ri][quad])
+                    xd = f.load(q.d_ptr(row), sl)
+                    xsum = f.load(q.s_ptr(row), sl)
+                    for extra in range(1, step):
+                        xsum = f.fadd(xsum, f.load(q.s_ptr(row), f.add(sl, extra)))
+                    acc = accs[wi][ri][0]
+                    total = f.fadd(b.load(acc), f.fmul(b.sitofp(dot, vec(F32, STRIP)),
+                                                       f.fmul(scale, f.splat(xd, vec(F32, STRIP)))))
+                    b.store(f.fadd(total, f.fmul(offset, f.splat(xsum, vec(F32, STRIP)))), acc)
+    return [[b.load(accs[wi][ri][0]) for ri in range(r)] for wi in range(len(access))]

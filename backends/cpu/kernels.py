@@ -35,12 +35,13 @@ from llmc.backends.cpu.quant import (
     I8PTR,
     QRowsAccess,
     SplitWeight,
+    TiledWeight,
     vec,
 )
 from llmc.ir import tgt
-from llmc.ir.formats import ACT_BLOCK, GROUP
+from llmc.ir.formats import ACT_BLOCK, GROUP, SLICE
 from llmc.ir.interpreter import rope_inv_freq
-from llmc.ir.layouts import Layout
+from llmc.ir.layouts import STRIP, TILE_K, Layout
 
 I64PTR = I64.as_pointer()
 QUERY_TILE = 4  # prefill attention: query rows per tile (they share every K/V row load)
@@ -214,7 +215,9 @@ def _embedding(lib: KernelLibrary, f: KernelBuilder, op: tgt.EmbeddingOp, a: dic
     with f.loop(*f.share(a["rows"], a["tid"], a["nth"]), name="t") as t:
         tok = f.b.sext(f.load(tokens, t), I64)
         dst = f.ptr(out, f.mul(t, D))
-        if table_type.layout is Layout.SPLIT:
+        if table_type.layout is Layout.TILES:
+            _tiles_row(f, TiledWeight(f, a["table"], table_type), tok, D, dst)
+        elif table_type.layout is Layout.SPLIT:
             w = SplitWeight(f, a["table"], table_type)
             full, half = D // GROUP, D % GROUP // 16
             with f.loop(0, full, name="g", unroll=False) as g:
@@ -228,6 +231,32 @@ def _embedding(lib: KernelLibrary, f: KernelBuilder, op: tgt.EmbeddingOp, a: dic
             src = f.mul(tok, D)
             with f.loop(0, D, name="d") as d:
                 f.store(load_weight(f, src_base, f.add(src, d), table_type.storage), dst, d)
+
+
+def _tiles_row(f: KernelBuilder, w: TiledWeight, j: ir.Value, D: int, dst: ir.Value) -> None:
+    """Row j of a tiles-layout weight, dequantized into dst: per 16-slice, the 4 code words of
+    row j in the slice's 4 quad vectors, then `(code − zero) · scale` or `code · scale + minimum`."""
+    b = f.b
+    assert D % TILE_K == 0, "every integer format's blocks are whole 32-blocks"
+    s, fi = b.sdiv(j, f.i64(STRIP)), b.trunc(b.srem(j, f.i64(STRIP)), I32)
+
+    with f.loop(0, D // TILE_K, name="eb", unroll=False) as blk:
+        quads = w.quads(s, blk)
+        for h in range(TILE_K // SLICE):
+            sl = f.add(f.mul(blk, 2), h)
+            words = ir.Constant(vec(I32, 4), None)
+            for i in range(4):
+                word = b.extract_element(b.bitcast(quads[4 * h + i], vec(I32, STRIP)), fi)
+                words = b.insert_element(words, word, ir.Constant(I32, i))
+            u = b.uitofp(b.bitcast(words, vec(ir.IntType(8), 16)), vec(F32, 16))
+            scale16 = w.scale16(s, sl)
+            scale = f.splat(b.extract_element(scale16, fi), vec(F32, 16))
+            if w.fmt.zero is not None:
+                value = b.fmul(b.fsub(u, f.const(vec(F32, 16), float(w.fmt.zero))), scale)
+            else:
+                minimum = f.splat(b.extract_element(w.offset16(s, sl, scale16), fi), vec(F32, 16))
+                value = b.fadd(b.fmul(u, scale), minimum)
+            f.vstore(value, dst, f.mul(sl, SLICE))
 
 
 # ------------------------------------------------------------------------ rms_norm, quantize

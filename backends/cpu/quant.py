@@ -18,7 +18,7 @@ from llvmlite import ir
 
 from llmc.backends.cpu.builder import F32, I32, I64, KernelBuilder
 from llmc.ir.formats import ACT_BLOCK, FORMATS, GROUP, SLICE, padded_width
-from llmc.ir.layouts import Plane, QRowLayout, weight_planes
+from llmc.ir.layouts import QUADS, STRIP, TILE_K, Plane, QRowLayout, tile_planes, weight_planes
 from llmc.ir.tgt import Isa, QRowsType, WeightType
 
 I1 = ir.IntType(1)
@@ -70,6 +70,15 @@ def _to_float(f: KernelBuilder, value: ir.Value, dtype: str) -> ir.Value:
     return f.b.sitofp(value, ty)
 
 
+def _plane_element(fmt, name: str) -> ir.Type:
+    """The LLVM element type of a packed weight's plane."""
+    if name == "codes":
+        return I8
+    if name.startswith("bit"):
+        return I64
+    return F16 if fmt.field(name).dtype == "f16" else I8
+
+
 class SplitWeight:
     """An integer-format `[N, K]` weight in the split layout at `base` (an `i8*`)."""
 
@@ -86,12 +95,7 @@ class SplitWeight:
         self.ptrs = {name: typed_ptr(f, base, p, self._element(name)) for name, p in self.planes.items()}
 
     def _element(self, name: str) -> ir.Type:
-        if name == "codes":
-            return I8
-        if name.startswith("bit"):
-            return I64
-        dtype = self.fmt.field(name).dtype
-        return F16 if dtype == "f16" else I8
+        return _plane_element(self.fmt, name)
 
     def codes(self, j: ir.Value, g: ir.Value) -> ir.Value:
         """The 64 unsigned codes of group `g` of row `j`: `<64 x i8>`."""
@@ -182,6 +186,89 @@ class SplitWeight:
             else:
                 out.append(b.fadd(b.fmul(u, shuffle(f, scale, pick)), shuffle(f, minimum, pick)))
         return out
+
+
+class TiledWeight:
+    """An integer-format `[N, K]` weight in the tiles layout at `base` (an `i8*`), by strip of 16 rows.
+
+    For strip `s` and 32-block `b`: `quads(s, b)` are the 8 vectors `<64 x i8>` of 4 codes
+    × 16 features (a `vpdpbusd` operand each; together an AMX B tile), `scale16` and
+    `offset16` a 16-slice's scale and activation-sum factor for the 16 features.
+    """
+
+    def __init__(self, f: KernelBuilder, base: ir.Value, weight_type: WeightType):
+        self.f = f
+        self.fmt = FORMATS[weight_type.storage]
+        self.n, self.k = weight_type.shape
+        self.kp = padded_width(self.k)
+        self.blocks = self.kp // TILE_K
+        self.bits = self.fmt.bits
+        self.block_bytes = STRIP * TILE_K if self.bits == 8 else STRIP * TILE_K // 2
+        self.planes = {p.name: p for p in tile_planes(weight_type.storage, weight_type.shape)}
+        self.ptrs = {name: typed_ptr(f, base, p, _plane_element(self.fmt, name)) for name, p in self.planes.items()}
+
+    def codes_ptr(self, s: ir.Value, b: ir.Value) -> ir.Value:
+        """Where block b of strip s's codes start (an `i8*`)."""
+        f = self.f
+        return f.b.gep(self.ptrs["codes"], [f.mul(f.add(f.mul(s, self.blocks), b), self.block_bytes)])
+
+    def quads(self, s: ir.Value, b: ir.Value) -> list[ir.Value]:
+        """The 8 `<64 x i8>` code vectors of block b of strip s: quad q holds codes 4q..4q+3 of the 16 features."""
+        f, b_ = self.f, self.f.b
+        start = f.mul(f.add(f.mul(s, self.blocks), b), self.block_bytes)
+        if self.bits == 8:
+            return [load_vector(f, self.ptrs["codes"], f.add(start, 64 * q), vec(I8, 64)) for q in range(QUADS)]
+        packed = [load_vector(f, self.ptrs["codes"], f.add(start, 64 * r), vec(I8, 64))
+                  for r in range(QUADS // 2)]
+        out = [b_.and_(p, splat_i(vec(I8, 64), 15)) for p in packed] + \
+              [b_.lshr(p, splat_i(vec(I8, 64), 4)) for p in packed]
+        for bit in range(4, self.bits):
+            at = f.mul(f.add(f.mul(s, self.blocks), b), QUADS)
+            for q in range(QUADS):
+                mask = b_.load(f.ptr(self.ptrs[f"bit{bit}"], f.add(at, q)), align=8)
+                plane = b_.zext(b_.bitcast(mask, vec(I1, 64)), vec(I8, 64))
+                out[q] = b_.or_(out[q], b_.shl(plane, splat_i(vec(I8, 64), bit)))
+        return out
+
+    def prefetch(self, s: ir.Value, b: ir.Value, ahead: int) -> None:
+        f = self.f
+        offset = f.add(f.mul(f.add(f.mul(s, self.blocks), b), self.block_bytes), ahead)
+        fn = declare(f, "llvm.prefetch.p0", ir.VoidType(), [I8PTR, I32, I32, I32])
+        f.b.call(fn, [f.b.gep(self.ptrs["codes"], [offset]), ir.Constant(I32, 0), ir.Constant(I32, 3),
+                      ir.Constant(I32, 1)])
+
+    def _field16(self, name: str, s: ir.Value, sl: ir.Value | int) -> ir.Value:
+        """Field `name` of the 16 features of strip s for 16-slice `sl`: `<16 x float>`."""
+        f = self.f
+        field = self.fmt.field(name)
+        per_strip = self.kp // field.group
+        index = f.b.sdiv(f.mul(f.i64(sl), SLICE), f.i64(field.group)) if field.group > SLICE else f.i64(sl)
+        at = f.mul(f.add(f.mul(s, per_strip), index), STRIP)
+        ty = F16 if field.dtype == "f16" else I8
+        return _to_float(f, load_vector(f, self.ptrs[name], at, vec(ty, STRIP), align=2), field.dtype)
+
+    def _product16(self, names: tuple[str, ...], s: ir.Value, sl) -> ir.Value:
+        out = None
+        for name in names:
+            v = self._field16(name, s, sl)
+            out = v if out is None else self.f.b.fmul(out, v)
+        return out
+
+    def scale16(self, s: ir.Value, sl) -> ir.Value:
+        return self._product16(self.fmt.scale, s, sl)
+
+    def offset16(self, s: ir.Value, sl, scale16: ir.Value) -> ir.Value:
+        """What multiplies the activations' slice sums: the minimum, or `−zero · scale`."""
+        b = self.f.b
+        if self.fmt.minimum:
+            m = self._product16(self.fmt.minimum, s, sl)
+            return b.fneg(m) if self.fmt.minimum_sign < 0 else m
+        zero = ir.Constant(vec(F32, STRIP), [float(self.fmt.zero)] * STRIP)
+        return b.fneg(b.fmul(zero, scale16))
+
+    def scale_step(self) -> int:
+        """16-slices per scale change: 2 where every field spans whole 32-blocks, else 1."""
+        return 2 if all(field.group % TILE_K == 0 for field in self.fmt.fields) else 1
 
 
 class QRowsAccess:

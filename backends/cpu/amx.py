@@ -114,27 +114,29 @@ def gemm_amx(f: KernelBuilder, q: QRowsAccess, access: list[TiledWeight], t_end:
                     for quad, codes in enumerate(w.quads(f.add(s0, si), blk)):
                         b.store(codes, b.bitcast(f.ptr(bbuf, f.add(base, quad * 64)), codes.type.as_pointer()), align=1)
         with f.loop(0, t_end, TILE, name="rt") as t0:
-            with f.loop(0, nw * strips * TILE * STRIP, name="az") as i:
-                f.store(f.f32(0.0), acc, i)
-            with f.loop(0, blocks, name="kb", unroll=False) as blk:
-                a = _load(f, TILE, TILE_K, f.ptr(q.qs_ptr(t0), f.mul(blk, TILE_K)), row_bytes)
-                sl = f.mul(blk, TILE_K // SLICE)
-                for wi, w in enumerate(access):
-                    for si in range(strips):
-                        s = f.add(s0, si)
+            for wi, w in enumerate(access):  # per weight and strip: the 16 rows' sums in registers
+                for si in range(strips):
+                    s = f.add(s0, si)
+                    sums = [f.alloca(vec(F32, STRIP), name=f"sum{r}") for r in range(TILE)]
+                    for total in sums:
+                        b.store(f.const(vec(F32, STRIP), 0.0), total)
+                    with f.loop(0, blocks, name="kb", unroll=False) as blk:
+                        a = _load(f, TILE, TILE_K, f.ptr(q.qs_ptr(t0), f.mul(blk, TILE_K)), row_bytes)
                         _store(f, cbytes, _product(f, a, b_tile(wi, w, s, si, blk)))
+                        sl = f.mul(blk, TILE_K // SLICE)
                         scale = w.scale16(s, sl)
                         offset = w.offset16(s, sl, scale)
-                        with f.loop(0, TILE, name="ep", unroll=False) as r:
+                        for r, total in enumerate(sums):
                             row = f.add(t0, r)
                             xd = f.splat(f.load(q.d_ptr(row), sl), vec(F32, STRIP))
                             xs = f.splat(f.fadd(f.load(q.s_ptr(row), sl), f.load(q.s_ptr(row), f.add(sl, 1))),
                                          vec(F32, STRIP))
-                            dot = b.sitofp(f.b.load(b.bitcast(f.ptr(cbuf, f.mul(r, STRIP)),
-                                                              vec(I32, STRIP).as_pointer()), align=4), vec(F32, STRIP))
-                            slot = f.mul(f.add(f.i64((wi * strips + si) * TILE), r), STRIP)
-                            total = f.fadd(f.vload(acc, slot), f.fmul(dot, f.fmul(scale, xd)))
-                            f.vstore(f.fadd(total, f.fmul(offset, xs)), acc, slot)
+                            dot = b.sitofp(b.load(b.bitcast(f.ptr(cbuf, r * STRIP), vec(I32, STRIP).as_pointer()),
+                                                  align=4), vec(F32, STRIP))
+                            step = f.fadd(f.fmul(dot, f.fmul(scale, xd)), f.fmul(offset, xs))
+                            b.store(f.fadd(b.load(total), step), total)
+                    for r, total in enumerate(sums):
+                        f.vstore(b.load(total), acc, f.i64(((wi * strips + si) * TILE + r) * STRIP))
             with f.loop(0, TILE, name="fr", unroll=False) as r:
                 t = f.add(t0, r)
                 vals = [[[f.load(acc, f.add(f.mul(f.add(f.i64((wi * strips + c // STRIP) * TILE), r), STRIP), c % STRIP))

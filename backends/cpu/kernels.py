@@ -44,7 +44,7 @@ from llmc.ir.interpreter import rope_inv_freq
 from llmc.ir.layouts import STRIP, TILE_K, Layout
 
 I64PTR = I64.as_pointer()
-QUERY_TILE = 4  # prefill attention: query rows per tile (they share every K/V row load)
+QUERY_TILE = 8  # prefill attention: query rows per tile (they share every staged K/V block)
 POS_BLOCK = 64  # attention: cache positions per online-softmax step
 
 
@@ -492,12 +492,17 @@ def _attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dic
     m_buf, l_buf = f.alloca(F32, TQ * G, name="m"), f.alloca(F32, TQ * G, name="l")
     acc = f.alloca(F32, TQ * G * D, name="acc")
     scores = f.alloca(F32, TQ * G * POS_BLOCK, name="scores")
+    kbuf = f.alloca(F32, POS_BLOCK * D, name="k_block")  # the block's K and V rows as f32
+    vbuf = f.alloca(F32, POS_BLOCK * D, name="v_block")
     limits = f.alloca(I64, TQ, name="limits")
 
     def attend(t0: ir.Value, tq: int, h: ir.Value, s_lo: ir.Value, s_hi: ir.Value) -> None:
         """Queries of rows t0..t0+tq (each up to its `limits[r]`) × the G heads of kv head h,
-        over cache positions [s_lo, s_hi)."""
+        over cache positions [s_lo, s_hi), a block of `POS_BLOCK` positions at a time: the
+        block's K and V rows staged as f32, 16 scores at once (`KernelBuilder.hsum16` of
+        16 rows' products), then per query a vector max and exp and the weighted V rows."""
         nq = tq * G
+        V16 = vec(F32, 16)
         for i in range(nq):
             f.store(f.f32(float("-inf")), m_buf, i)
             f.store(f.f32(0.0), l_buf, i)
@@ -505,37 +510,62 @@ def _attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dic
             f.store(f.f32(0.0), acc, i)
         qrow = [f.mul(f.add(f.mul(f.add(t0, i // G), H), f.add(f.mul(h, G), i % G)), D) for i in range(nq)]
         kv_base = f.mul(h, S * D)
+        lane = ir.Constant(vec(I64, 16), list(range(16)))
         with f.loop(s_lo, s_hi, POS_BLOCK, name="blk", unroll=False) as s0:
             count = f.smin(POS_BLOCK, f.sub(s_hi, s0))
-            with f.loop(0, count, name="s", unroll=False) as s:
-                krow = cache_row(k_cache, f.add(kv_base, f.mul(f.add(s0, s), D)))
+            with f.loop(0, count, name="st", unroll=False) as s:
+                at = f.add(kv_base, f.mul(f.add(s0, s), D))
+                for cache, staged in ((k_cache, kbuf), (v_cache, vbuf)):
+                    for (o, _), row in zip(chunks, cache_row(cache, at)):
+                        f.vstore(row, staged, f.add(f.mul(s, D), o))
+            with f.when(b.icmp_signed("<", count, f.i64(POS_BLOCK))):  # the odd position after the last: zeros
+                for o, w in chunks:
+                    f.vstore(f.const(vec(F32, w), 0.0), vbuf, f.add(f.mul(count, D), o))
+            with f.loop(0, count, 16, name="s16", unroll=False) as s16:
                 for i in range(nq):
                     qv = [f.vload(q, f.add(qrow[i], o), w) for o, w in chunks]
-                    f.store(f.fmul(f.vdot(qv, krow), scale), scores, f.add(f.i64(i * POS_BLOCK), s))
+                    products = []
+                    for j in range(16):  # (rows past `count` hold stale values: their lanes go unread)
+                        krow = f.mul(f.add(s16, j), D)
+                        terms = [f.fmul(x, f.vload(kbuf, f.add(krow, o), w)) for x, (o, w) in zip(qv, chunks)]
+                        products.append(_sum16(f, terms))
+                    f.vstore(f.fmul(f.hsum16(products), f.splat(scale, V16)), scores, f.add(f.i64(i * POS_BLOCK), s16))
             with f.loop(0, nq, name="sm", unroll=False) as i:
                 row = f.ptr(scores, f.mul(i, POS_BLOCK))
                 valid = f.smax(0, f.smin(count, f.sub(f.load(limits, b.sdiv(i, f.i64(G))), s0)))
                 with b.if_then(b.icmp_signed(">", valid, f.i64(0))):
-                    mx = f.alloca(F32, name="mx")
-                    b.store(f.load(m_buf, i), mx)
-                    with f.loop(0, valid, name="mm") as s:
-                        b.store(f.intrinsic("llvm.maxnum", b.load(mx), f.load(row, s)), mx)
-                    m_old, m_new = f.load(m_buf, i), b.load(mx)
-                    total = f.reduce_sum(valid, lambda s: _exp_store(f, row, s, m_new), name="e")
+                    inside_block = [b.icmp_signed("<", b.add(lane, f.splat_i64(c, 16)), f.splat_i64(valid, 16))
+                                    for c in range(0, POS_BLOCK, 16)]
+                    chunk_scores = [b.select(m, f.vload(row, f.i64(c)), f.const(V16, float("-inf")))
+                                    for m, c in zip(inside_block, range(0, POS_BLOCK, 16))]
+                    top = chunk_scores[0]
+                    for v in chunk_scores[1:]:
+                        top = f.intrinsic("llvm.maxnum", top, v)
+                    m_old = f.load(m_buf, i)
+                    m_new = f.intrinsic("llvm.maxnum", m_old, f.reduce_max(top))
+                    total = f.const(V16, 0.0)
+                    for m, v, c in zip(inside_block, chunk_scores, range(0, POS_BLOCK, 16)):
+                        e = b.select(m, f.exp(b.fsub(v, f.splat(m_new, V16))), f.const(V16, 0.0))
+                        f.vstore(e, row, f.i64(c))
+                        total = f.fadd(total, e)
                     corr = f.exp(b.fsub(m_old, m_new))
-                    f.store(f.fadd(f.fmul(f.load(l_buf, i), corr), total), l_buf, i)
+                    f.store(f.fadd(f.fmul(f.load(l_buf, i), corr), f.reduce_vector(total)), l_buf, i)
                     f.store(m_new, m_buf, i)
-                    arow = f.ptr(acc, f.mul(i, D))
-                    f.vec_map(D, [arow], arow, lambda x: f.fmul(x[0], f.splat(corr, x[0].type)), name="ac")
-                with f.loop(valid, POS_BLOCK, name="mz") as s:
-                    f.store(f.f32(0.0), row, s)
-            with f.loop(0, count, name="pv", unroll=False) as s:
-                vrow = cache_row(v_cache, f.add(kv_base, f.mul(f.add(s0, s), D)))
-                for i in range(nq):
-                    p = f.load(scores, f.add(f.i64(i * POS_BLOCK), s))
-                    for (o, w), x in zip(chunks, vrow):
-                        at = f.i64(i * D + o)
-                        f.vstore(f.fadd(f.vload(acc, at, w), f.fmul(f.splat(p, x.type), x)), acc, at)
+                    arow = f.mul(i, D)
+                    # two sets of sums (even and odd positions): two FMA chains per chunk in flight
+                    sums = [[f.alloca(vec(F32, w), name=f"pv{o}_{k}") for o, w in chunks] for k in range(2)]
+                    for k, part in enumerate(sums):
+                        for total_o, (o, w) in zip(part, chunks):
+                            start = f.fmul(f.vload(acc, f.add(arow, o), w), f.splat(corr, vec(F32, w)))
+                            b.store(start if k == 0 else f.const(vec(F32, w), 0.0), total_o)
+                    with f.loop(0, valid, 2, name="pv", unroll=False) as s:  # (p is 0 at `valid`: whole pairs)
+                        for k, part in enumerate(sums):
+                            p = f.load(row, f.add(s, k))
+                            for total_o, (o, w) in zip(part, chunks):
+                                x = f.vload(vbuf, f.add(f.mul(f.add(s, k), D), o), w)
+                                b.store(f.fadd(b.load(total_o), f.fmul(f.splat(p, x.type), x)), total_o)
+                    for (o, _), even, odd in zip(chunks, *sums):
+                        f.vstore(f.fadd(b.load(even), b.load(odd)), acc, f.add(arow, o))
 
     def store_head(t: ir.Value, head: ir.Value, ys: list[ir.Value]) -> None:
         """Row t's output for query head `head`: float, or quantized blocks of 32."""
@@ -617,10 +647,16 @@ def _attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dic
                             store_head(t, f.add(f.mul(h, G), g), ys)
 
 
-def _exp_store(f: KernelBuilder, row: ir.Value, s: ir.Value, m: ir.Value) -> ir.Value:
-    e = f.exp(f.b.fsub(f.load(row, s), m))
-    f.store(e, row, s)
-    return e
+def _sum16(f: KernelBuilder, terms: list[ir.Value]) -> ir.Value:
+    """The sum of float vectors as one `<16 x float>` (narrower ones widened with zeros)."""
+    total = None
+    for t in terms:
+        if t.type.count < 16:
+            t = f.b.shuffle_vector(t, ir.Constant(t.type, [0.0] * t.type.count),
+                                   ir.Constant(vec(I32, 16), [i if i < t.type.count else t.type.count
+                                                              for i in range(16)]))
+        total = t if total is None else f.fadd(total, t)
+    return total
 
 
 # ------------------------------------------------------------------------ elementwise

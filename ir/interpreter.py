@@ -18,7 +18,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Operation, SSAValue
 
 from llmc.ir import find_function, llm, named_operands
-from llmc.ir.formats import integer_matmul, quantize_rows
+from llmc.ir.formats import SLICE, integer_matmul, quantize_rows
 from llmc.ir.weights import WeightStore
 
 
@@ -39,21 +39,37 @@ semantics = _SEMANTICS.register  # `fn(op, env, *operand_values) -> result`
 
 @dataclass
 class KVCache:
-    """Keys and values of every layer: `[layers, kv_heads, capacity, head_dim]` each."""
+    """Keys and values of every layer: `[layers, kv_heads, capacity, head_dim]` each.
+
+    `element` is the cache's type: "f32", "f16" (the arrays are float16) or "q8_0" (the
+    arrays hold float32 values rounded as q8_0 rows are: int8 per 32 with a scale).
+    """
 
     keys: np.ndarray
     values: np.ndarray
+    element: str = "f32"
 
     @classmethod
     def for_type(cls, cache_type: llm.KVCacheType, positions: int | None = None) -> KVCache:
         """A zeroed cache of `cache_type`, or of its first `positions` rows only."""
         layers, kv_heads, capacity, head_dim = cache_type.shape
-        dtype = np.float16 if str(cache_type.element_type) == "f16" else np.float32
-        return cls.zeros((layers, kv_heads, min(capacity, positions or capacity), head_dim), dtype)
+        element = {"f16": "f16", "i8": "q8_0"}.get(str(cache_type.element_type), "f32")
+        return cls.zeros((layers, kv_heads, min(capacity, positions or capacity), head_dim), element)
 
     @classmethod
-    def zeros(cls, shape: tuple[int, ...], dtype: type = np.float32) -> KVCache:
-        return cls(np.zeros(shape, dtype), np.zeros(shape, dtype))
+    def zeros(cls, shape: tuple[int, ...], element: str = "f32") -> KVCache:
+        dtype = np.float16 if element == "f16" else np.float32
+        return cls(np.zeros(shape, dtype), np.zeros(shape, dtype), element)
+
+    def store(self, layer: int, positions: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Write rows `[T, kv_heads, head_dim]` of k and v at `positions` of `layer`, in the cache's type."""
+        for table, rows in ((self.keys, k), (self.values, v)):
+            rows = rows.transpose(1, 0, 2)
+            if self.element == "q8_0":
+                qs, d, _ = quantize_rows(rows.reshape(-1, rows.shape[-1]))
+                width = rows.shape[-1]
+                rows = (qs[:, :width].astype(np.float32) * d[:, :width // SLICE].repeat(SLICE, axis=1)).reshape(rows.shape)
+            table[layer][:, positions] = rows
 
 
 @dataclass
@@ -165,8 +181,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray
     capacity = cache.keys.shape[2]
     if positions.size and (positions.min() < 0 or positions.max() >= capacity):
         raise ValueError(f"position outside the KV cache capacity of {capacity}")
-    cache.keys[layer][:, positions] = k.transpose(1, 0, 2)
-    cache.values[layer][:, positions] = v.transpose(1, 0, 2)
+    cache.store(layer, positions, k, v)
     span = int(positions.max()) + 1 if positions.size else 0
     keys = cache.keys[layer][:, :span]  # [kv_heads, S, D]
     values = cache.values[layer][:, :span]

@@ -4,13 +4,14 @@ One `tgt` function is one entry point (`prefill`, `prefill_kv`, `decode`, `score
 Its ops are kernels in destination-passing style: each reads buffers and writes a
 buffer; none returns a value. Types say what the bytes are:
 
-- `memref<128x576xf32>`: float activations (and the KV cache, the logits);
+- `memref<128x576xf32>`: float activations (and the logits; the KV cache in f32, f16
+  or i8 = q8_0 rows, `kv_row_width`);
 - `!tgt.qrows<128x576>`: activation rows quantized to int8 per 32 values, with their
   scales and sums (`llmc.ir.layouts`), written by the kernel that produces them and read
   by integer (`a8`) matmuls;
-- `!tgt.weight<576x576, q4_1, split>`: a weight of the artifact in a storage type
-  (`llmc.ir.formats`) and a layout (`stored` as in the model file, or `split`, chosen
-  for the target by the `pack` pass).
+- `!tgt.weight<576x576, q4_1, tiles>`: a weight of the artifact in a storage type
+  (`llmc.ir.formats`) and a layout (`stored` as in the model file, `split` or `tiles`,
+  chosen for the target by the `pack` pass).
 
 Activations live in one arena per entry point (`tgt.alloc`, placed by `plan-memory`),
 weights are symbols into the artifact's weight file (`tgt.weight`), the KV cache and
@@ -21,14 +22,14 @@ target (`tgt.target`), set before any phase runs.
 ```mlir
 builtin.module attributes {tgt.target = #tgt.target<cpu, "x86_64", "sapphirerapids", ["avx2", "avx512vnni"]>} {
   func.func @decode(%tokens: memref<1xi32>, %positions: memref<1xi32>, %n: index,
-                    %k_cache: memref<30x3x4096x64xf32>, %v_cache: memref<30x3x4096x64xf32>,
+                    %k_cache: memref<30x3x4096x64xf16>, %v_cache: memref<30x3x4096x64xf16>,
                     %logits: memref<1x49152xf32>) attributes {...} {
     %x = tgt.alloc offset 0 : memref<1x576xf32>
     %h = tgt.alloc offset 2304 : !tgt.qrows<1x576>
     %wn = tgt.weight @blk.0.attn_norm : !tgt.weight<576, f32, stored>
     tgt.rms_norm %x, %wn -> %h rows %n eps 1.000000e-05 : memref<1x576xf32>, !tgt.weight<576, f32, stored> -> !tgt.qrows<1x576>
-    %wq = tgt.weight @blk.0.attn_q : !tgt.weight<576x576, q4_1, split>
-    tgt.matmul %h, %wq -> %q rows %n isa vnni512 : !tgt.qrows<1x576>, !tgt.weight<576x576, q4_1, split> -> memref<1x576xf32>
+    %wq = tgt.weight @blk.0.attn_q : !tgt.weight<576x576, q4_1, tiles>
+    tgt.matmul %h, %wq -> %q rows %n isa vnni512 : !tgt.qrows<1x576>, !tgt.weight<576x576, q4_1, tiles> -> memref<1x576xf32>
     ...
 ```
 
@@ -139,6 +140,7 @@ class TargetAttr(ParametrizedAttribute):
 
 
 TARGET = "tgt.target"
+KV_Q8_SCALES = 4  # bytes of f32 scale per 32 values of a q8_0 cache row
 MAX_THREADS = 64  # the most threads an entry point runs on (the runtime caps its team)
 ATTENTION_SPLIT_ROWS = 4  # up to this many rows, attention's threads share cache positions
 
@@ -147,7 +149,8 @@ ATTENTION_SPLIT_ROWS = 4  # up to this many rows, attention's threads share cach
 
 
 class Isa(StrEnum):
-    """The integer dot product an `a8` kernel is built on, chosen by `pack` from the target."""
+    """The integer dot product an `a8` kernel is built on, chosen by `pack` from the target
+    (and the entry point's rows: `amx` for prefill and score where the target has AMX-INT8)."""
 
     AMX = "amx"  # AMX-INT8 tiles for blocks of 16 rows, VNNI-512 for the rest
     VNNI512 = "vnni512"  # AVX-512 VNNI vpdpbusd on 512-bit vectors
@@ -165,7 +168,7 @@ class IsaAttr(EnumAttribute[Isa], SpacedOpaqueSyntaxAttribute):
 
 @irdl_attr_definition
 class LayoutAttr(EnumAttribute[Layout], SpacedOpaqueSyntaxAttribute):
-    """A weight layout: `stored` or `split` (`llmc.ir.layouts`)."""
+    """A weight layout: `stored`, `split` or `tiles` (`llmc.ir.layouts`)."""
 
     name = "tgt.layout"
 
@@ -302,10 +305,19 @@ def row_width(value: SSAValue) -> int:
     return math.prod(dims(value)[1:])
 
 
+ELEMENT_BYTES = {"f32": 4, "i32": 4, "f16": 2, "i8": 1}
+
+
+def kv_row_width(head_dim: int, element: Attribute) -> int:
+    """Elements of one cache row: `head_dim`, or for an i8 (q8_0) cache the int8 values
+    followed by one f32 scale per 32 (`head_dim + head_dim / 8` bytes)."""
+    return head_dim + head_dim // 32 * KV_Q8_SCALES if str(element) == "i8" else head_dim
+
+
 def nbytes(t: Attribute) -> int:
     """Bytes of a buffer type."""
     if isinstance(t, MemRefType):
-        return math.prod(t.get_shape()) * (2 if str(t.element_type) == "f16" else 4)
+        return math.prod(t.get_shape()) * ELEMENT_BYTES[str(t.element_type)]
     if isinstance(t, (QRowsType, WeightType)):
         return t.nbytes
     raise VerifyException(f"expected a buffer type, got {t}")
@@ -420,7 +432,7 @@ class WeightOp(IRDLOperation):
     """A weight of the artifact's weight file, by symbol; its type says storage and layout.
 
     ```mlir
-    %wq = tgt.weight @blk.0.attn_q : !tgt.weight<576x576, q4_1, split>
+    %wq = tgt.weight @blk.0.attn_q : !tgt.weight<576x576, q4_1, tiles>
     ```
     """
 
@@ -482,7 +494,7 @@ class Kernel(IRDLOperation):
             self._fail(f"{what} must be !tgt.weight<{width}, f32, stored>, got {t}")
 
     def _quantized_kernel(self, x: SSAValue, *weights: SSAValue) -> None:
-        """An a8 kernel (quantized input) needs integer weight formats, and in the split layout an isa."""
+        """An a8 kernel (quantized input) needs integer weight formats, and in a packed layout an isa."""
         if not is_quantized(x):
             return
         for w in weights:
@@ -508,7 +520,7 @@ class EmbeddingOp(Kernel):
     """`out[t] = table[tokens[t]]` for `t < n`, dequantizing rows of any storage.
 
     ```mlir
-    tgt.embedding %tokens, %table -> %x rows %n : memref<128xi32>, !tgt.weight<49152x576, q8_0, split> -> memref<128x576xf32>
+    tgt.embedding %tokens, %table -> %x rows %n : memref<128xi32>, !tgt.weight<49152x576, q8_0, tiles> -> memref<128x576xf32>
     ```
     """
 
@@ -590,7 +602,7 @@ class MatmulOp(Kernel):
     - `last_row`: compute only row `n-1` of `x`, into row 0 of `out` (the LM head).
 
     ```mlir
-    tgt.matmul %h, %wq -> %q rows %n isa vnni512 : !tgt.qrows<128x576>, !tgt.weight<576x576, q4_1, split> -> memref<128x576xf32>
+    tgt.matmul %h, %wq -> %q rows %n isa amx : !tgt.qrows<128x576>, !tgt.weight<576x576, q4_1, tiles> -> memref<128x576xf32>
     tgt.matmul %x, %wq -> %q rows %n norm %g eps 1.000000e-05 : memref<128x576xf32>, !tgt.weight<576x576, f32, stored> norm !tgt.weight<576, f32, stored> -> memref<128x576xf32>
     ```
     """
@@ -647,7 +659,7 @@ class SwigluOp(Kernel):
     Writes float or quantized rows (quantized 32 columns at a time by the thread that
     computed them).
     ```mlir
-    tgt.swiglu %h, %wg, %wu -> %a rows %n isa vnni512 : !tgt.qrows<128x576>, !tgt.weight<1536x576, q4_1, split>, !tgt.weight<1536x576, q4_1, split> -> !tgt.qrows<128x1536>
+    tgt.swiglu %h, %wg, %wu -> %a rows %n isa amx : !tgt.qrows<128x576>, !tgt.weight<1536x576, q4_1, tiles>, !tgt.weight<1536x576, q4_1, tiles> -> !tgt.qrows<128x1536>
     ```
     """
 
@@ -715,7 +727,7 @@ class AttentionOp(Kernel):
 
     With `rope T`, `q` and `k` are rotated first (in place): RoPE and the KV-cache write
     fused into the attention kernel. Writes float or quantized rows `[rows, heads·head_dim]`.
-    The cache holds f32 or f16 (`--kv-type`). `partials` is scratch where, for up to
+    The cache holds f32, f16 or q8_0 rows (`--kv-type`; i8, `kv_row_width`). `partials` is scratch where, for up to
     `ATTENTION_SPLIT_ROWS` rows, each thread leaves its share of the positions' result
     for the merge (flash-decoding).
 
@@ -762,14 +774,16 @@ class AttentionOp(Kernel):
         self._same("k_cache vs v_cache shape", dims(self.k_cache), dims(self.v_cache))
         self._same("head dimension (q vs k)", d, kd)
         self._same("kv heads (k vs cache)", kv_heads, ckh)
-        self._same("head dimension (k vs cache)", kd, cd)
+        self._same("cache row (head dimension and cache type)", kv_row_width(kd, self.k_cache.type.element_type), cd)
         self._same("width (q vs out)", heads * d, row_width(self.out))
         if heads % kv_heads:
             self._fail(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
         _positions(self, self.positions, dims(self.q)[0])
         self._same("partials", self.partials.type, self.partials_type(heads, d))
-        if str(self.k_cache.type.element_type) not in ("f32", "f16"):
-            self._fail(f"the cache holds f32 or f16, not {self.k_cache.type.element_type}")
+        if str(self.k_cache.type.element_type) not in ("f32", "f16", "i8"):
+            self._fail(f"the cache holds f32, f16 or i8 (q8_0 rows), not {self.k_cache.type.element_type}")
+        if str(self.k_cache.type.element_type) == "i8" and d % 32:
+            self._fail(f"a q8_0 cache needs a head dimension that is a multiple of 32, got {d}")
         if is_quantized(self.out) and d % 32:
             self._fail(f"quantized output needs a head dimension that is a multiple of 32, got {d}")
 

@@ -162,7 +162,7 @@ def _attention(op: tgt.AttentionOp, get: _State) -> None:
     if op.rope is not None:
         q[...] = rope(q, positions, op.rope.value.data)
         k[...] = rope(k, positions, op.rope.value.data)
-    cache = KVCache(get(op.k_cache)[None], get(op.v_cache)[None])  # one layer
+    cache = KVCache(get(op.k_cache)[None], get(op.v_cache)[None], cache_element(op.k_cache.type))  # one layer
     _store(get, op.out, attention(q, k, v, positions, cache, 0))
 
 
@@ -179,6 +179,19 @@ def _mul(op: tgt.MulOp, get: _State) -> None:
 @kernel(tgt.SiluOp)
 def _silu(op: tgt.SiluOp, get: _State) -> None:
     get(op.out)[: get.n] = silu(get(op.x)[: get.n])
+
+
+def cache_element(memref: MemRefType) -> str:
+    """The `KVCache.element` of a cache buffer type."""
+    return {"f16": "f16", "i8": "q8_0"}.get(str(memref.element_type), "f32")
+
+
+def cache_for(memref: MemRefType) -> KVCache:
+    """A zeroed `KVCache` for an entry point's cache argument (q8_0 rows held as their float values)."""
+    layers, kv_heads, capacity, width = tgt.dims(memref)
+    element = cache_element(memref)
+    head_dim = width * 32 // (32 + tgt.KV_Q8_SCALES) if element == "q8_0" else width
+    return KVCache.zeros((layers, kv_heads, capacity, head_dim), element)
 
 
 def arena_bytes(function: func.FuncOp) -> int:

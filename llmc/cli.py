@@ -105,7 +105,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _compile_options_given(args: argparse.Namespace) -> bool:
     return bool(args.quant or args.quant_output or args.requantize or args.compute != "auto" or args.cpu != "native"
-                or args.max_seq or args.prefill_chunk or args.no_group)
+                or args.max_seq or args.prefill_chunk or args.no_group or args.kv_type != "f16")
 
 
 def cmd_perplexity(args: argparse.Namespace) -> int:
@@ -206,13 +206,18 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
                         "activations), or auto: the faster on the target (default)")
 
 
+def _add_kv_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-type", choices=["f32", "f16", "q8_0"], default="f16",
+                   help="element type of the KV cache: f16 (default) reads half the bytes of f32, q8_0 "
+                        "(int8 and a scale per 32) 0.56 of f16")
+
+
 def _add_compile_options(p: argparse.ArgumentParser) -> None:
     _add_quant_options(p)
+    _add_kv_option(p)
     p.add_argument("--no-group", action="store_true", help="skip layer grouping: one kernel per op (to compare)")
     p.add_argument("--max-seq", type=_positive, metavar="N",
                    help="KV cache capacity in tokens (default: the model's context length, at most 4096)")
-    p.add_argument("--kv-type", choices=["f32", "f16"], default="f16",
-                   help="element type of the KV cache (default: f16, half the bytes attention reads)")
     p.add_argument("--prefill-chunk", type=_positive, metavar="N",
                    help="most tokens one prefill call takes; longer prompts go in chunks (default: 128, "
                         "at most --max-seq)")
@@ -404,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check this compiled artifact of MODEL, with the options it was compiled with "
                         "(default: compile one to a temporary directory)")
     _add_quant_options(p)
+    _add_kv_option(p)
     p.set_defaults(run=cmd_verify)
 
     p = sub.add_parser("compile", parents=[common, model_args], help="compile a model to an artifact",

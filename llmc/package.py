@@ -102,7 +102,7 @@ def write_artifact(directory: Path, module: ModuleOp, model: Model, kernels: Pat
         assert isinstance(stage, StringAttr)
         tokens, _, _, k_cache, _, logits = function.body.block.args  # passes.lower.ENTRY_ARGUMENTS
         kv_shape = list(tgt.dims(k_cache))
-        kv_dtype = str(k_cache.type.element_type)
+        kv_dtype = {"i8": "q8_0"}.get(str(k_cache.type.element_type), str(k_cache.type.element_type))
         entry_points[stage.data] = {
             "symbol": entry_symbol(stage.data),
             "arguments": entry_arguments(function),

@@ -151,7 +151,7 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
     from llmc.frontend.reference import reference_logits, reference_name
     from llmc.ir import find_function, tgt
     from llmc.ir.interpreter import KVCache, forward_logits
-    from llmc.ir.tgt_interpreter import KernelWeights, run_entry
+    from llmc.ir.tgt_interpreter import KernelWeights, cache_for, run_entry
     from llmc.passes.pipeline import CompileOptions, run_phase
     from llmc.passes.quantize import summary
     from llmc.runtime.artifact import load_manifest
@@ -187,12 +187,13 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
     run_phase(module, "quantize", options=options)
     emit(f"quantize {summary(module)}")
     quantized = module.clone()
-    quantized_cache = KVCache.for_type(find_function(quantized, "forward").function_type.inputs.data[2], max_seq)
+    cache_type = find_function(quantized, "forward").function_type.inputs.data[2]
+    quantized_cache = KVCache.zeros(KVCache.for_type(cache_type, max_seq).keys.shape, options.kv_type)  # as split sets it
     q_tolerance, why = quantize_tolerance(module, model, tolerance)
     for phase in ("split", "group", "lower"):
         run_phase(module, phase, options=options)
     entries = {name: find_function(module, name) for name in ("prefill", "decode")}
-    cache = KVCache.zeros(tgt.dims(entries["decode"].body.block.args[3]))
+    cache = cache_for(entries["decode"].body.block.args[3].type)
     weights = KernelWeights(model.weights)
 
     def tgt_feed(chunk: list[int], start: int) -> np.ndarray:

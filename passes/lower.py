@@ -242,7 +242,9 @@ def lower_function(function: func.FuncOp) -> func.FuncOp:
     kv = kv_arg.type
     assert isinstance(kv, llm.KVCacheType)
     (logits_type,) = function.function_type.outputs.data
-    cache = tgt.memref(*kv.shape, element_type=kv.element_type)
+    layers, kv_heads, capacity, head_dim = kv.shape
+    cache = tgt.memref(layers, kv_heads, capacity, tgt.kv_row_width(head_dim, kv.element_type),
+                       element_type=kv.element_type)
     ids = tgt.memref(rows, element_type=i32)
     block = Block(arg_types=[
         ids, ids, IndexType(), cache, cache, tgt.memref(*(d if d is not None else rows for d in llm.shape_of(logits_type))),

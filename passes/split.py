@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from xdsl.context import Context
 from xdsl.dialects import builtin, func
-from xdsl.dialects.builtin import DYNAMIC_INDEX, IntegerAttr, ModuleOp, StringAttr, TensorType, f16, f32, i64
+from xdsl.dialects.builtin import DYNAMIC_INDEX, IntegerAttr, ModuleOp, StringAttr, TensorType, f16, f32, i8, i64
 from xdsl.ir import Attribute, Block, Region, SSAValue
 
 from llmc.errors import UsageError
@@ -37,7 +37,7 @@ from llmc.passes.base import LlmcPass
 STAGES = ("prefill", "prefill_kv", "decode", "score")
 DEFAULT_MAX_SEQ_CAP = 4096
 DEFAULT_PREFILL_CHUNK = 128
-KV_TYPES = {"f32": f32, "f16": f16}
+KV_TYPES = {"f32": f32, "f16": f16, "q8_0": i8}  # q8_0: int8 values and a scale per 32
 
 
 def retyped(function: func.FuncOp, name: str, subst: Callable[[Attribute], Attribute]) -> func.FuncOp:
@@ -89,7 +89,7 @@ class SplitPass(LlmcPass):
 
     prefill_chunk: int = 0  # 0: DEFAULT_PREFILL_CHUNK, at most max_seq
     max_seq: int = 0  # 0: the model's context length, capped at DEFAULT_MAX_SEQ_CAP
-    kv_type: str = "f32"  # the cache's element type: f32 or f16
+    kv_type: str = "f32"  # the cache's element type: f32, f16 or q8_0
 
     def run(self, ctx: Context, module: ModuleOp) -> None:
         forward = find_function(module, "forward")
@@ -104,6 +104,8 @@ class SplitPass(LlmcPass):
             raise UsageError(f"--prefill-chunk must be in 1..{max_seq} (--max-seq), got {chunk}")
         if self.kv_type not in KV_TYPES:
             raise UsageError(f"--kv-type must be one of {', '.join(KV_TYPES)}, got '{self.kv_type}'")
+        if self.kv_type == "q8_0" and head_dim % 32:
+            raise UsageError(f"--kv-type q8_0 needs a head dimension that is a multiple of 32, got {head_dim}")
         new_cache = llm.KVCacheType(layers, kv_heads, max_seq, head_dim, KV_TYPES[self.kv_type])
 
         for stage in STAGES:

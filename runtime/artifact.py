@@ -26,7 +26,7 @@ SCHEMA_VERSION = 3
 MANIFEST = "manifest.json"
 ENTRY_POINTS = ("prefill", "prefill_kv", "decode", "score")
 # what the runtime passes for each argument an entry point may name in the manifest
-KV_DTYPES = {"f32": "float32", "f16": "float16"}  # the KV cache's element types, as numpy names
+KV_DTYPES = {"f32": "float32", "f16": "float16", "q8_0": "int8"}  # the KV cache's types, as numpy arrays
 ARGUMENTS = ("tokens", "positions", "n", "k_cache", "v_cache", "logits", "arena", "weights", "tid", "nth", "sync")
 INTEGER_ARGUMENTS = ("n", "tid", "nth")
 # /proc/cpuinfo flag of each CPU feature a kernel may need

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -76,20 +77,28 @@ def test_compiled_logits_match_the_interpreter(tiny, artifact, spec: TinySpec, g
     _close(logits, _reference(tiny, spec, TOKENS))
 
 
+@pytest.mark.parametrize("kv_type,dtype", [("f16", np.float16), ("q8_0", np.int8)])
 @pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
-def test_f16_kv_cache_matches_the_interpreter_with_an_f16_cache(tiny, artifact, spec: TinySpec) -> None:
-    """`--kv-type f16` (the default): the artifact stores keys and values as f16, like the
-    interpreter given an f16 cache; against the f32 cache the logits move measurably."""
-    session = Session(artifact(spec, kv_type="f16"))
-    assert session.k_cache.dtype == np.float16
+def test_kv_types_match_the_interpreter_with_that_cache(tiny, artifact, spec: TinySpec, kv_type, dtype) -> None:
+    """`--kv-type f16` (the default) and `q8_0`: the artifact stores keys and values in that
+    type, like the interpreter given such a cache; against the f32 cache the logits move measurably."""
+    if kv_type == "q8_0":
+        spec = replace(spec, head_dim=32, hidden=spec.heads * 32)  # whole 32-blocks per head
+    session = Session(artifact(spec, kv_type=kv_type))
+    assert session.k_cache.dtype == dtype
     logits = teacher_forced(lambda chunk, start: session.feed(chunk), TOKENS)
     model = load_model(str(tiny(spec, "gguf")))
     module = import_model(model)
     cache_type = find_function(module, "forward").function_type.inputs.data[2]
     shape = (*cache_type.shape[:2], len(TOKENS), cache_type.shape[3])
-    with_f16 = forward_logits(module, model.weights, TOKENS, cache=KVCache.zeros(shape, np.float16))
-    _close(logits, with_f16)
-    assert np.abs(with_f16 - _reference(tiny, spec, TOKENS)).max() > 0  # the f16 cache is not a no-op
+    rounded = forward_logits(module, model.weights, TOKENS, cache=KVCache.zeros(shape, kv_type))
+    _close(logits, rounded)
+    assert np.abs(rounded - _reference(tiny, spec, TOKENS)).max() > 0  # the cache's rounding is not a no-op
+
+
+def test_q8_0_kv_needs_head_dims_of_whole_blocks(tiny, artifact) -> None:
+    with pytest.raises(LlmcError, match="--kv-type q8_0 needs a head dimension that is a multiple of 32, got 8"):
+        artifact(SPECS["gqa"], kv_type="q8_0")
 
 
 @pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
@@ -467,8 +476,7 @@ def test_the_tgt_interpreter_reproduces_the_quantize_stage(tiny) -> None:
     weights and the planned arena give the quantize stage's logits."""
     from llmc.backends.cpu.target import cpu_target
     from llmc.ir import find_function, tgt
-    from llmc.ir.interpreter import KVCache
-    from llmc.ir.tgt_interpreter import KernelWeights, run_entry
+    from llmc.ir.tgt_interpreter import KernelWeights, cache_for, run_entry
     from llmc.passes.pipeline import PHASES, run_phase
 
     for name, spec in QSPECS.items():
@@ -478,7 +486,7 @@ def test_the_tgt_interpreter_reproduces_the_quantize_stage(tiny) -> None:
         for phase in PHASES:
             run_phase(module, phase, options=CompileOptions(prefill_chunk=4, max_seq=32, kv_type="f32"))
         entries = {e: find_function(module, e) for e in ("prefill", "decode")}
-        cache = KVCache.zeros(tgt.dims(entries["decode"].body.block.args[3]))
+        cache = cache_for(entries["decode"].body.block.args[3].type)
         weights = KernelWeights(model.weights)
         ours = teacher_forced(lambda chunk, start: run_entry(entries["prefill" if start == 0 else "decode"], weights,
                                                              np.asarray(chunk, np.int32), start, cache)[0], TOKENS)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from llvmlite import ir
-from xdsl.dialects.builtin import IndexType, i32
+from xdsl.dialects.builtin import IndexType, i8, i32
 from xdsl.dialects.builtin import f16 as F16_ATTR
 from xdsl.dialects.builtin import f32 as F32_ATTR
 from xdsl.ir import Attribute, Block
@@ -582,6 +582,49 @@ def test_attention(tmp_path, tm, rope, H, KVH, D, S, nth, cache):
             assert_close(ka[: hi - lo], kr[lo:hi])
     for c, c0 in ((kc, kc0), (vc, vc0)):  # positions past the last row untouched
         np.testing.assert_array_equal(c[:, total:], c0[:, total:])
+
+
+def q8_rows(x: np.ndarray) -> np.ndarray:
+    """Rows `[..., D]` as a q8_0 cache holds them: D int8 values, then one f32 scale per 32 (as bytes)."""
+    flat = x.reshape(-1, x.shape[-1])
+    qs, d, _ = quantize_rows(flat)
+    width = flat.shape[1]
+    out = np.concatenate([qs[:, :width].view(np.uint8), d[:, : width // 16 : 2].copy().view(np.uint8)], axis=1)
+    return out.view(np.int8).reshape(*x.shape[:-1], -1)
+
+
+def q8_values(rows: np.ndarray, D: int) -> np.ndarray:
+    flat = rows.reshape(-1, rows.shape[-1])
+    scales = np.ascontiguousarray(flat[:, D:]).view(np.float32)
+    return (flat[:, :D].astype(np.float32) * scales.repeat(32, axis=1)).reshape(*rows.shape[:-1], D)
+
+
+@pytest.mark.parametrize("nth", [1, 2])
+def test_attention_with_a_q8_0_cache(tmp_path, tm, nth):
+    """A q8_0 cache: each new row stored as the numpy q8_0 encoding of the rotated k and v,
+    byte for byte; attention over the stored values (prefill tiles, then decode's split)."""
+    rng = np.random.default_rng(8)
+    H, KVH, D, S, total = 4, 2, 64, 80, 8
+    W = tgt.kv_row_width(D, i8)
+    k_fn = Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, p, s, n: tgt.AttentionOp(q, k, v, kc, vc, o, p, s, n, 10000.0),
+                  [tgt.memref(total, H, D), tgt.memref(total, KVH, D), tgt.memref(total, KVH, D),
+                   tgt.memref(KVH, S, W, element_type=i8), tgt.memref(KVH, S, W, element_type=i8),
+                   tgt.memref(total, H, D), tgt.memref(total, element_type=i32), tgt.AttentionOp.partials_type(H, D), IDX])
+    q, k, v = rand(rng, total, H, D), rand(rng, total, KVH, D), rand(rng, total, KVH, D)
+    kc, vc = np.zeros((KVH, S, W), np.int8), np.zeros((KVH, S, W), np.int8)
+    pos = np.arange(total)
+    qr, kr = ref_rope(q, pos, 10000.0), ref_rope(k, pos, 10000.0)
+    for lo, hi in ((0, 6), (6, 7), (7, 8)):
+        qa, ka, va = (np.zeros_like(a) for a in (q, k, v))
+        qa[: hi - lo], ka[: hi - lo], va[: hi - lo] = q[lo:hi], k[lo:hi], v[lo:hi]
+        out = np.zeros((total, H, D), f32)
+        k_fn({"q": qa, "k": ka, "v": va, "k_cache": kc, "v_cache": vc, "out": out,
+              "positions": positions(lo, hi - lo, total), "partials": partials(H, D), "rows": hi - lo}, nth)
+        np.testing.assert_array_equal(kc[:, lo:hi], q8_rows(ka[: hi - lo].transpose(1, 0, 2)))
+        np.testing.assert_array_equal(vc[:, lo:hi], q8_rows(v[lo:hi].transpose(1, 0, 2)))
+        keys, values = q8_values(kc, D), q8_values(vc, D)
+        assert_close(ka[: hi - lo], kr[lo:hi])
+        assert_close(out[: hi - lo], ref_attention(qr[lo:hi], keys, values, pos[lo:hi]))
 
 
 @pytest.mark.parametrize("nth", [1, 2, 5])

@@ -9,9 +9,13 @@ loop depends on what the operands are:
   column) that LLVM vectorises (f16/bf16 converted as they are loaded);
 - integer weights × float rows (`a32`): per 64-weight group, the codes dequantized in
   registers (`quant.SplitWeight.values`) and multiplied with explicit vectors;
-- integer weights × quantized rows (`a8`): per 64-weight group, one integer dot product
-  of codes and int8 values (`quant.integer_dot`), scaled per 16-weight slice by the
-  weight's and the row's scales, plus the weight minimums times the rows' sums.
+- integer weights × quantized rows (`a8`), split layout: per 64-weight group, one
+  integer dot product of codes and int8 values (`quant.integer_dot`), scaled per
+  16-weight slice by the weight's and the row's scales, plus the weight minimums times
+  the rows' sums;
+- the same in the tiles layout (`gemm_tiles`, AVX-512 VNNI): per strip of 16 columns
+  and 32-block, 8 `vpdpbusd` of code vectors by broadcast activations, the 16 columns'
+  sums in the lanes; with `isa amx`, whole 16-row blocks on AMX tiles (`amx.gemm_amx`).
 
 Rows come in blocks that stay in L2 while every weight tile passes; threads share the
 output columns in whole units.

@@ -32,10 +32,12 @@ from llmc.backends.cpu.builder import F32, F64, FPTR, I32, I64, VOID, KernelBuil
 from llmc.backends.cpu.gemm import TILE_ROWS, Rows, floats, gemm, inv_rms, load_weight, weight_ptr
 from llmc.backends.cpu.quant import (
     F16,
+    I8,
     I8PTR,
     QRowsAccess,
     SplitWeight,
     TiledWeight,
+    q8_block,
     vec,
 )
 from llmc.ir import tgt
@@ -417,7 +419,8 @@ def _rope(lib: KernelLibrary, f: KernelBuilder, op: tgt.RopeOp, a: dict) -> None
 
 
 def _cache_element(value) -> ir.Type:
-    return F16 if str(value.type.element_type) == "f16" else F32
+    """f32, f16, or i8: q8_0 rows (`tgt.kv_row_width`)."""
+    return {"f16": F16, "i8": I8}.get(str(value.type.element_type), F32)
 
 
 def _attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict) -> None:
@@ -437,7 +440,7 @@ def _attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dic
        more positions); every K and V row is loaded once for the tile's rows and heads.
     """
     _, H, D = tgt.dims(op.q)
-    KVH, S, _ = tgt.dims(op.k_cache)
+    KVH, S, W = tgt.dims(op.k_cache)  # W: a cache row's elements (D, or q8_0's bytes)
     G = H // KVH
     b = f.b
     q, k, v, partials = (floats(f, a[name]) for name in ("q", "k", "v", "partials"))
@@ -458,9 +461,32 @@ def _attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dic
         return b.and_(b.icmp_signed(">=", pos, f.i64(0)), b.icmp_signed("<", pos, f.i64(S)))
 
     def cache_row(cache: ir.Value, index: ir.Value) -> list[ir.Value]:
+        """The cache row at element `index` as f32 vectors (one per chunk of D)."""
         p = f.ptr(cache, index)
-        rows = [b.load(b.bitcast(f.ptr(p, o), vec(element, w).as_pointer()), align=2) for o, w in chunks]
-        return rows if element is F32 else [b.fpext(r, vec(F32, r.type.count)) for r in rows]
+        rows = [b.load(b.bitcast(f.ptr(p, o), vec(element, w).as_pointer()), align=1) for o, w in chunks]
+        if element is F32:
+            return rows
+        if element is F16:
+            return [b.fpext(r, vec(F32, r.type.count)) for r in rows]
+        scales = b.bitcast(f.ptr(p, D), FPTR)  # q8_0: one f32 per 32 values after the D int8 values
+        return [f.fmul(b.sitofp(r, vec(F32, w)), f.splat(f.load(scales, o // ACT_BLOCK), vec(F32, w)))
+                for r, (o, w) in zip(rows, chunks)]
+
+    def store_row(cache: ir.Value, index: ir.Value, row: list[ir.Value]) -> None:
+        """Write a row of D floats (vectors per chunk) into the cache at element `index`."""
+        p = f.ptr(cache, index)
+        if element is I8:
+            scales = b.bitcast(f.ptr(p, D), FPTR)
+            for blk in range(D // ACT_BLOCK):
+                d, halves = q8_block(f, row[2 * blk], row[2 * blk + 1])
+                f.store(d, scales, blk)
+                for h, qv in enumerate(halves):
+                    b.store(b.trunc(qv, vec(I8, 16)), b.bitcast(f.ptr(p, blk * ACT_BLOCK + 16 * h),
+                                                                vec(I8, 16).as_pointer()), align=1)
+            return
+        for (o, w), x in zip(chunks, row):
+            x = x if element is F32 else b.fptrunc(x, vec(element, w))
+            b.store(x, b.bitcast(f.ptr(p, o), x.type.as_pointer()), align=1)
 
     # 1. RoPE and the cache write
     if op.rope is not None:
@@ -472,12 +498,9 @@ def _attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dic
             if op.rope is not None:
                 fill(pos)
                 _rope_apply(f, f.ptr(k, f.mul(item, D)), 1, D, cos_t, sin_t)
-            dst = f.mul(f.add(f.mul(h, S), pos), D)
+            dst = f.mul(f.add(f.mul(h, S), pos), W)
             for src, cache in ((k, k_cache), (v, v_cache)):
-                for o, w in chunks:
-                    row = f.vload(src, f.add(f.mul(item, D), o), w)
-                    row = row if element is F32 else b.fptrunc(row, vec(element, w))
-                    b.store(row, b.bitcast(f.ptr(cache, f.add(dst, o)), row.type.as_pointer()), align=2)
+                store_row(cache, dst, [f.vload(src, f.add(f.mul(item, D), o), w) for o, w in chunks])
     if op.rope is not None:
         with f.loop(*f.share(f.mul(n, H), tid, nth), name="cq") as item:
             t = b.sdiv(item, f.i64(H))
@@ -509,12 +532,12 @@ def _attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dic
         with f.loop(0, nq * D, name="az") as i:
             f.store(f.f32(0.0), acc, i)
         qrow = [f.mul(f.add(f.mul(f.add(t0, i // G), H), f.add(f.mul(h, G), i % G)), D) for i in range(nq)]
-        kv_base = f.mul(h, S * D)
+        kv_base = f.mul(h, S * W)
         lane = ir.Constant(vec(I64, 16), list(range(16)))
         with f.loop(s_lo, s_hi, POS_BLOCK, name="blk", unroll=False) as s0:
             count = f.smin(POS_BLOCK, f.sub(s_hi, s0))
             with f.loop(0, count, name="st", unroll=False) as s:
-                at = f.add(kv_base, f.mul(f.add(s0, s), D))
+                at = f.add(kv_base, f.mul(f.add(s0, s), W))
                 for cache, staged in ((k_cache, kbuf), (v_cache, vbuf)):
                     for (o, _), row in zip(chunks, cache_row(cache, at)):
                         f.vstore(row, staged, f.add(f.mul(s, D), o))

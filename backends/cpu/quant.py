@@ -271,6 +271,18 @@ class TiledWeight:
         return 2 if all(field.group % TILE_K == 0 for field in self.fmt.fields) else 1
 
 
+def q8_block(f: KernelBuilder, v0: ir.Value, v1: ir.Value) -> tuple[ir.Value, list[ir.Value]]:
+    """32 floats (two `<16 x float>`) quantized as `formats.quantize_rows` does: the scale
+    `d = amax / 127` and the values `roundeven(x · 127 / amax)` as two `<16 x i32>`."""
+    b = f.b
+    both = f.intrinsic("llvm.maxnum", *(f.intrinsic("llvm.fabs", v) for v in (v0, v1)))
+    amax = b.call(declare(f, "llvm.vector.reduce.fmax.v16f32", F32, [both.type]), [both])
+    inv = b.select(b.fcmp_ordered(">", amax, f.f32(0.0)), b.fdiv(f.f32(127.0), amax), f.f32(0.0))
+    inv16 = f.splat(inv, vec(F32, 16))
+    return b.fdiv(amax, f.f32(127.0)), [b.fptosi(f.intrinsic("llvm.roundeven", b.fmul(v, inv16)), vec(I32, 16))
+                                        for v in (v0, v1)]
+
+
 class QRowsAccess:
     """Quantized activation rows (`!tgt.qrows<R x W>`) at `base` (an `i8*`), row by row."""
 
@@ -326,17 +338,10 @@ class QRowsAccess:
     def _store(self, t: ir.Value, block: ir.Value, v0: ir.Value, v1: ir.Value) -> None:
         f, b = self.f, self.f.b
         qs, d_ptr, s_ptr = self.qs_ptr(t), self.d_ptr(t), self.s_ptr(t)
-        fabs = [f.intrinsic("llvm.fabs", v) for v in (v0, v1)]
-        both = f.intrinsic("llvm.maxnum", *fabs)
-        amax = b.call(declare(f, "llvm.vector.reduce.fmax.v16f32", F32, [both.type]), [both])
-        d = b.fdiv(amax, f.f32(127.0))
-        positive = b.fcmp_ordered(">", amax, f.f32(0.0))
-        inv = b.select(positive, b.fdiv(f.f32(127.0), amax), f.f32(0.0))
-        inv16 = f.splat(inv, vec(F32, 16))
+        d, halves = q8_block(f, v0, v1)
         at_qs, at_d = f.mul(block, 32), f.mul(block, 2)
         radd = declare(f, "llvm.vector.reduce.add.v16i32", I32, [vec(I32, 16)])
-        for half, v in enumerate((v0, v1)):
-            q = b.fptosi(f.intrinsic("llvm.roundeven", b.fmul(v, inv16)), vec(I32, 16))
+        for half, q in enumerate(halves):
             p = b.bitcast(f.ptr(qs, f.add(at_qs, 16 * half)), vec(I8, 16).as_pointer())
             b.store(b.trunc(q, vec(I8, 16)), p, align=1)
             total = b.sitofp(b.call(radd, [q]), F32)

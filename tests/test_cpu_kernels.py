@@ -406,6 +406,18 @@ def test_swiglu(tmp_path, tm, has_norm, K, N, n):
     assert_close(out, silu64(xn @ wg.T.astype(np.float64)) * (xn @ wu.T.astype(np.float64)))
 
 
+def check_swiglu_rows(out, rows, qg, qu, R: int, N: int, n: int) -> None:
+    """The quantized rows a SwiGLU kernel wrote equal the integer reference's, quantized (an
+    int8 rounding tie may go either way), with the padding zero."""
+    x = (rows.qs[:n], rows.d[:n], rows.s[:n])
+    y = silu64(integer_matmul(*x, qg)) * integer_matmul(*x, qu)
+    qs, d, _ = read_qrows(out, R, N, n)
+    rq, rd, _ = quantize_rows(y.astype(f32))
+    assert np.abs(qs.astype(int) - rq).max() <= 1 and (qs != rq).mean() < 0.01
+    np.testing.assert_allclose(d, rd, rtol=1e-5)
+    assert not qs[:, N:].any()
+
+
 @pytest.mark.parametrize("storage", [Storage.Q4_1, Storage.Q8_0, Storage.Q6_K], ids=str)
 @pytest.mark.parametrize("N", [96, 160])
 def test_swiglu_a8_writes_quantized_rows(tmp_path, tm, storage, N):
@@ -422,13 +434,7 @@ def test_swiglu_a8_writes_quantized_rows(tmp_path, tm, storage, N):
         out = np.full(qrows_nbytes(R, N), 0xFF, np.uint8)
         for tid in range(nth):
             k({"x": buf, "gate": gd, "up": ud, "out": out, "rows": n}, nth, tid=tid)
-        x = (rows.qs[:n], rows.d[:n], rows.s[:n])
-        y = silu64(integer_matmul(*x, qg)) * integer_matmul(*x, qu)
-        qs, d, s = read_qrows(out, R, N, n)
-        rq, rd, _ = quantize_rows(y.astype(f32))
-        assert np.abs(qs.astype(int) - rq).max() <= 1 and (qs != rq).mean() < 0.01
-        np.testing.assert_allclose(d, rd, rtol=1e-5)
-        assert not qs[:, N:].any()
+        check_swiglu_rows(out, rows, qg, qu, R, N, n)
 
 
 # AMX tiles -------------------------------------------------------------------------
@@ -489,12 +495,7 @@ def test_swiglu_amx_writes_quantized_rows(tmp_path, host_amx, storage):
     for n, nth in ((16, 1), (35, 2)):
         out = np.full(qrows_nbytes(R, N), 0xFF, np.uint8)
         k({"x": buf, "gate": pack(qg, Layout.TILES), "up": pack(qu, Layout.TILES), "out": out, "rows": n}, nth)
-        x = (rows.qs[:n], rows.d[:n], rows.s[:n])
-        y = silu64(integer_matmul(*x, qg)) * integer_matmul(*x, qu)
-        qs, d, _ = read_qrows(out, R, N, n)
-        rq, rd, _ = quantize_rows(y.astype(f32))
-        assert np.abs(qs.astype(int) - rq).max() <= 1 and (qs != rq).mean() < 0.01
-        np.testing.assert_allclose(d, rd, rtol=1e-5)
+        check_swiglu_rows(out, rows, qg, qu, R, N, n)
 
 
 # rope and attention ----------------------------------------------------------------

@@ -52,6 +52,7 @@ TILE_COLS = {1: 4, 2: 2}
 BLOCK_BYTES = 192 * 1024
 MAX_BLOCK_ROWS = 64
 PREFETCH_BYTES = 4096  # how far ahead the integer kernels prefetch weight codes
+DOT_CHAINS = 2  # independent vpdpbusd chains per 32-block (its 8 products, 5 cycles each otherwise in a row)
 
 
 def floats(f: KernelBuilder, p: ir.Value) -> ir.Value:
@@ -374,9 +375,13 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, access: list[TiledWeight], t: i
                 offset = w.offset16(s, sl, scale)
                 for ri in range(r):
                     row = f.add(t, ri)
-                    dot = ir.Constant(vec(I32, STRIP), [0] * STRIP)
-                    for quad in quads:
-                        dot = vpdpbusd(f, dot, codes[wi][quad], xs_by_row[ri][quad])
+                    chains = [ir.Constant(vec(I32, STRIP), [0] * STRIP)] * DOT_CHAINS  # short dependency chains
+                    for n, quad in enumerate(quads):
+                        chains[n % DOT_CHAINS] = vpdpbusd(f, chains[n % DOT_CHAINS], codes[wi][quad],
+                                                          xs_by_row[ri][quad])
+                    dot = chains[0]
+                    for other in chains[1:]:
+                        dot = b.add(dot, other)
                     xd = f.load(q.d_ptr(row), sl)
                     xsum = f.load(q.s_ptr(row), sl)
                     for extra in range(1, step):

@@ -127,7 +127,8 @@ class Session:
         most = self.manifest.data["max_threads"]
         self.threads = threads or min(default_threads(), most)
         if not 1 <= self.threads <= most:
-            raise ValueError(f"threads must be in 1..{most} (the artifact's kernels), got {self.threads}")
+            raise LlmcError(f"--threads must be in 1..{most} (what the artifact's kernels split work for), "
+                            f"got {self.threads}")
         self.sync = np.zeros(2, np.int64)
         self.team = _Team(self.threads)
 

@@ -317,6 +317,12 @@ def test_malformed_manifest_is_refused(artifact, tmp_path, capsys, edit, message
     assert err.count("\n") == 1 and message in err
 
 
+def test_more_threads_than_the_kernels_split_for_is_one_line(artifact, capsys) -> None:
+    assert main(["run", str(artifact(SPECS["gqa"])), "-p", "x", "-n", "1", "--threads", "65"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--threads must be in 1..64" in err
+
+
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("name", ["f32-odd-heads", "a8-mixed", "a8-half-groups"])
 def test_threads_give_the_single_thread_logits(artifact, threads: int, name: str) -> None:

@@ -13,7 +13,8 @@ arrive at run time.
     fn = lib.kernel(matmul_op)   # void @matmul_q4_1_a8_k576_n576(i8* x, i8* weight, i8* out, i64 rows, i64 tid, i64 nth)
 
 The matmul family (matmul, swiglu, the LM head) runs on `gemm`'s loop nests, whose
-inner loop follows the weight format and whether the rows are float or quantized.
+inner loop follows the weight format and whether the rows are float or quantized;
+RoPE and attention are in `attention`.
 Kernels that write quantized rows (RMSNorm, SwiGLU, attention, quantize) quantize each
 32-value block as soon as it is computed (`quant.QRowsAccess.store_block`). exp, sin
 and cos are inline polynomials (`KernelBuilder.exp`, `.sincos`), so silu, softmax and
@@ -24,20 +25,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
 from llvmlite import ir
 from xdsl.dialects.builtin import MemRefType
 
-from llmc.backends.cpu.builder import F32, F64, FPTR, I32, I64, VOID, KernelBuilder, _chunks
+from llmc.backends.cpu import attention
+from llmc.backends.cpu.builder import F32, I32, I64, VOID, KernelBuilder
 from llmc.backends.cpu.gemm import TILE_ROWS, Rows, floats, gemm, inv_rms, load_weight, weight_ptr
 from llmc.backends.cpu.quant import (
-    F16,
-    I8,
     I8PTR,
     QRowsAccess,
     SplitWeight,
     TiledWeight,
-    q8_block,
     vec,
 )
 from llmc.ir import tgt
@@ -46,8 +44,6 @@ from llmc.ir.interpreter import rope_inv_freq
 from llmc.ir.layouts import STRIP, TILE_K, Layout
 
 I64PTR = I64.as_pointer()
-QUERY_TILE = 8  # prefill attention: query rows per tile (they share every staged K/V block)
-POS_BLOCK = 64  # attention: cache positions per online-softmax step
 
 
 def _fmt(value: float) -> str:
@@ -365,323 +361,6 @@ def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> 
     gemm(f, rows, N, weights, finish, a["tid"], a["nth"], isa, unit=ACT_BLOCK, flush=flush)
 
 
-# ------------------------------------------------------------------------ rope, attention
-
-
-def _rope_tables(lib: KernelLibrary, f: KernelBuilder, D: int, theta: float
-                 ) -> tuple[ir.Value, ir.Value, Callable[[ir.Value], None]]:
-    """Stack tables cos/sin[D/2] and a function that fills them for a position."""
-    half = D // 2
-    cos_t = f.alloca(F32, half, name="rope_cos")
-    sin_t = f.alloca(F32, half, name="rope_sin")
-    table = lib.inv_freq_table(D, theta)
-
-    def fill(pos: ir.Value) -> None:
-        b = f.b
-        freqs = b.bitcast(table, FPTR)
-        for o in range(0, half, 8):  # f32 angles (as numpy), cos and sin in f64 vectors
-            w = min(8, half - o)
-            angle = f.fmul(f.splat(b.sitofp(pos, F32), vec(F32, w)), f.vload(freqs, f.i64(o), w), flags=())
-            sin, cos = f.sincos(b.fpext(angle, vec(F64, w)))
-            f.vstore(b.fptrunc(cos, vec(F32, w)), cos_t, f.i64(o))
-            f.vstore(b.fptrunc(sin, vec(F32, w)), sin_t, f.i64(o))
-
-    return cos_t, sin_t, fill
-
-
-def _rope_apply(f: KernelBuilder, base: ir.Value, heads: int | ir.Value, D: int, cos_t: ir.Value,
-                sin_t: ir.Value) -> None:
-    """Rotate-half RoPE of `heads` rows of D floats at `base`, with filled tables."""
-    b, half = f.b, D // 2
-    with f.loop(0, heads, name="rh", unroll=False) as h:
-        row = f.ptr(base, f.mul(h, D))
-        with f.loop(0, half, name="rd", unroll=False) as i:
-            i2 = f.add(i, half)
-            x1, x2 = f.load(row, i), f.load(row, i2)
-            c, s = f.load(cos_t, i), f.load(sin_t, i)
-            f.store(b.fsub(b.fmul(x1, c), b.fmul(x2, s)), row, i)
-            f.store(b.fadd(b.fmul(x2, c), b.fmul(x1, s)), row, i2)
-
-
-def _position(f: KernelBuilder, positions: ir.Value, t: ir.Value) -> ir.Value:
-    """Row `t`'s position, as an i64."""
-    return f.b.sext(f.load(f.b.bitcast(positions, I32.as_pointer()), t), I64)
-
-
-def _rope(lib: KernelLibrary, f: KernelBuilder, op: tgt.RopeOp, a: dict) -> None:
-    """Rotate-half RoPE in place on x [rows, H, D], row t at positions[t]."""
-    _, H, D = tgt.dims(op.x)
-    x = floats(f, a["x"])
-    cos_t, sin_t, fill = _rope_tables(lib, f, D, op.theta.value.data)
-    with f.loop(*f.share(a["rows"], a["tid"], a["nth"]), name="t") as t:
-        fill(_position(f, a["positions"], t))
-        _rope_apply(f, f.ptr(x, f.mul(t, H * D)), H, D, cos_t, sin_t)
-
-
-def _cache_element(value) -> ir.Type:
-    """f32, f16, or i8: q8_0 rows (`tgt.kv_row_width`)."""
-    return {"f16": F16, "i8": I8}.get(str(value.type.element_type), F32)
-
-
-def _attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict) -> None:
-    """q [n, H, D], k and v [n, KVH, D]; the layer's caches [KVH, S, D] (f32 or f16). With
-    `rope`, q and k are rotated in place first. Row t of k, v goes to cache position
-    positions[t]; each query row t attends causally to positions 0..positions[t] (GQA:
-    query head h reads kv head h / (H/KVH)); out [n, H·D], float or quantized. Rows whose
-    position is outside the cache are skipped.
-
-    1. RoPE and the cache write, the threads sharing (row, head) pairs; a barrier.
-    2. Online softmax over blocks of `POS_BLOCK` positions (the scores of one block on the
-       stack, whatever the context length). Up to `tgt.ATTENTION_SPLIT_ROWS` rows (decode)
-       the threads share the positions of the cache: each leaves a partial (max, sum,
-       weighted values) per query head in `partials`, and after a barrier the threads
-       merge them head by head (flash-decoding). More rows (prefill): the threads share
-       tiles of `QUERY_TILE` rows × one kv head, dealt round-robin (later rows attend to
-       more positions); every K and V row is loaded once for the tile's rows and heads.
-    """
-    _, H, D = tgt.dims(op.q)
-    KVH, S, W = tgt.dims(op.k_cache)  # W: a cache row's elements (D, or q8_0's bytes)
-    G = H // KVH
-    b = f.b
-    q, k, v, partials = (floats(f, a[name]) for name in ("q", "k", "v", "partials"))
-    element = _cache_element(op.k_cache)
-    k_cache, v_cache = (b.bitcast(a[name], element.as_pointer()) for name in ("k_cache", "v_cache"))
-    n, tid, nth = a["rows"], a["tid"], a["nth"]
-    qout = QRowsAccess(f, a["out"], op.out.type) if tgt.is_quantized(op.out) else None
-    out = None if qout is not None else floats(f, a["out"])
-    chunks = _chunks(D)
-    scale = f.f32(1.0 / np.sqrt(np.float32(D)))
-
-    def position(t: ir.Value) -> ir.Value:
-        return _position(f, a["positions"], t)
-
-    def inside(t: ir.Value) -> ir.Value:
-        """Whether row t's position is inside the cache (the row is skipped otherwise)."""
-        pos = position(t)
-        return b.and_(b.icmp_signed(">=", pos, f.i64(0)), b.icmp_signed("<", pos, f.i64(S)))
-
-    def cache_row(cache: ir.Value, index: ir.Value) -> list[ir.Value]:
-        """The cache row at element `index` as f32 vectors (one per chunk of D)."""
-        p = f.ptr(cache, index)
-        rows = [b.load(b.bitcast(f.ptr(p, o), vec(element, w).as_pointer()), align=1) for o, w in chunks]
-        if element is F32:
-            return rows
-        if element is F16:
-            return [b.fpext(r, vec(F32, r.type.count)) for r in rows]
-        scales = b.bitcast(f.ptr(p, D), FPTR)  # q8_0: one f32 per 32 values after the D int8 values
-        return [f.fmul(b.sitofp(r, vec(F32, w)), f.splat(f.load(scales, o // ACT_BLOCK), vec(F32, w)))
-                for r, (o, w) in zip(rows, chunks)]
-
-    def store_row(cache: ir.Value, index: ir.Value, row: list[ir.Value]) -> None:
-        """Write a row of D floats (vectors per chunk) into the cache at element `index`."""
-        p = f.ptr(cache, index)
-        if element is I8:
-            scales = b.bitcast(f.ptr(p, D), FPTR)
-            for blk in range(D // ACT_BLOCK):
-                d, halves = q8_block(f, row[2 * blk], row[2 * blk + 1])
-                f.store(d, scales, blk)
-                for h, qv in enumerate(halves):
-                    b.store(b.trunc(qv, vec(I8, 16)), b.bitcast(f.ptr(p, blk * ACT_BLOCK + 16 * h),
-                                                                vec(I8, 16).as_pointer()), align=1)
-            return
-        for (o, w), x in zip(chunks, row):
-            x = x if element is F32 else b.fptrunc(x, vec(element, w))
-            b.store(x, b.bitcast(f.ptr(p, o), x.type.as_pointer()), align=1)
-
-    # 1. RoPE and the cache write
-    if op.rope is not None:
-        cos_t, sin_t, fill = _rope_tables(lib, f, D, op.rope.value.data)
-    with f.loop(*f.share(f.mul(n, KVH), tid, nth), name="ck") as item:
-        t = b.sdiv(item, f.i64(KVH))
-        with f.when(inside(t)):
-            pos, h = position(t), b.srem(item, f.i64(KVH))
-            if op.rope is not None:
-                fill(pos)
-                _rope_apply(f, f.ptr(k, f.mul(item, D)), 1, D, cos_t, sin_t)
-            dst = f.mul(f.add(f.mul(h, S), pos), W)
-            for src, cache in ((k, k_cache), (v, v_cache)):
-                store_row(cache, dst, [f.vload(src, f.add(f.mul(item, D), o), w) for o, w in chunks])
-    if op.rope is not None:
-        with f.loop(*f.share(f.mul(n, H), tid, nth), name="cq") as item:
-            t = b.sdiv(item, f.i64(H))
-            with f.when(inside(t)):
-                fill(position(t))
-                _rope_apply(f, f.ptr(q, f.mul(item, D)), 1, D, cos_t, sin_t)
-    f.b.call(lib.barrier(), [a["sync"], nth])
-
-    # 2. attention: per query (row r of a tile, head g of the kv head's group) a running
-    # max m, sum l and weighted sum acc, on the stack
-    TQ = QUERY_TILE
-    m_buf, l_buf = f.alloca(F32, TQ * G, name="m"), f.alloca(F32, TQ * G, name="l")
-    acc = f.alloca(F32, TQ * G * D, name="acc")
-    scores = f.alloca(F32, TQ * G * POS_BLOCK, name="scores")
-    kbuf = f.alloca(F32, POS_BLOCK * D, name="k_block")  # the block's K and V rows as f32
-    vbuf = f.alloca(F32, POS_BLOCK * D, name="v_block")
-    limits = f.alloca(I64, TQ, name="limits")
-
-    def attend(t0: ir.Value, tq: int, h: ir.Value, s_lo: ir.Value, s_hi: ir.Value) -> None:
-        """Queries of rows t0..t0+tq (each up to its `limits[r]`) × the G heads of kv head h,
-        over cache positions [s_lo, s_hi), a block of `POS_BLOCK` positions at a time: the
-        block's K and V rows staged as f32, 16 scores at once (`KernelBuilder.hsum16` of
-        16 rows' products), then per query a vector max and exp and the weighted V rows."""
-        nq = tq * G
-        V16 = vec(F32, 16)
-        for i in range(nq):
-            f.store(f.f32(float("-inf")), m_buf, i)
-            f.store(f.f32(0.0), l_buf, i)
-        with f.loop(0, nq * D, name="az") as i:
-            f.store(f.f32(0.0), acc, i)
-        qrow = [f.mul(f.add(f.mul(f.add(t0, i // G), H), f.add(f.mul(h, G), i % G)), D) for i in range(nq)]
-        kv_base = f.mul(h, S * W)
-        lane = ir.Constant(vec(I64, 16), list(range(16)))
-        with f.loop(s_lo, s_hi, POS_BLOCK, name="blk", unroll=False) as s0:
-            count = f.smin(POS_BLOCK, f.sub(s_hi, s0))
-            with f.loop(0, count, name="st", unroll=False) as s:
-                at = f.add(kv_base, f.mul(f.add(s0, s), W))
-                for cache, staged in ((k_cache, kbuf), (v_cache, vbuf)):
-                    for (o, _), row in zip(chunks, cache_row(cache, at)):
-                        f.vstore(row, staged, f.add(f.mul(s, D), o))
-            with f.when(b.icmp_signed("<", count, f.i64(POS_BLOCK))):  # the odd position after the last: zeros
-                for o, w in chunks:
-                    f.vstore(f.const(vec(F32, w), 0.0), vbuf, f.add(f.mul(count, D), o))
-            with f.loop(0, count, 16, name="s16", unroll=False) as s16:
-                for i in range(nq):
-                    qv = [f.vload(q, f.add(qrow[i], o), w) for o, w in chunks]
-                    products = []
-                    for j in range(16):  # (rows past `count` hold stale values: their lanes go unread)
-                        krow = f.mul(f.add(s16, j), D)
-                        terms = [f.fmul(x, f.vload(kbuf, f.add(krow, o), w)) for x, (o, w) in zip(qv, chunks)]
-                        products.append(_sum16(f, terms))
-                    f.vstore(f.fmul(f.hsum16(products), f.splat(scale, V16)), scores, f.add(f.i64(i * POS_BLOCK), s16))
-            with f.loop(0, nq, name="sm", unroll=False) as i:
-                row = f.ptr(scores, f.mul(i, POS_BLOCK))
-                valid = f.smax(0, f.smin(count, f.sub(f.load(limits, b.sdiv(i, f.i64(G))), s0)))
-                with b.if_then(b.icmp_signed(">", valid, f.i64(0))):
-                    inside_block = [b.icmp_signed("<", b.add(lane, f.splat_i64(c, 16)), f.splat_i64(valid, 16))
-                                    for c in range(0, POS_BLOCK, 16)]
-                    chunk_scores = [b.select(m, f.vload(row, f.i64(c)), f.const(V16, float("-inf")))
-                                    for m, c in zip(inside_block, range(0, POS_BLOCK, 16))]
-                    top = chunk_scores[0]
-                    for v in chunk_scores[1:]:
-                        top = f.intrinsic("llvm.maxnum", top, v)
-                    m_old = f.load(m_buf, i)
-                    m_new = f.intrinsic("llvm.maxnum", m_old, f.reduce_max(top))
-                    total = f.const(V16, 0.0)
-                    for m, v, c in zip(inside_block, chunk_scores, range(0, POS_BLOCK, 16)):
-                        e = b.select(m, f.exp(b.fsub(v, f.splat(m_new, V16))), f.const(V16, 0.0))
-                        f.vstore(e, row, f.i64(c))
-                        total = f.fadd(total, e)
-                    corr = f.exp(b.fsub(m_old, m_new))
-                    f.store(f.fadd(f.fmul(f.load(l_buf, i), corr), f.reduce_vector(total)), l_buf, i)
-                    f.store(m_new, m_buf, i)
-                    arow = f.mul(i, D)
-                    # two sets of sums (even and odd positions): two FMA chains per chunk in flight
-                    sums = [[f.alloca(vec(F32, w), name=f"pv{o}_{k}") for o, w in chunks] for k in range(2)]
-                    for k, part in enumerate(sums):
-                        for total_o, (o, w) in zip(part, chunks):
-                            start = f.fmul(f.vload(acc, f.add(arow, o), w), f.splat(corr, vec(F32, w)))
-                            b.store(start if k == 0 else f.const(vec(F32, w), 0.0), total_o)
-                    with f.loop(0, valid, 2, name="pv", unroll=False) as s:  # (p is 0 at `valid`: whole pairs)
-                        for k, part in enumerate(sums):
-                            p = f.load(row, f.add(s, k))
-                            for total_o, (o, w) in zip(part, chunks):
-                                x = f.vload(vbuf, f.add(f.mul(f.add(s, k), D), o), w)
-                                b.store(f.fadd(b.load(total_o), f.fmul(f.splat(p, x.type), x)), total_o)
-                    for (o, _), even, odd in zip(chunks, *sums):
-                        f.vstore(f.fadd(b.load(even), b.load(odd)), acc, f.add(arow, o))
-
-    def store_head(t: ir.Value, head: ir.Value, ys: list[ir.Value]) -> None:
-        """Row t's output for query head `head`: float, or quantized blocks of 32."""
-        if qout is None:
-            for y, (o, _) in zip(ys, chunks):
-                f.vstore(y, out, f.add(f.mul(f.add(f.mul(t, H), head), D), o))
-            return
-        for blk in range(D // ACT_BLOCK):
-            qout.store_block(t, f.add(f.mul(head, D // ACT_BLOCK), blk), ys[2 * blk], ys[2 * blk + 1])
-
-    split = b.icmp_signed("<=", n, f.i64(tgt.ATTENTION_SPLIT_ROWS))
-    stride = D + 2  # a partial: max, sum, D weighted values
-    with b.if_else(split) as (decode, prefill):
-        with decode:
-            with f.loop(0, n, name="dt") as t, f.when(inside(t)):
-                s_lo, s_hi = f.share(f.add(position(t), 1), tid, nth)
-                f.store(s_hi, limits, 0)
-                with f.loop(0, KVH, name="dh") as h:
-                    attend(t, 1, h, s_lo, s_hi)
-                    for g in range(G):
-                        base = f.mul(f.add(f.mul(f.add(f.mul(tid, tgt.ATTENTION_SPLIT_ROWS), t), H),
-                                           f.add(f.mul(h, G), g)), stride)
-                        f.store(f.load(m_buf, g), partials, base)
-                        f.store(f.load(l_buf, g), partials, f.add(base, 1))
-                        for o, w in chunks:
-                            f.vstore(f.vload(acc, f.i64(g * D + o), w), partials, f.add(base, 2 + o))
-            f.b.call(lib.barrier(), [a["sync"], nth])
-            with f.loop(*f.share(f.mul(n, H), tid, nth), name="mg") as item:
-                t, head = b.sdiv(item, f.i64(H)), b.srem(item, f.i64(H))
-                with f.when(inside(t)):
-                    def part(j: ir.Value) -> ir.Value:
-                        return f.mul(f.add(f.mul(f.add(f.mul(j, tgt.ATTENTION_SPLIT_ROWS), t), H), head), stride)
-
-                    top = f.alloca(F32, name="top")
-                    b.store(f.f32(float("-inf")), top)
-                    with f.loop(0, nth, name="mx") as j:
-                        b.store(f.intrinsic("llvm.maxnum", b.load(top), f.load(partials, part(j))), top)
-                    M = b.load(top)
-                    total = f.alloca(F32, name="total")
-                    b.store(f.f32(0.0), total)
-                    sums = [f.alloca(vec(F32, w), name=f"sum{o}") for o, w in chunks]
-                    for acc_o, (_, w) in zip(sums, chunks):
-                        b.store(f.const(vec(F32, w), 0.0), acc_o)
-                    with f.loop(0, nth, name="mj") as j:
-                        base = part(j)
-                        weight = f.exp(b.fsub(f.load(partials, base), M))
-                        b.store(f.fadd(b.load(total), f.fmul(weight, f.load(partials, f.add(base, 1)))), total)
-                        for acc_o, (o, w) in zip(sums, chunks):
-                            x = f.vload(partials, f.add(base, 2 + o), w)
-                            b.store(f.fadd(b.load(acc_o), f.fmul(f.splat(weight, x.type), x)), acc_o)
-                    inv = b.fdiv(f.f32(1.0), b.load(total))
-                    store_head(t, head, [f.fmul(b.load(acc_o), f.splat(inv, acc_o.type.pointee)) for acc_o in sums])
-        with prefill:
-            tiles = b.sdiv(f.add(n, TQ - 1), f.i64(TQ))
-            items = f.mul(tiles, KVH)
-            mine = b.sdiv(f.add(f.sub(items, tid), f.sub(nth, 1)), nth)  # items tid, tid + nth, …
-            with f.loop(0, mine, name="pt", unroll=False) as i:
-                item = f.add(tid, f.mul(i, nth))
-                t0, h = f.mul(b.sdiv(item, f.i64(KVH)), TQ), b.srem(item, f.i64(KVH))
-                s_hi = f.alloca(I64, name="s_hi")
-                b.store(f.i64(0), s_hi)
-                for r in range(TQ):
-                    t = f.add(t0, r)
-                    present = f.alloca(I64, name=f"lim{r}")
-                    b.store(f.i64(0), present)
-                    with f.when(b.icmp_signed("<", t, n)), f.when(inside(t)):
-                        b.store(f.add(position(t), 1), present)
-                    f.store(b.load(present), limits, r)
-                    b.store(f.smax(b.load(s_hi), b.load(present)), s_hi)
-                attend(t0, TQ, h, f.i64(0), b.load(s_hi))
-                for r in range(TQ):
-                    t = f.add(t0, r)
-                    with f.when(b.icmp_signed(">", f.load(limits, r), f.i64(0))):
-                        for g in range(G):
-                            i = r * G + g
-                            inv = b.fdiv(f.f32(1.0), f.load(l_buf, i))
-                            ys = [f.fmul(f.vload(acc, f.i64(i * D + o), w), f.splat(inv, vec(F32, w)))
-                                  for o, w in chunks]
-                            store_head(t, f.add(f.mul(h, G), g), ys)
-
-
-def _sum16(f: KernelBuilder, terms: list[ir.Value]) -> ir.Value:
-    """The sum of float vectors as one `<16 x float>` (narrower ones widened with zeros)."""
-    total = None
-    for t in terms:
-        if t.type.count < 16:
-            t = f.b.shuffle_vector(t, ir.Constant(t.type, [0.0] * t.type.count),
-                                   ir.Constant(vec(I32, 16), [i if i < t.type.count else t.type.count
-                                                              for i in range(16)]))
-        total = t if total is None else f.fadd(total, t)
-    return total
-
-
 # ------------------------------------------------------------------------ elementwise
 
 
@@ -702,8 +381,8 @@ _EMITTERS: dict[type[tgt.Kernel], Callable] = {
     tgt.QuantizeOp: _quantize,
     tgt.MatmulOp: _matmul,
     tgt.SwigluOp: _swiglu,
-    tgt.RopeOp: _rope,
-    tgt.AttentionOp: _attention,
+    tgt.RopeOp: attention.rope,
+    tgt.AttentionOp: attention.attention,
     tgt.AddOp: _elementwise(lambda f, v: f.b.fadd(v[0], v[1]), ("lhs", "rhs")),
     tgt.MulOp: _elementwise(lambda f, v: f.b.fmul(v[0], v[1]), ("lhs", "rhs")),
     tgt.SiluOp: _elementwise(lambda f, v: f.silu(v[0]), ("x",)),

@@ -53,7 +53,7 @@ class KVCache:
     def for_type(cls, cache_type: llm.KVCacheType, positions: int | None = None) -> KVCache:
         """A zeroed cache of `cache_type`, or of its first `positions` rows only."""
         layers, kv_heads, capacity, head_dim = cache_type.shape
-        element = {"f16": "f16", "i8": "q8_0"}.get(str(cache_type.element_type), "f32")
+        element = llm.kv_type_name(cache_type.element_type)
         return cls.zeros((layers, kv_heads, min(capacity, positions or capacity), head_dim), element)
 
     @classmethod

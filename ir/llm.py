@@ -42,6 +42,8 @@ from xdsl.dialects.builtin import (
     IntegerAttr,
     SymbolRefAttr,
     TensorType,
+    f16,
+    i8,
     i32,
     i64,
 )
@@ -108,12 +110,24 @@ class ComputeAttr(EnumAttribute[Compute], SpacedOpaqueSyntaxAttribute):
     name = "llm.compute"
 
 
+KV_TYPES = {"f32": f32, "f16": f16, "q8_0": i8}  # the cache's element types; i8: int8 and a scale per 32
+
+
+def kv_type_name(element: Attribute) -> str:
+    """The `--kv-type` name of a cache's element type (of `!llm.kv_cache` or its `tgt` memref)."""
+    for name, t in KV_TYPES.items():
+        if element == t:
+            return name
+    raise ValueError(f"no KV cache type has elements of {element}")
+
+
 @irdl_attr_definition
 class KVCacheType(ParametrizedAttribute, TypeAttribute):
     """The key/value cache of every layer: `!llm.kv_cache<layers x kv_heads x capacity x head_dim x f32>`.
 
     One value of this type is threaded through the forward function; `llm.attention`
-    writes the new rows of its layer and attends to the rows before them.
+    writes the new rows of its layer and attends to the rows before them. The element
+    type is one of `KV_TYPES` (i8: q8_0 rows).
     """
 
     name = "llm.kv_cache"

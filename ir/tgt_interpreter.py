@@ -22,7 +22,7 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import IntegerAttr, MemRefType
 from xdsl.ir import SSAValue
 
-from llmc.ir import tgt
+from llmc.ir import llm, tgt
 from llmc.ir.formats import QuantizedTensor, integer_matmul, quantize_rows
 from llmc.ir.interpreter import KVCache, OpTable, attention, rms_norm, rope, silu
 from llmc.ir.layouts import Layout, QRowLayout, pack, unpack
@@ -183,7 +183,7 @@ def _silu(op: tgt.SiluOp, get: _State) -> None:
 
 def cache_element(memref: MemRefType) -> str:
     """The `KVCache.element` of a cache buffer type."""
-    return {"f16": "f16", "i8": "q8_0"}.get(str(memref.element_type), "f32")
+    return llm.kv_type_name(memref.element_type)
 
 
 def cache_for(memref: MemRefType) -> KVCache:

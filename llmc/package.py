@@ -24,7 +24,7 @@ from llmc import __version__
 from llmc.backends.cpu.codegen import READ_PROBE, entry_arguments, entry_symbol
 from llmc.errors import UsageError
 from llmc.frontend.model import Model
-from llmc.ir import tgt
+from llmc.ir import llm, tgt
 from llmc.ir.formats import QuantizedTensor
 from llmc.ir.layouts import Layout, align, pack
 from llmc.runtime.artifact import MANIFEST, SCHEMA_VERSION, sha256_file
@@ -102,7 +102,7 @@ def write_artifact(directory: Path, module: ModuleOp, model: Model, kernels: Pat
         assert isinstance(stage, StringAttr)
         tokens, _, _, k_cache, _, logits = function.body.block.args  # passes.lower.ENTRY_ARGUMENTS
         kv_shape = list(tgt.dims(k_cache))
-        kv_dtype = {"i8": "q8_0"}.get(str(k_cache.type.element_type), str(k_cache.type.element_type))
+        kv_dtype = llm.kv_type_name(k_cache.type.element_type)
         entry_points[stage.data] = {
             "symbol": entry_symbol(stage.data),
             "arguments": entry_arguments(function),

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from llmc.errors import UsageError, printable
+from llmc.runtime.artifact import host_cpu_flags
 from llmc.runtime.bench import EngineSpeeds
 
 PEERS = ("llama.cpp", "transformers")
@@ -89,14 +90,6 @@ def measure(peer: str, source: Path, plan: Plan, llama_bench: str | None = None)
 
 
 # ------------------------------------------------------------------ llama.cpp
-
-
-def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return any(line.startswith("flags") and "amx_int8" in line.split() for line in f)
-    except OSError:
-        return False
 
 
 def _last_line(text: str) -> str:
@@ -175,7 +168,7 @@ def llama_cpp_speeds(gguf: Path, plan: Plan, llama_bench: str | None = None) -> 
             r = records[0]
             notes.append(f"llama.cpp: llama-bench build {r.get('build_commit')} ({r.get('build_number')}), "
                          f"{r.get('cpu_info')}, {binary}; default path: weights in "
-                         f"{', '.join(buffers) or 'unknown'} buffers{'' if _cpu_has_amx() else ' (no AMX on this CPU)'}")
+                         f"{', '.join(buffers) or 'unknown'} buffers{'' if 'amx_int8' in (host_cpu_flags() or ()) else ' (no AMX on this CPU)'}")
     return PeerResult(engines, notes)
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from xdsl.context import Context
 from xdsl.dialects import builtin, func
-from xdsl.dialects.builtin import DYNAMIC_INDEX, IntegerAttr, ModuleOp, StringAttr, TensorType, f16, f32, i8, i64
+from xdsl.dialects.builtin import DYNAMIC_INDEX, IntegerAttr, ModuleOp, StringAttr, TensorType, i64
 from xdsl.ir import Attribute, Block, Region, SSAValue
 
 from llmc.errors import UsageError
@@ -37,7 +37,6 @@ from llmc.passes.base import LlmcPass
 STAGES = ("prefill", "prefill_kv", "decode", "score")
 DEFAULT_MAX_SEQ_CAP = 4096
 DEFAULT_PREFILL_CHUNK = 128
-KV_TYPES = {"f32": f32, "f16": f16, "q8_0": i8}  # q8_0: int8 values and a scale per 32
 
 
 def retyped(function: func.FuncOp, name: str, subst: Callable[[Attribute], Attribute]) -> func.FuncOp:
@@ -102,11 +101,11 @@ class SplitPass(LlmcPass):
         chunk = self.prefill_chunk or min(DEFAULT_PREFILL_CHUNK, max_seq)
         if not 1 <= chunk <= max_seq:
             raise UsageError(f"--prefill-chunk must be in 1..{max_seq} (--max-seq), got {chunk}")
-        if self.kv_type not in KV_TYPES:
-            raise UsageError(f"--kv-type must be one of {', '.join(KV_TYPES)}, got '{self.kv_type}'")
+        if self.kv_type not in llm.KV_TYPES:
+            raise UsageError(f"--kv-type must be one of {', '.join(llm.KV_TYPES)}, got '{self.kv_type}'")
         if self.kv_type == "q8_0" and head_dim % 32:
             raise UsageError(f"--kv-type q8_0 needs a head dimension that is a multiple of 32, got {head_dim}")
-        new_cache = llm.KVCacheType(layers, kv_heads, max_seq, head_dim, KV_TYPES[self.kv_type])
+        new_cache = llm.KVCacheType(layers, kv_heads, max_seq, head_dim, llm.KV_TYPES[self.kv_type])
 
         for stage in STAGES:
             tokens = 1 if stage == "decode" else None

@@ -160,16 +160,21 @@ def load_manifest(directory: Path, check_files: bool = True) -> Manifest:
     return manifest
 
 
-def missing_cpu_features(manifest: Manifest) -> list[str]:
-    """The CPU features the kernels were built for that this machine lacks (Linux: /proc/cpuinfo)."""
+def host_cpu_flags() -> set[str] | None:
+    """This machine's CPU flags (Linux: /proc/cpuinfo), or None where they cannot be read."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
     except OSError:
+        return None
+    return set(flags) if flags is not None else None
+
+
+def missing_cpu_features(manifest: Manifest) -> list[str]:
+    """The CPU features the kernels were built for that this machine lacks (none known: none)."""
+    have = host_cpu_flags()
+    if have is None:
         return []
-    if flags is None:
-        return []
-    have = set(flags)
     return [feat for feat in manifest.data["cpu"]["features"] if _CPU_FLAGS.get(feat, feat) not in have]
 
 

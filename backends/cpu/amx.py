@@ -23,7 +23,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from llmc.backends.cpu.builder import F32, I32, I64, KernelBuilder
-from llmc.backends.cpu.quant import I8, I8PTR, QRowsAccess, TiledWeight, declare, vec
+from llmc.backends.cpu.quant import I8, I8PTR, QRowsAccess, TiledWeight, declare, scaled_block, vec
 from llmc.ir.formats import FORMATS, SLICE, Storage
 from llmc.ir.layouts import QUADS, STRIP, TILE_K
 
@@ -127,14 +127,9 @@ def gemm_amx(f: KernelBuilder, q: QRowsAccess, access: list[TiledWeight], t_end:
                         scale = w.scale16(s, sl)
                         offset = w.offset16(s, sl, scale)
                         for r, total in enumerate(sums):
-                            row = f.add(t0, r)
-                            xd = f.splat(f.load(q.d_ptr(row), sl), vec(F32, STRIP))
-                            xs = f.splat(f.fadd(f.load(q.s_ptr(row), sl), f.load(q.s_ptr(row), f.add(sl, 1))),
-                                         vec(F32, STRIP))
-                            dot = b.sitofp(b.load(b.bitcast(f.ptr(cbuf, r * STRIP), vec(I32, STRIP).as_pointer()),
-                                                  align=4), vec(F32, STRIP))
-                            step = f.fadd(f.fmul(dot, f.fmul(scale, xd)), f.fmul(offset, xs))
-                            b.store(f.fadd(b.load(total), step), total)
+                            dot = b.load(b.bitcast(f.ptr(cbuf, r * STRIP), vec(I32, STRIP).as_pointer()), align=4)
+                            xd, xs = q.block_scales(f.add(t0, r), sl, TILE_K // SLICE)
+                            b.store(scaled_block(f, b.load(total), dot, scale, offset, xd, xs), total)
                     for r, total in enumerate(sums):
                         f.vstore(b.load(total), acc, f.i64(((wi * strips + si) * TILE + r) * STRIP))
             with f.loop(0, TILE, name="fr", unroll=False) as r:

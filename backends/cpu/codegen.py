@@ -31,7 +31,7 @@ from xdsl.ir import SSAValue
 
 from llmc.backends.cpu.builder import I64, VOID, KernelBuilder
 from llmc.backends.cpu.kernels import I64PTR, KernelLibrary
-from llmc.backends.cpu.quant import I8PTR, declare
+from llmc.backends.cpu.quant import I8PTR, prefetch
 from llmc.errors import LlmcError
 from llmc.ir import tgt
 from llmc.ir.layouts import Layout
@@ -151,11 +151,9 @@ def read_probe(module: ir.Module) -> ir.Function:
     for acc in accs:
         f.b.store(ir.Constant(lanes, [0] * 16), acc)
     lo, hi = f.share(f.b.sdiv(nbytes, f.i64(READ_STEP)), tid, nth)
-    prefetch = declare(f, "llvm.prefetch.p0", VOID, [I8PTR, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
     with f.loop(lo, hi, name="c", unroll=False) as c:
         base = f.mul(c, READ_STEP)
-        f.b.call(prefetch, [f.b.gep(p, [f.add(base, 4096)]), ir.Constant(ir.IntType(32), 0),
-                            ir.Constant(ir.IntType(32), 3), ir.Constant(ir.IntType(32), 1)])
+        prefetch(f, p, f.add(base, 4096))
         for i, acc in enumerate(accs):
             v = f.b.load(f.b.bitcast(f.b.gep(p, [f.add(base, 64 * i)]), lanes.as_pointer()), align=64)
             f.b.store(f.b.xor(f.b.load(acc), v), acc)

@@ -36,10 +36,11 @@ from llmc.backends.cpu.quant import (
     QRowsAccess,
     SplitWeight,
     TiledWeight,
-    declare,
     integer_dot,
     lanes_of_slices,
+    scaled_block,
     vec,
+    vpdpbusd,
 )
 from llmc.ir import tgt
 from llmc.ir.formats import GROUP, SLICE, Storage
@@ -277,8 +278,6 @@ def _tile_a8(f: KernelBuilder, rows: Rows, access: list[SplitWeight], t: ir.Valu
               for ci in range(c)] for ri in range(r)] for wi in range(nw)]
 
 
-
-
 # ------------------------------------------------------------------ the tiles layout
 
 
@@ -290,11 +289,6 @@ def broadcast_quad(f: KernelBuilder, q: QRowsAccess, t: ir.Value, k: ir.Value) -
     return f.b.bitcast(lanes, vec(I8, 64))
 
 
-def vpdpbusd(f: KernelBuilder, acc: ir.Value, codes: ir.Value, x: ir.Value) -> ir.Value:
-    fn = declare(f, "llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [vec(I32, 16), vec(I8, 64), vec(I8, 64)])
-    return f.b.call(fn, [acc, codes, x])
-
-
 def strips_of_thread(f: KernelBuilder, N: int, unit: int, tid: ir.Value, nth: ir.Value
                      ) -> tuple[ir.Value, ir.Value, int, int]:
     """This thread's columns `[lo, hi)` in whole units (of whole strips), the unit, and the columns
@@ -303,10 +297,6 @@ def strips_of_thread(f: KernelBuilder, N: int, unit: int, tid: ir.Value, nth: ir
     assert unit % STRIP == 0
     lo, hi = f.share(N // unit, tid, nth, unit)
     return lo, hi, unit, N % unit
-
-
-def columns_of(f: KernelBuilder, j0: ir.Value, count: int) -> list[ir.Value]:
-    return [f.add(j0, c) for c in range(count)]
 
 
 def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], finish: Finish, tid: ir.Value,
@@ -336,7 +326,7 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
                 for ri in range(r):
                     for c in range(min(STRIP, width - si * STRIP)):
                         vals[wi][ri][si * STRIP + c] = b.extract_element(sums[wi][ri], ir.Constant(I32, c))
-        finish([f.add(t, ri) for ri in range(r)], columns_of(f, j0, width), vals)
+        finish([f.add(t, ri) for ri in range(r)], [f.add(j0, c) for c in range(width)], vals)
         if flush is not None:
             flush(t, r, j0)
 
@@ -382,12 +372,6 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, access: list[TiledWeight], t: i
                     dot = chains[0]
                     for other in chains[1:]:
                         dot = b.add(dot, other)
-                    xd = f.load(q.d_ptr(row), sl)
-                    xsum = f.load(q.s_ptr(row), sl)
-                    for extra in range(1, step):
-                        xsum = f.fadd(xsum, f.load(q.s_ptr(row), f.add(sl, extra)))
                     acc = accs[wi][ri][0]
-                    total = f.fadd(b.load(acc), f.fmul(b.sitofp(dot, vec(F32, STRIP)),
-                                                       f.fmul(scale, f.splat(xd, vec(F32, STRIP)))))
-                    b.store(f.fadd(total, f.fmul(offset, f.splat(xsum, vec(F32, STRIP)))), acc)
+                    b.store(scaled_block(f, b.load(acc), dot, scale, offset, *q.block_scales(row, sl, step)), acc)
     return [[b.load(accs[wi][ri][0]) for ri in range(r)] for wi in range(len(access))]

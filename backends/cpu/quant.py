@@ -70,6 +70,34 @@ def _to_float(f: KernelBuilder, value: ir.Value, dtype: str) -> ir.Value:
     return f.b.sitofp(value, ty)
 
 
+def prefetch(f: KernelBuilder, base: ir.Value, offset: ir.Value) -> None:
+    """Prefetch the cache line at byte `offset` of `base` (an `i8*`) into L1."""
+    fn = declare(f, "llvm.prefetch.p0", ir.VoidType(), [I8PTR, I32, I32, I32])
+    f.b.call(fn, [f.b.gep(base, [offset]), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+
+def vpdpbusd(f: KernelBuilder, acc: ir.Value, codes: ir.Value, x: ir.Value) -> ir.Value:
+    """`acc` (`<16 x i32>`) plus, per lane, 4 unsigned codes × 4 int8 values (AVX-512 VNNI)."""
+    fn = declare(f, "llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [vec(I32, 16), vec(I8, 64), vec(I8, 64)])
+    return f.b.call(fn, [acc, codes, x])
+
+
+def weight_offset(f: KernelBuilder, fmt, minimum: ir.Value | None, scale: ir.Value) -> ir.Value:
+    """What multiplies the activations' sums: the weight's (signed) minimum, or `−zero · scale`."""
+    if minimum is not None:
+        return minimum
+    return f.b.fneg(f.b.fmul(ir.Constant(scale.type, [float(fmt.zero)] * scale.type.count), scale))
+
+
+def scaled_block(f: KernelBuilder, total: ir.Value, dot: ir.Value, scale: ir.Value, offset: ir.Value,
+                 xd: ir.Value, xs: ir.Value) -> ir.Value:
+    """`total + dot · (scale · xd) + offset · xs`: a block's int32 dot products (`<16 x i32>`)
+    with the weights' scales and offsets (per lane) and the row's scale and sum (scalars)."""
+    lanes = scale.type
+    term = f.fmul(f.b.sitofp(dot, lanes), f.fmul(scale, f.splat(xd, lanes)))
+    return f.fadd(f.fadd(total, term), f.fmul(offset, f.splat(xs, lanes)))
+
+
 def _plane_element(fmt, name: str) -> ir.Type:
     """The LLVM element type of a packed weight's plane."""
     if name == "codes":
@@ -117,10 +145,7 @@ class SplitWeight:
         """Prefetch the codes `ahead` bytes past group `g` of row `j` (into L1)."""
         f = self.f
         per_group = GROUP if self.bits == 8 else GROUP // 2
-        offset = f.add(f.add(f.mul(j, self.code_bytes), f.mul(g, per_group)), ahead)
-        fn = declare(f, "llvm.prefetch.p0", ir.VoidType(), [I8PTR, I32, I32, I32])
-        f.b.call(fn, [f.b.gep(self.ptrs["codes"], [offset]), ir.Constant(I32, 0), ir.Constant(I32, 3),
-                      ir.Constant(I32, 1)])
+        prefetch(f, self.ptrs["codes"], f.add(f.add(f.mul(j, self.code_bytes), f.mul(g, per_group)), ahead))
 
     def _field4(self, name: str, j: ir.Value, g: ir.Value) -> ir.Value:
         """A field's value for each of the 4 slices of group `g` of row `j`: `<4 x float>`."""
@@ -162,10 +187,7 @@ class SplitWeight:
 
     def offset4(self, j: ir.Value, g: ir.Value, scale4: ir.Value) -> ir.Value:
         """Per slice, what multiplies the activations' sums: the minimum, or `−zero · scale`."""
-        m = self.minimum4(j, g)
-        if m is not None:
-            return m
-        return self.f.b.fneg(self.f.b.fmul(self.zero4(), scale4))
+        return weight_offset(self.f, self.fmt, self.minimum4(j, g), scale4)
 
     def values(self, j: ir.Value, g: ir.Value, slices: int = 4) -> list[ir.Value]:
         """The dequantized weights of group `g` of row `j`: `slices` × `<16 x float>`.
@@ -207,15 +229,18 @@ class TiledWeight:
         self.planes = {p.name: p for p in tile_planes(weight_type.storage, weight_type.shape)}
         self.ptrs = {name: typed_ptr(f, base, p, _plane_element(self.fmt, name)) for name, p in self.planes.items()}
 
+    def _block(self, s: ir.Value, b: ir.Value) -> ir.Value:
+        """Block b of strip s, counted from the first block."""
+        return self.f.add(self.f.mul(s, self.blocks), b)
+
     def codes_ptr(self, s: ir.Value, b: ir.Value) -> ir.Value:
         """Where block b of strip s's codes start (an `i8*`)."""
-        f = self.f
-        return f.b.gep(self.ptrs["codes"], [f.mul(f.add(f.mul(s, self.blocks), b), self.block_bytes)])
+        return self.f.b.gep(self.ptrs["codes"], [self.f.mul(self._block(s, b), self.block_bytes)])
 
     def quads(self, s: ir.Value, b: ir.Value) -> list[ir.Value]:
         """The 8 `<64 x i8>` code vectors of block b of strip s: quad q holds codes 4q..4q+3 of the 16 features."""
         f, b_ = self.f, self.f.b
-        start = f.mul(f.add(f.mul(s, self.blocks), b), self.block_bytes)
+        start = f.mul(self._block(s, b), self.block_bytes)
         if self.bits == 8:
             return [load_vector(f, self.ptrs["codes"], f.add(start, 64 * q), vec(I8, 64)) for q in range(QUADS)]
         packed = [load_vector(f, self.ptrs["codes"], f.add(start, 64 * r), vec(I8, 64))
@@ -223,7 +248,7 @@ class TiledWeight:
         out = [b_.and_(p, splat_i(vec(I8, 64), 15)) for p in packed] + \
               [b_.lshr(p, splat_i(vec(I8, 64), 4)) for p in packed]
         for bit in range(4, self.bits):
-            at = f.mul(f.add(f.mul(s, self.blocks), b), QUADS)
+            at = f.mul(self._block(s, b), QUADS)
             for q in range(QUADS):
                 mask = b_.load(f.ptr(self.ptrs[f"bit{bit}"], f.add(at, q)), align=8)
                 plane = b_.zext(b_.bitcast(mask, vec(I1, 64)), vec(I8, 64))
@@ -231,11 +256,8 @@ class TiledWeight:
         return out
 
     def prefetch(self, s: ir.Value, b: ir.Value, ahead: int) -> None:
-        f = self.f
-        offset = f.add(f.mul(f.add(f.mul(s, self.blocks), b), self.block_bytes), ahead)
-        fn = declare(f, "llvm.prefetch.p0", ir.VoidType(), [I8PTR, I32, I32, I32])
-        f.b.call(fn, [f.b.gep(self.ptrs["codes"], [offset]), ir.Constant(I32, 0), ir.Constant(I32, 3),
-                      ir.Constant(I32, 1)])
+        """Prefetch the codes `ahead` bytes past block b of strip s."""
+        prefetch(self.f, self.ptrs["codes"], self.f.add(self.f.mul(self._block(s, b), self.block_bytes), ahead))
 
     def _field16(self, name: str, s: ir.Value, sl: ir.Value | int) -> ir.Value:
         """Field `name` of the 16 features of strip s for 16-slice `sl`: `<16 x float>`."""
@@ -259,12 +281,11 @@ class TiledWeight:
 
     def offset16(self, s: ir.Value, sl, scale16: ir.Value) -> ir.Value:
         """What multiplies the activations' slice sums: the minimum, or `−zero · scale`."""
-        b = self.f.b
+        minimum = None
         if self.fmt.minimum:
             m = self._product16(self.fmt.minimum, s, sl)
-            return b.fneg(m) if self.fmt.minimum_sign < 0 else m
-        zero = ir.Constant(vec(F32, STRIP), [float(self.fmt.zero)] * STRIP)
-        return b.fneg(b.fmul(zero, scale16))
+            minimum = self.f.b.fneg(m) if self.fmt.minimum_sign < 0 else m
+        return weight_offset(self.f, self.fmt, minimum, scale16)
 
     def scale_step(self) -> int:
         """16-slices per scale change: 2 where every field spans whole 32-blocks, else 1."""
@@ -300,6 +321,14 @@ class QRowsAccess:
 
     def qs_ptr(self, t: ir.Value) -> ir.Value:
         return self._at(t, 0, I8)
+
+    def block_scales(self, t: ir.Value, sl: ir.Value, slices: int) -> tuple[ir.Value, ir.Value]:
+        """Row t's scale and sum over `slices` 16-slices from slice `sl` (one scale block)."""
+        f = self.f
+        total = f.load(self.s_ptr(t), sl)
+        for extra in range(1, slices):
+            total = f.fadd(total, f.load(self.s_ptr(t), f.add(sl, extra)))
+        return f.load(self.d_ptr(t), sl), total
 
     def d_ptr(self, t: ir.Value) -> ir.Value:
         """Row t's scales, one per 16-value slice (each 32-block's twice)."""
@@ -353,8 +382,7 @@ def integer_dot(f: KernelBuilder, isa: Isa, codes: ir.Value, x: ir.Value, bits: 
     """64 unsigned codes × 64 int8 values → `<16 x i32>`, lane `l` the sum of products `4l..4l+3`."""
     b = f.b
     if isa is Isa.VNNI512:
-        fn = declare(f, "llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [vec(I32, 16), vec(I8, 64), vec(I8, 64)])
-        return b.call(fn, [ir.Constant(vec(I32, 16), [0] * 16), codes, x])
+        return vpdpbusd(f, ir.Constant(vec(I32, 16), [0] * 16), codes, x)
     halves = [(shuffle(f, codes, list(range(h, h + 32))), shuffle(f, x, list(range(h, h + 32)))) for h in (0, 32)]
     if isa is Isa.VNNI256:
         fn = declare(f, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), [vec(I32, 8), vec(I8, 32), vec(I8, 32)])

@@ -3,7 +3,7 @@
     llmc ir MODEL [--phase import|optimize] [-o FILE]     print a model's IR
     llmc opt FILE.mlir [-p PASS,PASS] [--print-ir-after-all]   parse, verify, run passes, print
     llmc verify MODEL [--prompt TEXT] [--quant T]          compare every stage with the source model
-    llmc compile MODEL --target cpu [-o DIR] [--quant T]   compile to an artifact directory
+    llmc compile MODEL [--target cpu|cuda] [-o DIR]        compile to an artifact directory
     llmc run DIR -p TEXT [-n N] [--chat] [sampling]       generate text with an artifact
     llmc bench DIR [--depth D,D] [--vs PEER,PEER]         prefill and decode tokens/s, next to peers
     llmc perplexity MODEL|DIR --text FILE [--ctx 512]     perplexity (and KL divergence) on a text
@@ -114,7 +114,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     from llmc.runtime.artifact import MANIFEST
     from llmc.runtime.codec import TextCodec
     from llmc.runtime.perplexity import chunk_tokens, perplexity
-    from llmc.runtime.session import Session
+    from llmc.runtime.session import Conversation, open_session
 
     try:
         text = Path(args.text).read_text(encoding="utf-8")
@@ -123,7 +123,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     text = text[:-1] if text.endswith("\n") else text  # as llama-perplexity -f does
     with tempfile.TemporaryDirectory(prefix="llmc-perplexity-") as tmp:
 
-        def session_of(spec: str, name: str) -> Session:
+        def session_of(spec: str, name: str) -> Conversation:
             path = Path(spec)
             if path.is_dir() and (path / MANIFEST).exists():
                 if _compile_options_given(args):
@@ -139,7 +139,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
                                   prefill_chunk=args.prefill_chunk or min(128, args.ctx))
                 path = compile_model(spec, Path(tmp) / name, options, BackendOptions(cpu=args.cpu),
                                      progress=_progress, allow_pickle=args.allow_pickle)
-            return Session(path, threads=args.threads)
+            return open_session(path, threads=args.threads)
 
         session = session_of(args.model, "model")
         base = session_of(args.kl_base, "base") if args.kl_base else None
@@ -249,7 +249,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     options = compile_options(args)
     dump = _dumper(args)
     out = Path(args.output) if args.output else (None if args.compile_to else _default_output(args.model))
-    result = compile_model(args.model, out, options, BackendOptions(args.target, args.cpu), args.compile_to, dump,
+    backend = BackendOptions(args.target, args.cpu, args.gpu)
+    result = compile_model(args.model, out, options, backend, args.compile_to, dump,
                            progress=_progress, allow_pickle=args.allow_pickle)
     if isinstance(result, str):
         _out(result, args.output)
@@ -270,10 +271,10 @@ def _sampling(args: argparse.Namespace):
 def cmd_run(args: argparse.Namespace) -> int:
     from llmc.runtime.codec import TextCodec
     from llmc.runtime.generate import generate, stream_text
-    from llmc.runtime.session import Session
+    from llmc.runtime.session import open_session
 
     sampling = _sampling(args)
-    session = Session(Path(args.artifact), check_files=not args.no_verify, threads=args.threads)
+    session = open_session(Path(args.artifact), check_files=not args.no_verify, threads=args.threads)
     codec = TextCodec.from_artifact(session.manifest)
     prompt = codec.chat(args.prompt) if args.chat else args.prompt
     ids = codec.encode(prompt)
@@ -312,7 +313,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result = benchmark(directory, prompts, args.decode_tokens, args.repeat, args.threads, depths)
     engines, notes = [result.speeds], []
     if args.vs:
-        plan = peers.Plan(prompts, depths, args.decode_tokens, args.repeat, result.threads, result.vocab_size)
+        plan = peers.Plan(prompts, depths, args.decode_tokens, args.repeat, result.threads, result.vocab_size,
+                          device=manifest.target)
         found = peers.measure_all(args.vs, source, why, plan, args.llama_bench, _progress)
         engines += found.engines
         notes = found.notes
@@ -414,8 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compile", parents=[common, model_args], help="compile a model to an artifact",
                        description="Compile a model through every phase into an artifact directory "
-                                   "(manifest.json, weights.bin, kernels.so, tokenizer.json) that 'llmc run' executes.")
+                                   "(manifest.json, weights.bin, kernels.so or kernels.ptx, tokenizer.json) that 'llmc run' executes.")
     p.add_argument("--target", default="cpu", choices=["cpu", "cuda"], help="code generation target (default: cpu)")
+    p.add_argument("--gpu", default="sm_80,sm_90", metavar="SM[,SM]",
+                   help="with --target cuda: GPU architectures (sm_80, sm_86, sm_89, sm_90); PTX for the oldest, "
+                        "a cubin for each when ptxas is on PATH (default: %(default)s)")
     p.add_argument("-o", "--output", metavar="DIR",
                    help="artifact directory (default: MODEL's name + .llmc); with --compile-to, the IR file")
     _add_compile_options(p)

@@ -33,12 +33,14 @@ from llmc.package import check_output_directory
 from llmc.passes.pipeline import PHASES, CompileOptions, IRDumper, run_phase
 
 TARGETS = ("cpu", "cuda")
+CUDA_A8 = "--compute a8 is for CPU targets: the CUDA kernels take float activations (a32)"
 
 
 @dataclass(frozen=True)
 class BackendOptions:
     target: str = "cpu"
-    cpu: str = "native"
+    cpu: str = "native"  # --cpu, for the cpu target
+    gpu: str = "sm_80,sm_90"  # --gpu, for the cuda target
 
 
 def _arena_report(module: ModuleOp) -> str:
@@ -60,9 +62,11 @@ def _split_report(module: ModuleOp) -> str:
 
 
 def target_attr(backend: BackendOptions) -> tgt.TargetAttr:
-    """The `tgt.target` of the backend options (`--target`, `--cpu`)."""
-    if backend.target != "cpu":
-        raise UsageError(f"--target {backend.target} is not built yet: use --target cpu")
+    """The `tgt.target` of the backend options (`--target`, `--cpu`, `--gpu`)."""
+    if backend.target == "cuda":
+        from llmc.backends.cuda.target import cuda_target
+
+        return cuda_target(backend.gpu)
     from llmc.backends.cpu.target import cpu_target
 
     return cpu_target(backend.cpu)
@@ -101,7 +105,7 @@ def build_cpu_artifact(module: ModuleOp, model: Model, out: Path, backend: Backe
     from llmc.backends.cpu.codegen import emit_module
     from llmc.backends.cpu.target import target_machine_for
     from llmc.backends.cpu.toolchain import compile_to_object, link_shared
-    from llmc.package import clear_directory, content_name, weight_layout, write_artifact, write_weights
+    from llmc.package import clear_directory, content_name, cpu_manifest, weight_layout
 
     start = time.perf_counter()
     target = module.attributes[tgt.TARGET]
@@ -113,13 +117,59 @@ def build_cpu_artifact(module: ModuleOp, model: Model, out: Path, backend: Backe
     kernels = link_shared([obj], out / content_name("kernels", obj, ".so"))
     progress(f"{'codegen':<10} {time.perf_counter() - start:6.2f} s   {kernels.name} (cpu {target.cpu.data}"
              f"{_isa_note(module)}; barriers per call: decode {barriers.get('decode', 0)})")
+    return _package(out, module, model, layout, *cpu_manifest(module, kernels), compile_options, progress)
+
+
+def _package(out: Path, module: ModuleOp, model: Model, layout, facts: dict, entries: dict, compile_options: dict,
+             progress: Callable[[str], None]) -> Path:
+    """The weights, tokenizer and manifest beside the kernels already in `out`."""
+    from llmc.package import write_artifact, write_weights
+
     start = time.perf_counter()
     write_weights(model, layout, out / "weights.bin")
-    write_artifact(out, module, model, kernels, backend.target, layout, compile_options)
+    write_artifact(out, module, model, facts, entries, layout, compile_options)
     total = sum(p.stat().st_size for p in out.iterdir() if p.name != "tokenizer.json")
     progress(f"{'package':<10} {time.perf_counter() - start:6.2f} s   {out} (weights.bin {layout.size / 1e6:.1f} MB, "
              f"{total / 1e6:.1f} MB with kernels and manifest)")
     return out
+
+
+def build_cuda_artifact(module: ModuleOp, model: Model, out: Path, backend: BackendOptions, compile_options: dict,
+                        progress: Callable[[str], None]) -> Path:
+    """PTX for the oldest `--gpu` architecture and, with ptxas on PATH, a cubin for each."""
+    from llmc.backends.cuda.codegen import emit_module
+    from llmc.backends.cuda.target import parse_gpus
+    from llmc.backends.cuda.toolchain import assemble, have_ptxas, ptx
+    from llmc.package import clear_directory, content_name, weight_layout
+
+    start = time.perf_counter()
+    target = module.attributes[tgt.TARGET]
+    assert isinstance(target, tgt.TargetAttr)
+    layout = weight_layout(module)
+    llvm_module, plans = emit_module(module, layout.offsets)
+    text = ptx(llvm_module, target).encode()
+    clear_directory(out)
+    kernels = out / content_name("kernels", text, ".ptx")
+    kernels.write_bytes(text)
+    files, cubins, notes = {"kernels": kernels}, {}, []
+    if have_ptxas():
+        for arch in parse_gpus(backend.gpu):
+            cubin = out / f"{kernels.stem}.{arch}.cubin"
+            report = assemble(kernels, arch, cubin)
+            files[f"cubin_{arch}"] = cubin
+            cubins[arch] = f"cubin_{arch}"
+            most = max(r.registers for r in report.values())
+            spills = sum(r.spill_bytes for r in report.values())
+            notes.append(f"{arch}: ≤{most} registers, {spills} spill bytes")
+    else:
+        notes.append("no ptxas on PATH: PTX only, the driver compiles it at load")
+    launches = {stage: len(plan) for stage, plan in plans.items()}
+    progress(f"{'codegen':<10} {time.perf_counter() - start:6.2f} s   {kernels.name} (cuda {target.cpu.data}, "
+             f"{sum(not fn.is_declaration for fn in llvm_module.functions)} kernels; {'; '.join(notes)}; launches per decode: {launches['decode']})")
+    facts = {"target": "cuda", "gpu": {"arch": target.cpu.data, "features": sorted(target.features),
+                                       "cubins": cubins}, "files": files}
+    entries = {stage: {"launches": plan} for stage, plan in plans.items()}
+    return _package(out, module, model, layout, facts, entries, compile_options, progress)
 
 
 def _isa_note(module: ModuleOp) -> str:
@@ -136,6 +186,8 @@ def compile_model(spec: str, out: Path | None, options: CompileOptions, backend:
     if backend.target not in TARGETS:
         raise UsageError(f"unknown target '{backend.target}' (targets: {', '.join(TARGETS)})")
     target = target_attr(backend)
+    if backend.target == "cuda" and options.compute == "a8":
+        raise UsageError(CUDA_A8)
     if compile_to is not None and compile_to not in PHASES:
         raise UsageError(f"unknown phase '{compile_to}' (phases: {', '.join(PHASES)})")
     if out is not None and compile_to is None:
@@ -148,4 +200,6 @@ def compile_model(spec: str, out: Path | None, options: CompileOptions, backend:
         return print_module(module)
     assert out is not None
     compile_options = asdict(options) | asdict(backend)
+    if backend.target == "cuda":
+        return build_cuda_artifact(module, model, out, backend, compile_options, progress)
     return build_cpu_artifact(module, model, out, backend, compile_options, progress)

@@ -86,45 +86,63 @@ def _int(attr: object) -> int:
     return attr.value.data
 
 
-def write_artifact(directory: Path, module: ModuleOp, model: Model, kernels: Path, target: str,
+def cpu_manifest(module: ModuleOp, kernels: Path) -> tuple[dict, dict[str, dict]]:
+    """The CPU parts of a manifest: the target facts, and each entry point's exported symbol."""
+    target = module.attributes[tgt.TARGET]
+    assert isinstance(target, tgt.TargetAttr)
+    entries = {stage: {"symbol": entry_symbol(stage), "arguments": entry_arguments(function)}
+               for stage, function in entry_functions(module).items()}
+    facts = {"target": "cpu", "cpu": {"name": target.cpu.data, "features": sorted(target.features)},
+             "max_threads": tgt.MAX_THREADS, "read_probe": READ_PROBE, "files": {"kernels": kernels}}
+    return facts, entries
+
+
+def entry_functions(module: ModuleOp) -> dict[str, func.FuncOp]:
+    """The lowered entry points by stage."""
+    out = {}
+    for function in module.ops:
+        if isinstance(function, func.FuncOp):
+            stage = function.attributes["llm.stage"]
+            assert isinstance(stage, StringAttr)
+            out[stage.data] = function
+    return out
+
+
+def write_artifact(directory: Path, module: ModuleOp, model: Model, target_facts: dict, entries: dict[str, dict],
                    layout: WeightLayout, compile_options: dict) -> Path:
-    """Complete `directory` (which already holds `kernels` and `weights.bin`) with tokenizer and manifest."""
+    """Complete `directory` (which already holds the kernels and `weights.bin`) with tokenizer and manifest.
+
+    `target_facts` is the target's part of the manifest (`cpu_manifest`, or the CUDA
+    backend's), with `files`: the kernel files by role; `entries` each entry point's
+    target part (a symbol, or a launch plan)."""
     tokenizer = model.tokenizer
-    target_attr = module.attributes[tgt.TARGET]
-    assert isinstance(target_attr, tgt.TargetAttr)
     (directory / "tokenizer.json").write_text(tokenizer.tokenizer.to_str())
     entry_points = {}
-    kv_shape = None
-    for function in module.ops:
-        if not isinstance(function, func.FuncOp):
-            continue
-        stage = function.attributes["llm.stage"]
-        assert isinstance(stage, StringAttr)
+    kv_shape = kv_dtype = None
+    for stage, function in entry_functions(module).items():
         tokens, _, _, k_cache, _, logits = function.body.block.args  # passes.lower.ENTRY_ARGUMENTS
         kv_shape = list(tgt.dims(k_cache))
         kv_dtype = llm.kv_type_name(k_cache.type.element_type)
-        entry_points[stage.data] = {
-            "symbol": entry_symbol(stage.data),
-            "arguments": entry_arguments(function),
+        entry_points[stage] = {
+            **entries[stage],
             "max_tokens": tgt.dims(tokens)[0],
             "arena_bytes": _int(function.attributes["tgt.arena_bytes"]),
             "logits": list(tgt.dims(logits)),
         }
     c = model.config
+    facts = dict(target_facts)
+    kernel_files = facts.pop("files")
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "llmc_version": __version__,
-        "target": target,
-        "cpu": {"name": target_attr.cpu.data, "features": sorted(target_attr.features)},
+        **facts,
         "model": {
             "source": model.source.name, "source_path": str(model.source.resolve()),  # (for `llmc bench --vs`)
             "arch": c.arch, "layers": c.layers, "hidden": c.hidden, "heads": c.heads, "kv_heads": c.kv_heads,
             "head_dim": c.head_dim, "vocab_size": c.vocab_size, "context_length": c.context_length,
         },
         "compile_options": compile_options,
-        "max_threads": tgt.MAX_THREADS,
         "entry_points": entry_points,
-        "read_probe": READ_PROBE,
         "kv_cache": {"layout": tgt.KV_LAYOUT, "shape": kv_shape, "dtype": kv_dtype, "tensors": ["keys", "values"]},
         "weights": {
             name: {"offset": o, "bytes": t.nbytes, "shape": list(t.shape), "storage": t.storage.value,
@@ -137,7 +155,7 @@ def write_artifact(directory: Path, module: ModuleOp, model: Model, kernels: Pat
         },
         "files": {
             "weights": _file_entry(directory / "weights.bin"),
-            "kernels": _file_entry(kernels),
+            **{role: _file_entry(path) for role, path in kernel_files.items()},
             "tokenizer": _file_entry(directory / "tokenizer.json"),
         },
     }

@@ -47,6 +47,7 @@ class Plan:
     repeat: int
     threads: int
     vocab_size: int
+    device: str = "cpu"  # where the artifact runs, so where transformers runs: "cpu" or "cuda"
 
     def tokens(self) -> np.ndarray:
         """The token ids: the context of the deepest test, then the longest prompt (as llmc's)."""
@@ -240,9 +241,15 @@ def transformers_speeds(source: Path, plan: Plan) -> PeerResult:
     except Exception as e:  # a model transformers cannot load is a note, not the end of the run
         return PeerResult([], [f"transformers: skipped (cannot load {source.name}: {printable(e, 300)})"])
     torch.set_num_threads(plan.threads)
+    if plan.device == "cuda":
+        if not torch.cuda.is_available():
+            return PeerResult([], ["transformers: skipped (torch sees no CUDA GPU)"])
+        model = model.to("cuda")
     vocab = min(plan.vocab_size, model.config.vocab_size)
-    ids = torch.tensor([(plan.tokens() % vocab).tolist()], dtype=torch.long)
-    speeds = EngineSpeeds(f"{reference_name()} (torch {torch.__version__})", "transformers")
+    ids = torch.tensor([(plan.tokens() % vocab).tolist()], dtype=torch.long, device=plan.device)
+    where = f", {torch.cuda.get_device_name()}" if plan.device == "cuda" else ""
+    speeds = EngineSpeeds(f"{reference_name()} (torch {torch.__version__}{where})", "transformers")
+    sync = torch.cuda.synchronize if plan.device == "cuda" else (lambda: None)
     # the KV cache argument: `cache` since transformers 5.x, `past_key_values` before; the last row's logits
     # only, as generate() asks (and as llmc and llama.cpp compute)
     parameters = inspect.signature(model.forward).parameters
@@ -267,6 +274,7 @@ def transformers_speeds(source: Path, plan: Plan) -> PeerResult:
                     cache = fresh()
                     start = time.perf_counter()
                     run(ids[:, depth : depth + prompt], cache)
+                    sync()
                     best = min(best, time.perf_counter() - start)
                 speeds.prefill[depth, prompt] = prompt / best
             best = float("inf")
@@ -276,6 +284,7 @@ def transformers_speeds(source: Path, plan: Plan) -> PeerResult:
                 for _ in range(plan.decode_tokens):
                     logits, cache = run(token, cache)
                     token = logits[:, -1:].argmax(-1)
+                sync()
                 best = min(best, time.perf_counter() - start)
             speeds.decode[depth] = plan.decode_tokens / best
     return PeerResult([speeds], [])

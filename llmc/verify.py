@@ -155,17 +155,20 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
     from llmc.passes.pipeline import CompileOptions, run_phase
     from llmc.passes.quantize import summary
     from llmc.runtime.artifact import load_manifest
-    from llmc.runtime.session import Session
+    from llmc.runtime.session import open_session
 
     if not 0.0 < tolerance <= 1.0:
         raise UsageError(f"--tolerance must be in (0, 1], got {tolerance}")
     backend = BackendOptions(cpu=cpu)
     target = target_attr(backend)
-    if artifact is not None:  # rebuild the stages the artifact was compiled with, for the CPU it was built for
+    if artifact is not None:  # rebuild the stages the artifact was compiled with, for the target it was built for
         manifest = load_manifest(artifact).data
         built = manifest["compile_options"]
         options = CompileOptions(**{k: built[k] for k in CompileOptions.__dataclass_fields__ if k in built})
-        target = tgt.TargetAttr("cpu", target.arch.data, manifest["cpu"]["name"], manifest["cpu"]["features"])
+        if manifest["target"] == "cuda":
+            target = tgt.TargetAttr("cuda", "nvptx64", manifest["gpu"]["arch"], manifest["gpu"]["features"])
+        else:
+            target = tgt.TargetAttr("cpu", target.arch.data, manifest["cpu"]["name"], manifest["cpu"]["features"])
     model = load_model(spec, allow_pickle)
     tokens = model.tokenizer.encode(prompt)
     if not tokens:
@@ -212,7 +215,7 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
     with tempfile.TemporaryDirectory(prefix="llmc-verify-") as tmp:
         if artifact is None:
             artifact = build_cpu_artifact(module, model, Path(tmp) / "artifact", backend, {}, progress)
-        session = Session(artifact)
+        session = open_session(artifact)
         stages.append(Stage("artifact", q_tolerance, tolerance if exact else None, why,
                             lambda: teacher_forced(lambda chunk, start: session.feed(chunk), tokens)))
         try:

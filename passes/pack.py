@@ -13,6 +13,9 @@ of entry points of 16 rows or more (prefill, score) get `isa amx`: tiles for who
 16-row blocks (`backends/cpu/amx.py`), when every weight format's scales are constant
 over 32-value blocks (q6_k's 16-value scales keep VNNI).
 
+On a CUDA target every integer weight takes the `split` layout: a lane reads one 4-byte
+word of codes, a warp 128 consecutive bytes (`backends/cuda/weights.py`).
+
 ```mlir
 %wq = tgt.weight @blk.0.attn_q : !tgt.weight<576x576, q4_1, stored>     // before
 %wq = tgt.weight @blk.0.attn_q : !tgt.weight<576x576, q4_1, tiles>      // after
@@ -43,8 +46,11 @@ class PackPass(LlmcPass):
 
     def run(self, ctx: Context, module: ModuleOp) -> None:
         target = module_target(module)
+        if target.kind.data == "cuda":
+            self._pack_for_cuda(module)
+            return
         if target.kind.data != "cpu":
-            raise LlmcError(f"pack: no layouts for target '{target.kind.data}' yet")
+            raise LlmcError(f"pack: no layouts for target '{target.kind.data}'")
         from llmc.backends.cpu.amx import supports
         from llmc.backends.cpu.target import integer_isa
 
@@ -57,15 +63,28 @@ class PackPass(LlmcPass):
             blocks_of_rows = rows is not None and rows.value.data >= AMX_MIN_ROWS
             for op in list(block.ops):
                 if isinstance(op, tgt.WeightOp) and op.sym_name in layouts:
-                    t = op.weight_type
-                    packed = tgt.WeightOp(op.sym_name, tgt.WeightType(t.shape, t.storage, layouts[op.sym_name]))
-                    block.insert_op_before(packed, op)
-                    op.result.replace_all_uses_with(packed.result)
-                    block.erase_op(op)
+                    _replace_weight(block, op, layouts[op.sym_name])
                 elif isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and tgt.is_quantized(op.x):
                     tiles = amx and blocks_of_rows and getattr(op, "last_row", None) is None \
                         and all(supports(w.storage) for w in _matrices(op))
                     op.isa = tgt.IsaAttr(tgt.Isa.AMX if tiles else isa)
+
+    def _pack_for_cuda(self, module: ModuleOp) -> None:
+        """Every integer weight in the `split` layout: a lane reads one 4-byte word of codes, a warp
+        128 consecutive bytes (`backends/cuda/weights.py`); the kernels take float rows (no isa)."""
+        for function in self.functions(module):
+            for op in function.body.block.ops:
+                if isinstance(op, tgt.Kernel) and any(tgt.is_quantized(v) for _, v in op.abi()):
+                    raise LlmcError(f"pack: {op.name} reads or writes quantized rows; CUDA kernels take float "
+                                    f"rows (compile without --compute a8)")
+        self._relayout(module, self._layouts(module, tgt.Isa.GENERIC))
+
+    def _relayout(self, module: ModuleOp, layouts: dict[str, Layout]) -> None:
+        for function in self.functions(module):
+            block = function.body.block
+            for op in list(block.ops):
+                if isinstance(op, tgt.WeightOp) and op.sym_name in layouts:
+                    _replace_weight(block, op, layouts[op.sym_name])
 
     def _layouts(self, module: ModuleOp, isa: tgt.Isa) -> dict[str, Layout]:
         """Each integer weight's layout, the same in every entry point: `tiles` where every kernel
@@ -80,6 +99,14 @@ class PackPass(LlmcPass):
         tiles = isa is tgt.Isa.VNNI512
         return {name: Layout.TILES if tiles and all(_reads_tiles(k) for k in kernels) else Layout.SPLIT
                 for name, kernels in readers.items()}
+
+
+def _replace_weight(block, op: tgt.WeightOp, layout: Layout) -> None:
+    t = op.weight_type
+    packed = tgt.WeightOp(op.sym_name, tgt.WeightType(t.shape, t.storage, layout))
+    block.insert_op_before(packed, op)
+    op.result.replace_all_uses_with(packed.result)
+    block.erase_op(op)
 
 
 def _matrices(op: tgt.Kernel) -> list[tgt.WeightType]:

@@ -15,7 +15,8 @@ llama.cpp's:
 Compute (`llm.matmul ... compute a8`): `a8` (activations quantized to int8 per 32
 values, integer dot products) for integer-format weights on a target with an integer
 dot product (VNNI, or AVX2); `a32` otherwise, and for float weights. `--compute`
-forces a mode where the weight allows it.
+forces a mode where the weight allows it. On a CUDA target every matmul is `a32`: the
+GEMVs are bandwidth-bound, and dequantizing in registers costs the GPU nothing.
 
 ```mlir
 %blk_0_attn_q = llm.weight @blk.0.attn_q q4_1 : tensor<576x576xf32>
@@ -102,7 +103,12 @@ class QuantizePass(LlmcPass):
     def run(self, ctx: Context, module: ModuleOp) -> None:
         if self.compute not in COMPUTE_CHOICES:
             raise UsageError(f"--compute must be one of {', '.join(COMPUTE_CHOICES)}, got '{self.compute}'")
-        integer_dot = has_integer_dot(module_target(module))
+        target = module_target(module)
+        if target.kind.data == "cuda" and self.compute == "a8":
+            from llmc.compile import CUDA_A8
+
+            raise UsageError(CUDA_A8)
+        integer_dot = has_integer_dot(target)
         for function in self.functions(module):
             for op in function.walk():
                 if isinstance(op, llm.WeightOp):

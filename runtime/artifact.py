@@ -94,18 +94,17 @@ def _check_schema(path: Path, data: dict) -> None:
     try:
         if data["target"] not in ("cpu", "cuda"):
             raise ValueError(f"unknown target {data['target']!r}")
-        for role in ("weights", "kernels", "tokenizer"):
+        for role in ("weights", "kernels", "tokenizer", *data["files"]):
             entry = data["files"][role]
             if not (isinstance(entry["path"], str) and type(entry["bytes"]) is int and isinstance(entry["sha256"], str)):
                 raise ValueError(f"files.{role} is malformed")
+        cpu = data["target"] == "cpu"
         for name in ENTRY_POINTS:
             entry = data["entry_points"][name]
-            if entry["symbol"] != f"llmc_{name}":
-                raise ValueError(f"entry point {name} has symbol {entry['symbol']!r}")
-            arguments = entry["arguments"]
-            if not (isinstance(arguments, list) and sorted(arguments) == sorted(ARGUMENTS)):
-                raise ValueError(f"entry point {name} takes arguments {arguments!r}; this runtime passes "
-                                 f"{', '.join(ARGUMENTS)}")
+            if cpu:
+                _check_cpu_entry(name, entry)
+            else:
+                _check_launches(name, entry["launches"], data["files"])
             rows = entry["max_tokens"] if name == "score" else 1
             if entry["logits"] != [rows, data["model"]["vocab_size"]]:
                 raise ValueError(f"entry point {name} writes logits {entry['logits']!r}, not {rows} x vocabulary")
@@ -117,9 +116,9 @@ def _check_schema(path: Path, data: dict) -> None:
             raise ValueError("entry points disagree on the prefill chunk (prefill, prefill_kv, score) or decode's 1 token")
         if not positive_ints(data["kv_cache"]["shape"], 4):
             raise ValueError("kv_cache.shape must be four positive integers")
-        if not isinstance(data["read_probe"], str):
+        if cpu and not isinstance(data["read_probe"], str):
             raise ValueError("read_probe must be a symbol name")
-        if not positive_ints([data["max_threads"]]):
+        if cpu and not positive_ints([data["max_threads"]]):
             raise ValueError("max_threads must be a positive integer")
         if data["kv_cache"]["dtype"] not in KV_DTYPES:
             raise ValueError(f"kv_cache.dtype must be one of {', '.join(KV_DTYPES)}")
@@ -127,11 +126,56 @@ def _check_schema(path: Path, data: dict) -> None:
             raise ValueError("model.vocab_size must be a positive integer")
         if not isinstance(data["tokenizer"], dict):
             raise ValueError("tokenizer must be an object")
-        if not (isinstance(data["cpu"]["features"], list) and all(isinstance(f, str) for f in data["cpu"]["features"])):
+        if cpu and not (isinstance(data["cpu"]["features"], list)
+                        and all(isinstance(f, str) for f in data["cpu"]["features"])):
             raise ValueError("cpu.features must be a list of strings")
+        if not cpu and not all(isinstance(arch, str) and role in data["files"]
+                               for arch, role in data["gpu"]["cubins"].items()):
+            raise ValueError("gpu.cubins must name files of the artifact")
     except (KeyError, TypeError, ValueError) as e:
         detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
         raise ArtifactError(f"{path}: malformed manifest ({detail}); recompile") from e
+
+
+def _check_cpu_entry(name: str, entry: dict) -> None:
+    if entry["symbol"] != f"llmc_{name}":
+        raise ValueError(f"entry point {name} has symbol {entry['symbol']!r}")
+    arguments = entry["arguments"]
+    if not (isinstance(arguments, list) and sorted(arguments) == sorted(ARGUMENTS)):
+        raise ValueError(f"entry point {name} takes arguments {arguments!r}; this runtime passes "
+                         f"{', '.join(ARGUMENTS)}")
+
+
+_LAUNCH_ARGUMENTS = ("tokens", "positions", "k_cache", "v_cache", "logits")
+_MAX_GRID = 1 << 31
+
+
+def _check_launches(name: str, launches: object, files: dict) -> None:
+    """A CUDA entry point's launch plan: kernels by name, sane grids and blocks, arguments by known role."""
+    def dim(d: object) -> bool:
+        if isinstance(d, dict):
+            return set(d) == {"rows_per"} and type(d["rows_per"]) is int and 0 < d["rows_per"] < _MAX_GRID
+        return type(d) is int and 0 < d < _MAX_GRID
+
+    def argument(a: object) -> bool:
+        if not isinstance(a, dict):
+            return False
+        if set(a) == {"n"}:
+            return a["n"] is True
+        if set(a) in ({"arena"}, {"weights"}):
+            return type(next(iter(a.values()))) is int and 0 <= next(iter(a.values())) < _MAX_BYTES
+        return (set(a) == {"argument", "offset"} and a["argument"] in _LAUNCH_ARGUMENTS
+                and type(a["offset"]) is int and 0 <= a["offset"] < _MAX_BYTES)
+
+    if not isinstance(launches, list) or not launches:
+        raise ValueError(f"entry point {name} has no launch plan")
+    for launch in launches:
+        if not (isinstance(launch["kernel"], str) and isinstance(launch["grid"], list) and len(launch["grid"]) == 3
+                and all(dim(d) for d in launch["grid"]) and isinstance(launch["block"], list)
+                and len(launch["block"]) == 3 and all(type(b) is int and 0 < b <= 1024 for b in launch["block"])
+                and type(launch["shared_bytes"]) is int and 0 <= launch["shared_bytes"] < (1 << 20)
+                and isinstance(launch["args"], list) and all(argument(a) for a in launch["args"])):
+            raise ValueError(f"entry point {name} has a malformed launch of {launch.get('kernel')!r}")
 
 
 def load_manifest(directory: Path, check_files: bool = True) -> Manifest:

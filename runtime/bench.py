@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from llmc.runtime.artifact import Manifest
-from llmc.runtime.session import CapacityError, Session
+from llmc.runtime.session import CapacityError, open_session
 
 DEFAULT_PROMPTS = (128, 512, 2048)
 DEFAULT_DEPTHS = (0, 2048)
@@ -46,8 +46,9 @@ class BenchResult:
     depths: tuple[int, ...]
     decode_tokens: int
     speeds: EngineSpeeds
-    read_gb_per_s: float  # the weights read once by the kernels' read probe, on the same threads
+    read_gb_per_s: float  # the weights read once by the kernels' read probe, on the same threads (GPU: a copy)
     weight_bytes: int
+    probe: str  # how read_gb_per_s was measured, for the report
 
     def report(self) -> str:
         return table([self.speeds], self.prompts, self.depths, self.decode_tokens, self.threads)
@@ -90,7 +91,7 @@ def benchmark(directory: Path, prompts: int | Sequence[int] = (512,), decode_tok
     depths = tuple(depths)
     if not prompts or not depths or min(prompts) < 1 or min(depths) < 0 or decode_tokens < 1 or repeat < 1:
         raise ValueError("prompts and decode tokens must be positive, depths >= 0, repeat >= 1")
-    session = Session(directory, threads=threads)
+    session = open_session(directory, threads=threads)
     try:
         check_capacity(session.capacity, prompts, depths, decode_tokens)
         speeds = EngineSpeeds(name or f"llmc {directory.name}", "llmc")
@@ -122,7 +123,7 @@ def benchmark(directory: Path, prompts: int | Sequence[int] = (512,), decode_tok
     finally:
         session.close()
     return BenchResult(session.vocab_size, session.threads, session.capacity, prompts, depths, decode_tokens, speeds,
-                       read, session.weights.size)
+                       read, session.weights.size, session.bandwidth_probe)
 
 
 # ------------------------------------------------------------------ bandwidth
@@ -153,9 +154,8 @@ def bandwidth_report(decode_bytes: int, source: str, result: BenchResult) -> str
     limit = result.read_gb_per_s * 1e9 / decode_bytes
     return (f"weights   {decode_bytes / 1e6:.1f} MB read per decode token ({source}); llmc decode at depth {depth}, "
             f"{speed:.1f} tokens/s, reads {implied:.1f} GB/s\n"
-            f"bandwidth limit ≈ {limit:.1f} tokens/s ({result.read_gb_per_s:.1f} GB/s: the kernels' read probe over "
-            f"the {result.weight_bytes / 1e6:.1f} MB of weights, {result.threads} threads); llmc decode at "
-            f"{100 * speed / limit:.0f}% of it")
+            f"bandwidth limit ≈ {limit:.1f} tokens/s ({result.read_gb_per_s:.1f} GB/s: {result.probe} over "
+            f"the {result.weight_bytes / 1e6:.1f} MB of weights); llmc decode at {100 * speed / limit:.0f}% of it")
 
 
 # ------------------------------------------------------------------ the table

@@ -86,11 +86,100 @@ class CapacityError(LlmcError):
     """More tokens than the KV cache holds."""
 
 
-class Session:
+class Conversation:
+    """What every target's session shares: the position in the cache, prompts cut into chunks,
+    the entry point for each call. A target implements `_call` (run one entry point on up to a
+    chunk of tokens at `self.position`, leave the logits in the given array) and `close`."""
+
+    def __init__(self, manifest: Manifest):
+        self.manifest = manifest
+        self.capacity = manifest.kv_cache["shape"][2]
+        self.vocab_size = manifest.model["vocab_size"]
+        self.chunk = manifest.entry_points["prefill"]["max_tokens"]
+        self.logits = np.zeros(manifest.entry_points["decode"]["logits"], np.float32)
+        self._all_logits: np.ndarray | None = None  # `score`'s rows, allocated when first scored
+        self.tokens = np.zeros(self.chunk, np.int32)
+        self.positions = np.zeros(self.chunk, np.int32)
+        self.position = 0
+
+    def close(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        """Forget the conversation (the cache rows are overwritten as new tokens arrive)."""
+        self.position = 0
+
+    def _call(self, entry: str, tokens: np.ndarray, logits: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _stage(self, tokens: np.ndarray) -> int:
+        """Put the tokens and their positions in `self.tokens`, `self.positions`; returns their number."""
+        n = len(tokens)
+        self.tokens[:n] = tokens
+        self.positions[:n] = np.arange(self.position, self.position + n)
+        return n
+
+    def _check(self, tokens: np.ndarray) -> None:
+        if tokens.size == 0:
+            raise ValueError("no tokens to feed")
+        if self.position + tokens.size > self.capacity:
+            raise CapacityError(
+                f"{self.position + tokens.size} tokens exceed the KV cache capacity of {self.capacity} "
+                f"(compile with a larger --max-seq)"
+            )
+        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
+            raise ValueError(f"token id outside the vocabulary of {self.vocab_size}")
+
+    def feed(self, tokens: list[int] | np.ndarray) -> np.ndarray:
+        """Run `tokens` after the ones already fed; returns the last token's logits (a copy)."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        self._check(tokens)
+        if tokens.size == 1 and self.position > 0:
+            self._call("decode", tokens, self.logits)
+            self.position += 1
+        else:
+            for begin in range(0, tokens.size, self.chunk):
+                entry = "prefill" if self.position == 0 else "prefill_kv"
+                chunk = tokens[begin : begin + self.chunk]
+                self._call(entry, chunk, self.logits)
+                self.position += chunk.size
+        return self.logits[0].copy()
+
+    def score(self, tokens: list[int] | np.ndarray) -> np.ndarray:
+        """Run `tokens` after the ones already fed; returns every token's logits `[T, vocab]`."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        self._check(tokens)
+        if self._all_logits is None:
+            self._all_logits = np.zeros(self.manifest.entry_points["score"]["logits"], np.float32)
+        out = np.empty((tokens.size, self.vocab_size), np.float32)
+        for begin in range(0, tokens.size, self.chunk):
+            chunk = tokens[begin : begin + self.chunk]
+            self._call("score", chunk, self._all_logits)
+            self.position += chunk.size
+            out[begin : begin + chunk.size] = self._all_logits[: chunk.size]
+        return out
+
+
+def open_session(directory: Path, check_files: bool = True, threads: int | None = None) -> Conversation:
+    """A session on the artifact in `directory`, for its target: CPU threads, or the GPU."""
+    manifest = load_manifest(directory, check_files)
+    if manifest.target == "cuda":
+        from llmc.runtime.cuda import CudaSession
+
+        if threads is not None:
+            raise LlmcError("--threads is for CPU artifacts; this one runs on the GPU")
+        return CudaSession(manifest, check_files=check_files)
+    return Session(manifest, check_files=check_files, threads=threads)
+
+
+class Session(Conversation):
     """One conversation's state on a CPU artifact."""
 
-    def __init__(self, directory: Path, check_files: bool = True, threads: int | None = None):
-        self.manifest: Manifest = load_manifest(directory, check_files)
+    def __init__(self, manifest: Manifest | Path, check_files: bool = True, threads: int | None = None):
+        if not isinstance(manifest, Manifest):
+            manifest = load_manifest(manifest, check_files)
+        super().__init__(manifest)
+        directory = manifest.directory
         if self.manifest.target != "cpu":
             raise ArtifactError(f"{directory}: a '{self.manifest.target}' artifact; this runtime runs 'cpu' artifacts")
         missing = missing_cpu_features(self.manifest)
@@ -113,17 +202,9 @@ class Session:
             fn.restype = None
             self.entries[name] = (fn, entry["arguments"])
         kv = self.manifest.kv_cache
-        self.capacity = kv["shape"][2]
         self.k_cache = np.zeros(kv["shape"], KV_DTYPES[kv["dtype"]])
         self.v_cache = np.zeros(kv["shape"], KV_DTYPES[kv["dtype"]])
         self.arena = np.zeros(max(e["arena_bytes"] for e in self.manifest.entry_points.values()) + 64, np.uint8)
-        self.vocab_size = self.manifest.model["vocab_size"]
-        self.chunk = self.manifest.entry_points["prefill"]["max_tokens"]
-        self.logits = np.zeros(self.manifest.entry_points["decode"]["logits"], np.float32)
-        self._all_logits: np.ndarray | None = None  # `score`'s rows, allocated when first scored
-        self.tokens = np.zeros(self.chunk, np.int32)
-        self.positions = np.zeros(self.chunk, np.int32)
-        self.position = 0
         most = self.manifest.data["max_threads"]
         self.threads = threads or min(default_threads(), most)
         if not 1 <= self.threads <= most:
@@ -136,14 +217,8 @@ class Session:
         """Stop the worker threads."""
         self.team.close()
 
-    def reset(self) -> None:
-        """Forget the conversation (the cache rows are overwritten as new tokens arrive)."""
-        self.position = 0
-
     def _call(self, entry: str, tokens: np.ndarray, logits: np.ndarray) -> None:
-        n = len(tokens)
-        self.tokens[:n] = tokens
-        self.positions[:n] = np.arange(self.position, self.position + n)
+        n = self._stage(tokens)
         (fn, names), threads = self.entries[entry], self.threads
         buffers = {"tokens": _ptr(self.tokens), "positions": _ptr(self.positions), "n": n,
                    "k_cache": _ptr(self.k_cache), "v_cache": _ptr(self.v_cache), "logits": _ptr(logits),
@@ -158,30 +233,10 @@ class Session:
             fn(*mine)
 
         self.team.run(run)
-        self.position += n
 
-    def _check(self, tokens: np.ndarray) -> None:
-        if tokens.size == 0:
-            raise ValueError("no tokens to feed")
-        if self.position + tokens.size > self.capacity:
-            raise CapacityError(
-                f"{self.position + tokens.size} tokens exceed the KV cache capacity of {self.capacity} "
-                f"(compile with a larger --max-seq)"
-            )
-        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
-            raise ValueError(f"token id outside the vocabulary of {self.vocab_size}")
-
-    def feed(self, tokens: list[int] | np.ndarray) -> np.ndarray:
-        """Run `tokens` after the ones already fed; returns the last token's logits (a copy)."""
-        tokens = np.asarray(tokens, dtype=np.int32)
-        self._check(tokens)
-        if tokens.size == 1 and self.position > 0:
-            self._call("decode", tokens, self.logits)
-        else:
-            for begin in range(0, tokens.size, self.chunk):
-                entry = "prefill" if self.position == 0 else "prefill_kv"
-                self._call(entry, tokens[begin : begin + self.chunk], self.logits)
-        return self.logits[0].copy()
+    @property
+    def bandwidth_probe(self) -> str:
+        return f"the kernels' read probe on {self.threads} threads"
 
     def read_bandwidth(self, repeat: int = 5) -> float:
         """GB/s at which this session's threads read the weights once (the kernels' read
@@ -197,16 +252,3 @@ class Session:
             self.team.run(lambda tid: probe(self.weights.ctypes.data, size, tid, self.threads, _ptr(out)))
             best = min(best, time.perf_counter() - start)
         return size // 256 * 256 / best / 1e9
-
-    def score(self, tokens: list[int] | np.ndarray) -> np.ndarray:
-        """Run `tokens` after the ones already fed; returns every token's logits `[T, vocab]`."""
-        tokens = np.asarray(tokens, dtype=np.int32)
-        self._check(tokens)
-        if self._all_logits is None:
-            self._all_logits = np.zeros(self.manifest.entry_points["score"]["logits"], np.float32)
-        out = np.empty((tokens.size, self.vocab_size), np.float32)
-        for begin in range(0, tokens.size, self.chunk):
-            chunk = tokens[begin : begin + self.chunk]
-            self._call("score", chunk, self._all_logits)
-            out[begin : begin + chunk.size] = self._all_logits[: chunk.size]
-        return out

@@ -27,9 +27,9 @@ from xdsl.dialects.builtin import f16 as F16_ATTR
 from xdsl.dialects.builtin import f32 as F32_ATTR
 from xdsl.ir import Attribute, Block
 
+from llmc.backends.builder import FPTR, I64
 from llmc.backends.cpu import KernelLibrary, ToolchainError, compile_to_object, link_shared, target_machine
 from llmc.backends.cpu import amx as amx_tiles
-from llmc.backends.cpu.builder import FPTR, I64
 from llmc.backends.cpu.target import CPUS, cpu_target, integer_isa, llvm_features
 from llmc.errors import LlmcError, UsageError
 from llmc.ir import tgt
@@ -707,7 +707,7 @@ def test_elementwise(tmp_path, tm, W):
 
 def test_exp_accuracy(tmp_path, tm):
     """The inline exp behind silu and softmax, over its whole range: ≤ 2e-7 relative."""
-    from llmc.backends.cpu.builder import KernelBuilder
+    from llmc.backends.builder import KernelBuilder
 
     module = ir.Module(name="kernels")
     g = ir.Function(module, ir.FunctionType(ir.VoidType(), [FPTR, FPTR, I64]), name="exp_map")

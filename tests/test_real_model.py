@@ -178,3 +178,32 @@ def test_perplexity_cli(smollm2_path, compiled, capsys) -> None:
     captured = capsys.readouterr()
     assert re.search(r"^perplexity \d+\.\d+ ± \d+\.\d+\s+\(510 tokens scored: 2 chunks of 512", captured.out, re.M)
     assert "[1/2] perplexity" in captured.err and "[2/2] perplexity" in captured.err
+
+
+def test_cuda_artifact_on_the_emulator_matches_the_cpu_artifact(smollm2_path, compiled, tmp_path) -> None:
+    """The CUDA artifact of the real model, its kernels run on the CPU emulator through its launch plans:
+    the same logits as the CPU artifact with the same arithmetic (a32), and the same greedy tokens."""
+    from llmc.backends.cuda.emulator import EmulatedDevice
+    from llmc.compile import run_phases, target_attr
+    from llmc.package import weight_layout
+    from llmc.runtime.artifact import load_manifest
+    from llmc.runtime.cuda import CudaSession
+
+    options, cuda = CompileOptions(max_seq=512, prefill_chunk=4), BackendOptions(target="cuda")
+    directory = compile_model("smollm2-135m", tmp_path / "cuda", options, cuda, progress=lambda _: None)
+    module = run_phases(load_model("smollm2-135m"), options, "lower", None, lambda _: None, target_attr(cuda))
+    gpu = CudaSession(load_manifest(directory), device=EmulatedDevice(module, weight_layout(module).offsets, tmp_path))
+    cpu = Session(compiled("a32", compute="a32", prefill_chunk=4))
+    codec = TextCodec.from_artifact(cpu.manifest)
+    logits = {}
+    for name, session in (("gpu", gpu), ("cpu", cpu)):
+        session.reset()
+        rows, step = [session.feed(codec.encode("The capital of France is"))], 0
+        while step < 6:
+            rows.append(session.feed([int(np.argmax(rows[-1]))]))
+            step += 1
+        logits[name] = np.stack(rows)
+    a, b = logits["gpu"], logits["cpu"]
+    assert (a.argmax(-1) == b.argmax(-1)).all()  # " Paris.\n\nThe answer"
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
+    cpu.close()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from llmc.backends.cpu.builder import F32, I32, I64, KernelBuilder
+from llmc.backends.builder import F32, I32, I64, KernelBuilder
 from llmc.backends.cpu.quant import I8, I8PTR, QRowsAccess, TiledWeight, declare, scaled_block, vec
 from llmc.ir.formats import FORMATS, SLICE, Storage
 from llmc.ir.layouts import QUADS, STRIP, TILE_K

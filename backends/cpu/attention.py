@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from llvmlite import ir
 
-from llmc.backends.cpu.builder import F32, F64, FPTR, I32, I64, KernelBuilder, _chunks
+from llmc.backends.builder import F32, F64, FPTR, I32, I64, KernelBuilder, _chunks
 from llmc.backends.cpu.gemm import floats
 from llmc.backends.cpu.quant import F16, I8, QRowsAccess, q8_block, vec
 from llmc.ir import tgt

@@ -29,7 +29,7 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import IndexType, ModuleOp, StringAttr
 from xdsl.ir import SSAValue
 
-from llmc.backends.cpu.builder import I64, VOID, KernelBuilder
+from llmc.backends.builder import I64, VOID, KernelBuilder
 from llmc.backends.cpu.kernels import I64PTR, KernelLibrary
 from llmc.backends.cpu.quant import I8PTR, prefetch
 from llmc.errors import LlmcError

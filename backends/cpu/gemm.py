@@ -27,8 +27,8 @@ from collections.abc import Callable
 
 from llvmlite import ir
 
+from llmc.backends.builder import F32, FPTR, I32, KernelBuilder
 from llmc.backends.cpu import amx
-from llmc.backends.cpu.builder import F32, FPTR, I32, KernelBuilder
 from llmc.backends.cpu.quant import (
     F16,
     I8,

@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 from llvmlite import ir
 from xdsl.dialects.builtin import MemRefType
 
+from llmc.backends.builder import F32, I32, I64, VOID, KernelBuilder, f32_table
 from llmc.backends.cpu import attention
-from llmc.backends.cpu.builder import F32, I32, I64, VOID, KernelBuilder
 from llmc.backends.cpu.gemm import TILE_ROWS, Rows, floats, gemm, inv_rms, load_weight, weight_ptr
 from llmc.backends.cpu.quant import (
     I8PTR,
@@ -38,47 +38,13 @@ from llmc.backends.cpu.quant import (
     TiledWeight,
     vec,
 )
+from llmc.backends.kernel_names import fmt_float, kernel_key, kernel_name
 from llmc.ir import tgt
 from llmc.ir.formats import ACT_BLOCK, GROUP, SLICE
 from llmc.ir.interpreter import rope_inv_freq
 from llmc.ir.layouts import STRIP, TILE_K, Layout
 
 I64PTR = I64.as_pointer()
-
-
-def _fmt(value: float) -> str:
-    """A float as an identifier fragment: distinct floats give distinct text."""
-    text = repr(float(value))
-    if text.endswith(".0"):
-        text = text[:-2]
-    return text.replace("-", "m").replace("+", "").replace(".", "p")
-
-
-def kernel_key(op: tgt.Kernel) -> tuple:
-    """What makes two kernel ops the same function: op, operand roles and types (row buffers
-    without their number of rows), properties."""
-    operands = tuple((name, tgt.per_row(value.type) if name in op.ROWS else str(value.type))
-                     for name, value in op.abi())
-    props = tuple(sorted((k, str(v)) for k, v in op.properties.items() if k != "operandSegmentSizes"))
-    return (op.name, operands, props)
-
-
-def kernel_name(op: tgt.Kernel) -> str:
-    """A readable function name: the op, then the storage and mode of a matmul, then shapes."""
-    base = op.name.removeprefix("tgt.")
-    parts = [base]
-    weights = [v.type for _, v in op.abi() if isinstance(v.type, tgt.WeightType) and len(v.type.shape) == 2]
-    if weights:
-        parts.append(weights[0].storage.value)
-    if isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)):
-        parts.append("a8" if tgt.is_quantized(op.x) else "a32")
-        n, k = tgt.dims(op.weight if isinstance(op, tgt.MatmulOp) else op.gate)
-        parts.append(f"k{k}_n{n}")
-        flags = {"bias": "bias", "norm": "norm", "accumulate": "acc", "last_row": "last"}
-        parts += [short for name, short in flags.items() if getattr(op, name, None) is not None]
-    if "out" in dict(op.abi()) and tgt.is_quantized(op.out):
-        parts.append("q8")
-    return "_".join(parts)
 
 
 class KernelLibrary:
@@ -135,15 +101,7 @@ class KernelLibrary:
         return fn, KernelBuilder(self.module, fn)
 
     def inv_freq_table(self, D: int, theta: float) -> ir.Value:
-        name = f"rope_inv_freq_d{D}_theta{_fmt(theta)}"
-        if name not in self.module.globals:
-            values = rope_inv_freq(D, theta)
-            ty = ir.ArrayType(F32, len(values))
-            g = ir.GlobalVariable(self.module, ty, name=name)
-            g.initializer = ir.Constant(ty, [float(v) for v in values])
-            g.global_constant = True
-            g.linkage = "internal"
-        return self.module.globals[name]
+        return f32_table(self.module, f"rope_inv_freq_d{D}_theta{fmt_float(theta)}", rope_inv_freq(D, theta))
 
 
 SPINS_BEFORE_YIELD = 2000

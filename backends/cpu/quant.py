@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from llmc.backends.cpu.builder import F32, I32, I64, KernelBuilder
+from llmc.backends.builder import F32, I32, I64, KernelBuilder
 from llmc.ir.formats import ACT_BLOCK, FORMATS, GROUP, SLICE, padded_width
 from llmc.ir.layouts import QUADS, STRIP, TILE_K, Plane, QRowLayout, tile_planes, weight_planes
 from llmc.ir.tgt import Isa, QRowsType, WeightType

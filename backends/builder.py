@@ -1,4 +1,4 @@
-"""Building blocks for emitting CPU kernels with llvmlite: types, fast-math flags, and
+"""Building blocks for emitting kernels with llvmlite (CPU and CUDA): types, fast-math flags, and
 `KernelBuilder`, a function under construction with loop and vector helpers.
 
     fn = ir.Function(module, ir.FunctionType(VOID, [FPTR, I64]), name="scale")
@@ -36,6 +36,17 @@ def _chunks(length: int) -> list[tuple[int, int]]:
     if length % VW:
         out.append((length - length % VW, length % VW))
     return out
+
+
+def f32_table(module: ir.Module, name: str, values: Sequence[float]) -> ir.GlobalVariable:
+    """A constant `[N x float]` global of the module (emitted once per name)."""
+    if name not in module.globals:
+        ty = ir.ArrayType(F32, len(values))
+        g = ir.GlobalVariable(module, ty, name=name)
+        g.initializer = ir.Constant(ty, [float(v) for v in values])
+        g.global_constant = True
+        g.linkage = "internal"
+    return module.globals[name]
 
 
 class _LoopID(ir.values.MDValue):

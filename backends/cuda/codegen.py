@@ -1,0 +1,94 @@
+"""`tgt` entry points → one LLVM module of CUDA kernels and a launch plan per entry point.
+
+An entry point becomes the list of launches its kernel ops need, in program order
+(one stream: each launch sees the writes of the ones before it). Each launch names a
+kernel, its grid (numbers, or `{"rows_per": R}`: `ceil(n / R)` blocks), its block, and
+its arguments by role, one per operand of the op (`tgt.Kernel.abi`):
+
+    {"kernel": "matmul_q4_1_a32_k576_n576_norm_r1", "grid": [144, {"rows_per": 1}, 1], "block": [128, 1, 1],
+     "shared_bytes": 0,
+     "args": [{"arena": 0}, {"weights": 1048576}, {"arena": 3200}, {"n": true}, {"weights": 64}]}
+
+A buffer is an offset into the arena (`plan-memory`), into the weights (the
+artifact's weight layout), or into an entry argument (`{"argument": "k_cache",
+"offset": 442368}`: a layer's `tgt.subview`); `{"n": true}` is the row count. The
+runtime turns each into a device address or integer and launches; nothing here or
+there knows a kernel's signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from llvmlite import ir
+from xdsl.dialects import func
+from xdsl.dialects.builtin import IndexType, ModuleOp, StringAttr
+from xdsl.ir import SSAValue
+
+from llmc.backends.cuda.device import Emulated, Ptx
+from llmc.backends.cuda.kernels import KernelLibrary, Launch, PerRows
+from llmc.errors import LlmcError
+from llmc.ir import tgt
+
+
+def _dim(d: int | PerRows) -> int | dict:
+    return {"rows_per": d.per} if isinstance(d, PerRows) else d
+
+
+class _Plan:
+    """The launches of one entry point, with every buffer resolved to its role and offset."""
+
+    def __init__(self, lib: KernelLibrary, function: func.FuncOp, weight_offsets: Mapping[str, int]):
+        self.lib = lib
+        self.weight_offsets = weight_offsets
+        self.where: dict[SSAValue, dict] = {}
+        for i, arg in enumerate(function.body.block.args):
+            name = arg.name_hint or f"arg{i}"
+            self.where[arg] = {"n": True} if isinstance(arg.type, IndexType) else {"argument": name, "offset": 0}
+        self.launches: list[dict] = []
+
+    def emit(self, op) -> None:
+        w = self.where
+        if isinstance(op, tgt.AllocOp):
+            assert op.offset is not None, "run plan-memory before codegen"
+            w[op.result] = {"arena": op.offset.value.data}
+        elif isinstance(op, tgt.ViewOp):
+            w[op.result] = w[op.source]
+        elif isinstance(op, tgt.SubviewOp):
+            source = w[op.source]
+            if "argument" not in source:
+                raise LlmcError("cuda codegen: a subview of something other than an entry argument")
+            w[op.result] = {"argument": source["argument"], "offset": source["offset"] + op.byte_offset}
+        elif isinstance(op, tgt.WeightOp):
+            w[op.result] = {"weights": self.weight_offsets[op.sym_name]}
+        elif isinstance(op, tgt.Kernel):
+            args = [w[value] for _, value in op.abi()]
+            for launch in self.lib.launches(op):
+                self.launches.append(_launch_entry(launch, args))
+        elif not isinstance(op, func.ReturnOp):
+            raise LlmcError(f"cuda codegen: no emitter for {op.name}")
+
+
+def _launch_entry(launch: Launch, args: list[dict]) -> dict:
+    return {"kernel": launch.kernel, "grid": [_dim(d) for d in launch.grid], "block": [launch.block, 1, 1],
+            "shared_bytes": 0, "args": args}
+
+
+def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int], emulated: bool = False
+                ) -> tuple[ir.Module, dict[str, list[dict]]]:
+    """The LLVM module of every kernel the entry points launch, for the GPU (or, `emulated`,
+    for the CPU emulator), and each entry point's launch plan."""
+    llvm_module = ir.Module("llmc_cuda")
+    lib = KernelLibrary(llvm_module, Emulated() if emulated else Ptx())
+    plans: dict[str, list[dict]] = {}
+    for function in module.ops:
+        if not isinstance(function, func.FuncOp):
+            continue
+        stage = function.attributes.get("llm.stage")
+        if not isinstance(stage, StringAttr):
+            raise LlmcError(f"cuda codegen: @{function.sym_name.data} is not a lowered entry point")
+        plan = _Plan(lib, function, weight_offsets)
+        for op in function.body.block.ops:
+            plan.emit(op)
+        plans[stage.data] = plan.launches
+    return llvm_module, plans

@@ -1,0 +1,499 @@
+"""CUDA kernel emitters: each `tgt` kernel op → one or more GPU kernels and their launch geometry.
+
+`KernelLibrary(module, device).launches(op)` emits (once per distinct op and row
+class) the kernels that carry out `op` and returns how to launch them, in order. Every
+kernel of an op takes the op's operands in definition order (`tgt.Kernel.abi`):
+buffers as `i8*`, indices as `i64`, so the launch plan's arguments come from the op
+definition. A grid dimension is a number or `PerRows(r)`: `ceil(rows / r)` blocks,
+decided at launch from the entry point's `n`.
+
+| op | kernels | grid (x, y, z) | a thread block does |
+|---|---|---|---|
+| matmul, swiglu | `gemv` | (N / 4, rows / R) | 4 warps, one output feature each, for R rows; lanes stride K in 4-byte code words, dequantize in registers, sum by warp shuffles; fused RMSNorm, bias, residual add, SwiGLU |
+| attention | `store`, `attend`, (`merge`) | (1, rows); (heads, rows, S) | RoPE in place and the cache write; 4 warps over cache positions with an online softmax, lanes over the head dimension; decode splits positions over S blocks per head and merges (flash-decoding) |
+| embedding, rms_norm, add, mul, silu, rope | one each | (W / 128, rows) or (1, rows) | one row's elements |
+
+Shapes, formats and constants are baked in; only `rows` and `positions` arrive at run time.
+
+    lib = KernelLibrary(module, Ptx())
+    lib.launches(op)   # [Launch("matmul_q4_1_a32_k576_n576_r1", (144, PerRows(1), 1), 128)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from llvmlite import ir
+from xdsl.dialects.builtin import MemRefType
+
+from llmc.backends.builder import F32, F64, FPTR, I32, I64, KernelBuilder, f32_table
+from llmc.backends.cuda.device import WARP, Emulated, Ptx
+from llmc.backends.cuda.weights import F16, I8, I8PTR, WeightRows, load_f16, typed
+from llmc.backends.kernel_names import fmt_float, kernel_key, kernel_name
+from llmc.errors import LlmcError
+from llmc.ir import tgt
+from llmc.ir.interpreter import rope_inv_freq
+
+THREADS = 128  # threads of every block
+WARPS = THREADS // WARP
+ROW_TILE = 8  # rows a GEMV block computes at once in prefill: each weight dequantized once for them
+SPLITS = 32  # decode attention: blocks per head over the cache positions (≤ tgt.MAX_THREADS partials)
+NO_SCORE = -1e30  # the running maximum before any position (finite: no inf − inf)
+
+
+@dataclass(frozen=True)
+class PerRows:
+    """A grid dimension of `ceil(rows / per)` blocks."""
+
+    per: int
+
+
+Dim = int | PerRows
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of an op: the kernel's name, its grid and its block of `block` threads."""
+
+    kernel: str
+    grid: tuple[Dim, Dim, Dim]
+    block: int = THREADS
+
+
+def _max_rows(op: tgt.Kernel) -> int:
+    """The rows of the op's row buffers in this entry point (1 in decode)."""
+    for name, value in op.abi():
+        if name in op.ROWS:
+            return tgt.dims(value)[0]
+    return 1
+
+
+def _float_rows(op: tgt.Kernel, name: str, value) -> None:
+    if not isinstance(value.type, MemRefType) or str(value.type.element_type) != "f32":
+        raise LlmcError(f"cuda: {op.name} needs float rows for '{name}', got {value.type} "
+                        f"(CUDA kernels take a32 activations: compile without --compute a8)")
+
+
+class KernelLibrary:
+    """Emits CUDA kernels into `module` for `device` (`Ptx` or `Emulated`), once per distinct op."""
+
+    def __init__(self, module: ir.Module, device: Ptx | Emulated):
+        self.module = module
+        self.device = device
+        self._cache: dict[tuple, list[Launch]] = {}
+        self.kernels: dict[str, ir.Function] = {}
+
+    def launches(self, op: tgt.Kernel) -> list[Launch]:
+        rows = _max_rows(op)
+        key = (kernel_key(op), rows)
+        if key not in self._cache:
+            emitter = _EMITTERS.get(type(op))
+            if emitter is None:
+                raise LlmcError(f"cuda: no kernel for {op.name}")
+            for name, value in op.abi():
+                if isinstance(value.type, tgt.QRowsType):
+                    _float_rows(op, name, value)
+            self._cache[key] = emitter(_Emit(self, op, f"{kernel_name(op)}_r{rows}", rows))
+        return self._cache[key]
+
+    def new_kernel(self, name: str, op: tgt.Kernel) -> tuple[KernelBuilder, dict[str, ir.Value]]:
+        params = [(n, I64 if not isinstance(v.type, (MemRefType, tgt.QRowsType, tgt.WeightType)) else I8PTR)
+                  for n, v in op.abi()]
+        base, count = name, 1
+        while name in self.kernels:  # same op and rows, other shapes (RoPE of q and of k)
+            name, count = f"{base}_v{count}", count + 1
+        fn = self.device.kernel(self.module, name, [t for _, t in params], THREADS)
+        for arg, (arg_name, _) in zip(fn.args, params):
+            arg.name = arg_name
+        self.kernels[name] = fn
+        return KernelBuilder(self.module, fn), dict(zip((n for n, _ in params), fn.args))
+
+
+@dataclass
+class _Emit:
+    lib: KernelLibrary
+    op: tgt.Kernel
+    name: str
+    rows: int
+
+    @property
+    def dev(self):
+        return self.lib.device
+
+    def kernel(self, suffix: str, body: Callable[[KernelBuilder, dict[str, ir.Value]], None],
+               grid: tuple[Dim, Dim, Dim]) -> Launch:
+        name = f"{self.name}{suffix}"
+        f, args = self.lib.new_kernel(name, self.op)
+        body(f, args)
+        f.finish()
+        return Launch(f.fn.name, grid)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _fptr(f: KernelBuilder, p: ir.Value) -> ir.Value:
+    return f.b.bitcast(p, FPTR)
+
+
+def _lt(f: KernelBuilder, a, c) -> ir.Value:
+    return f.b.icmp_signed("<", f.i64(a), f.i64(c))
+
+
+def _strided(f: KernelBuilder, start: ir.Value, stop: int | ir.Value, step: int, name: str):
+    return f.loop(start, stop, step, name=name, unroll=False)
+
+
+def _inv_rms(f: KernelBuilder, dev, x: ir.Value, width: int, eps: float, start: ir.Value, step: int,
+             combine: Callable[[KernelBuilder, ir.Value], ir.Value]) -> ir.Value:
+    """`1 / sqrt(mean(x²) + eps)` of the row at `x`, the squares summed by threads `start, start + step, …`."""
+    acc = f.alloca(F32, name="ss")
+    f.b.store(f.f32(0.0), acc)
+    with _strided(f, start, width, step, "n") as k:
+        v = f.load(x, k)
+        f.b.store(f.fadd(f.b.load(acc), f.fmul(v, v)), acc)
+    total = combine(f, f.b.load(acc))
+    mean = f.fadd(f.fmul(total, f.f32(1.0 / width)), f.f32(eps))
+    return f.b.fdiv(f.f32(1.0), f.intrinsic("llvm.sqrt", mean))
+
+
+def _elementwise_grid(width: int) -> tuple[Dim, Dim, Dim]:
+    return (-(-width // THREADS), PerRows(1), 1)
+
+
+def _column(f: KernelBuilder, dev) -> ir.Value:
+    return f.add(f.mul(dev.ctaid(f, "x"), THREADS), dev.tid(f))
+
+
+# ---------------------------------------------------------------------- GEMV: matmul, swiglu
+
+
+def _gemv(e: _Emit) -> list[Launch]:
+    op, dev = e.op, e.dev
+    swiglu = isinstance(op, tgt.SwigluOp)
+    weight_values = [op.gate, op.up] if swiglu else [op.weight]
+    n, k = tgt.dims(weight_values[0])
+    last = getattr(op, "last_row", None) is not None
+    tile = 1 if last else min(ROW_TILE, e.rows)
+    _float_rows(op, "x", op.x)
+    _float_rows(op, "out", op.out)
+
+    def body(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
+        b = f.b
+        x, out, rows = _fptr(f, a["x"]), _fptr(f, a["out"]), a["rows"]
+        weights = [WeightRows(f, a[name], v.type) for name, v in op.abi() if v in weight_values]
+        tid = dev.tid(f)
+        lane, warp = b.urem(tid, f.i64(WARP)), b.udiv(tid, f.i64(WARP))
+        j = f.add(f.mul(dev.ctaid(f, "x"), WARPS), warp)
+        first = f.sub(rows, 1) if last else f.mul(dev.ctaid(f, "y"), tile)
+        with f.when(_lt(f, j, n)):  # whole warps: the shuffles below see every lane
+            row_of = [f.smin(f.add(first, r), f.sub(rows, 1)) for r in range(tile)]
+            xs = [b.gep(x, [f.mul(t, k)]) for t in row_of]
+            norm = a.get("norm")
+            inv = [None] * tile
+            if norm is not None:
+                inv = [_inv_rms(f, dev, xr, k, op.eps.value.data, lane, WARP, dev.warp_sum) for xr in xs]
+                g = _fptr(f, norm)
+            accs = [[f.alloca(F32, name=f"acc{w}_{r}") for r in range(tile)] for w in range(len(weights))]
+            for row_accs in accs:
+                for acc in row_accs:
+                    b.store(f.f32(0.0), acc)
+            with _strided(f, lane, weights[0].units, WARP, "u") as u:
+                units = [w.unit(j, u) for w in weights]
+                for idx in range(len(units[0])):
+                    kk = units[0][idx][0]
+                    inside = _lt(f, kk, k) if weights[0].padded else None
+                    kk_safe = f.smin(kk, k - 1) if inside is not None else kk
+                    scale = f.load(g, kk_safe) if norm is not None else None
+                    for r in range(tile):
+                        xv = f.load(xs[r], kk_safe)
+                        if inside is not None:
+                            xv = b.select(inside, xv, f.f32(0.0))
+                        if scale is not None:
+                            xv = f.fmul(xv, scale)
+                        for w, unit in enumerate(units):
+                            acc = accs[w][r]
+                            b.store(f.fadd(b.load(acc), f.fmul(unit[idx][1], xv)), acc)
+            for r in range(tile):
+                totals = [dev.warp_sum(f, b.load(accs[w][r])) for w in range(len(weights))]
+                if inv[r] is not None:
+                    totals = [f.fmul(t, inv[r]) for t in totals]
+                with f.when(b.and_(b.icmp_unsigned("==", lane, f.i64(0)), _lt(f, f.add(first, r), rows))):
+                    dest = j if last else f.add(f.mul(f.add(first, r), n), j)
+                    if swiglu:
+                        value = f.fmul(f.silu(totals[0]), totals[1])
+                    else:
+                        value = totals[0]
+                        if a.get("bias") is not None:
+                            value = f.fadd(value, f.load(_fptr(f, a["bias"]), j))
+                        if op.accumulate is not None:
+                            value = f.fadd(value, f.load(out, dest))
+                    f.store(value, out, dest)
+
+    grid = (-(-n // WARPS), 1 if last else PerRows(tile), 1)
+    return [e.kernel("", body, grid)]
+
+
+# ---------------------------------------------------------------------- row kernels
+
+
+def _embedding(e: _Emit) -> list[Launch]:
+    op, dev = e.op, e.dev
+    width = tgt.dims(op.table)[1]
+    _float_rows(op, "out", op.out)
+
+    def body(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
+        col, t = _column(f, dev), dev.ctaid(f, "y")
+        with f.when(_lt(f, col, width)):
+            token = f.b.sext(f.load(f.b.bitcast(a["tokens"], I32.as_pointer()), t), I64)
+            table = WeightRows(f, a["table"], op.table.type)
+            f.store(table.element(token, col), _fptr(f, a["out"]), f.add(f.mul(t, width), col))
+
+    return [e.kernel("", body, _elementwise_grid(width))]
+
+
+def _rms_norm(e: _Emit) -> list[Launch]:
+    op, dev = e.op, e.dev
+    width = tgt.row_width(op.x)
+    _float_rows(op, "out", op.out)
+
+    def body(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
+        t, tid = dev.ctaid(f, "y"), dev.tid(f)
+        x = f.b.gep(_fptr(f, a["x"]), [f.mul(t, width)])
+        out = f.b.gep(_fptr(f, a["out"]), [f.mul(t, width)])
+        inv = _inv_rms(f, dev, x, width, op.eps.value.data, tid, THREADS,
+                       lambda f, v: dev.block_sum(f, v, WARPS, "ss"))
+        w = _fptr(f, a["weight"])
+        with _strided(f, tid, width, THREADS, "c") as c:
+            f.store(f.fmul(f.fmul(f.load(x, c), inv), f.load(w, c)), out, c)
+
+    return [e.kernel("", body, (1, PerRows(1), 1))]
+
+
+def _elementwise(e: _Emit, names: tuple[str, ...], fn: Callable) -> list[Launch]:
+    op, dev = e.op, e.dev
+    width = tgt.row_width(op.out)
+
+    def body(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
+        col, t = _column(f, dev), dev.ctaid(f, "y")
+        with f.when(_lt(f, col, width)):
+            at = f.add(f.mul(t, width), col)
+            f.store(fn(f, *(f.load(_fptr(f, a[n]), at) for n in names)), _fptr(f, a["out"]), at)
+
+    return [e.kernel("", body, _elementwise_grid(width))]
+
+
+def _rotate(f: KernelBuilder, dev, x: ir.Value, heads: int, d: int, position: ir.Value, theta: float) -> None:
+    """Rotate-half RoPE in place of the `heads` heads at `x` (one row), threads striding the pairs:
+    f32 angles as numpy computes them, sin and cos in f64 (`KernelBuilder.sincos`)."""
+    half = d // 2
+    freqs = f.b.bitcast(f32_table(f.module, f"rope_inv_freq_d{d}_theta{fmt_float(theta)}",
+                                  rope_inv_freq(d, theta)), FPTR)
+    pos = f.b.sitofp(position, F32)
+    with _strided(f, dev.tid(f), heads * half, THREADS, "p") as p:
+        h, i = f.b.udiv(p, f.i64(half)), f.b.urem(p, f.i64(half))
+        angle = f.fmul(pos, f.load(freqs, i), flags=())
+        sin, cos = (f.b.fptrunc(v, F32) for v in f.sincos(f.b.fpext(angle, F64)))
+        lo = f.add(f.mul(h, d), i)
+        hi = f.add(lo, half)
+        x1, x2 = f.load(x, lo), f.load(x, hi)
+        f.store(f.fsub(f.fmul(x1, cos), f.fmul(x2, sin)), x, lo)
+        f.store(f.fadd(f.fmul(x2, cos), f.fmul(x1, sin)), x, hi)
+
+
+def _rope(e: _Emit) -> list[Launch]:
+    op, dev = e.op, e.dev
+    _, heads, d = tgt.dims(op.x)
+
+    def body(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
+        t = dev.ctaid(f, "y")
+        position = f.b.sext(f.load(f.b.bitcast(a["positions"], I32.as_pointer()), t), I64)
+        _rotate(f, dev, f.b.gep(_fptr(f, a["x"]), [f.mul(t, heads * d)]), heads, d, position, op.theta.value.data)
+
+    return [e.kernel("", body, (1, PerRows(1), 1))]
+
+
+# ---------------------------------------------------------------------- attention
+
+
+class _Cache:
+    """One layer's cache `[kv_heads, capacity, row]` of f32, f16 or q8_0 rows (int8 values, f32 scale per 32)."""
+
+    def __init__(self, f: KernelBuilder, base: ir.Value, memref: MemRefType, head_dim: int):
+        self.f, self.base, self.d = f, base, head_dim
+        _, self.capacity, self.row = tgt.dims(memref)
+        self.element = str(memref.element_type)
+        self.size = {"f32": 4, "f16": 2, "i8": 1}[self.element]
+
+    def _row(self, head: ir.Value, position: ir.Value) -> ir.Value:
+        f = self.f
+        return f.mul(f.add(f.mul(head, self.capacity), position), self.row * self.size)
+
+    def load(self, head: ir.Value, position: ir.Value, i: ir.Value) -> ir.Value:
+        f, row = self.f, self._row(head, position)
+        if self.element == "f32":
+            return f.b.load(typed(f, self.base, f.add(row, f.mul(i, 4)), F32), align=4)
+        if self.element == "f16":
+            return load_f16(f, f.b.gep(self.base, [row]), i)
+        code = f.b.sitofp(f.b.load(typed(f, self.base, f.add(row, i), I8)), F32)
+        scale = f.b.load(typed(f, self.base, f.add(f.add(row, self.d), f.mul(f.b.udiv(i, f.i64(32)), 4)), F32))
+        return f.fmul(code, scale)
+
+    def store_row(self, dev, head: ir.Value, position: ir.Value, src: ir.Value, lane_start: ir.Value,
+                  step: int) -> None:
+        """Write the `d` floats at `src` as the row (head, position), threads striding elements
+        (f32, f16) or 32-value blocks (q8_0: `d = amax / 127`, `q = rint(x · 127 / amax)`, as `quantize_rows`)."""
+        f, b, row = self.f, self.f.b, self._row(head, position)
+        if self.element != "i8":
+            with _strided(f, lane_start, self.d, step, "s") as i:
+                v = f.load(src, i)
+                if self.element == "f32":
+                    b.store(v, typed(f, self.base, f.add(row, f.mul(i, 4)), F32), align=4)
+                else:
+                    b.store(b.fptrunc(v, F16), typed(f, self.base, f.add(row, f.mul(i, 2)), F16), align=2)
+            return
+        with _strided(f, lane_start, self.d // 32, step, "q") as blk:
+            amax = f.f32(0.0)
+            for i in range(32):
+                amax = f.intrinsic("llvm.maxnum", amax, f.intrinsic("llvm.fabs", f.load(src, f.add(f.mul(blk, 32), i))))
+            scale = b.fdiv(amax, f.f32(127.0))
+            inv = b.select(b.fcmp_ordered(">", amax, f.f32(0.0)), b.fdiv(f.f32(127.0), amax), f.f32(0.0))
+            for i in range(32):
+                at = f.add(f.mul(blk, 32), i)
+                q = f.intrinsic("llvm.roundeven", b.fmul(f.load(src, at), inv))
+                b.store(b.fptosi(q, I8), typed(f, self.base, f.add(row, at), I8))
+            b.store(scale, typed(f, self.base, f.add(f.add(row, self.d), f.mul(blk, 4)), F32), align=4)
+
+
+def _attention(e: _Emit) -> list[Launch]:
+    op, dev = e.op, e.dev
+    _, heads, d = tgt.dims(op.q)
+    _, kv_heads, _ = tgt.dims(op.k)
+    group = heads // kv_heads
+    splits = SPLITS if e.rows <= tgt.ATTENTION_SPLIT_ROWS else 1
+    _float_rows(op, "out", op.out)
+    lanes = -(-d // WARP)  # head-dimension elements per lane
+    stride = d + 2  # a partial result: d weighted values, the maximum, the sum
+
+    def position_of(f: KernelBuilder, a, t: ir.Value) -> ir.Value:
+        return f.b.sext(f.load(f.b.bitcast(a["positions"], I32.as_pointer()), t), I64)
+
+    def store(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
+        t = dev.ctaid(f, "y")
+        position = position_of(f, a, t)
+        q = f.b.gep(_fptr(f, a["q"]), [f.mul(t, heads * d)])
+        k = f.b.gep(_fptr(f, a["k"]), [f.mul(t, kv_heads * d)])
+        v = f.b.gep(_fptr(f, a["v"]), [f.mul(t, kv_heads * d)])
+        if op.rope is not None:
+            _rotate(f, dev, q, heads, d, position, op.rope.value.data)
+            _rotate(f, dev, k, kv_heads, d, position, op.rope.value.data)
+            dev.barrier(f)
+        for name, src in (("k_cache", k), ("v_cache", v)):
+            cache = _Cache(f, a[name], getattr(op, name).type, d)
+            for h in range(kv_heads):
+                cache.store_row(dev, f.i64(h), position, f.b.gep(src, [f.i64(h * d)]), dev.tid(f), THREADS)
+
+    def attend(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
+        b = f.b
+        h, t = dev.ctaid(f, "x"), dev.ctaid(f, "y")
+        split = dev.ctaid(f, "z") if splits > 1 else f.i64(0)
+        tid = dev.tid(f)
+        lane, warp = b.urem(tid, f.i64(WARP)), b.udiv(tid, f.i64(WARP))
+        kvh = b.udiv(h, f.i64(group))
+        total = f.add(position_of(f, a, t), 1)
+        lo = b.sdiv(f.mul(total, split), f.i64(splits))
+        hi = b.sdiv(f.mul(total, f.add(split, 1)), f.i64(splits))
+        keys = _Cache(f, a["k_cache"], op.k_cache.type, d)
+        values = _Cache(f, a["v_cache"], op.v_cache.type, d)
+        q = b.gep(_fptr(f, a["q"]), [f.mul(f.add(f.mul(t, heads), h), d)])
+        dims = [f.add(lane, WARP * i) for i in range(lanes)]
+        valid = [_lt(f, i, d) for i in dims]
+        safe = [f.smin(i, d - 1) for i in dims]
+        scale = f.f32(1.0 / np.sqrt(d))
+        qs = [b.select(ok, f.fmul(f.load(q, i), scale), f.f32(0.0)) for ok, i in zip(valid, safe)]
+        m, l = f.alloca(F32, name="m"), f.alloca(F32, name="l")
+        accs = [f.alloca(F32, name=f"o{i}") for i in range(lanes)]
+        b.store(f.f32(NO_SCORE), m)
+        b.store(f.f32(0.0), l)
+        for acc in accs:
+            b.store(f.f32(0.0), acc)
+        with _strided(f, f.add(lo, warp), hi, WARPS, "p") as p:
+            part = f.f32(0.0)
+            for qv, i in zip(qs, safe):
+                part = f.fadd(part, f.fmul(qv, keys.load(kvh, p, i)))
+            score = dev.warp_sum(f, part)
+            m_old = b.load(m)
+            m_new = f.intrinsic("llvm.maxnum", m_old, score)
+            keep, weight = f.exp(f.fsub(m_old, m_new)), f.exp(f.fsub(score, m_new))
+            b.store(f.fadd(f.fmul(b.load(l), keep), weight), l)
+            for acc, i in zip(accs, safe):
+                b.store(f.fadd(f.fmul(b.load(acc), keep), f.fmul(weight, values.load(kvh, p, i))), acc)
+            b.store(m_new, m)
+        slots = dev.shared(f, "warps", WARPS * stride)
+        mine = f.mul(warp, stride)
+        for ok, i, acc in zip(valid, dims, accs):
+            with f.when(ok):
+                f.store(b.load(acc), slots, f.add(mine, i))
+        with f.when(b.icmp_unsigned("==", lane, f.i64(0))):
+            f.store(b.load(m), slots, f.add(mine, d))
+            f.store(b.load(l), slots, f.add(mine, d + 1))
+        dev.barrier(f)
+        with _strided(f, tid, d, THREADS, "c") as c:
+            top = f.f32(NO_SCORE)
+            for w in range(WARPS):
+                top = f.intrinsic("llvm.maxnum", top, f.load(slots, w * stride + d))
+            out_v, out_l = f.f32(0.0), f.f32(0.0)
+            for w in range(WARPS):
+                factor = f.exp(f.fsub(f.load(slots, w * stride + d), top))
+                out_v = f.fadd(out_v, f.fmul(f.load(slots, f.add(c, w * stride)), factor))
+                out_l = f.fadd(out_l, f.fmul(f.load(slots, w * stride + d + 1), factor))
+            if splits == 1:
+                out = _fptr(f, a["out"])
+                f.store(b.fdiv(out_v, out_l), out, f.add(f.mul(f.add(f.mul(t, heads), h), d), c))
+            else:
+                partials = _fptr(f, a["partials"])
+                base = f.mul(f.add(f.mul(f.add(f.mul(split, tgt.ATTENTION_SPLIT_ROWS), t), heads), h), stride)
+                f.store(out_v, partials, f.add(base, c))
+                with f.when(b.icmp_unsigned("==", c, f.i64(0))):
+                    f.store(top, partials, f.add(base, d))
+                    f.store(out_l, partials, f.add(base, d + 1))
+
+    def merge(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
+        b = f.b
+        h, t = dev.ctaid(f, "x"), dev.ctaid(f, "y")
+        partials = _fptr(f, a["partials"])
+
+        def at(s: int) -> ir.Value:
+            return f.mul(f.add(f.mul(f.add(f.i64(s * tgt.ATTENTION_SPLIT_ROWS), t), heads), h), stride)
+
+        with _strided(f, dev.tid(f), d, THREADS, "c") as c:
+            top = f.f32(NO_SCORE)
+            for s in range(splits):
+                top = f.intrinsic("llvm.maxnum", top, f.load(partials, f.add(at(s), d)))
+            out_v, out_l = f.f32(0.0), f.f32(0.0)
+            for s in range(splits):
+                factor = f.exp(f.fsub(f.load(partials, f.add(at(s), d)), top))
+                out_v = f.fadd(out_v, f.fmul(f.load(partials, f.add(at(s), c)), factor))
+                out_l = f.fadd(out_l, f.fmul(f.load(partials, f.add(at(s), d + 1)), factor))
+            f.store(b.fdiv(out_v, out_l), _fptr(f, a["out"]), f.add(f.mul(f.add(f.mul(t, heads), h), d), c))
+
+    launches = [e.kernel("_store", store, (1, PerRows(1), 1)),
+                e.kernel("_attend", attend, (heads, PerRows(1), splits))]
+    if splits > 1:
+        launches.append(e.kernel("_merge", merge, (heads, PerRows(1), 1)))
+    return launches
+
+
+_EMITTERS: dict[type, Callable[[_Emit], list[Launch]]] = {
+    tgt.MatmulOp: _gemv,
+    tgt.SwigluOp: _gemv,
+    tgt.EmbeddingOp: _embedding,
+    tgt.RMSNormOp: _rms_norm,
+    tgt.RopeOp: _rope,
+    tgt.AttentionOp: _attention,
+    tgt.AddOp: lambda e: _elementwise(e, ("lhs", "rhs"), lambda f, x, y: f.fadd(x, y)),
+    tgt.MulOp: lambda e: _elementwise(e, ("lhs", "rhs"), lambda f, x, y: f.fmul(x, y)),
+    tgt.SiluOp: lambda e: _elementwise(e, ("x",), lambda f, x: f.silu(x)),
+}

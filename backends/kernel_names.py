@@ -1,0 +1,43 @@
+"""Kernel identity, shared by the backends: when two kernel ops are one function, and its readable name.
+
+    kernel_name(op)   # "matmul_q4_1_a8_k576_n576_acc"
+"""
+
+from __future__ import annotations
+
+from llmc.ir import tgt
+
+
+def fmt_float(value: float) -> str:
+    """A float as an identifier fragment: distinct floats give distinct text."""
+    text = repr(float(value))
+    if text.endswith(".0"):
+        text = text[:-2]
+    return text.replace("-", "m").replace("+", "").replace(".", "p")
+
+
+def kernel_key(op: tgt.Kernel) -> tuple:
+    """What makes two kernel ops the same function: op, operand roles and types (row buffers
+    without their number of rows), properties."""
+    operands = tuple((name, tgt.per_row(value.type) if name in op.ROWS else str(value.type))
+                     for name, value in op.abi())
+    props = tuple(sorted((k, str(v)) for k, v in op.properties.items() if k != "operandSegmentSizes"))
+    return (op.name, operands, props)
+
+
+def kernel_name(op: tgt.Kernel) -> str:
+    """A readable function name: the op, then the storage and mode of a matmul, then shapes."""
+    base = op.name.removeprefix("tgt.")
+    parts = [base]
+    weights = [v.type for _, v in op.abi() if isinstance(v.type, tgt.WeightType) and len(v.type.shape) == 2]
+    if weights:
+        parts.append(weights[0].storage.value)
+    if isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)):
+        parts.append("a8" if tgt.is_quantized(op.x) else "a32")
+        n, k = tgt.dims(op.weight if isinstance(op, tgt.MatmulOp) else op.gate)
+        parts.append(f"k{k}_n{n}")
+        flags = {"bias": "bias", "norm": "norm", "accumulate": "acc", "last_row": "last"}
+        parts += [short for name, short in flags.items() if getattr(op, name, None) is not None]
+    if "out" in dict(op.abi()) and tgt.is_quantized(op.out):
+        parts.append("q8")
+    return "_".join(parts)

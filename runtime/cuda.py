@@ -1,0 +1,244 @@
+"""Running a CUDA artifact: weights uploaded once, KV cache and arena on the device, launch plans replayed.
+
+`CudaSession` is a `Conversation` whose entry points are the manifest's launch
+plans (`backends/cuda/codegen.py`): each launch's arguments are resolved by role to
+device addresses once per entry point and row count, then launched in order on one
+stream. Decode is captured once into a CUDA graph and replayed per token; the token
+and its position are copied into device memory before each replay. Sampling happens on
+the host from the downloaded logits.
+
+The device is anything with `Device`'s methods: `Driver` (the CUDA driver API through
+`cuda-bindings`, no toolkit needed; the cubin for this GPU's architecture when the
+artifact has one, else the PTX, compiled by the driver) or, in the test suite, the CPU
+emulator of `llmc.backends.cuda.emulator`. No torch, no compiler stack.
+
+    session = CudaSession(load_manifest(Path("smollm2.cuda")))
+    logits = session.feed(prompt_ids)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Protocol
+
+import numpy as np
+
+from llmc.errors import LlmcError
+from llmc.runtime.artifact import KV_DTYPES, ArtifactError, Manifest
+from llmc.runtime.session import Conversation
+
+
+class NoGpuError(LlmcError):
+    """No usable NVIDIA GPU or driver."""
+
+
+class Device(Protocol):
+    """What a CUDA session needs of a device."""
+
+    name: str
+    graphs: bool  # whether `capture` records launches for replay
+
+    def alloc(self, nbytes: int) -> int: ...
+    def upload(self, address: int, data: np.ndarray) -> None: ...
+    def download(self, address: int, out: np.ndarray) -> None: ...
+    def copy(self, dst: int, src: int, nbytes: int) -> None: ...
+    def kernels(self, manifest: Manifest, names: set[str]) -> dict[str, object]: ...
+    def launch(self, kernel: object, grid: tuple[int, int, int], block: tuple[int, int, int], shared: int,
+               params: ctypes.Array) -> None: ...
+    def synchronize(self) -> None: ...
+    def capture(self, launches) -> object: ...
+    def replay(self, graph: object) -> None: ...
+    def close(self) -> None: ...
+
+
+def _check(result) -> tuple:
+    """A cuda-bindings call's `(CUresult, *outs)` → outs, or one-line error."""
+    err, *outs = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        from cuda.bindings import driver as cu
+
+        _, name = cu.cuGetErrorName(err)
+        raise LlmcError(f"CUDA: {name.decode() if isinstance(name, bytes) else name} ({int(err)})")
+    return tuple(outs)
+
+
+class Driver:
+    """The CUDA driver API on GPU 0: primary context, one non-blocking stream, graphs."""
+
+    graphs = True
+
+    def __init__(self):
+        try:
+            from cuda.bindings import driver as cu
+        except ImportError:
+            raise NoGpuError("running a CUDA artifact needs cuda-bindings: pip install 'llmc[cuda]'") from None
+        self.cu = cu
+        try:
+            err, = cu.cuInit(0)
+        except Exception as e:  # the driver library itself is missing
+            raise NoGpuError(f"no NVIDIA driver on this machine ({type(e).__name__}); CUDA artifacts need a GPU") \
+                from None
+        if int(err) != 0:
+            raise NoGpuError(f"no usable NVIDIA GPU (cuInit: {err.name if hasattr(err, 'name') else int(err)})")
+        (count,) = _check(cu.cuDeviceGetCount())
+        if count < 1:
+            raise NoGpuError("no NVIDIA GPU found")
+        (self.device,) = _check(cu.cuDeviceGet(0))
+        (self.context,) = _check(cu.cuDevicePrimaryCtxRetain(self.device))
+        _check(cu.cuCtxSetCurrent(self.context))
+        (name,) = _check(cu.cuDeviceGetName(64, self.device))
+        self.name = name.split(b"\0")[0].decode()
+        attr = cu.CUdevice_attribute
+        major, = _check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device))
+        minor, = _check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.device))
+        self.arch = f"sm_{major}{minor}"
+        (self.stream,) = _check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+        self._allocations: list = []
+        self._modules: list = []
+
+    def alloc(self, nbytes: int) -> int:
+        (ptr,) = _check(self.cu.cuMemAlloc(max(nbytes, 1)))
+        self._allocations.append(ptr)
+        _check(self.cu.cuMemsetD8Async(ptr, 0, max(nbytes, 1), self.stream))
+        return int(ptr)
+
+    def upload(self, address: int, data: np.ndarray) -> None:
+        data = np.ascontiguousarray(data)
+        _check(self.cu.cuMemcpyHtoDAsync(address, data.ctypes.data, data.nbytes, self.stream))
+        _check(self.cu.cuStreamSynchronize(self.stream))  # `data` may be freed after return
+
+    def download(self, address: int, out: np.ndarray) -> None:
+        _check(self.cu.cuMemcpyDtoHAsync(out.ctypes.data, address, out.nbytes, self.stream))
+        _check(self.cu.cuStreamSynchronize(self.stream))
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        _check(self.cu.cuMemcpyDtoDAsync(dst, src, nbytes, self.stream))
+
+    def kernels(self, manifest: Manifest, names: set[str]) -> dict[str, object]:
+        """The artifact's cubin for this GPU, else its PTX (JIT-compiled by the driver)."""
+        cubins = manifest.data["gpu"]["cubins"]
+        role = cubins.get(self.arch, "kernels")
+        image = manifest.file(role).read_bytes()
+        if role == "kernels":
+            image += b"\0"
+        (module,) = _check(self.cu.cuModuleLoadData(image))
+        self._modules.append(module)
+        return {name: _check(self.cu.cuModuleGetFunction(module, name.encode()))[0] for name in names}
+
+    def launch(self, kernel, grid, block, shared, params) -> None:
+        _check(self.cu.cuLaunchKernel(kernel, *grid, *block, shared, self.stream, ctypes.addressof(params), 0))
+
+    def synchronize(self) -> None:
+        _check(self.cu.cuStreamSynchronize(self.stream))
+
+    def capture(self, launches) -> object:
+        cu = self.cu
+        _check(cu.cuStreamBeginCapture(self.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+        for launch in launches:
+            self.launch(*launch)
+        (graph,) = _check(cu.cuStreamEndCapture(self.stream))
+        (exe,) = _check(cu.cuGraphInstantiate(graph, 0))
+        return exe
+
+    def replay(self, graph) -> None:
+        _check(self.cu.cuGraphLaunch(graph, self.stream))
+
+    def close(self) -> None:
+        self.synchronize()
+        for ptr in self._allocations:
+            self.cu.cuMemFree(ptr)
+        for module in self._modules:
+            self.cu.cuModuleUnload(module)
+        self._allocations, self._modules = [], []
+
+
+def _grid(dims: list, n: int) -> tuple[int, int, int]:
+    return tuple(-(-n // d["rows_per"]) if isinstance(d, dict) else d for d in dims)  # type: ignore[return-value]
+
+
+class CudaSession(Conversation):
+    """One conversation's state on a CUDA artifact, on `device` (the GPU's driver by default)."""
+
+    def __init__(self, manifest: Manifest, check_files: bool = True, device: Device | None = None):
+        super().__init__(manifest)
+        if manifest.target != "cuda":
+            raise ArtifactError(f"{manifest.directory}: a '{manifest.target}' artifact, not a CUDA one")
+        self.device = device if device is not None else Driver()
+        self.threads = 1
+        weights = np.memmap(manifest.file("weights"), dtype=np.uint8, mode="r")
+        self.weights = weights
+        dev = self.device
+        kv = manifest.kv_cache
+        kv_bytes = int(np.prod(kv["shape"])) * np.dtype(KV_DTYPES[kv["dtype"]]).itemsize
+        arena = max(e["arena_bytes"] for e in manifest.entry_points.values()) + 64
+        self.buffers = {
+            "weights": dev.alloc(weights.size), "arena": dev.alloc(arena),
+            "k_cache": dev.alloc(kv_bytes), "v_cache": dev.alloc(kv_bytes),
+            "tokens": dev.alloc(self.tokens.nbytes), "positions": dev.alloc(self.positions.nbytes),
+            "logits": dev.alloc(int(np.prod(manifest.entry_points["score"]["logits"])) * 4),
+        }
+        dev.upload(self.buffers["weights"], weights)
+        names = {launch["kernel"] for entry in manifest.entry_points.values() for launch in entry["launches"]}
+        self.kernels = dev.kernels(manifest, names)
+        self._prepared: dict[tuple[str, int], list] = {}
+        self._decode_graph = None
+
+    def close(self) -> None:
+        self.device.close()
+
+    def _value(self, arg: dict, n: int):
+        if "n" in arg:
+            return ctypes.c_int64(n)
+        if "arena" in arg:
+            return ctypes.c_void_p(self.buffers["arena"] + arg["arena"])
+        if "weights" in arg:
+            return ctypes.c_void_p(self.buffers["weights"] + arg["weights"])
+        return ctypes.c_void_p(self.buffers[arg["argument"]] + arg["offset"])
+
+    def _launches(self, entry: str, n: int) -> list:
+        """The entry point's launches for `n` rows: kernel, grid, block, shared bytes, parameter array."""
+        key = (entry, n)
+        if key not in self._prepared:
+            prepared = []
+            for launch in self.manifest.entry_points[entry]["launches"]:
+                values = [self._value(arg, n) for arg in launch["args"]]
+                params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+                params._values = values  # keep the argument values alive with the array
+                prepared.append((self.kernels[launch["kernel"]], _grid(launch["grid"], n), tuple(launch["block"]),
+                                 launch["shared_bytes"], params))
+            self._prepared[key] = prepared
+        return self._prepared[key]
+
+    def _call(self, entry: str, tokens: np.ndarray, logits: np.ndarray) -> None:
+        n = self._stage(tokens)
+        dev = self.device
+        dev.upload(self.buffers["tokens"], self.tokens)
+        dev.upload(self.buffers["positions"], self.positions)
+        launches = self._launches(entry, n)
+        if entry == "decode" and dev.graphs:
+            if self._decode_graph is None:
+                self._decode_graph = dev.capture(launches)
+            dev.replay(self._decode_graph)
+        else:
+            for launch in launches:
+                dev.launch(*launch)
+        dev.download(self.buffers["logits"], logits)
+
+    @property
+    def bandwidth_probe(self) -> str:
+        return f"a device-to-device copy on {self.device.name}"
+
+    def read_bandwidth(self, repeat: int = 5) -> float:
+        """GB/s of a device-to-device copy of the weights (what decode's reads are measured against)."""
+        size = self.weights.size // 2
+        dev, base = self.device, self.buffers["weights"]
+        best = float("inf")
+        for _ in range(repeat + 1):
+            dev.synchronize()
+            start = time.perf_counter()
+            dev.copy(base + size, base, size)
+            dev.synchronize()
+            best = min(best, time.perf_counter() - start)
+        self.device.upload(base, self.weights)  # the copy overwrote the upper half
+        return 2 * size / best / 1e9  # a copy reads and writes each byte

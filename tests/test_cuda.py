@@ -1,0 +1,244 @@
+"""The CUDA target without a GPU: PTX that ptxas accepts, launch plans that match the kernels, and the
+kernels' numerics on the CPU emulator (the same LLVM IR built for the host) against the interpreters.
+
+Tests marked `gpu` run the same artifacts on a real GPU through the driver and skip without one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_compile import QSPECS, SPECS, TOKENS, _close, _reference, _stage_logits
+from tiny_models import TinySpec
+
+from llmc.backends.cuda import kernels as cuda_kernels
+from llmc.backends.cuda.emulator import EmulatedDevice
+from llmc.backends.cuda.toolchain import parse_report
+from llmc.cli import main
+from llmc.compile import BackendOptions, compile_model, run_phases, target_attr
+from llmc.errors import LlmcError
+from llmc.frontend import import_model, load_model
+from llmc.ir import find_function
+from llmc.ir.interpreter import KVCache, forward_logits
+from llmc.package import weight_layout
+from llmc.passes.pipeline import CompileOptions
+from llmc.runtime.artifact import ArtifactError, load_manifest
+from llmc.runtime.cuda import CudaSession, Driver, NoGpuError
+from llmc.verify import teacher_forced
+
+needs_ptxas = pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not on PATH")
+CUDA = BackendOptions(target="cuda")
+
+
+def _gpu_present() -> bool:
+    try:
+        Driver().close()
+        return True
+    except (NoGpuError, LlmcError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def cuda_artifact(tiny, tmp_path_factory) -> Callable[..., tuple[Path, EmulatedDevice]]:
+    """`cuda_artifact(spec, chunk=4, group=True, **options)` → (a CUDA artifact, the emulator loaded with
+    the host build of its kernels), built once (f32 KV cache unless `kv_type` says otherwise)."""
+    root = tmp_path_factory.mktemp("cuda")
+    built: dict[tuple, tuple[Path, EmulatedDevice]] = {}
+
+    def build(spec: TinySpec, chunk: int = 4, group: bool = True, **options) -> tuple[Path, EmulatedDevice]:
+        key = (spec, chunk, group, tuple(sorted(options.items())))
+        if key not in built:
+            out = root / f"a{len(built)}"
+            compile_options = CompileOptions(**{"prefill_chunk": chunk, "max_seq": 32, "group": group,
+                                                "kv_type": "f32", **options})
+            compile_model(str(tiny(spec, "gguf")), out, compile_options, CUDA, progress=lambda _: None)
+            model = load_model(str(tiny(spec, "gguf")))
+            module = run_phases(model, compile_options, "lower", None, lambda _: None, target_attr(CUDA))
+            built[key] = out, EmulatedDevice(module, weight_layout(module).offsets, root)
+        return built[key]
+
+    return build
+
+
+def _session(cuda_artifact, spec: TinySpec, **options) -> CudaSession:
+    directory, device = cuda_artifact(spec, **options)
+    return CudaSession(load_manifest(directory), device=device)
+
+
+def _teacher_forced(session: CudaSession) -> np.ndarray:
+    return teacher_forced(lambda chunk, start: session.feed(chunk), TOKENS)
+
+
+# numerics on the emulator ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group", [True, False], ids=["grouped", "no-group"])
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+def test_emulated_kernels_match_the_interpreter(tiny, cuda_artifact, spec: TinySpec, group: bool) -> None:
+    """Prefill, prefill_kv and decode launch plans, teacher-forced, equal the `llm` interpreter's logits."""
+    _close(_teacher_forced(_session(cuda_artifact, spec, group=group)), _reference(tiny, spec, TOKENS))
+
+
+@pytest.mark.parametrize("spec", QSPECS.values(), ids=QSPECS.keys())
+def test_emulated_quantized_kernels_match_the_quantize_stage(tiny, cuda_artifact, spec: TinySpec) -> None:
+    """Every storage type (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k, f16) dequantized in registers:
+    the quantize stage's numbers (the same quantized data) within float rounding."""
+    _close(_teacher_forced(_session(cuda_artifact, spec)), _stage_logits(tiny, spec, TOKENS, compute="a32"))
+
+
+def test_emulated_float_formats_match_the_quantize_stage(tiny, cuda_artifact) -> None:
+    spec = TinySpec(hidden=64, heads=2, kv_heads=1, head_dim=32, ffn=96, context_length=64, tied=False,
+                    gguf_storage=(("attn_q", "f16"), ("attn_k", "bf16"), ("ffn_down", "bf16"), ("output", "f16")))
+    _close(_teacher_forced(_session(cuda_artifact, spec)), _stage_logits(tiny, spec, TOKENS, compute="a32"))
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_emulated_kv_types_match_the_interpreter_with_that_cache(tiny, cuda_artifact, kv_type: str) -> None:
+    spec = replace(SPECS["gqa"], head_dim=32, hidden=SPECS["gqa"].heads * 32)
+    logits = _teacher_forced(_session(cuda_artifact, spec, kv_type=kv_type))
+    model = load_model(str(tiny(spec, "gguf")))
+    module = import_model(model)
+    cache_type = find_function(module, "forward").function_type.inputs.data[2]
+    shape = (*cache_type.shape[:2], len(TOKENS), cache_type.shape[3])
+    _close(logits, forward_logits(module, model.weights, TOKENS, cache=KVCache.zeros(shape, kv_type)))
+
+
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+def test_emulated_score_and_decode_agree(cuda_artifact, spec: TinySpec) -> None:
+    """`score` (prefill attention, one block per head) equals decode step by step (positions split over
+    blocks and merged): prefill(n) + decode(k) = prefill(n + k)."""
+    session = _session(cuda_artifact, spec, chunk=16)
+    stepwise = _teacher_forced(session)
+    session.reset()
+    whole = session.score(TOKENS)
+    assert np.abs(stepwise - whole).max() <= 1e-4 * np.abs(whole).max()
+
+
+def test_every_kernel_kind_is_checked_on_the_emulator(cuda_artifact) -> None:
+    """The configurations above launch a kernel of every op the CUDA backend emits: none goes unchecked."""
+    launched: Counter[str] = Counter()
+    configs = [(SPECS["gqa"], {"group": False}), (SPECS["qwen2-bias-untied-odd-heads"], {})]
+    for spec, options in configs:
+        session = _session(cuda_artifact, spec, **options)
+        _teacher_forced(session)
+        for launches in session._prepared.values():
+            launched.update(next(k for k, f in session.kernels.items() if f is launch[0]) for launch in launches)
+    for op in cuda_kernels._EMITTERS:
+        kind = op.name.removeprefix("tgt.")
+        assert any(name.startswith(kind + "_") for name in launched), f"no emulated launch of a {kind} kernel"
+    for suffix in ("_store", "_attend", "_merge"):  # attention's three kernels: decode splits and merges
+        assert any(name.endswith(suffix) for name in launched)
+
+
+# PTX, ptxas, launch plans -------------------------------------------------------------------
+
+
+def _ptx_params(ptx: str) -> dict[str, int]:
+    """Kernel name → number of parameters, from the PTX text."""
+    out = {}
+    for m in re.finditer(r"\.entry\s+(\S+)\s*\(([^)]*)\)", ptx):
+        out[m.group(1)] = len(re.findall(r"\.param", m.group(2)))
+    return out
+
+
+def test_launch_plans_agree_with_the_kernel_signatures(cuda_artifact) -> None:
+    directory, _ = cuda_artifact(SPECS["qwen2-bias-untied-odd-heads"])
+    manifest = load_manifest(directory)
+    params = _ptx_params(manifest.file("kernels").read_text())
+    assert params
+    for name, entry in manifest.entry_points.items():
+        for launch in entry["launches"]:
+            assert params[launch["kernel"]] == len(launch["args"]), (name, launch["kernel"])
+    assert set(params) == {launch["kernel"] for e in manifest.entry_points.values() for launch in e["launches"]}
+
+
+@needs_ptxas
+def test_ptxas_accepts_every_kernel_for_sm_80_and_sm_90_without_spills(cuda_artifact) -> None:
+    directory, _ = cuda_artifact(QSPECS["k-quants"])
+    manifest = load_manifest(directory)
+    assert set(manifest.data["gpu"]["cubins"]) == {"sm_80", "sm_90"}
+    from llmc.backends.cuda.toolchain import assemble
+
+    for arch in ("sm_80", "sm_90"):
+        report = assemble(manifest.file("kernels"), arch, directory / f"check.{arch}.cubin")
+        assert set(report) == set(_ptx_params(manifest.file("kernels").read_text()))
+        assert all(r.spill_bytes == 0 and r.stack_bytes == 0 for r in report.values()), report
+        assert all(0 < r.registers <= 255 for r in report.values())
+
+
+def test_ptxas_report_is_parsed() -> None:
+    text = """ptxas info    : Compiling entry function 'gemv_r1' for 'sm_90'
+ptxas info    : Function properties for gemv_r1
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers, 528 bytes smem"""
+    r = parse_report(text)["gemv_r1"]
+    assert (r.registers, r.spill_bytes, r.stack_bytes, r.shared_bytes) == (40, 8, 8, 528)
+
+
+def test_compile_to_lower_shows_the_cuda_choices(tiny, capsys) -> None:
+    path = str(tiny(QSPECS["mixed"], "gguf"))
+    assert main(["compile", path, "--target", "cuda", "--gpu", "sm_90", "--compile-to", "lower"]) == 0
+    ir = capsys.readouterr().out
+    assert '#tgt.target<cuda, "nvptx64", "sm_90"' in ir
+    assert "q4_1, split>" in ir and "tiles>" not in ir and "isa" not in ir  # split layout, a32 kernels
+    assert "!tgt.qrows" not in ir
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpu", "sm_75"], "unknown GPU architecture 'sm_75'"),
+    (["--compute", "a8"], "--compute a8 is for CPU targets"),
+])
+def test_bad_cuda_options_are_one_line(tiny, tmp_path, capsys, argv, message) -> None:
+    path = str(tiny(SPECS["gqa"], "gguf"))
+    assert main(["compile", path, "--target", "cuda", "-o", str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_malformed_launch_plan_is_refused(cuda_artifact, tmp_path) -> None:
+    directory, _ = cuda_artifact(SPECS["gqa"])
+    copy = tmp_path / "bad"
+    shutil.copytree(directory, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["entry_points"]["decode"]["launches"][0]["args"][0] = {"argument": "/etc/passwd", "offset": 0}
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="malformed launch"):
+        load_manifest(copy)
+
+
+@pytest.mark.skipif(_gpu_present(), reason="a GPU is present")
+def test_running_without_a_gpu_is_one_line(cuda_artifact, capsys) -> None:
+    directory, _ = cuda_artifact(SPECS["gqa"])
+    assert main(["run", str(directory), "-p", "hello", "-n", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ("GPU" in err or "cuda-bindings" in err or "driver" in err)
+
+
+# on a GPU --------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [SPECS["qwen2-bias-untied-odd-heads"], QSPECS["k-quants"], QSPECS["mixed"]],
+                         ids=["f32-odd-heads", "k-quants", "mixed"])
+def test_gpu_matches_the_emulator(cuda_artifact, spec: TinySpec) -> None:
+    if not _gpu_present():
+        pytest.skip("no NVIDIA GPU")
+    directory, _ = cuda_artifact(spec)
+    gpu = CudaSession(load_manifest(directory))  # decode through a captured CUDA graph
+    try:
+        on_gpu = _teacher_forced(gpu)
+        gpu.reset()
+        scored = gpu.score(TOKENS)
+    finally:
+        gpu.close()
+    emulated = _teacher_forced(_session(cuda_artifact, spec))
+    _close(on_gpu, emulated)
+    assert np.abs(scored - on_gpu).max() <= 1e-4 * np.abs(on_gpu).max()

@@ -42,6 +42,9 @@ def run(cmd: list[str], timeout: int) -> int:
     except subprocess.TimeoutExpired:
         say(f"(timed out after {timeout} s)")
         return 124
+    except OSError as e:
+        say(f"(cannot run {cmd[0]}: {e.strerror})")
+        return 127
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-40:]
     say("\n".join(tail))
     return proc.returncode

@@ -149,14 +149,16 @@ ATTENTION_SPLIT_ROWS = 4  # up to this many rows, attention's threads share cach
 
 
 class Isa(StrEnum):
-    """The integer dot product an `a8` kernel is built on, chosen by `pack` from the target
-    (and the entry point's rows: `amx` for prefill and score where the target has AMX-INT8)."""
+    """The instructions a matmul kernel is built on, chosen by `pack` from the target: the integer
+    dot product of an `a8` kernel (and by the entry point's rows, `amx` for prefill and score where
+    the target has AMX-INT8), or on CUDA, tensor cores for the float-row prefill and score GEMMs."""
 
     AMX = "amx"  # AMX-INT8 tiles for blocks of 16 rows, VNNI-512 for the rest
     VNNI512 = "vnni512"  # AVX-512 VNNI vpdpbusd on 512-bit vectors
     VNNI256 = "vnni256"  # AVX-VNNI vpdpbusd on 256-bit vectors
     AVX2 = "avx2"  # pmaddubsw + pmaddwd
     GENERIC = "generic"  # plain widening multiplies, any target
+    MMA_F16 = "mma_f16"  # CUDA tensor cores, mma.sync m16n8k16 f16 → f32 (float rows; prefill and score)
 
 
 @irdl_attr_definition

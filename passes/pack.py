@@ -14,7 +14,8 @@ of entry points of 16 rows or more (prefill, score) get `isa amx`: tiles for who
 over 32-value blocks (q6_k's 16-value scales keep VNNI).
 
 On a CUDA target every integer weight takes the `split` layout: a lane reads one 4-byte
-word of codes, a warp 128 consecutive bytes (`backends/cuda/weights.py`).
+word of codes, a warp 128 consecutive bytes (`backends/cuda/weights.py`); the matmuls of
+prefill and score (16 rows or more) get `isa mma_f16`: tensor-core GEMMs.
 
 ```mlir
 %wq = tgt.weight @blk.0.attn_q : !tgt.weight<576x576, q4_1, stored>     // before
@@ -37,6 +38,7 @@ from llmc.passes.base import LlmcPass
 from llmc.passes.quantize import module_target
 
 AMX_MIN_ROWS = 16  # entry points of at least this many rows get AMX tiles (one tile of rows)
+MMA_MIN_ROWS = 16  # CUDA entry points of at least this many rows get tensor-core GEMMs
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class PackPass(LlmcPass):
     def run(self, ctx: Context, module: ModuleOp) -> None:
         target = module_target(module)
         if target.kind.data == "cuda":
-            self._pack_for_cuda(module)
+            self._pack_for_cuda(module, target)
             return
         if target.kind.data != "cpu":
             raise LlmcError(f"pack: no layouts for target '{target.kind.data}'")
@@ -69,15 +71,25 @@ class PackPass(LlmcPass):
                         and all(supports(w.storage) for w in _matrices(op))
                     op.isa = tgt.IsaAttr(tgt.Isa.AMX if tiles else isa)
 
-    def _pack_for_cuda(self, module: ModuleOp) -> None:
+    def _pack_for_cuda(self, module: ModuleOp, target: tgt.TargetAttr) -> None:
         """Every integer weight in the `split` layout: a lane reads one 4-byte word of codes, a warp
-        128 consecutive bytes (`backends/cuda/weights.py`); the kernels take float rows (no isa)."""
+        128 consecutive bytes (`backends/cuda/weights.py`). The kernels take float rows; those of entry
+        points of 16 rows or more (prefill, score) run on tensor cores (`isa mma_f16`), the rest are GEMVs."""
         for function in self.functions(module):
             for op in function.body.block.ops:
                 if isinstance(op, tgt.Kernel) and any(tgt.is_quantized(v) for _, v in op.abi()):
                     raise LlmcError(f"pack: {op.name} reads or writes quantized rows; CUDA kernels take float "
                                     f"rows (compile without --compute a8)")
         self._relayout(module, self._layouts(module, tgt.Isa.GENERIC))
+        if not target.has("mma.m16n8k16.f16"):
+            return
+        for function in self.functions(module):
+            rows = function.attributes.get("tgt.max_tokens")
+            if rows is None or rows.value.data < MMA_MIN_ROWS:
+                continue
+            for op in function.body.block.ops:
+                if isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and getattr(op, "last_row", None) is None:
+                    op.isa = tgt.IsaAttr(tgt.Isa.MMA_F16)
 
     def _relayout(self, module: ModuleOp, layouts: dict[str, Layout]) -> None:
         for function in self.functions(module):

@@ -213,8 +213,6 @@ def test_unknown_schema_is_refused(artifact, tmp_path) -> None:
 
 def test_compile_cli_options(tiny, tmp_path, capsys) -> None:
     model = str(tiny(SPECS["gqa"], "gguf"))
-    assert main(["compile", model, "--target", "cuda"]) == 2
-    assert "not built yet" in capsys.readouterr().err
     assert main(["compile", model, "--compile-to", "lower", "--prefill-chunk", "4", "--max-seq", "32"]) == 0
     captured = capsys.readouterr()
     assert 'llm.phase = "lower"' in captured.out and "tgt.attention" in captured.out

@@ -111,21 +111,36 @@ def test_emulated_kv_types_match_the_interpreter_with_that_cache(tiny, cuda_arti
     _close(logits, forward_logits(module, model.weights, TOKENS, cache=KVCache.zeros(shape, kv_type)))
 
 
-@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
-def test_emulated_score_and_decode_agree(cuda_artifact, spec: TinySpec) -> None:
-    """`score` (prefill attention, one block per head) equals decode step by step (positions split over
-    blocks and merged): prefill(n) + decode(k) = prefill(n + k)."""
+MMA_TOLERANCE = 2e-3  # of the logit scale: tensor-core GEMMs multiply f16 operands (f32 sums)
+
+
+def _close_f16(actual: np.ndarray, expected: np.ndarray) -> None:
+    assert np.abs(actual - expected).max() <= MMA_TOLERANCE * np.abs(expected).max()
+    cos = (actual * expected).sum(-1) / np.linalg.norm(actual, axis=-1) / np.linalg.norm(expected, axis=-1)
+    assert cos.min() >= 0.9999
+    assert (actual.argmax(-1) == expected.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("spec", [*SPECS.values(), QSPECS["k-quants"], QSPECS["mixed"]],
+                         ids=[*SPECS.keys(), "k-quants", "mixed"])
+def test_emulated_tensor_core_prefill_matches(tiny, cuda_artifact, spec: TinySpec) -> None:
+    """With 16-row chunks, prefill and score run on tensor cores (`isa mma_f16`: mma.sync fragments on
+    the emulator): every row's logits against the quantize stage, and against decode step by step
+    (GEMVs; positions split over blocks and merged): prefill(n) + decode(k) = prefill(n + k)."""
+    directory, _ = cuda_artifact(spec, chunk=16)
+    assert any(launch["kernel"].endswith("_mma") for launch in load_manifest(directory).entry_points["score"]["launches"])
     session = _session(cuda_artifact, spec, chunk=16)
-    stepwise = _teacher_forced(session)
-    session.reset()
     whole = session.score(TOKENS)
-    assert np.abs(stepwise - whole).max() <= 1e-4 * np.abs(whole).max()
+    _close_f16(whole, _stage_logits(tiny, spec, TOKENS, compute="a32"))
+    session.reset()
+    stepwise = _teacher_forced(session)
+    _close_f16(stepwise, whole)
 
 
 def test_every_kernel_kind_is_checked_on_the_emulator(cuda_artifact) -> None:
     """The configurations above launch a kernel of every op the CUDA backend emits: none goes unchecked."""
     launched: Counter[str] = Counter()
-    configs = [(SPECS["gqa"], {"group": False}), (SPECS["qwen2-bias-untied-odd-heads"], {})]
+    configs = [(SPECS["gqa"], {"group": False}), (SPECS["qwen2-bias-untied-odd-heads"], {"chunk": 16})]
     for spec, options in configs:
         session = _session(cuda_artifact, spec, **options)
         _teacher_forced(session)
@@ -136,6 +151,7 @@ def test_every_kernel_kind_is_checked_on_the_emulator(cuda_artifact) -> None:
         assert any(name.startswith(kind + "_") for name in launched), f"no emulated launch of a {kind} kernel"
     for suffix in ("_store", "_attend", "_merge"):  # attention's three kernels: decode splits and merges
         assert any(name.endswith(suffix) for name in launched)
+    assert any(name.endswith("_mma") for name in launched)  # the tensor-core GEMM
 
 
 # PTX, ptxas, launch plans -------------------------------------------------------------------
@@ -188,7 +204,8 @@ def test_compile_to_lower_shows_the_cuda_choices(tiny, capsys) -> None:
     assert main(["compile", path, "--target", "cuda", "--gpu", "sm_90", "--compile-to", "lower"]) == 0
     ir = capsys.readouterr().out
     assert '#tgt.target<cuda, "nvptx64", "sm_90"' in ir
-    assert "q4_1, split>" in ir and "tiles>" not in ir and "isa" not in ir  # split layout, a32 kernels
+    assert "q4_1, split>" in ir and "tiles>" not in ir  # the split layout, a32 kernels
+    assert "isa mma_f16" in ir and "isa vnni" not in ir  # prefill and score matmuls on tensor cores
     assert "!tgt.qrows" not in ir
 
 

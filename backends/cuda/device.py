@@ -82,6 +82,10 @@ class _Device:
         return total
 
 
+_HALF2 = ir.VectorType(ir.HalfType(), 2)
+MMA_SHAPE = (16, 8, 16)  # m, n, k of one mma.sync: A 16×16 and B 16×8 in f16, C and D 16×8 in f32
+
+
 class Ptx(_Device):
     """For the GPU: NVVM intrinsics, `ptx_kernel` functions, shared memory in `addrspace(3)`."""
 
@@ -110,6 +114,15 @@ class Ptx(_Device):
         name = "llvm.nvvm.shfl.sync.bfly.f32"
         fn = f.module.globals.get(name) or ir.Function(f.module, ir.FunctionType(F32, [I32, F32, I32, I32]), name=name)
         return f.b.call(fn, [ir.Constant(I32, 0xFFFFFFFF), value, ir.Constant(I32, mask), ir.Constant(I32, 0x1F)])
+
+    def mma_f16(self, f: KernelBuilder, a: list[ir.Value], b: list[ir.Value], c: list[ir.Value]) -> list[ir.Value]:
+        """`D = A·B + C` of one warp (`mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`): `a` four and
+        `b` two i32 registers of f16 pairs, `c` four floats, in the PTX fragment layout."""
+        name = "llvm.nvvm.mma.m16n8k16.row.col.f32.f32"
+        ty = ir.FunctionType(ir.LiteralStructType([F32] * 4), [_HALF2] * 6 + [F32] * 4)
+        fn = f.module.globals.get(name) or ir.Function(f.module, ty, name=name)
+        d = f.b.call(fn, [f.b.bitcast(r, _HALF2) for r in (*a, *b)] + list(c))
+        return [f.b.extract_value(d, i) for i in range(4)]
 
     def shared(self, f: KernelBuilder, name: str, count: int) -> ir.Value:
         g = _global(f, name, count, addrspace=3)
@@ -145,6 +158,16 @@ class Emulated(_Device):
         name = "emu_shfl_xor_f32"
         fn = f.module.globals.get(name) or ir.Function(f.module, ir.FunctionType(F32, [F32, I32]), name=name)
         return f.b.call(fn, [value, ir.Constant(I32, mask)])
+
+    def mma_f16(self, f: KernelBuilder, a: list[ir.Value], b: list[ir.Value], c: list[ir.Value]) -> list[ir.Value]:
+        name = "emu_mma_f16"
+        ty = ir.FunctionType(VOID, [I32] * 6 + [ir.PointerType(F32)])
+        fn = f.module.globals.get(name) or ir.Function(f.module, ty, name=name)
+        slots = f.alloca(F32, 4, name="mma_c")
+        for i, v in enumerate(c):
+            f.store(v, slots, i)
+        f.b.call(fn, [*a, *b, slots])
+        return [f.load(slots, i) for i in range(4)]
 
     def shared(self, f: KernelBuilder, name: str, count: int) -> ir.Value:
         return f.b.bitcast(_global(f, name, count, addrspace=0), ir.PointerType(F32))

@@ -103,6 +103,57 @@ float emu_shfl_xor_f32(float value, int mask) {
     return got;
 }
 
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else {  /* subnormal: normalise */
+            exp = 113;
+            while (!(man & 1024)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 1023) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7F800000u | (man << 13);
+    else bits = sign | ((exp + 112) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static uint32_t mma_a[MAX_THREADS][4], mma_b[MAX_THREADS][2];
+
+static float half_of(uint32_t reg, int high) { return half_to_float((uint16_t)(high ? reg >> 16 : reg)); }
+
+/* mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 across the warp: each lane gives its fragments
+ * (PTX ISA layout: groupID = lane / 4, t = lane % 4; A regs (row g | g+8, col 2t | 2t+8, pairs),
+ * B regs (k 2t | 2t+8, pairs; n g), C/D (row g | g+8, col 2t, 2t+1)) and gets its part of
+ * D = A·B + C, summed in f32 in k order. */
+void emu_mma_f16(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1, float *c) {
+    int warp = current / 32, lane = current % 32;
+    mma_a[current][0] = a0; mma_a[current][1] = a1; mma_a[current][2] = a2; mma_a[current][3] = a3;
+    mma_b[current][0] = b0; mma_b[current][1] = b1;
+    meet(warp);
+    float A[16][16], B[16][8];
+    for (int l = 0; l < 32; l++) {
+        int g = l / 4, t = l % 4, src = warp * 32 + l;
+        for (int i = 0; i < 2; i++) {
+            A[g][2 * t + i] = half_of(mma_a[src][0], i);
+            A[g + 8][2 * t + i] = half_of(mma_a[src][1], i);
+            A[g][2 * t + 8 + i] = half_of(mma_a[src][2], i);
+            A[g + 8][2 * t + 8 + i] = half_of(mma_a[src][3], i);
+            B[2 * t + i][g] = half_of(mma_b[src][0], i);
+            B[2 * t + 8 + i][g] = half_of(mma_b[src][1], i);
+        }
+    }
+    meet(warp);
+    int g = lane / 4, t = lane % 4;
+    for (int r = 0; r < 2; r++)
+        for (int i = 0; i < 2; i++) {
+            float acc = c[2 * r + i];
+            for (int k = 0; k < 16; k++) acc += A[g + 8 * r][k] * B[k][2 * t + i];
+            c[2 * r + i] = acc;
+        }
+}
+
 /* Run `fn` over the grid; returns 0, or -1 if the block is too large, -2 on a deadlock. */
 int emu_launch(entry_fn fn, void **params, int gx, int gy, int gz, int bx, int by, int bz) {
     threads = bx * by * bz;

@@ -177,8 +177,6 @@ def _gemv(e: _Emit) -> list[Launch]:
     n, k = tgt.dims(weight_values[0])
     last = getattr(op, "last_row", None) is not None
     tile = 1 if last else min(ROW_TILE, e.rows)
-    _float_rows(op, "x", op.x)
-    _float_rows(op, "out", op.out)
 
     def body(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
         b = f.b
@@ -234,6 +232,127 @@ def _gemv(e: _Emit) -> list[Launch]:
 
     grid = (-(-n // WARPS), 1 if last else PerRows(tile), 1)
     return [e.kernel("", body, grid)]
+
+
+# ---------------------------------------------------------------------- GEMM on tensor cores
+
+MMA_ROWS, MMA_COLS, MMA_K = 32, 64, 64  # a block's tile: rows × output features, K per step
+_PAD = MMA_K + 8  # halves per row of a shared-memory tile (a stagger against bank conflicts)
+
+
+def _gemm_mma(e: _Emit) -> list[Launch]:
+    """Prefill matmul / SwiGLU on tensor cores: a block computes 32 rows × 64 features; per 64-wide K step
+    the threads stage x (times the norm weight) and the dequantized weights as f16 tiles in shared
+    memory, then each warp (2 × 2 of them, 16 rows × 32 features each) runs 4 k16 steps of
+    `mma.sync.m16n8k16` (f16 → f32) over its 4 n8 tiles. RMSNorm's 1/rms, bias, residual add and
+    SwiGLU are applied to the f32 accumulators."""
+    op, dev = e.op, e.dev
+    swiglu = isinstance(op, tgt.SwigluOp)
+    weight_values = [op.gate, op.up] if swiglu else [op.weight]
+    n, k = tgt.dims(weight_values[0])
+    steps = -(-k // MMA_K)
+    h16 = F16.as_pointer()
+
+    def body(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
+        b = f.b
+        x, out, rows = _fptr(f, a["x"]), _fptr(f, a["out"]), a["rows"]
+        weights = [WeightRows(f, a[name], v.type) for name, v in op.abi() if v in weight_values]
+        tid = dev.tid(f)
+        lane, warp = b.urem(tid, f.i64(WARP)), b.udiv(tid, f.i64(WARP))
+        wm, wn = b.udiv(warp, f.i64(2)), b.urem(warp, f.i64(2))
+        group, quad = b.udiv(lane, f.i64(4)), b.urem(lane, f.i64(4))
+        n0, t0 = f.mul(dev.ctaid(f, "x"), MMA_COLS), f.mul(dev.ctaid(f, "y"), MMA_ROWS)
+        a_s = b.bitcast(dev.shared(f, "a", MMA_ROWS * _PAD // 2), h16)
+        b_s = [b.bitcast(dev.shared(f, f"b{i}", MMA_COLS * _PAD // 2), h16) for i in range(len(weights))]
+        norm = a.get("norm")
+        if norm is not None:
+            g = _fptr(f, norm)
+            inv_s = dev.shared(f, "inv", MMA_ROWS)
+            for r in range(MMA_ROWS // WARPS):
+                row = f.add(f.mul(warp, MMA_ROWS // WARPS), r)
+                xr = b.gep(x, [f.mul(f.smin(f.add(t0, row), f.sub(rows, 1)), k)])
+                inv = _inv_rms(f, dev, xr, k, op.eps.value.data, lane, WARP, dev.warp_sum)
+                with f.when(b.icmp_unsigned("==", lane, f.i64(0))):
+                    f.store(inv, inv_s, row)
+        accs = [[[f.alloca(F32, name=f"c{w}_{j}_{i}") for i in range(4)] for j in range(4)] for w in range(len(weights))]
+        for per_weight in accs:
+            for tile in per_weight:
+                for acc in tile:
+                    b.store(f.f32(0.0), acc)
+
+        def pair(base: ir.Value, index: ir.Value) -> ir.Value:  # two f16 of a tile as one i32 register
+            return b.load(b.bitcast(b.gep(base, [index]), I32.as_pointer()), align=4)
+
+        with _strided(f, f.i64(0), steps, 1, "ks") as step:
+            k0 = f.mul(step, MMA_K)
+            for i in range(MMA_ROWS * MMA_K // THREADS):  # x (× norm weight) → f16
+                idx = f.add(tid, THREADS * i)
+                r, c = b.udiv(idx, f.i64(MMA_K)), b.urem(idx, f.i64(MMA_K))
+                kk, t = f.add(k0, c), f.add(t0, r)
+                inside = b.and_(_lt(f, kk, k), _lt(f, t, rows))
+                kk_safe = f.smin(kk, k - 1)
+                v = f.load(x, f.add(f.mul(f.smin(t, f.sub(rows, 1)), k), kk_safe))
+                if norm is not None:
+                    v = f.fmul(v, f.load(g, kk_safe))
+                b.store(b.fptrunc(b.select(inside, v, f.f32(0.0)), F16), b.gep(a_s, [f.add(f.mul(r, _PAD), c)]))
+            for w, weight in enumerate(weights):  # weights dequantized → f16, [feature][k]
+                per_step = MMA_K // weight.per_unit
+                for i in range(MMA_COLS * per_step // THREADS):
+                    idx = f.add(tid, THREADS * i)
+                    feature, j = b.udiv(idx, f.i64(per_step)), b.urem(idx, f.i64(per_step))
+                    row = f.smin(f.add(n0, feature), n - 1)
+                    u = f.add(f.mul(step, per_step), j)
+                    clamp = weight.storage.is_float and k % MMA_K != 0
+                    for kk, value in weight.unit(row, f.smin(u, k - 1) if clamp else u):
+                        if clamp:
+                            kk, value = u, b.select(_lt(f, u, k), value, f.f32(0.0))
+                        at = f.add(f.mul(feature, _PAD), f.sub(kk, k0))
+                        b.store(b.fptrunc(value, F16), b.gep(b_s[w], [at]))
+            dev.barrier(f)
+            for sub in range(MMA_K // 16):
+                col = f.add(f.mul(quad, 2), sub * 16)
+                a_row = f.add(f.mul(wm, 16), group)
+                regs = [pair(a_s, f.add(f.mul(f.add(a_row, 8 * (i % 2)), _PAD), f.add(col, 8 * (i // 2))))
+                        for i in range(4)]
+                for w in range(len(weights)):
+                    for j in range(4):
+                        feature = f.add(f.add(f.mul(wn, 32), 8 * j), group)
+                        bregs = [pair(b_s[w], f.add(f.mul(feature, _PAD), f.add(col, 8 * i))) for i in range(2)]
+                        tile = accs[w][j]
+                        d = dev.mma_f16(f, regs, bregs, [b.load(acc) for acc in tile])
+                        for acc, v in zip(tile, d):
+                            b.store(v, acc)
+            dev.barrier(f)
+        for j in range(4):
+            for i in range(4):
+                r = f.add(f.add(f.mul(wm, 16), group), 8 * (i // 2))
+                feature = f.add(f.add(n0, f.add(f.mul(wn, 32), 8 * j)), f.add(f.mul(quad, 2), i % 2))
+                t = f.add(t0, r)
+                with f.when(b.and_(_lt(f, t, rows), _lt(f, feature, n))):
+                    totals = [b.load(accs[w][j][i]) for w in range(len(weights))]
+                    if norm is not None:
+                        totals = [f.fmul(v, f.load(inv_s, r)) for v in totals]
+                    dest = f.add(f.mul(t, n), feature)
+                    if swiglu:
+                        value = f.fmul(f.silu(totals[0]), totals[1])
+                    else:
+                        value = totals[0]
+                        if a.get("bias") is not None:
+                            value = f.fadd(value, f.load(_fptr(f, a["bias"]), feature))
+                        if op.accumulate is not None:
+                            value = f.fadd(value, f.load(out, dest))
+                    f.store(value, out, dest)
+
+    return [e.kernel("_mma", body, (-(-n // MMA_COLS), PerRows(MMA_ROWS), 1))]
+
+
+def _matmul(e: _Emit) -> list[Launch]:
+    """GEMV, or GEMM on tensor cores where `pack` chose them (`isa mma_f16`)."""
+    _float_rows(e.op, "x", e.op.x)
+    _float_rows(e.op, "out", e.op.out)
+    if e.op.isa is not None and e.op.isa.data is tgt.Isa.MMA_F16:
+        return _gemm_mma(e)
+    return _gemv(e)
 
 
 # ---------------------------------------------------------------------- row kernels
@@ -487,8 +606,8 @@ def _attention(e: _Emit) -> list[Launch]:
 
 
 _EMITTERS: dict[type, Callable[[_Emit], list[Launch]]] = {
-    tgt.MatmulOp: _gemv,
-    tgt.SwigluOp: _gemv,
+    tgt.MatmulOp: _matmul,
+    tgt.SwigluOp: _matmul,
     tgt.EmbeddingOp: _embedding,
     tgt.RMSNormOp: _rms_norm,
     tgt.RopeOp: _rope,

@@ -170,17 +170,36 @@ def _column(f: KernelBuilder, dev) -> ir.Value:
 # ---------------------------------------------------------------------- GEMV: matmul, swiglu
 
 
+def _matrices(op: tgt.Kernel) -> list:
+    """The weight matrices of a matmul (one) or of SwiGLU (gate, up)."""
+    return [op.gate, op.up] if isinstance(op, tgt.SwigluOp) else [op.weight]
+
+
+def _epilogue(f: KernelBuilder, op: tgt.Kernel, a: dict[str, ir.Value], totals: list[ir.Value], dest: ir.Value,
+              feature: ir.Value) -> None:
+    """Store one output of a matmul (`+ bias`, `+=` with `accumulate`) or of SwiGLU (`silu(gate) · up`)."""
+    out = _fptr(f, a["out"])
+    if isinstance(op, tgt.SwigluOp):
+        value = f.fmul(f.silu(totals[0]), totals[1])
+    else:
+        value = totals[0]
+        if a.get("bias") is not None:
+            value = f.fadd(value, f.load(_fptr(f, a["bias"]), feature))
+        if op.accumulate is not None:
+            value = f.fadd(value, f.load(out, dest))
+    f.store(value, out, dest)
+
+
 def _gemv(e: _Emit) -> list[Launch]:
     op, dev = e.op, e.dev
-    swiglu = isinstance(op, tgt.SwigluOp)
-    weight_values = [op.gate, op.up] if swiglu else [op.weight]
+    weight_values = _matrices(op)
     n, k = tgt.dims(weight_values[0])
     last = getattr(op, "last_row", None) is not None
     tile = 1 if last else min(ROW_TILE, e.rows)
 
     def body(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
         b = f.b
-        x, out, rows = _fptr(f, a["x"]), _fptr(f, a["out"]), a["rows"]
+        x, rows = _fptr(f, a["x"]), a["rows"]
         weights = [WeightRows(f, a[name], v.type) for name, v in op.abi() if v in weight_values]
         tid = dev.tid(f)
         lane, warp = b.urem(tid, f.i64(WARP)), b.udiv(tid, f.i64(WARP))
@@ -219,16 +238,7 @@ def _gemv(e: _Emit) -> list[Launch]:
                 if inv[r] is not None:
                     totals = [f.fmul(t, inv[r]) for t in totals]
                 with f.when(b.and_(b.icmp_unsigned("==", lane, f.i64(0)), _lt(f, f.add(first, r), rows))):
-                    dest = j if last else f.add(f.mul(f.add(first, r), n), j)
-                    if swiglu:
-                        value = f.fmul(f.silu(totals[0]), totals[1])
-                    else:
-                        value = totals[0]
-                        if a.get("bias") is not None:
-                            value = f.fadd(value, f.load(_fptr(f, a["bias"]), j))
-                        if op.accumulate is not None:
-                            value = f.fadd(value, f.load(out, dest))
-                    f.store(value, out, dest)
+                    _epilogue(f, op, a, totals, j if last else f.add(f.mul(f.add(first, r), n), j), j)
 
     grid = (-(-n // WARPS), 1 if last else PerRows(tile), 1)
     return [e.kernel("", body, grid)]
@@ -247,15 +257,14 @@ def _gemm_mma(e: _Emit) -> list[Launch]:
     `mma.sync.m16n8k16` (f16 → f32) over its 4 n8 tiles. RMSNorm's 1/rms, bias, residual add and
     SwiGLU are applied to the f32 accumulators."""
     op, dev = e.op, e.dev
-    swiglu = isinstance(op, tgt.SwigluOp)
-    weight_values = [op.gate, op.up] if swiglu else [op.weight]
+    weight_values = _matrices(op)
     n, k = tgt.dims(weight_values[0])
     steps = -(-k // MMA_K)
     h16 = F16.as_pointer()
 
     def body(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
         b = f.b
-        x, out, rows = _fptr(f, a["x"]), _fptr(f, a["out"]), a["rows"]
+        x, rows = _fptr(f, a["x"]), a["rows"]
         weights = [WeightRows(f, a[name], v.type) for name, v in op.abi() if v in weight_values]
         tid = dev.tid(f)
         lane, warp = b.urem(tid, f.i64(WARP)), b.udiv(tid, f.i64(WARP))
@@ -332,16 +341,7 @@ def _gemm_mma(e: _Emit) -> list[Launch]:
                     totals = [b.load(accs[w][j][i]) for w in range(len(weights))]
                     if norm is not None:
                         totals = [f.fmul(v, f.load(inv_s, r)) for v in totals]
-                    dest = f.add(f.mul(t, n), feature)
-                    if swiglu:
-                        value = f.fmul(f.silu(totals[0]), totals[1])
-                    else:
-                        value = totals[0]
-                        if a.get("bias") is not None:
-                            value = f.fadd(value, f.load(_fptr(f, a["bias"]), feature))
-                        if op.accumulate is not None:
-                            value = f.fadd(value, f.load(out, dest))
-                    f.store(value, out, dest)
+                    _epilogue(f, op, a, totals, f.add(f.mul(t, n), feature), feature)
 
     return [e.kernel("_mma", body, (-(-n // MMA_COLS), PerRows(MMA_ROWS), 1))]
 

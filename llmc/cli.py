@@ -219,8 +219,8 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq", type=_positive, metavar="N",
                    help="KV cache capacity in tokens (default: the model's context length, at most 4096)")
     p.add_argument("--prefill-chunk", type=_positive, metavar="N",
-                   help="most tokens one prefill call takes; longer prompts go in chunks (default: 128, "
-                        "at most --max-seq)")
+                   help="most tokens one prefill call takes; longer prompts go in chunks (default: 128, 512 "
+                        "for --target cuda; at most --max-seq)")
 
 
 def _default_output(model: str) -> Path:

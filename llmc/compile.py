@@ -147,6 +147,7 @@ def build_cuda_artifact(module: ModuleOp, model: Model, out: Path, backend: Back
     assert isinstance(target, tgt.TargetAttr)
     layout = weight_layout(module)
     llvm_module, plans = emit_module(module, layout.offsets)
+    argmax = plans.pop("argmax")[0]
     text = ptx(llvm_module, target).encode()
     clear_directory(out)
     kernels = out / content_name("kernels", text, ".ptx")
@@ -167,7 +168,7 @@ def build_cuda_artifact(module: ModuleOp, model: Model, out: Path, backend: Back
     progress(f"{'codegen':<10} {time.perf_counter() - start:6.2f} s   {kernels.name} (cuda {target.cpu.data}, "
              f"{sum(not fn.is_declaration for fn in llvm_module.functions)} kernels; {'; '.join(notes)}; launches per decode: {launches['decode']})")
     facts = {"target": "cuda", "gpu": {"arch": target.cpu.data, "features": sorted(target.features),
-                                       "cubins": cubins}, "files": files}
+                                       "cubins": cubins, "argmax": argmax}, "files": files}
     entries = {stage: {"launches": plan} for stage, plan in plans.items()}
     return _package(out, module, model, layout, facts, entries, compile_options, progress)
 

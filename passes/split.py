@@ -31,12 +31,13 @@ from xdsl.dialects.builtin import DYNAMIC_INDEX, IntegerAttr, ModuleOp, StringAt
 from xdsl.ir import Attribute, Block, Region, SSAValue
 
 from llmc.errors import UsageError
-from llmc.ir import find_function, llm
+from llmc.ir import find_function, llm, tgt
 from llmc.passes.base import LlmcPass
 
 STAGES = ("prefill", "prefill_kv", "decode", "score")
 DEFAULT_MAX_SEQ_CAP = 4096
 DEFAULT_PREFILL_CHUNK = 128
+DEFAULT_PREFILL_CHUNK_GPU = 512  # a GPU fills its SMs with more rows, and a chunk is one graph replay
 
 
 def retyped(function: func.FuncOp, name: str, subst: Callable[[Attribute], Attribute]) -> func.FuncOp:
@@ -86,7 +87,7 @@ class SplitPass(LlmcPass):
     name = "split"
     requires_phase = "quantize"
 
-    prefill_chunk: int = 0  # 0: DEFAULT_PREFILL_CHUNK, at most max_seq
+    prefill_chunk: int = 0  # 0: DEFAULT_PREFILL_CHUNK (on a GPU, DEFAULT_PREFILL_CHUNK_GPU), at most max_seq
     max_seq: int = 0  # 0: the model's context length, capped at DEFAULT_MAX_SEQ_CAP
     kv_type: str = "f32"  # the cache's element type: f32, f16 or q8_0
 
@@ -98,7 +99,9 @@ class SplitPass(LlmcPass):
         max_seq = self.max_seq or min(context_length, DEFAULT_MAX_SEQ_CAP)
         if not 1 <= max_seq <= context_length:
             raise UsageError(f"--max-seq must be in 1..{context_length} (the model's context length), got {max_seq}")
-        chunk = self.prefill_chunk or min(DEFAULT_PREFILL_CHUNK, max_seq)
+        target = module.attributes.get(tgt.TARGET)
+        gpu = isinstance(target, tgt.TargetAttr) and target.kind.data == "cuda"
+        chunk = self.prefill_chunk or min(DEFAULT_PREFILL_CHUNK_GPU if gpu else DEFAULT_PREFILL_CHUNK, max_seq)
         if not 1 <= chunk <= max_seq:
             raise UsageError(f"--prefill-chunk must be in 1..{max_seq} (--max-seq), got {chunk}")
         if self.kv_type not in llm.KV_TYPES:

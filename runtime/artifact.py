@@ -132,6 +132,8 @@ def _check_schema(path: Path, data: dict) -> None:
         if not cpu and not all(isinstance(arch, str) and role in data["files"]
                                for arch, role in data["gpu"]["cubins"].items()):
             raise ValueError("gpu.cubins must name files of the artifact")
+        if not cpu:
+            _check_launches("argmax", [data["gpu"]["argmax"]], data["files"])
     except (KeyError, TypeError, ValueError) as e:
         detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
         raise ArtifactError(f"{path}: malformed manifest ({detail}); recompile") from e
@@ -146,7 +148,7 @@ def _check_cpu_entry(name: str, entry: dict) -> None:
                          f"{', '.join(ARGUMENTS)}")
 
 
-_LAUNCH_ARGUMENTS = ("tokens", "positions", "k_cache", "v_cache", "logits")
+_LAUNCH_ARGUMENTS = ("tokens", "positions", "k_cache", "v_cache", "logits", "token")
 _MAX_GRID = 1 << 31
 
 
@@ -162,6 +164,8 @@ def _check_launches(name: str, launches: object, files: dict) -> None:
             return False
         if set(a) == {"n"}:
             return a["n"] is True
+        if set(a) == {"count"}:
+            return type(a["count"]) is int and 0 < a["count"] < _MAX_BYTES
         if set(a) in ({"arena"}, {"weights"}):
             return type(next(iter(a.values()))) is int and 0 <= next(iter(a.values())) < _MAX_BYTES
         return (set(a) == {"argument", "offset"} and a["argument"] in _LAUNCH_ARGUMENTS

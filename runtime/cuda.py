@@ -3,8 +3,9 @@
 `CudaSession` is a `Conversation` whose entry points are the manifest's launch
 plans (`backends/cuda/codegen.py`): each launch's arguments are resolved by role to
 device addresses once per entry point and row count, then launched in order on one
-stream. Decode is captured once into a CUDA graph and replayed per token; the token
-and its position are copied into device memory before each replay. Sampling happens on
+stream. Each entry point's launches for a row count are captured once into a CUDA graph
+and replayed (decode per token, prefill per chunk); the tokens and their positions are
+copied into device memory before each replay. Sampling happens on
 the host from the downloaded logits.
 
 The device is anything with `Device`'s methods: `Driver` (the CUDA driver API through
@@ -49,6 +50,7 @@ class Device(Protocol):
     def synchronize(self) -> None: ...
     def capture(self, launches) -> object: ...
     def replay(self, graph: object) -> None: ...
+    def destroy(self, graph: object) -> None: ...
     def close(self) -> None: ...
 
 
@@ -144,6 +146,9 @@ class Driver:
     def replay(self, graph) -> None:
         _check(self.cu.cuGraphLaunch(graph, self.stream))
 
+    def destroy(self, graph) -> None:
+        _check(self.cu.cuGraphExecDestroy(graph))
+
     def close(self) -> None:
         self.synchronize()
         for ptr in self._allocations:
@@ -151,6 +156,9 @@ class Driver:
         for module in self._modules:
             self.cu.cuModuleUnload(module)
         self._allocations, self._modules = [], []
+
+
+MAX_GRAPHS = 16  # captured (entry point, rows) pairs kept: decode, full chunks and a few remainders
 
 
 def _grid(dims: list, n: int) -> tuple[int, int, int]:
@@ -177,19 +185,26 @@ class CudaSession(Conversation):
             "k_cache": dev.alloc(kv_bytes), "v_cache": dev.alloc(kv_bytes),
             "tokens": dev.alloc(self.tokens.nbytes), "positions": dev.alloc(self.positions.nbytes),
             "logits": dev.alloc(int(np.prod(manifest.entry_points["score"]["logits"])) * 4),
+            "token": dev.alloc(4),
         }
         dev.upload(self.buffers["weights"], weights)
         names = {launch["kernel"] for entry in manifest.entry_points.values() for launch in entry["launches"]}
+        names.add(manifest.data["gpu"]["argmax"]["kernel"])
         self.kernels = dev.kernels(manifest, names)
         self._prepared: dict[tuple[str, int], list] = {}
-        self._decode_graph = None
+        self._graphs: dict[tuple[str, int], object] = {}  # (entry point, rows) → captured launches
 
     def close(self) -> None:
+        for graph in self._graphs.values():
+            self.device.destroy(graph)
+        self._graphs.clear()
         self.device.close()
 
     def _value(self, arg: dict, n: int):
         if "n" in arg:
             return ctypes.c_int64(n)
+        if "count" in arg:
+            return ctypes.c_int64(arg["count"])
         if "arena" in arg:
             return ctypes.c_void_p(self.buffers["arena"] + arg["arena"])
         if "weights" in arg:
@@ -210,20 +225,43 @@ class CudaSession(Conversation):
             self._prepared[key] = prepared
         return self._prepared[key]
 
-    def _call(self, entry: str, tokens: np.ndarray, logits: np.ndarray) -> None:
+    def _call(self, entry: str, tokens: np.ndarray, logits: np.ndarray | None) -> None:
+        """Run the entry point on `tokens`; download the logits into `logits` (None: leave them on the GPU)."""
         n = self._stage(tokens)
         dev = self.device
         dev.upload(self.buffers["tokens"], self.tokens)
         dev.upload(self.buffers["positions"], self.positions)
         launches = self._launches(entry, n)
-        if entry == "decode" and dev.graphs:
-            if self._decode_graph is None:
-                self._decode_graph = dev.capture(launches)
-            dev.replay(self._decode_graph)
+        if dev.graphs:
+            key = (entry, n)
+            if key not in self._graphs:
+                if len(self._graphs) >= MAX_GRAPHS:  # odd chunk sizes: forget the oldest
+                    dev.destroy(self._graphs.pop(next(iter(self._graphs))))
+                self._graphs[key] = dev.capture(launches)
+            dev.replay(self._graphs[key])
         else:
             for launch in launches:
                 dev.launch(*launch)
-        dev.download(self.buffers["logits"], logits)
+        if logits is not None:
+            dev.download(self.buffers["logits"], logits)
+
+    def greedy(self, tokens: list[int] | np.ndarray) -> int:
+        """`feed`, then the argmax of the last token's logits, taken on the GPU (4 bytes come back)."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        self._check(tokens)
+        self._feed(tokens, None)
+        return self._argmax()
+
+    def _argmax(self) -> int:
+        """The argmax of the logits on the device (row 0)."""
+        launch = self.manifest.data["gpu"]["argmax"]
+        values = [self._value(arg, 0) for arg in launch["args"]]
+        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        self.device.launch(self.kernels[launch["kernel"]], tuple(launch["grid"]), tuple(launch["block"]),
+                           launch["shared_bytes"], params)
+        token = np.zeros(1, np.int32)
+        self.device.download(self.buffers["token"], token)
+        return int(token[0])
 
     @property
     def bandwidth_probe(self) -> str:

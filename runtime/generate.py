@@ -6,25 +6,28 @@ from collections.abc import Callable, Iterator
 
 from llmc.runtime.codec import TextCodec
 from llmc.runtime.sampling import Sampler, SamplingOptions
-from llmc.runtime.session import CapacityError, Session
+from llmc.runtime.session import CapacityError, Conversation
 
 
-def generate(session: Session, codec: TextCodec, prompt_ids: list[int], max_tokens: int,
+def generate(session: Conversation, codec: TextCodec, prompt_ids: list[int], max_tokens: int,
              sampling: SamplingOptions) -> Iterator[int]:
     """Yield up to `max_tokens` new token ids, stopping after EOS (not yielded) or at capacity."""
     sampler = Sampler(sampling)
     if len(prompt_ids) >= session.capacity:
         raise CapacityError(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds {session.capacity}")
     session.reset()
-    logits = session.feed(prompt_ids)
+
+    def step(ids: list[int]) -> int:  # greedy: the session's argmax (on a GPU, where the logits are)
+        return session.greedy(ids) if sampler.greedy else sampler(session.feed(ids))
+
+    token = step(prompt_ids)
     for _ in range(max_tokens):
-        token = sampler(logits)
         if token == codec.eos_id:
             return
         yield token
         if session.position >= session.capacity:
             return
-        logits = session.feed([token])
+        token = step([token])
 
 
 def stream_text(codec: TextCodec, tokens: Iterator[int], write: Callable[[str], None]) -> list[int]:

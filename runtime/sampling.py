@@ -31,6 +31,11 @@ class Sampler:
         self.options = options
         self.rng = np.random.default_rng(options.seed)
 
+    @property
+    def greedy(self) -> bool:
+        """Whether every choice is the argmax (temperature 0, or top-k 1)."""
+        return self.options.temperature == 0 or self.options.top_k == 1
+
     def __call__(self, logits: np.ndarray) -> int:
         o = self.options
         if o.temperature == 0:

@@ -134,16 +134,23 @@ class Conversation:
         """Run `tokens` after the ones already fed; returns the last token's logits (a copy)."""
         tokens = np.asarray(tokens, dtype=np.int32)
         self._check(tokens)
+        self._feed(tokens, self.logits)
+        return self.logits[0].copy()
+
+    def greedy(self, tokens: list[int] | np.ndarray) -> int:
+        """`feed`, then the most likely next token (a target may take the argmax where the logits are)."""
+        return int(np.argmax(self.feed(tokens)))
+
+    def _feed(self, tokens: np.ndarray, logits: np.ndarray | None) -> None:
         if tokens.size == 1 and self.position > 0:
-            self._call("decode", tokens, self.logits)
+            self._call("decode", tokens, logits)
             self.position += 1
         else:
             for begin in range(0, tokens.size, self.chunk):
                 entry = "prefill" if self.position == 0 else "prefill_kv"
                 chunk = tokens[begin : begin + self.chunk]
-                self._call(entry, chunk, self.logits)
+                self._call(entry, chunk, logits)
                 self.position += chunk.size
-        return self.logits[0].copy()
 
     def score(self, tokens: list[int] | np.ndarray) -> np.ndarray:
         """Run `tokens` after the ones already fed; returns every token's logits `[T, vocab]`."""

@@ -154,6 +154,26 @@ def test_every_kernel_kind_is_checked_on_the_emulator(cuda_artifact) -> None:
     assert any(name.endswith("_mma") for name in launched)  # the tensor-core GEMM
 
 
+def test_greedy_decoding_takes_numpys_argmax_on_the_device(cuda_artifact) -> None:
+    """`llmc_argmax` over the logits (ties → the first index, as numpy) and greedy generation through it."""
+    session = _session(cuda_artifact, SPECS["gqa"])
+    vocab = session.vocab_size
+    rng = np.random.default_rng(0)
+    ties = rng.standard_normal(vocab).astype(np.float32)
+    ties[[7, 100, vocab - 1]] = ties.max() + 1
+    cases = [rng.standard_normal(vocab).astype(np.float32), ties, np.zeros(vocab, np.float32),
+             np.full(vocab, -np.inf, np.float32), -np.arange(vocab, dtype=np.float32)[::-1].copy()]
+    for logits in cases:
+        session.device.upload(session.buffers["logits"], logits)
+        assert session._argmax() == int(np.argmax(logits))
+    reference = _session(cuda_artifact, SPECS["gqa"])
+    got, want = [session.greedy(TOKENS[:5])], [int(np.argmax(reference.feed(TOKENS[:5])))]
+    for _ in range(5):
+        got.append(session.greedy([got[-1]]))
+        want.append(int(np.argmax(reference.feed([want[-1]]))))
+    assert got == want
+
+
 # PTX, ptxas, launch plans -------------------------------------------------------------------
 
 
@@ -173,7 +193,10 @@ def test_launch_plans_agree_with_the_kernel_signatures(cuda_artifact) -> None:
     for name, entry in manifest.entry_points.items():
         for launch in entry["launches"]:
             assert params[launch["kernel"]] == len(launch["args"]), (name, launch["kernel"])
-    assert set(params) == {launch["kernel"] for e in manifest.entry_points.values() for launch in e["launches"]}
+    argmax = manifest.data["gpu"]["argmax"]
+    assert params[argmax["kernel"]] == len(argmax["args"])
+    launched = {launch["kernel"] for e in manifest.entry_points.values() for launch in e["launches"]}
+    assert set(params) == launched | {argmax["kernel"]}
 
 
 @needs_ptxas

@@ -26,7 +26,7 @@ from xdsl.dialects.builtin import IndexType, ModuleOp, StringAttr
 from xdsl.ir import SSAValue
 
 from llmc.backends.cuda.device import Emulated, Ptx
-from llmc.backends.cuda.kernels import KernelLibrary, Launch, PerRows
+from llmc.backends.cuda.kernels import KernelLibrary, Launch, PerRows, argmax_kernel
 from llmc.errors import LlmcError
 from llmc.ir import tgt
 
@@ -77,9 +77,11 @@ def _launch_entry(launch: Launch, args: list[dict]) -> dict:
 def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int], emulated: bool = False
                 ) -> tuple[ir.Module, dict[str, list[dict]]]:
     """The LLVM module of every kernel the entry points launch, for the GPU (or, `emulated`,
-    for the CPU emulator), and each entry point's launch plan."""
+    for the CPU emulator), and each entry point's launch plan; `plans["argmax"]` is the
+    launch of greedy decoding's argmax over the logits (`{"argument": "token"}`: 4 bytes)."""
     llvm_module = ir.Module("llmc_cuda")
-    lib = KernelLibrary(llvm_module, Emulated() if emulated else Ptx())
+    device = Emulated() if emulated else Ptx()
+    lib = KernelLibrary(llvm_module, device)
     plans: dict[str, list[dict]] = {}
     for function in module.ops:
         if not isinstance(function, func.FuncOp):
@@ -91,4 +93,7 @@ def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int], emulated: b
         for op in function.body.block.ops:
             plan.emit(op)
         plans[stage.data] = plan.launches
+    vocab = tgt.dims(function.body.block.args[5])[1]  # the logits of any entry point
+    args = [{"argument": "logits", "offset": 0}, {"argument": "token", "offset": 0}, {"count": vocab}]
+    plans["argmax"] = [_launch_entry(argmax_kernel(llvm_module, device), args)]
     return llvm_module, plans

@@ -48,6 +48,9 @@ class _Device:
     def shfl_xor(self, f: KernelBuilder, value: ir.Value, mask: int) -> ir.Value:
         raise NotImplementedError
 
+    def shfl_xor_i32(self, f: KernelBuilder, value: ir.Value, mask: int) -> ir.Value:
+        raise NotImplementedError
+
     def shared(self, f: KernelBuilder, name: str, count: int) -> ir.Value:
         """A block's `float[count]` in shared memory, as a generic `float*`."""
         raise NotImplementedError
@@ -115,6 +118,11 @@ class Ptx(_Device):
         fn = f.module.globals.get(name) or ir.Function(f.module, ir.FunctionType(F32, [I32, F32, I32, I32]), name=name)
         return f.b.call(fn, [ir.Constant(I32, 0xFFFFFFFF), value, ir.Constant(I32, mask), ir.Constant(I32, 0x1F)])
 
+    def shfl_xor_i32(self, f: KernelBuilder, value: ir.Value, mask: int) -> ir.Value:
+        name = "llvm.nvvm.shfl.sync.bfly.i32"
+        fn = f.module.globals.get(name) or ir.Function(f.module, ir.FunctionType(I32, [I32] * 4), name=name)
+        return f.b.call(fn, [ir.Constant(I32, 0xFFFFFFFF), value, ir.Constant(I32, mask), ir.Constant(I32, 0x1F)])
+
     def mma_f16(self, f: KernelBuilder, a: list[ir.Value], b: list[ir.Value], c: list[ir.Value]) -> list[ir.Value]:
         """`D = A·B + C` of one warp (`mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`): `a` four and
         `b` two i32 registers of f16 pairs, `c` four floats, in the PTX fragment layout."""
@@ -157,6 +165,11 @@ class Emulated(_Device):
     def shfl_xor(self, f: KernelBuilder, value: ir.Value, mask: int) -> ir.Value:
         name = "emu_shfl_xor_f32"
         fn = f.module.globals.get(name) or ir.Function(f.module, ir.FunctionType(F32, [F32, I32]), name=name)
+        return f.b.call(fn, [value, ir.Constant(I32, mask)])
+
+    def shfl_xor_i32(self, f: KernelBuilder, value: ir.Value, mask: int) -> ir.Value:
+        name = "emu_shfl_xor_i32"
+        fn = f.module.globals.get(name) or ir.Function(f.module, ir.FunctionType(I32, [I32, I32]), name=name)
         return f.b.call(fn, [value, ir.Constant(I32, mask)])
 
     def mma_f16(self, f: KernelBuilder, a: list[ir.Value], b: list[ir.Value], c: list[ir.Value]) -> list[ir.Value]:

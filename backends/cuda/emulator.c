@@ -103,6 +103,14 @@ float emu_shfl_xor_f32(float value, int mask) {
     return got;
 }
 
+int emu_shfl_xor_i32(int value, int mask) {
+    float bits, got;
+    memcpy(&bits, &value, 4);
+    got = emu_shfl_xor_f32(bits, mask);
+    memcpy(&value, &got, 4);
+    return value;
+}
+
 static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, bits;
     if (exp == 0) {

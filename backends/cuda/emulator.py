@@ -81,5 +81,8 @@ class EmulatedDevice:
     def replay(self, graph) -> None:
         raise NotImplementedError("the emulator replays no graphs")
 
+    def destroy(self, graph) -> None:
+        raise NotImplementedError("the emulator replays no graphs")
+
     def close(self) -> None:
         self._memory.clear()

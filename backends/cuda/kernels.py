@@ -9,8 +9,10 @@ decided at launch from the entry point's `n`.
 
 | op | kernels | grid (x, y, z) | a thread block does |
 |---|---|---|---|
-| matmul, swiglu | `gemv` | (N / 4, rows / R) | 4 warps, one output feature each, for R rows; lanes stride K in 4-byte code words, dequantize in registers, sum by warp shuffles; fused RMSNorm, bias, residual add, SwiGLU |
-| attention | `store`, `attend`, (`merge`) | (1, rows); (heads, rows, S) | RoPE in place and the cache write; 4 warps over cache positions with an online softmax, lanes over the head dimension; decode splits positions over S blocks per head and merges (flash-decoding) |
+| matmul, swiglu | GEMV | (N / 4, rows / R) | 4 warps, one output feature each, for R rows; lanes stride K in 4-byte code words, dequantize in registers, sum by warp shuffles; fused RMSNorm, bias, residual add, SwiGLU |
+| matmul, swiglu with `isa mma_f16` | `_mma` | (N / 64, rows / 32) | f16 tiles of x and the dequantized weights in shared memory, `mma.sync.m16n8k16` per warp, the same epilogues |
+| attention | `_store`, `_attend`, (`_merge`) | (1, rows); prefill (heads, rows / 4); decode (heads, rows, S) | RoPE in place and the cache write; an online softmax over cache positions, lanes over the head dimension: in prefill a warp per query row, in decode 4 warps and S blocks per row splitting the positions, merged (flash-decoding) |
+| (greedy decoding) | `llmc_argmax` | (1, 1, 1) | the first index of the largest logit |
 | embedding, rms_norm, add, mul, silu, rope | one each | (W / 128, rows) or (1, rows) | one row's elements |
 
 Shapes, formats and constants are baked in; only `rows` and `positions` arrive at run time.
@@ -514,16 +516,12 @@ def _attention(e: _Emit) -> list[Launch]:
             for h in range(kv_heads):
                 cache.store_row(dev, f.i64(h), position, f.b.gep(src, [f.i64(h * d)]), dev.tid(f), THREADS)
 
-    def attend(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
+    def online_softmax(f: KernelBuilder, a: dict[str, ir.Value], h: ir.Value, t: ir.Value, lo: ir.Value,
+                       hi: ir.Value, step: int, lane: ir.Value):
+        """This warp's pass over cache positions lo, lo + step, … < hi for query row t, head h: the running
+        maximum, the sum of exponentials and the weighted values (lanes over the head dimension)."""
         b = f.b
-        h, t = dev.ctaid(f, "x"), dev.ctaid(f, "y")
-        split = dev.ctaid(f, "z") if splits > 1 else f.i64(0)
-        tid = dev.tid(f)
-        lane, warp = b.urem(tid, f.i64(WARP)), b.udiv(tid, f.i64(WARP))
         kvh = b.udiv(h, f.i64(group))
-        total = f.add(position_of(f, a, t), 1)
-        lo = b.sdiv(f.mul(total, split), f.i64(splits))
-        hi = b.sdiv(f.mul(total, f.add(split, 1)), f.i64(splits))
         keys = _Cache(f, a["k_cache"], op.k_cache.type, d)
         values = _Cache(f, a["v_cache"], op.v_cache.type, d)
         q = b.gep(_fptr(f, a["q"]), [f.mul(f.add(f.mul(t, heads), h), d)])
@@ -538,7 +536,7 @@ def _attention(e: _Emit) -> list[Launch]:
         b.store(f.f32(0.0), l)
         for acc in accs:
             b.store(f.f32(0.0), acc)
-        with _strided(f, f.add(lo, warp), hi, WARPS, "p") as p:
+        with _strided(f, lo, hi, step, "p") as p:
             part = f.f32(0.0)
             for qv, i in zip(qs, safe):
                 part = f.fadd(part, f.fmul(qv, keys.load(kvh, p, i)))
@@ -550,14 +548,41 @@ def _attention(e: _Emit) -> list[Launch]:
             for acc, i in zip(accs, safe):
                 b.store(f.fadd(f.fmul(b.load(acc), keep), f.fmul(weight, values.load(kvh, p, i))), acc)
             b.store(m_new, m)
+        return b.load(m), b.load(l), [b.load(acc) for acc in accs], valid, dims
+
+    def attend_rows(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
+        """Prefill: each warp one query row (a block 4 consecutive rows of one head, which read the
+        same cache rows, so the block's loads of them hit L1), over all its positions."""
+        b = f.b
+        tid = dev.tid(f)
+        lane, warp = b.urem(tid, f.i64(WARP)), b.udiv(tid, f.i64(WARP))
+        h, t = dev.ctaid(f, "x"), f.add(f.mul(dev.ctaid(f, "y"), WARPS), warp)
+        with f.when(_lt(f, t, a["rows"])):
+            _, l, accs, valid, dims = online_softmax(f, a, h, t, f.i64(0), f.add(position_of(f, a, t), 1), 1, lane)
+            out = _fptr(f, a["out"])
+            for ok, i, acc in zip(valid, dims, accs):
+                with f.when(ok):
+                    f.store(b.fdiv(acc, l), out, f.add(f.mul(f.add(f.mul(t, heads), h), d), i))
+
+    def attend(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
+        """Decode: the block's 4 warps split its share of one row's positions, then merge in shared
+        memory into a partial result; `merge` combines the `splits` blocks' partials."""
+        b = f.b
+        h, t, split = dev.ctaid(f, "x"), dev.ctaid(f, "y"), dev.ctaid(f, "z")
+        tid = dev.tid(f)
+        lane, warp = b.urem(tid, f.i64(WARP)), b.udiv(tid, f.i64(WARP))
+        total = f.add(position_of(f, a, t), 1)
+        lo = b.sdiv(f.mul(total, split), f.i64(splits))
+        hi = b.sdiv(f.mul(total, f.add(split, 1)), f.i64(splits))
+        m, l, accs, valid, dims = online_softmax(f, a, h, t, f.add(lo, warp), hi, WARPS, lane)
         slots = dev.shared(f, "warps", WARPS * stride)
         mine = f.mul(warp, stride)
         for ok, i, acc in zip(valid, dims, accs):
             with f.when(ok):
-                f.store(b.load(acc), slots, f.add(mine, i))
+                f.store(acc, slots, f.add(mine, i))
         with f.when(b.icmp_unsigned("==", lane, f.i64(0))):
-            f.store(b.load(m), slots, f.add(mine, d))
-            f.store(b.load(l), slots, f.add(mine, d + 1))
+            f.store(m, slots, f.add(mine, d))
+            f.store(l, slots, f.add(mine, d + 1))
         dev.barrier(f)
         with _strided(f, tid, d, THREADS, "c") as c:
             top = f.f32(NO_SCORE)
@@ -568,16 +593,12 @@ def _attention(e: _Emit) -> list[Launch]:
                 factor = f.exp(f.fsub(f.load(slots, w * stride + d), top))
                 out_v = f.fadd(out_v, f.fmul(f.load(slots, f.add(c, w * stride)), factor))
                 out_l = f.fadd(out_l, f.fmul(f.load(slots, w * stride + d + 1), factor))
-            if splits == 1:
-                out = _fptr(f, a["out"])
-                f.store(b.fdiv(out_v, out_l), out, f.add(f.mul(f.add(f.mul(t, heads), h), d), c))
-            else:
-                partials = _fptr(f, a["partials"])
-                base = f.mul(f.add(f.mul(f.add(f.mul(split, tgt.ATTENTION_SPLIT_ROWS), t), heads), h), stride)
-                f.store(out_v, partials, f.add(base, c))
-                with f.when(b.icmp_unsigned("==", c, f.i64(0))):
-                    f.store(top, partials, f.add(base, d))
-                    f.store(out_l, partials, f.add(base, d + 1))
+            partials = _fptr(f, a["partials"])
+            base = f.mul(f.add(f.mul(f.add(f.mul(split, tgt.ATTENTION_SPLIT_ROWS), t), heads), h), stride)
+            f.store(out_v, partials, f.add(base, c))
+            with f.when(b.icmp_unsigned("==", c, f.i64(0))):
+                f.store(top, partials, f.add(base, d))
+                f.store(out_l, partials, f.add(base, d + 1))
 
     def merge(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
         b = f.b
@@ -598,11 +619,57 @@ def _attention(e: _Emit) -> list[Launch]:
                 out_l = f.fadd(out_l, f.fmul(f.load(partials, f.add(at(s), d + 1)), factor))
             f.store(b.fdiv(out_v, out_l), _fptr(f, a["out"]), f.add(f.mul(f.add(f.mul(t, heads), h), d), c))
 
-    launches = [e.kernel("_store", store, (1, PerRows(1), 1)),
-                e.kernel("_attend", attend, (heads, PerRows(1), splits))]
-    if splits > 1:
-        launches.append(e.kernel("_merge", merge, (heads, PerRows(1), 1)))
-    return launches
+    launches = [e.kernel("_store", store, (1, PerRows(1), 1))]
+    if splits == 1:
+        return [*launches, e.kernel("_attend", attend_rows, (heads, PerRows(WARPS), 1))]
+    return [*launches, e.kernel("_attend", attend, (heads, PerRows(1), splits)),
+            e.kernel("_merge", merge, (heads, PerRows(1), 1))]
+
+
+# ---------------------------------------------------------------------- greedy decoding
+
+ARGMAX = "llmc_argmax"
+
+
+def argmax_kernel(module: ir.Module, dev) -> Launch:
+    """`llmc_argmax(float* logits, i32* out, i64 count)`: `out[0]` = the index of the largest of
+    `count` logits, the first on ties (as numpy's argmax), so greedy decoding downloads 4 bytes."""
+    fn = dev.kernel(module, ARGMAX, [I8PTR, I8PTR, I64], THREADS)
+    f = KernelBuilder(module, fn)
+    b = f.b
+    logits, out, count = _fptr(f, fn.args[0]), b.bitcast(fn.args[1], I32.as_pointer()), fn.args[2]
+    tid = dev.tid(f)
+    best, where = f.alloca(F32, name="best"), f.alloca(I32, name="where")
+    mine = _lt(f, tid, count)  # each thread starts from its first logit (an all -inf row has an argmax too)
+    b.store(b.select(mine, f.load(logits, f.smin(tid, f.sub(count, 1))), f.f32(-np.inf)), best)
+    b.store(b.select(mine, b.trunc(tid, I32), ir.Constant(I32, 0x7FFFFFFF)), where)
+    with _strided(f, f.add(tid, THREADS), count, THREADS, "i") as i:
+        v = f.load(logits, i)
+        better = b.fcmp_ordered(">", v, b.load(best))
+        b.store(b.select(better, v, b.load(best)), best)
+        b.store(b.select(better, b.trunc(i, I32), b.load(where)), where)
+
+    def merge(v: ir.Value, i: ir.Value, v2: ir.Value, i2: ir.Value) -> tuple[ir.Value, ir.Value]:
+        other = b.or_(b.fcmp_ordered(">", v2, v), b.and_(b.fcmp_ordered("==", v2, v), b.icmp_signed("<", i2, i)))
+        return b.select(other, v2, v), b.select(other, i2, i)
+
+    v, i = b.load(best), b.load(where)
+    for mask in (16, 8, 4, 2, 1):
+        v, i = merge(v, i, dev.shfl_xor(f, v, mask), dev.shfl_xor_i32(f, i, mask))
+    values = dev.shared(f, "values", WARPS)
+    indices = b.bitcast(dev.shared(f, "indices", WARPS), I32.as_pointer())
+    lane, warp = b.urem(tid, f.i64(WARP)), b.udiv(tid, f.i64(WARP))
+    with f.when(b.icmp_unsigned("==", lane, f.i64(0))):
+        f.store(v, values, warp)
+        f.store(i, indices, warp)
+    dev.barrier(f)
+    with f.when(b.icmp_unsigned("==", tid, f.i64(0))):
+        v, i = f.load(values, 0), f.load(indices, 0)
+        for w in range(1, WARPS):
+            v, i = merge(v, i, f.load(values, w), f.load(indices, w))
+        f.store(i, out, 0)
+    f.finish()
+    return Launch(ARGMAX, (1, 1, 1))
 
 
 _EMITTERS: dict[type, Callable[[_Emit], list[Launch]]] = {

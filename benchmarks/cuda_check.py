@@ -5,8 +5,9 @@
    for CUDA and for the CPU (a32: the same arithmetic): logits over 64 teacher-forced tokens and
    32 greedy tokens, GPU against CPU;
 3. `llmc bench` of that artifact against transformers on the same GPU (prefill 512, decode 128);
-4. a model of Llama-3.1-8B's shapes in q4_0: decode tokens/s × bytes read per token against the
-   device-to-device copy bandwidth.
+4. decode of the SmolLM2-shaped model kernel by kernel (time, share, the GEMVs' read bandwidth);
+5. a model of Llama-3.1-8B's shapes in q4_0: decode tokens/s × bytes read per token against the
+   device-to-device copy bandwidth, and its decode kernel by kernel.
 
 Everything it prints is also written to OUT/cuda_check.md. Steps run in order and each reports
 its own failure; without a GPU the GPU steps say so and the rest still runs.
@@ -106,6 +107,32 @@ def bench_smollm2(work: Path) -> None:
              "--model", str(work / "smollm2-shaped.gguf")), 400)
 
 
+def profile(artifact: Path, depth: int = 512) -> None:
+    """Decode launch by launch after `depth` tokens: time per kernel, and the GEMVs' read bandwidth."""
+    from collections import defaultdict
+
+    from llmc.runtime.artifact import load_manifest
+    from llmc.runtime.cuda import CudaSession
+
+    session = CudaSession(load_manifest(artifact))
+    tokens = np.random.default_rng(2).integers(3, session.vocab_size, depth + 1).tolist()
+    session.feed(tokens[:depth])
+    rows = session.profile("decode", tokens[depth:])
+    session.close()
+    total = sum(t for _, t, _ in rows)
+    by_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0])
+    for name, t, nbytes in rows:
+        entry = by_kernel[name]
+        entry[0] += t
+        entry[1] += 1
+        entry[2] += nbytes
+    say(f"decode at depth {depth}, {len(rows)} launches timed one by one: {total * 1e3:.3f} ms in kernels")
+    say("| kernel | launches | ms | share | weights GB/s |\n|---|--:|--:|--:|--:|")
+    for name, (t, count, nbytes) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:12]:
+        rate = f"{nbytes / t / 1e9:.0f}" if nbytes else ""
+        say(f"| {name} | {count} | {t * 1e3:.3f} | {t / total:.0%} | {rate} |")
+
+
 def llama_8b(work: Path) -> None:
     from shaped_gguf import write
 
@@ -116,6 +143,7 @@ def llama_8b(work: Path) -> None:
              "-o", str(work / "llama8b.cuda")), 600)
     run(llmc("bench", str(work / "llama8b.cuda"), "--prompt-tokens", "512", "--depth", "0",
              "--decode-tokens", "64", "--repeat", "2"), 400)
+    profile(work / "llama8b.cuda")
 
 
 def main() -> int:
@@ -131,6 +159,7 @@ def main() -> int:
     step("gpu tests", gpu_tests)
     step("SmolLM2-shaped: GPU against CPU", lambda: agreement(work))
     step("SmolLM2-shaped: llmc bench --vs transformers", lambda: bench_smollm2(work))
+    step("SmolLM2-shaped: decode kernel by kernel", lambda: profile(work / "smollm2.cuda"))
     if not args.skip_8b:
         step("Llama-3.1-8B-shaped q4_0: decode against the copy bandwidth", lambda: llama_8b(work))
     (args.out / "cuda_check.md").write_text("\n".join(LOG) + "\n")

@@ -48,6 +48,7 @@ class Device(Protocol):
     def launch(self, kernel: object, grid: tuple[int, int, int], block: tuple[int, int, int], shared: int,
                params: ctypes.Array) -> None: ...
     def synchronize(self) -> None: ...
+    def time_launches(self, launches) -> list[float]: ...
     def capture(self, launches) -> object: ...
     def replay(self, graph: object) -> None: ...
     def destroy(self, graph: object) -> None: ...
@@ -133,6 +134,20 @@ class Driver:
 
     def synchronize(self) -> None:
         _check(self.cu.cuStreamSynchronize(self.stream))
+
+    def time_launches(self, launches) -> list[float]:
+        """Seconds each launch takes alone (events around it, after the ones before it finish)."""
+        cu, out = self.cu, []
+        start, stop = (_check(cu.cuEventCreate(0))[0] for _ in range(2))
+        for launch in launches:
+            _check(cu.cuEventRecord(start, self.stream))
+            self.launch(*launch)
+            _check(cu.cuEventRecord(stop, self.stream))
+            _check(cu.cuEventSynchronize(stop))
+            out.append(_check(cu.cuEventElapsedTime(start, stop))[0] / 1e3)
+        for event in (start, stop):
+            cu.cuEventDestroy(event)
+        return out
 
     def capture(self, launches) -> object:
         cu = self.cu
@@ -244,6 +259,18 @@ class CudaSession(Conversation):
                 dev.launch(*launch)
         if logits is not None:
             dev.download(self.buffers["logits"], logits)
+
+    def profile(self, entry: str, tokens: list[int] | np.ndarray) -> list[tuple[str, float, int]]:
+        """Run `entry` on `tokens` at the current position launch by launch, timing each:
+        `(kernel, seconds, weight bytes it reads)` in launch order (the position does not advance)."""
+        n = self._stage(np.asarray(tokens, dtype=np.int32))
+        self.device.upload(self.buffers["tokens"], self.tokens)
+        self.device.upload(self.buffers["positions"], self.positions)
+        sizes = {w["offset"]: w["bytes"] for w in self.manifest.data["weights"].values()}
+        plan = self.manifest.entry_points[entry]["launches"]
+        seconds = self.device.time_launches(self._launches(entry, n))
+        return [(launch["kernel"], t, sum(sizes.get(a.get("weights", -1), 0) for a in launch["args"]))
+                for launch, t in zip(plan, seconds)]
 
     def greedy(self, tokens: list[int] | np.ndarray) -> int:
         """`feed`, then the argmax of the last token's logits, taken on the GPU (4 bytes come back)."""

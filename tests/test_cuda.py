@@ -266,19 +266,47 @@ def test_running_without_a_gpu_is_one_line(cuda_artifact, capsys) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [4, 16], ids=["gemv", "tensor-cores"])
 @pytest.mark.parametrize("spec", [SPECS["qwen2-bias-untied-odd-heads"], QSPECS["k-quants"], QSPECS["mixed"]],
                          ids=["f32-odd-heads", "k-quants", "mixed"])
-def test_gpu_matches_the_emulator(cuda_artifact, spec: TinySpec) -> None:
+def test_gpu_matches_the_emulator(cuda_artifact, spec: TinySpec, chunk: int) -> None:
+    """The GPU runs the artifact (each entry point replayed from a CUDA graph; with 16-row chunks prefill
+    and score on tensor cores) as the CPU emulator does, which the tests above hold to the interpreters."""
     if not _gpu_present():
         pytest.skip("no NVIDIA GPU")
-    directory, _ = cuda_artifact(spec)
-    gpu = CudaSession(load_manifest(directory))  # decode through a captured CUDA graph
+    directory, _ = cuda_artifact(spec, chunk=chunk)
+    gpu = CudaSession(load_manifest(directory))
     try:
         on_gpu = _teacher_forced(gpu)
         gpu.reset()
         scored = gpu.score(TOKENS)
+        gpu.reset()
+        greedy = [gpu.greedy(TOKENS[:5])]
+        for _ in range(4):
+            greedy.append(gpu.greedy([greedy[-1]]))
     finally:
         gpu.close()
-    emulated = _teacher_forced(_session(cuda_artifact, spec))
-    _close(on_gpu, emulated)
-    assert np.abs(scored - on_gpu).max() <= 1e-4 * np.abs(on_gpu).max()
+    emulator = _session(cuda_artifact, spec, chunk=chunk)
+    emulated = _teacher_forced(emulator)
+    emulator.reset()
+    want = [emulator.greedy(TOKENS[:5])]
+    for _ in range(4):
+        want.append(emulator.greedy([want[-1]]))
+    check = _close if chunk == 4 else _close_f16
+    check(on_gpu, emulated)
+    check(scored, on_gpu)
+    assert greedy == want
+
+
+def test_profile_times_every_decode_launch(cuda_artifact) -> None:
+    """`CudaSession.profile` (what benchmarks/cuda_check.py prints per kernel) covers the whole plan."""
+    directory, _ = cuda_artifact(QSPECS["mixed"])
+    session = _session(cuda_artifact, QSPECS["mixed"])
+    session.feed(TOKENS[:5])
+    rows = session.profile("decode", TOKENS[5:6])
+    plan = load_manifest(directory).entry_points["decode"]["launches"]
+    assert [name for name, _, _ in rows] == [launch["kernel"] for launch in plan]
+    assert all(t > 0 for _, t, _ in rows)
+    weights = load_manifest(directory).data["weights"]
+    lm_head = next(b for name, _, b in rows if "n269" in name and name.startswith("matmul"))
+    assert lm_head == weights["token_embd"]["bytes"] + weights["output_norm"]["bytes"]  # tied, norm fused

@@ -14,6 +14,7 @@ kernels' numerics and the session are checked without a GPU:
 from __future__ import annotations
 
 import ctypes
+import time
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,14 @@ class EmulatedDevice:
 
     def synchronize(self) -> None:
         pass
+
+    def time_launches(self, launches) -> list[float]:
+        out = []
+        for launch in launches:
+            start = time.perf_counter()
+            self.launch(*launch)
+            out.append(time.perf_counter() - start)
+        return out
 
     def capture(self, launches):
         raise NotImplementedError("the emulator replays no graphs")

@@ -172,6 +172,18 @@ def _column(f: KernelBuilder, dev) -> ir.Value:
 # ---------------------------------------------------------------------- GEMV: matmul, swiglu
 
 
+def _floats(f: KernelBuilder, base: ir.Value, start: ir.Value, count: int) -> list[ir.Value]:
+    """`count` consecutive floats from `base[start]`, in 16-byte vector loads where `count` is a multiple of
+    4 (runs of weights start at multiples of 4, rows of float buffers at multiples of 16 bytes)."""
+    if count % 4:
+        return [f.load(base, f.add(start, i)) for i in range(count)]
+    b, out = f.b, []
+    for c in range(0, count, 4):
+        vector = b.load(b.bitcast(b.gep(base, [f.add(start, c)]), ir.VectorType(F32, 4).as_pointer()), align=16)
+        out += [b.extract_element(vector, ir.Constant(I32, i)) for i in range(4)]
+    return out
+
+
 def _matrices(op: tgt.Kernel) -> list:
     """The weight matrices of a matmul (one) or of SwiGLU (gate, up)."""
     return [op.gate, op.up] if isinstance(op, tgt.SwigluOp) else [op.weight]
@@ -219,22 +231,22 @@ def _gemv(e: _Emit) -> list[Launch]:
             for row_accs in accs:
                 for acc in row_accs:
                     b.store(f.f32(0.0), acc)
-            with _strided(f, lane, weights[0].units, WARP, "u") as u:
-                units = [w.unit(j, u) for w in weights]
-                for idx in range(len(units[0])):
-                    kk = units[0][idx][0]
-                    inside = _lt(f, kk, k) if weights[0].padded else None
-                    kk_safe = f.smin(kk, k - 1) if inside is not None else kk
-                    scale = f.load(g, kk_safe) if norm is not None else None
-                    for r in range(tile):
-                        xv = f.load(xs[r], kk_safe)
-                        if inside is not None:
-                            xv = b.select(inside, xv, f.f32(0.0))
-                        if scale is not None:
-                            xv = f.fmul(xv, scale)
-                        for w, unit in enumerate(units):
-                            acc = accs[w][r]
-                            b.store(f.fadd(b.load(acc), f.fmul(unit[idx][1], xv)), acc)
+            for w, weight in enumerate(weights):  # each its own pass: gate and up may differ in format
+                with _strided(f, lane, weight.wide_units, WARP, f"u{w}") as u:
+                    for k0, values in weight.wide_runs(j, u):
+                        inside = _lt(f, k0, k) if weight.padded else None  # runs lie wholly in or past K
+                        start = b.select(inside, k0, f.i64(0)) if inside is not None else k0
+                        scales = _floats(f, g, start, len(values)) if norm is not None else None
+                        for r in range(tile):
+                            xv = _floats(f, xs[r], start, len(values))
+                            if scales is not None:
+                                xv = [f.fmul(v, s) for v, s in zip(xv, scales)]
+                            total = f.fmul(values[0], xv[0])
+                            for value, x_i in zip(values[1:], xv[1:]):
+                                total = f.fadd(total, f.fmul(value, x_i))
+                            if inside is not None:
+                                total = b.select(inside, total, f.f32(0.0))
+                            b.store(f.fadd(b.load(accs[w][r]), total), accs[w][r])
             for r in range(tile):
                 totals = [dev.warp_sum(f, b.load(accs[w][r])) for w in range(len(weights))]
                 if inv[r] is not None:

@@ -129,28 +129,72 @@ class WeightRows:
 
     def unit(self, row: ir.Value, u: ir.Value) -> list[tuple[ir.Value, ir.Value]]:
         """`(k, weight)` of each weight of unit `u` of `row` (f32 values)."""
+        return [(self.f.add(k0, i), v) for k0, values in self.runs(row, u) for i, v in enumerate(values)]
+
+    def runs(self, row: ir.Value, u: ir.Value) -> list[tuple[ir.Value, list[ir.Value]]]:
+        """The weights of unit `u` of `row` as runs of consecutive ones: `(first k, [f32 values])`."""
         f = self.f
         if self.storage.is_float:
-            return [(u, self._float(row, u))]
+            return [(u, [self._float(row, u)])]
         word = self._plane("codes", row, u, I32, 4)
-        out = []
         if self.wide:
             k0 = f.mul(u, 4)
             dq = self._dequantizer(row, k0)
-            for b in range(4):
-                code = f.b.and_(f.b.lshr(word, ir.Constant(I32, 8 * b)), ir.Constant(I32, 255))
-                out.append((f.add(k0, b), dq(code)))
-            return out
+            return [(k0, [dq(f.b.and_(f.b.lshr(word, ir.Constant(I32, 8 * b)), ir.Constant(I32, 255)))
+                          for b in range(4)])]
         group, j = f.b.udiv(u, f.i64(8)), f.b.urem(u, f.i64(8))
         masks = self._high_bits(row, group)
+        out = []
         for half in (0, 1):
             within = f.add(f.mul(j, 4), 32 * half)  # index of the quad's first weight in the group
             k0 = f.add(f.mul(group, GROUP), within)
             dq = self._dequantizer(row, k0)
+            values = []
             for b in range(4):
                 code = f.b.and_(f.b.lshr(word, ir.Constant(I32, 8 * b + 4 * half)), ir.Constant(I32, 15))
-                code = self._with_high_bits(code, masks, f.add(within, b))
-                out.append((f.add(k0, b), dq(code)))
+                values.append(dq(self._with_high_bits(code, masks, f.add(within, b))))
+            out.append((k0, values))
+        return out
+
+    WIDE = 4  # words of a wide unit: 16 bytes a lane, one 16-weight slice (8 bits) or two (4–6 bits)
+
+    @property
+    def wide_units(self) -> int:
+        """Units of 16 code bytes per row (`wide_runs`); float formats keep one weight per unit."""
+        return self.units if self.storage.is_float else self.units // self.WIDE
+
+    def wide_runs(self, row: ir.Value, u: ir.Value) -> list[tuple[ir.Value, list[ir.Value]]]:
+        """Like `runs`, for 16 bytes of codes read at once: at 8 bits one run of 16 weights, at 4–6 bits
+        two (`64g + 16h + i` and `64g + 32 + 16h + i`, `g = u / 2`, `h = u % 2`); one scale per run."""
+        f, b = self.f, self.f.b
+        if self.storage.is_float:
+            return self.runs(row, u)
+        p = self.planes["codes"]
+        offset = f.add(f.add(p.offset, f.mul(row, p.row_bytes)), f.mul(u, 16))
+        vector = b.load(typed(f, self.base, offset, ir.VectorType(I32, 4)), align=16)
+        words = [b.extract_element(vector, ir.Constant(I32, w)) for w in range(4)]
+        if self.wide:
+            k0 = f.mul(u, 16)
+            dq = self._dequantizer(row, k0)
+            return [(k0, [dq(b.and_(b.lshr(word, ir.Constant(I32, 8 * i)), ir.Constant(I32, 255)))
+                          for word in words for i in range(4)])]
+        group, h = b.udiv(u, f.i64(2)), b.urem(u, f.i64(2))
+        masks = self._high_bits(row, group)
+        out = []
+        for half in (0, 1):
+            within = f.add(f.mul(h, 16), 32 * half)
+            k0 = f.add(f.mul(group, GROUP), within)
+            dq = self._dequantizer(row, k0)
+            bits = [(bit, b.trunc(b.lshr(mask, within), I32)) for bit, mask in masks]  # this run's 16 bits
+            values = []
+            for w, word in enumerate(words):
+                for i in range(4):
+                    code = b.and_(b.lshr(word, ir.Constant(I32, 8 * i + 4 * half)), ir.Constant(I32, 15))
+                    for bit, run_bits in bits:
+                        one = b.and_(b.lshr(run_bits, ir.Constant(I32, 4 * w + i)), ir.Constant(I32, 1))
+                        code = b.or_(code, b.shl(one, ir.Constant(I32, bit)))
+                    values.append(dq(code))
+            out.append((k0, values))
         return out
 
     def element(self, row: ir.Value, k: ir.Value) -> ir.Value:

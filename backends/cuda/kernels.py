@@ -148,6 +148,12 @@ def _strided(f: KernelBuilder, start: ir.Value, stop: int | ir.Value, step: int,
     return f.loop(start, stop, step, name=name, unroll=False)
 
 
+def _thread(f: KernelBuilder, dev) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """This thread's index in the block, its lane in the warp, its warp in the block."""
+    tid = dev.tid(f)
+    return tid, f.b.urem(tid, f.i64(WARP)), f.b.udiv(tid, f.i64(WARP))
+
+
 def _inv_rms(f: KernelBuilder, dev, x: ir.Value, width: int, eps: float, start: ir.Value, step: int,
              combine: Callable[[KernelBuilder, ir.Value], ir.Value]) -> ir.Value:
     """`1 / sqrt(mean(x²) + eps)` of the row at `x`, the squares summed by threads `start, start + step, …`."""
@@ -215,8 +221,7 @@ def _gemv(e: _Emit) -> list[Launch]:
         b = f.b
         x, rows = _fptr(f, a["x"]), a["rows"]
         weights = [WeightRows(f, a[name], v.type) for name, v in op.abi() if v in weight_values]
-        tid = dev.tid(f)
-        lane, warp = b.urem(tid, f.i64(WARP)), b.udiv(tid, f.i64(WARP))
+        tid, lane, warp = _thread(f, dev)
         j = f.add(f.mul(dev.ctaid(f, "x"), WARPS), warp)
         first = f.sub(rows, 1) if last else f.mul(dev.ctaid(f, "y"), tile)
         with f.when(_lt(f, j, n)):  # whole warps: the shuffles below see every lane
@@ -280,8 +285,7 @@ def _gemm_mma(e: _Emit) -> list[Launch]:
         b = f.b
         x, rows = _fptr(f, a["x"]), a["rows"]
         weights = [WeightRows(f, a[name], v.type) for name, v in op.abi() if v in weight_values]
-        tid = dev.tid(f)
-        lane, warp = b.urem(tid, f.i64(WARP)), b.udiv(tid, f.i64(WARP))
+        tid, lane, warp = _thread(f, dev)
         wm, wn = b.udiv(warp, f.i64(2)), b.urem(warp, f.i64(2))
         group, quad = b.udiv(lane, f.i64(4)), b.urem(lane, f.i64(4))
         n0, t0 = f.mul(dev.ctaid(f, "x"), MMA_COLS), f.mul(dev.ctaid(f, "y"), MMA_ROWS)
@@ -566,8 +570,7 @@ def _attention(e: _Emit) -> list[Launch]:
         """Prefill: each warp one query row (a block 4 consecutive rows of one head, which read the
         same cache rows, so the block's loads of them hit L1), over all its positions."""
         b = f.b
-        tid = dev.tid(f)
-        lane, warp = b.urem(tid, f.i64(WARP)), b.udiv(tid, f.i64(WARP))
+        tid, lane, warp = _thread(f, dev)
         h, t = dev.ctaid(f, "x"), f.add(f.mul(dev.ctaid(f, "y"), WARPS), warp)
         with f.when(_lt(f, t, a["rows"])):
             _, l, accs, valid, dims = online_softmax(f, a, h, t, f.i64(0), f.add(position_of(f, a, t), 1), 1, lane)
@@ -581,8 +584,7 @@ def _attention(e: _Emit) -> list[Launch]:
         memory into a partial result; `merge` combines the `splits` blocks' partials."""
         b = f.b
         h, t, split = dev.ctaid(f, "x"), dev.ctaid(f, "y"), dev.ctaid(f, "z")
-        tid = dev.tid(f)
-        lane, warp = b.urem(tid, f.i64(WARP)), b.udiv(tid, f.i64(WARP))
+        tid, lane, warp = _thread(f, dev)
         total = f.add(position_of(f, a, t), 1)
         lo = b.sdiv(f.mul(total, split), f.i64(splits))
         hi = b.sdiv(f.mul(total, f.add(split, 1)), f.i64(splits))
@@ -670,7 +672,7 @@ def argmax_kernel(module: ir.Module, dev) -> Launch:
         v, i = merge(v, i, dev.shfl_xor(f, v, mask), dev.shfl_xor_i32(f, i, mask))
     values = dev.shared(f, "values", WARPS)
     indices = b.bitcast(dev.shared(f, "indices", WARPS), I32.as_pointer())
-    lane, warp = b.urem(tid, f.i64(WARP)), b.udiv(tid, f.i64(WARP))
+    _, lane, warp = _thread(f, dev)
     with f.when(b.icmp_unsigned("==", lane, f.i64(0))):
         f.store(v, values, warp)
         f.store(i, indices, warp)

@@ -320,13 +320,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         notes = found.notes
     for note in notes:
         print(note)
-    print(table(engines, prompts, depths, args.decode_tokens, result.threads))
+    print(table(engines, prompts, depths, args.decode_tokens, result.where))
     nbytes, where = decode_weight_bytes(manifest)
     print(bandwidth_report(nbytes, where, result))
     if args.plot:
         from llmc.plot import plot_bench
 
-        plot_bench(Path(args.plot), engines, prompts, depths, args.decode_tokens, result.threads,
+        plot_bench(Path(args.plot), engines, prompts, depths, args.decode_tokens, result.where,
                    title=f"{directory.name} ({manifest.model.get('source', '')})")
         print(f"plot: {args.plot}")
     return 0

@@ -19,7 +19,7 @@ def check_matplotlib() -> None:
 
 
 def plot_bench(path: Path, engines: Sequence[EngineSpeeds], prompts: Sequence[int], depths: Sequence[int],
-               decode_tokens: int, threads: int, title: str = "") -> None:
+               decode_tokens: int, where: str, title: str = "") -> None:
     """Two panels: prefill tokens/s per (depth, prompt), decode tokens/s per depth; one bar per engine."""
     check_matplotlib()
     import matplotlib
@@ -45,7 +45,7 @@ def plot_bench(path: Path, engines: Sequence[EngineSpeeds], prompts: Sequence[in
             ax.bar_label(bars, labels=[f"{v:.0f}" if v else "" for v in row], fontsize=7, padding=2)
         ax.set_xticks(range(len(labels)), labels)
         ax.set_ylabel("tokens/s")
-        ax.set_title(f"{what} ({threads} threads)")
+        ax.set_title(f"{what} ({where})")
         ax.grid(axis="y", alpha=0.3)
         ax.margins(y=0.12)
     axes[0].legend(fontsize=8, loc="upper right")

@@ -41,6 +41,7 @@ class EngineSpeeds:
 class BenchResult:
     vocab_size: int
     threads: int
+    where: str  # what the engines ran on: "2 threads", or the GPU's name
     capacity: int
     prompts: tuple[int, ...]
     depths: tuple[int, ...]
@@ -51,7 +52,7 @@ class BenchResult:
     probe: str  # how read_gb_per_s was measured, for the report
 
     def report(self) -> str:
-        return table([self.speeds], self.prompts, self.depths, self.decode_tokens, self.threads)
+        return table([self.speeds], self.prompts, self.depths, self.decode_tokens, self.where)
 
 
 def check_capacity(capacity: int, prompts: Sequence[int], depths: Sequence[int], decode_tokens: int) -> None:
@@ -122,7 +123,7 @@ def benchmark(directory: Path, prompts: int | Sequence[int] = (512,), decode_tok
         read = session.read_bandwidth()
     finally:
         session.close()
-    return BenchResult(session.vocab_size, session.threads, session.capacity, prompts, depths, decode_tokens, speeds,
+    return BenchResult(session.vocab_size, session.threads, session.where, session.capacity, prompts, depths, decode_tokens, speeds,
                        read, session.weights.size, session.bandwidth_probe)
 
 
@@ -188,7 +189,7 @@ def _speed(value: float | None) -> str:
 
 
 def table(engines: Sequence[EngineSpeeds], prompts: Sequence[int], depths: Sequence[int], decode_tokens: int,
-          threads: int) -> str:
+          where: str) -> str:
     """A Markdown table, padded to line up in a terminal: one row per engine × (depth, prompt).
 
     An engine's decode speed depends on the depth only: it is shown on the first of its
@@ -196,7 +197,7 @@ def table(engines: Sequence[EngineSpeeds], prompts: Sequence[int], depths: Seque
     """
     found = baseline_of(engines)
     base = found[1] if found else None
-    header = [f"engine ({threads} threads)", "depth", "prompt", "prefill tok/s", f"decode {decode_tokens} tok/s"]
+    header = [f"engine ({where})", "depth", "prompt", "prefill tok/s", f"decode {decode_tokens} tok/s"]
     if base:
         header[4:4] = ["prefill ×"]
         header.append("decode ×")

@@ -291,6 +291,10 @@ class CudaSession(Conversation):
         return int(token[0])
 
     @property
+    def where(self) -> str:
+        return self.device.name
+
+    @property
     def bandwidth_probe(self) -> str:
         return f"a device-to-device copy on {self.device.name}"
 

@@ -242,6 +242,10 @@ class Session(Conversation):
         self.team.run(run)
 
     @property
+    def where(self) -> str:
+        return f"{self.threads} threads"
+
+    @property
     def bandwidth_probe(self) -> str:
         return f"the kernels' read probe on {self.threads} threads"
 

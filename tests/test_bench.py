@@ -109,11 +109,11 @@ def test_table_takes_ratios_against_llama_cpps_fastest_path() -> None:
     fast = EngineSpeeds("llama.cpp repack", "llama.cpp", {(0, 8): 200.0}, {0: 20.0})
     slow = EngineSpeeds("llama.cpp --repack 0", "llama.cpp", {(0, 8): 50.0}, {0: 25.0})
     hf = EngineSpeeds("transformers", "transformers", {(0, 8): 400.0}, {0: 10.0})
-    text = table([ours, fast, slow, hf], [8], [0], 4, 2)
+    text = table([ours, fast, slow, hf], [8], [0], 4, "2 threads")
     assert _rows(text, "llmc x")[0][3:] == ["100.0", "0.50x", "50.0", "2.00x"]  # prefill vs 200, decode vs 25
     assert "against llama.cpp's fastest path per test" in text
-    assert "transformers" in table([ours, hf], [8], [0], 4, 2).splitlines()[-1]
-    assert "×" not in table([ours], [8], [0], 4, 2)  # nothing to compare with
+    assert "transformers" in table([ours, hf], [8], [0], 4, "2 threads").splitlines()[-1]
+    assert "×" not in table([ours], [8], [0], 4, "2 threads")  # nothing to compare with
 
 
 def test_cli_bench_prints_rows_and_the_bandwidth_limit(artifact, capsys) -> None:

@@ -416,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compile", parents=[common, model_args], help="compile a model to an artifact",
                        description="Compile a model through every phase into an artifact directory "
-                                   "(manifest.json, weights.bin, kernels.so or kernels.ptx, tokenizer.json) that 'llmc run' executes.")
+                                   "(manifest.json, weights.bin, kernels.so or kernels.ptx, tokenizer.json) that "
+                                   "'llmc run' executes.")
     p.add_argument("--target", default="cpu", choices=["cpu", "cuda"], help="code generation target (default: cpu)")
     p.add_argument("--gpu", default="sm_80,sm_90", metavar="SM[,SM]",
                    help="with --target cuda: GPU architectures (sm_80, sm_86, sm_89, sm_90); PTX for the oldest, "

@@ -31,9 +31,9 @@ from llmc.ir import tgt
 from llmc.ir.text import print_module
 from llmc.package import check_output_directory
 from llmc.passes.pipeline import PHASES, CompileOptions, IRDumper, run_phase
+from llmc.passes.quantize import check_compute, module_target
 
 TARGETS = ("cpu", "cuda")
-CUDA_A8 = "--compute a8 is for CPU targets: the CUDA kernels take float activations (a32)"
 
 
 @dataclass(frozen=True)
@@ -108,8 +108,7 @@ def build_cpu_artifact(module: ModuleOp, model: Model, out: Path, backend: Backe
     from llmc.package import clear_directory, content_name, cpu_manifest, weight_layout
 
     start = time.perf_counter()
-    target = module.attributes[tgt.TARGET]
-    assert isinstance(target, tgt.TargetAttr)
+    target = module_target(module)
     layout = weight_layout(module)
     llvm_module, barriers = emit_module(module, layout.offsets)
     obj = compile_to_object(llvm_module, target_machine_for(target))
@@ -143,11 +142,9 @@ def build_cuda_artifact(module: ModuleOp, model: Model, out: Path, backend: Back
     from llmc.package import clear_directory, content_name, weight_layout
 
     start = time.perf_counter()
-    target = module.attributes[tgt.TARGET]
-    assert isinstance(target, tgt.TargetAttr)
+    target = module_target(module)
     layout = weight_layout(module)
-    llvm_module, plans = emit_module(module, layout.offsets)
-    argmax = plans.pop("argmax")[0]
+    llvm_module, plans, argmax = emit_module(module, layout.offsets)
     text = ptx(llvm_module, target).encode()
     clear_directory(out)
     kernels = out / content_name("kernels", text, ".ptx")
@@ -164,9 +161,9 @@ def build_cuda_artifact(module: ModuleOp, model: Model, out: Path, backend: Back
             notes.append(f"{arch}: ≤{most} registers, {spills} spill bytes")
     else:
         notes.append("no ptxas on PATH: PTX only, the driver compiles it at load")
-    launches = {stage: len(plan) for stage, plan in plans.items()}
+    kernel_count = sum(not fn.is_declaration for fn in llvm_module.functions)
     progress(f"{'codegen':<10} {time.perf_counter() - start:6.2f} s   {kernels.name} (cuda {target.cpu.data}, "
-             f"{sum(not fn.is_declaration for fn in llvm_module.functions)} kernels; {'; '.join(notes)}; launches per decode: {launches['decode']})")
+             f"{kernel_count} kernels; {'; '.join(notes)}; launches per decode: {len(plans['decode'])})")
     facts = {"target": "cuda", "gpu": {"arch": target.cpu.data, "features": sorted(target.features),
                                        "cubins": cubins, "argmax": argmax}, "files": files}
     entries = {stage: {"launches": plan} for stage, plan in plans.items()}
@@ -187,8 +184,7 @@ def compile_model(spec: str, out: Path | None, options: CompileOptions, backend:
     if backend.target not in TARGETS:
         raise UsageError(f"unknown target '{backend.target}' (targets: {', '.join(TARGETS)})")
     target = target_attr(backend)
-    if backend.target == "cuda" and options.compute == "a8":
-        raise UsageError(CUDA_A8)
+    check_compute(options.compute, target)  # before the model loads, not after the first phases
     if compile_to is not None and compile_to not in PHASES:
         raise UsageError(f"unknown phase '{compile_to}' (phases: {', '.join(PHASES)})")
     if out is not None and compile_to is None:

@@ -17,14 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from xdsl.dialects import func
-from xdsl.dialects.builtin import IntegerAttr, ModuleOp, StringAttr
+from xdsl.dialects.builtin import IntegerAttr, ModuleOp
 
 from llmc import __version__
 from llmc.backends.cpu.codegen import READ_PROBE, entry_arguments, entry_symbol
 from llmc.errors import UsageError
 from llmc.frontend.model import Model
-from llmc.ir import llm, tgt
+from llmc.ir import entry_functions, llm, tgt
 from llmc.ir.formats import QuantizedTensor
 from llmc.ir.layouts import Layout, align, pack
 from llmc.runtime.artifact import MANIFEST, SCHEMA_VERSION, sha256_file
@@ -95,17 +94,6 @@ def cpu_manifest(module: ModuleOp, kernels: Path) -> tuple[dict, dict[str, dict]
     facts = {"target": "cpu", "cpu": {"name": target.cpu.data, "features": sorted(target.features)},
              "max_threads": tgt.MAX_THREADS, "read_probe": READ_PROBE, "files": {"kernels": kernels}}
     return facts, entries
-
-
-def entry_functions(module: ModuleOp) -> dict[str, func.FuncOp]:
-    """The lowered entry points by stage."""
-    out = {}
-    for function in module.ops:
-        if isinstance(function, func.FuncOp):
-            stage = function.attributes["llm.stage"]
-            assert isinstance(stage, StringAttr)
-            out[stage.data] = function
-    return out
 
 
 def write_artifact(directory: Path, module: ModuleOp, model: Model, target_facts: dict, entries: dict[str, dict],

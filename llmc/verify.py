@@ -166,7 +166,9 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
         built = manifest["compile_options"]
         options = CompileOptions(**{k: built[k] for k in CompileOptions.__dataclass_fields__ if k in built})
         if manifest["target"] == "cuda":
-            target = tgt.TargetAttr("cuda", "nvptx64", manifest["gpu"]["arch"], manifest["gpu"]["features"])
+            from llmc.backends.cuda.target import ARCH
+
+            target = tgt.TargetAttr("cuda", ARCH, manifest["gpu"]["arch"], manifest["gpu"]["features"])
         else:
             target = tgt.TargetAttr("cpu", target.arch.data, manifest["cpu"]["name"], manifest["cpu"]["features"])
     model = load_model(spec, allow_pickle)

@@ -58,15 +58,12 @@ class PackPass(LlmcPass):
 
         isa = integer_isa(target)
         amx = isa is tgt.Isa.VNNI512 and target.has("amx-tile", "amx-int8")
-        layouts = self._layouts(module, isa)
+        self._relayout(module, self._layouts(module, isa))
         for function in self.functions(module):
-            block = function.body.block
             rows = function.attributes.get("tgt.max_tokens")
             blocks_of_rows = rows is not None and rows.value.data >= AMX_MIN_ROWS
-            for op in list(block.ops):
-                if isinstance(op, tgt.WeightOp) and op.sym_name in layouts:
-                    _replace_weight(block, op, layouts[op.sym_name])
-                elif isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and tgt.is_quantized(op.x):
+            for op in function.body.block.ops:
+                if isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and tgt.is_quantized(op.x):
                     tiles = amx and blocks_of_rows and getattr(op, "last_row", None) is None \
                         and all(supports(w.storage) for w in _matrices(op))
                     op.isa = tgt.IsaAttr(tgt.Isa.AMX if tiles else isa)
@@ -75,12 +72,7 @@ class PackPass(LlmcPass):
         """Every integer weight in the `split` layout: a lane reads one 4-byte word of codes, a warp
         128 consecutive bytes (`backends/cuda/weights.py`). The kernels take float rows; those of entry
         points of 16 rows or more (prefill, score) run on tensor cores (`isa mma_f16`), the rest are GEMVs."""
-        for function in self.functions(module):
-            for op in function.body.block.ops:
-                if isinstance(op, tgt.Kernel) and any(tgt.is_quantized(v) for _, v in op.abi()):
-                    raise LlmcError(f"pack: {op.name} reads or writes quantized rows; CUDA kernels take float "
-                                    f"rows (compile without --compute a8)")
-        self._relayout(module, self._layouts(module, tgt.Isa.GENERIC))
+        self._relayout(module, self._layouts(module, tgt.Isa.GENERIC))  # (no VNNI: no tiles)
         if not target.has("mma.m16n8k16.f16"):
             return
         for function in self.functions(module):
@@ -92,11 +84,16 @@ class PackPass(LlmcPass):
                     op.isa = tgt.IsaAttr(tgt.Isa.MMA_F16)
 
     def _relayout(self, module: ModuleOp, layouts: dict[str, Layout]) -> None:
+        """Each weight named in `layouts` retyped to its layout, in every entry point."""
         for function in self.functions(module):
             block = function.body.block
             for op in list(block.ops):
                 if isinstance(op, tgt.WeightOp) and op.sym_name in layouts:
-                    _replace_weight(block, op, layouts[op.sym_name])
+                    t = op.weight_type
+                    packed = tgt.WeightOp(op.sym_name, tgt.WeightType(t.shape, t.storage, layouts[op.sym_name]))
+                    block.insert_op_before(packed, op)
+                    op.result.replace_all_uses_with(packed.result)
+                    block.erase_op(op)
 
     def _layouts(self, module: ModuleOp, isa: tgt.Isa) -> dict[str, Layout]:
         """Each integer weight's layout, the same in every entry point: `tiles` where every kernel
@@ -111,14 +108,6 @@ class PackPass(LlmcPass):
         tiles = isa is tgt.Isa.VNNI512
         return {name: Layout.TILES if tiles and all(_reads_tiles(k) for k in kernels) else Layout.SPLIT
                 for name, kernels in readers.items()}
-
-
-def _replace_weight(block, op: tgt.WeightOp, layout: Layout) -> None:
-    t = op.weight_type
-    packed = tgt.WeightOp(op.sym_name, tgt.WeightType(t.shape, t.storage, layout))
-    block.insert_op_before(packed, op)
-    op.result.replace_all_uses_with(packed.result)
-    block.erase_op(op)
 
 
 def _matrices(op: tgt.Kernel) -> list[tgt.WeightType]:

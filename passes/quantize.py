@@ -61,6 +61,12 @@ def has_integer_dot(target: tgt.TargetAttr) -> bool:
     return False
 
 
+def check_compute(compute: str, target: tgt.TargetAttr) -> None:
+    """`--compute` for `target`: `a8` needs the CPU's integer kernels (CUDA kernels take float rows)."""
+    if target.kind.data == "cuda" and compute == "a8":
+        raise UsageError("--compute a8 is for CPU targets: the CUDA kernels take float activations (a32)")
+
+
 def _parse(text: str, option: str) -> Storage | None:
     if not text:
         return None
@@ -104,10 +110,7 @@ class QuantizePass(LlmcPass):
         if self.compute not in COMPUTE_CHOICES:
             raise UsageError(f"--compute must be one of {', '.join(COMPUTE_CHOICES)}, got '{self.compute}'")
         target = module_target(module)
-        if target.kind.data == "cuda" and self.compute == "a8":
-            from llmc.compile import CUDA_A8
-
-            raise UsageError(CUDA_A8)
+        check_compute(self.compute, target)
         integer_dot = has_integer_dot(target)
         for function in self.functions(module):
             for op in function.walk():

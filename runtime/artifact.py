@@ -104,7 +104,7 @@ def _check_schema(path: Path, data: dict) -> None:
             if cpu:
                 _check_cpu_entry(name, entry)
             else:
-                _check_launches(name, entry["launches"], data["files"])
+                _check_launches(name, entry["launches"])
             rows = entry["max_tokens"] if name == "score" else 1
             if entry["logits"] != [rows, data["model"]["vocab_size"]]:
                 raise ValueError(f"entry point {name} writes logits {entry['logits']!r}, not {rows} x vocabulary")
@@ -133,7 +133,7 @@ def _check_schema(path: Path, data: dict) -> None:
                                for arch, role in data["gpu"]["cubins"].items()):
             raise ValueError("gpu.cubins must name files of the artifact")
         if not cpu:
-            _check_launches("argmax", [data["gpu"]["argmax"]], data["files"])
+            _check_launches("argmax", [data["gpu"]["argmax"]])
     except (KeyError, TypeError, ValueError) as e:
         detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
         raise ArtifactError(f"{path}: malformed manifest ({detail}); recompile") from e
@@ -152,7 +152,7 @@ _LAUNCH_ARGUMENTS = ("tokens", "positions", "k_cache", "v_cache", "logits", "tok
 _MAX_GRID = 1 << 31
 
 
-def _check_launches(name: str, launches: object, files: dict) -> None:
+def _check_launches(name: str, launches: object) -> None:
     """A CUDA entry point's launch plan: kernels by name, sane grids and blocks, arguments by known role."""
     def dim(d: object) -> bool:
         if isinstance(d, dict):
@@ -226,6 +226,16 @@ def missing_cpu_features(manifest: Manifest) -> list[str]:
     return [feat for feat in manifest.data["cpu"]["features"] if _CPU_FLAGS.get(feat, feat) not in have]
 
 
+def verified_bytes(manifest: Manifest, role: str) -> bytes:
+    """The contents of the artifact's `role` file, read once and checked against its sha256 (so the
+    bytes that were hashed are the bytes that are used)."""
+    path = manifest.file(role)
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != manifest.data["files"][role]["sha256"]:
+        raise ArtifactError(f"{path}: contents do not match the manifest (modified or truncated); recompile")
+    return data
+
+
 def load_verified_library(manifest: Manifest, check: bool = True):
     """`kernels.so` loaded with ctypes from a private copy whose sha256 was checked.
 
@@ -237,9 +247,7 @@ def load_verified_library(manifest: Manifest, check: bool = True):
     path = manifest.file("kernels")
     if not check:
         return ctypes.CDLL(str(path))
-    data = path.read_bytes()
-    if hashlib.sha256(data).hexdigest() != manifest.data["files"]["kernels"]["sha256"]:
-        raise ArtifactError(f"{path}: contents do not match the manifest (modified or truncated); recompile")
+    data = verified_bytes(manifest, "kernels")
     with tempfile.TemporaryDirectory(prefix="llmc-kernels-") as private:  # mode 0700
         copy = os.path.join(private, path.name)
         with open(copy, "wb") as f:

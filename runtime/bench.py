@@ -123,8 +123,8 @@ def benchmark(directory: Path, prompts: int | Sequence[int] = (512,), decode_tok
         read = session.read_bandwidth()
     finally:
         session.close()
-    return BenchResult(session.vocab_size, session.threads, session.where, session.capacity, prompts, depths, decode_tokens, speeds,
-                       read, session.weights.size, session.bandwidth_probe)
+    return BenchResult(session.vocab_size, session.threads, session.where, session.capacity, prompts, depths,
+                       decode_tokens, speeds, read, session.weights.size, session.bandwidth_probe)
 
 
 # ------------------------------------------------------------------ bandwidth

@@ -26,7 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from llmc.errors import LlmcError
-from llmc.runtime.artifact import KV_DTYPES, ArtifactError, Manifest
+from llmc.runtime.artifact import KV_DTYPES, ArtifactError, Manifest, verified_bytes
 from llmc.runtime.session import Conversation
 
 
@@ -44,7 +44,7 @@ class Device(Protocol):
     def upload(self, address: int, data: np.ndarray) -> None: ...
     def download(self, address: int, out: np.ndarray) -> None: ...
     def copy(self, dst: int, src: int, nbytes: int) -> None: ...
-    def kernels(self, manifest: Manifest, names: set[str]) -> dict[str, object]: ...
+    def kernels(self, manifest: Manifest, names: set[str], check: bool) -> dict[str, object]: ...
     def launch(self, kernel: object, grid: tuple[int, int, int], block: tuple[int, int, int], shared: int,
                params: ctypes.Array) -> None: ...
     def synchronize(self) -> None: ...
@@ -107,9 +107,9 @@ class Driver:
         return int(ptr)
 
     def upload(self, address: int, data: np.ndarray) -> None:
+        # from pageable memory the copy returns once the bytes are staged: `data` may change after it
         data = np.ascontiguousarray(data)
         _check(self.cu.cuMemcpyHtoDAsync(address, data.ctypes.data, data.nbytes, self.stream))
-        _check(self.cu.cuStreamSynchronize(self.stream))  # `data` may be freed after return
 
     def download(self, address: int, out: np.ndarray) -> None:
         _check(self.cu.cuMemcpyDtoHAsync(out.ctypes.data, address, out.nbytes, self.stream))
@@ -118,13 +118,13 @@ class Driver:
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         _check(self.cu.cuMemcpyDtoDAsync(dst, src, nbytes, self.stream))
 
-    def kernels(self, manifest: Manifest, names: set[str]) -> dict[str, object]:
-        """The artifact's cubin for this GPU, else its PTX (JIT-compiled by the driver)."""
-        cubins = manifest.data["gpu"]["cubins"]
-        role = cubins.get(self.arch, "kernels")
-        image = manifest.file(role).read_bytes()
+    def kernels(self, manifest: Manifest, names: set[str], check: bool) -> dict[str, object]:
+        """The artifact's cubin for this GPU, else its PTX (JIT-compiled by the driver); with `check`, the
+        bytes loaded are the bytes whose sha256 was checked."""
+        role = manifest.data["gpu"]["cubins"].get(self.arch, "kernels")
+        image = verified_bytes(manifest, role) if check else manifest.file(role).read_bytes()
         if role == "kernels":
-            image += b"\0"
+            image += b"\0"  # PTX text, NUL-terminated
         (module,) = _check(self.cu.cuModuleLoadData(image))
         self._modules.append(module)
         return {name: _check(self.cu.cuModuleGetFunction(module, name.encode()))[0] for name in names}
@@ -173,6 +173,7 @@ class Driver:
         self._allocations, self._modules = [], []
 
 
+COPY_PROBE_BYTES = 1 << 30  # the most weights `read_bandwidth` copies: far past every cache
 MAX_GRAPHS = 16  # captured (entry point, rows) pairs kept: decode, full chunks and a few remainders
 
 
@@ -187,11 +188,9 @@ class CudaSession(Conversation):
         super().__init__(manifest)
         if manifest.target != "cuda":
             raise ArtifactError(f"{manifest.directory}: a '{manifest.target}' artifact, not a CUDA one")
-        self.device = device if device is not None else Driver()
-        self.threads = 1
-        weights = np.memmap(manifest.file("weights"), dtype=np.uint8, mode="r")
-        self.weights = weights
-        dev = self.device
+        self.device = dev = device if device is not None else Driver()
+        self.threads = 1  # (the host's part is one thread: what `llmc bench` gives transformers)
+        self.weights = weights = np.memmap(manifest.file("weights"), dtype=np.uint8, mode="r")
         kv = manifest.kv_cache
         kv_bytes = int(np.prod(kv["shape"])) * np.dtype(KV_DTYPES[kv["dtype"]]).itemsize
         arena = max(e["arena_bytes"] for e in manifest.entry_points.values()) + 64
@@ -203,9 +202,10 @@ class CudaSession(Conversation):
             "token": dev.alloc(4),
         }
         dev.upload(self.buffers["weights"], weights)
+        argmax = manifest.data["gpu"]["argmax"]
         names = {launch["kernel"] for entry in manifest.entry_points.values() for launch in entry["launches"]}
-        names.add(manifest.data["gpu"]["argmax"]["kernel"])
-        self.kernels = dev.kernels(manifest, names)
+        self.kernels = dev.kernels(manifest, names | {argmax["kernel"]}, check_files)
+        self._argmax = self._prepare(argmax, 0)
         self._prepared: dict[tuple[str, int], list] = {}
         self._graphs: dict[tuple[str, int], object] = {}  # (entry point, rows) → captured launches
 
@@ -226,26 +226,32 @@ class CudaSession(Conversation):
             return ctypes.c_void_p(self.buffers["weights"] + arg["weights"])
         return ctypes.c_void_p(self.buffers[arg["argument"]] + arg["offset"])
 
+    def _prepare(self, launch: dict, n: int) -> tuple:
+        """A launch for `n` rows as the device takes it: kernel, grid, block, shared bytes, parameter array."""
+        values = [self._value(arg, n) for arg in launch["args"]]
+        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        params._values = values  # keep the argument values alive with the array
+        return (self.kernels[launch["kernel"]], _grid(launch["grid"], n), tuple(launch["block"]),
+                launch["shared_bytes"], params)
+
     def _launches(self, entry: str, n: int) -> list:
-        """The entry point's launches for `n` rows: kernel, grid, block, shared bytes, parameter array."""
+        """The entry point's launches for `n` rows (prepared once per row count)."""
         key = (entry, n)
         if key not in self._prepared:
-            prepared = []
-            for launch in self.manifest.entry_points[entry]["launches"]:
-                values = [self._value(arg, n) for arg in launch["args"]]
-                params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-                params._values = values  # keep the argument values alive with the array
-                prepared.append((self.kernels[launch["kernel"]], _grid(launch["grid"], n), tuple(launch["block"]),
-                                 launch["shared_bytes"], params))
-            self._prepared[key] = prepared
+            self._prepared[key] = [self._prepare(launch, n) for launch in self.manifest.entry_points[entry]["launches"]]
         return self._prepared[key]
+
+    def _upload(self, tokens: np.ndarray) -> int:
+        """The tokens and their positions into device memory; returns their number."""
+        n = self._stage(tokens)
+        self.device.upload(self.buffers["tokens"], self.tokens)
+        self.device.upload(self.buffers["positions"], self.positions)
+        return n
 
     def _call(self, entry: str, tokens: np.ndarray, logits: np.ndarray | None) -> None:
         """Run the entry point on `tokens`; download the logits into `logits` (None: leave them on the GPU)."""
-        n = self._stage(tokens)
+        n = self._upload(tokens)
         dev = self.device
-        dev.upload(self.buffers["tokens"], self.tokens)
-        dev.upload(self.buffers["positions"], self.positions)
         launches = self._launches(entry, n)
         if dev.graphs:
             key = (entry, n)
@@ -263,9 +269,7 @@ class CudaSession(Conversation):
     def profile(self, entry: str, tokens: list[int] | np.ndarray) -> list[tuple[str, float, int]]:
         """Run `entry` on `tokens` at the current position launch by launch, timing each:
         `(kernel, seconds, weight bytes it reads)` in launch order (the position does not advance)."""
-        n = self._stage(np.asarray(tokens, dtype=np.int32))
-        self.device.upload(self.buffers["tokens"], self.tokens)
-        self.device.upload(self.buffers["positions"], self.positions)
+        n = self._upload(np.asarray(tokens, dtype=np.int32))
         sizes = {w["offset"]: w["bytes"] for w in self.manifest.data["weights"].values()}
         plan = self.manifest.entry_points[entry]["launches"]
         seconds = self.device.time_launches(self._launches(entry, n))
@@ -277,15 +281,11 @@ class CudaSession(Conversation):
         tokens = np.asarray(tokens, dtype=np.int32)
         self._check(tokens)
         self._feed(tokens, None)
-        return self._argmax()
+        return self.argmax()
 
-    def _argmax(self) -> int:
+    def argmax(self) -> int:
         """The argmax of the logits on the device (row 0)."""
-        launch = self.manifest.data["gpu"]["argmax"]
-        values = [self._value(arg, 0) for arg in launch["args"]]
-        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        self.device.launch(self.kernels[launch["kernel"]], tuple(launch["grid"]), tuple(launch["block"]),
-                           launch["shared_bytes"], params)
+        self.device.launch(*self._argmax)
         token = np.zeros(1, np.int32)
         self.device.download(self.buffers["token"], token)
         return int(token[0])
@@ -299,15 +299,18 @@ class CudaSession(Conversation):
         return f"a device-to-device copy on {self.device.name}"
 
     def read_bandwidth(self, repeat: int = 5) -> float:
-        """GB/s of a device-to-device copy of the weights (what decode's reads are measured against)."""
-        size = self.weights.size // 2
-        dev, base = self.device, self.buffers["weights"]
+        """GB/s of a device-to-device copy of the weights (up to 1 GiB of them) into a scratch buffer: what
+        decode's reads are measured against. A copy reads and writes each byte; both count."""
+        size = min(self.weights.size, COPY_PROBE_BYTES)
+        dev = self.device
+        if "copy_probe" not in self.buffers:
+            self.buffers["copy_probe"] = dev.alloc(size)
+        scratch = self.buffers["copy_probe"]
         best = float("inf")
         for _ in range(repeat + 1):
             dev.synchronize()
             start = time.perf_counter()
-            dev.copy(base + size, base, size)
+            dev.copy(scratch, self.buffers["weights"], size)
             dev.synchronize()
             best = min(best, time.perf_counter() - start)
-        self.device.upload(base, self.weights)  # the copy overwrote the upper half
-        return 2 * size / best / 1e9  # a copy reads and writes each byte
+        return 2 * size / best / 1e9

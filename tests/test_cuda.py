@@ -128,7 +128,8 @@ def test_emulated_tensor_core_prefill_matches(tiny, cuda_artifact, spec: TinySpe
     the emulator): every row's logits against the quantize stage, and against decode step by step
     (GEMVs; positions split over blocks and merged): prefill(n) + decode(k) = prefill(n + k)."""
     directory, _ = cuda_artifact(spec, chunk=16)
-    assert any(launch["kernel"].endswith("_mma") for launch in load_manifest(directory).entry_points["score"]["launches"])
+    score = load_manifest(directory).entry_points["score"]["launches"]
+    assert any(launch["kernel"].endswith("_mma") for launch in score)
     session = _session(cuda_artifact, spec, chunk=16)
     whole = session.score(TOKENS)
     _close_f16(whole, _stage_logits(tiny, spec, TOKENS, compute="a32"))
@@ -165,7 +166,7 @@ def test_greedy_decoding_takes_numpys_argmax_on_the_device(cuda_artifact) -> Non
              np.full(vocab, -np.inf, np.float32), -np.arange(vocab, dtype=np.float32)[::-1].copy()]
     for logits in cases:
         session.device.upload(session.buffers["logits"], logits)
-        assert session._argmax() == int(np.argmax(logits))
+        assert session.argmax() == int(np.argmax(logits))
     reference = _session(cuda_artifact, SPECS["gqa"])
     got, want = [session.greedy(TOKENS[:5])], [int(np.argmax(reference.feed(TOKENS[:5])))]
     for _ in range(5):

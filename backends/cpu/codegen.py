@@ -26,14 +26,14 @@ from collections.abc import Mapping
 
 from llvmlite import ir
 from xdsl.dialects import func
-from xdsl.dialects.builtin import IndexType, ModuleOp, StringAttr
+from xdsl.dialects.builtin import IndexType, ModuleOp
 from xdsl.ir import SSAValue
 
 from llmc.backends.builder import I64, VOID, KernelBuilder
 from llmc.backends.cpu.kernels import I64PTR, KernelLibrary
 from llmc.backends.cpu.quant import I8PTR, prefetch
 from llmc.errors import LlmcError
-from llmc.ir import tgt
+from llmc.ir import entry_functions, tgt
 from llmc.ir.layouts import Layout
 
 # after the function's own arguments: what every entry point also takes
@@ -175,19 +175,14 @@ def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int]) -> tuple[ir
     llvm_module = ir.Module("llmc")
     lib = KernelLibrary(llvm_module, linkage="internal")
     barriers: dict[str, int] = {}
-    for function in module.ops:
-        if not isinstance(function, func.FuncOp):
-            continue
-        stage = function.attributes.get("llm.stage")
-        if not isinstance(stage, StringAttr):
-            raise LlmcError(f"cpu codegen: @{function.sym_name.data} is not a lowered entry point")
+    for stage, function in entry_functions(module).items():
         parameters = _entry_parameters(function)
-        fn = ir.Function(llvm_module, ir.FunctionType(VOID, [t for _, t in parameters]), name=entry_symbol(stage.data))
+        fn = ir.Function(llvm_module, ir.FunctionType(VOID, [t for _, t in parameters]), name=entry_symbol(stage))
         for arg, (name, _) in zip(fn.args, parameters):
             arg.name = name
         emitter = _EntryEmitter(lib, fn, function, weight_offsets)
         for op in function.body.block.ops:
             emitter.emit(op)
-        barriers[stage.data] = emitter.barriers
+        barriers[stage] = emitter.barriers
     read_probe(llvm_module)
     return llvm_module, barriers

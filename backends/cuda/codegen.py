@@ -22,13 +22,13 @@ from collections.abc import Mapping
 
 from llvmlite import ir
 from xdsl.dialects import func
-from xdsl.dialects.builtin import IndexType, ModuleOp, StringAttr
+from xdsl.dialects.builtin import IndexType, ModuleOp
 from xdsl.ir import SSAValue
 
 from llmc.backends.cuda.device import Emulated, Ptx
 from llmc.backends.cuda.kernels import KernelLibrary, Launch, PerRows, argmax_kernel
 from llmc.errors import LlmcError
-from llmc.ir import tgt
+from llmc.ir import entry_functions, tgt
 
 
 def _dim(d: int | PerRows) -> int | dict:
@@ -75,25 +75,19 @@ def _launch_entry(launch: Launch, args: list[dict]) -> dict:
 
 
 def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int], emulated: bool = False
-                ) -> tuple[ir.Module, dict[str, list[dict]]]:
+                ) -> tuple[ir.Module, dict[str, list[dict]], dict]:
     """The LLVM module of every kernel the entry points launch, for the GPU (or, `emulated`,
-    for the CPU emulator), and each entry point's launch plan; `plans["argmax"]` is the
-    launch of greedy decoding's argmax over the logits (`{"argument": "token"}`: 4 bytes)."""
+    for the CPU emulator), each entry point's launch plan, and the launch of greedy
+    decoding's argmax over the logits (into `{"argument": "token"}`: 4 bytes)."""
     llvm_module = ir.Module("llmc_cuda")
     device = Emulated() if emulated else Ptx()
     lib = KernelLibrary(llvm_module, device)
     plans: dict[str, list[dict]] = {}
-    for function in module.ops:
-        if not isinstance(function, func.FuncOp):
-            continue
-        stage = function.attributes.get("llm.stage")
-        if not isinstance(stage, StringAttr):
-            raise LlmcError(f"cuda codegen: @{function.sym_name.data} is not a lowered entry point")
+    for stage, function in entry_functions(module).items():
         plan = _Plan(lib, function, weight_offsets)
         for op in function.body.block.ops:
             plan.emit(op)
-        plans[stage.data] = plan.launches
+        plans[stage] = plan.launches
     vocab = tgt.dims(function.body.block.args[5])[1]  # the logits of any entry point
     args = [{"argument": "logits", "offset": 0}, {"argument": "token", "offset": 0}, {"count": vocab}]
-    plans["argmax"] = [_launch_entry(argmax_kernel(llvm_module, device), args)]
-    return llvm_module, plans
+    return llvm_module, plans, _launch_entry(argmax_kernel(llvm_module, device), args)

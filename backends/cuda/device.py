@@ -33,14 +33,13 @@ class _Device:
     def tid(self, f: KernelBuilder) -> ir.Value:
         return self._sreg(f, "tid.x")
 
-    def ntid(self, f: KernelBuilder) -> ir.Value:
-        return self._sreg(f, "ntid.x")
-
     def ctaid(self, f: KernelBuilder, axis: str) -> ir.Value:
         return self._sreg(f, f"ctaid.{axis}")
 
-    def nctaid(self, f: KernelBuilder, axis: str) -> ir.Value:
-        return self._sreg(f, f"nctaid.{axis}")
+    def lanes(self, f: KernelBuilder) -> tuple[ir.Value, ir.Value, ir.Value]:
+        """This thread's index in the block, its lane in the warp, its warp in the block."""
+        tid = self.tid(f)
+        return tid, f.b.urem(tid, f.i64(WARP)), f.b.udiv(tid, f.i64(WARP))
 
     def barrier(self, f: KernelBuilder) -> None:
         raise NotImplementedError
@@ -64,17 +63,13 @@ class _Device:
     def warp_sum(self, f: KernelBuilder, value: ir.Value) -> ir.Value:
         return self.warp_reduce(f, value, f.fadd)
 
-    def warp_max(self, f: KernelBuilder, value: ir.Value) -> ir.Value:
-        return self.warp_reduce(f, value, lambda a, b: f.intrinsic("llvm.maxnum", a, b))
-
     def block_sum(self, f: KernelBuilder, value: ir.Value, warps: int, name: str) -> ir.Value:
         """The sum of `value` over a block of `warps` warps, in every thread (two barriers)."""
         partial = self.warp_sum(f, value)
         if warps == 1:
             return partial
         slots = self.shared(f, name, warps)
-        tid = self.tid(f)
-        lane, warp = f.b.urem(tid, f.i64(WARP)), f.b.udiv(tid, f.i64(WARP))
+        _, lane, warp = self.lanes(f)
         with f.when(f.b.icmp_unsigned("==", lane, f.i64(0))):
             f.store(partial, slots, warp)
         self.barrier(f)
@@ -86,13 +81,10 @@ class _Device:
 
 
 _HALF2 = ir.VectorType(ir.HalfType(), 2)
-MMA_SHAPE = (16, 8, 16)  # m, n, k of one mma.sync: A 16×16 and B 16×8 in f16, C and D 16×8 in f32
 
 
 class Ptx(_Device):
     """For the GPU: NVVM intrinsics, `ptx_kernel` functions, shared memory in `addrspace(3)`."""
-
-    emulated = False
 
     def kernel(self, module: ir.Module, name: str, params: list[ir.Type], threads: int) -> ir.Function:
         fn = ir.Function(module, ir.FunctionType(VOID, params), name=name)
@@ -139,8 +131,6 @@ class Ptx(_Device):
 
 class Emulated(_Device):
     """For the CPU emulator (`emulator.c`): the same kernels, their intrinsics as calls into it."""
-
-    emulated = True
 
     def kernel(self, module: ir.Module, name: str, params: list[ir.Type], threads: int) -> ir.Function:
         fn = ir.Function(module, ir.FunctionType(VOID, params), name=name)

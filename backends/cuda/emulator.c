@@ -35,7 +35,7 @@ static void *scheduler, *contexts[MAX_THREADS];
 static char *stacks;
 static int threads, current, done[MAX_THREADS], waiting[MAX_THREADS];
 static int live[MAX_THREADS / 32 + 1];  /* threads not returned, per warp, then the block */
-static int block_dim[3], grid_dim[3], block_idx[3];
+static int block_dim[3], block_idx[3];
 static int arrived[MAX_THREADS / 32 + 1], generation[MAX_THREADS / 32 + 1];  /* warps, then the block */
 static float exchange[MAX_THREADS];
 static entry_fn entry;
@@ -83,14 +83,9 @@ static void meet(int slot) {
 }
 
 int emu_tid_x(void) { return current % block_dim[0]; }
-int emu_tid_y(void) { return current / block_dim[0] % block_dim[1]; }
-int emu_ntid_x(void) { return block_dim[0]; }
 int emu_ctaid_x(void) { return block_idx[0]; }
 int emu_ctaid_y(void) { return block_idx[1]; }
 int emu_ctaid_z(void) { return block_idx[2]; }
-int emu_nctaid_x(void) { return grid_dim[0]; }
-int emu_nctaid_y(void) { return grid_dim[1]; }
-int emu_nctaid_z(void) { return grid_dim[2]; }
 
 void emu_barrier(void) { meet(MAX_THREADS / 32); }
 
@@ -170,7 +165,6 @@ int emu_launch(entry_fn fn, void **params, int gx, int gy, int gz, int bx, int b
     entry = fn;
     entry_params = params;
     block_dim[0] = bx; block_dim[1] = by; block_dim[2] = bz;
-    grid_dim[0] = gx; grid_dim[1] = gy; grid_dim[2] = gz;
     for (int z = 0; z < gz; z++)
         for (int y = 0; y < gy; y++)
             for (int x = 0; x < gx; x++) {

@@ -30,7 +30,7 @@ _ERRORS = {-1: "a block of more than 1024 threads", -2: "a deadlock: the block's
 
 def build_host_kernels(module: ModuleOp, weight_offsets: dict[str, int], out: Path) -> Path:
     """The host build of every kernel of `module` (plus the emulator), as a shared library at `out`."""
-    llvm_module, _ = emit_module(module, weight_offsets, emulated=True)
+    llvm_module, _, _ = emit_module(module, weight_offsets, emulated=True)
     return link_shared([compile_to_object(llvm_module, target_machine()), EMULATOR_C], out)
 
 
@@ -64,7 +64,7 @@ class EmulatedDevice:
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         ctypes.memmove(dst, src, nbytes)
 
-    def kernels(self, manifest, names: set[str]) -> dict[str, object]:
+    def kernels(self, manifest, names: set[str], check: bool) -> dict[str, object]:  # (the host build's)
         return {name: ctypes.cast(getattr(self.library, f"{name}.host"), ctypes.c_void_p) for name in names}
 
     def launch(self, kernel, grid, block, shared, params) -> None:

@@ -9,7 +9,7 @@ decided at launch from the entry point's `n`.
 
 | op | kernels | grid (x, y, z) | a thread block does |
 |---|---|---|---|
-| matmul, swiglu | GEMV | (N / 4, rows / R) | 4 warps, one output feature each, for R rows; lanes stride K in 4-byte code words, dequantize in registers, sum by warp shuffles; fused RMSNorm, bias, residual add, SwiGLU |
+| matmul, swiglu | GEMV | (N / 4, rows / R) | 4 warps, one output feature each, for R rows; lanes stride K 16 bytes of codes at a time, dequantize in registers, sum by warp shuffles; fused RMSNorm, bias, residual add, SwiGLU |
 | matmul, swiglu with `isa mma_f16` | `_mma` | (N / 64, rows / 32) | f16 tiles of x and the dequantized weights in shared memory, `mma.sync.m16n8k16` per warp, the same epilogues |
 | attention | `_store`, `_attend`, (`_merge`) | (1, rows); prefill (heads, rows / 4); decode (heads, rows, S) | RoPE in place and the cache write; an online softmax over cache positions, lanes over the head dimension: in prefill a warp per query row, in decode 4 warps and S blocks per row splitting the positions, merged (flash-decoding) |
 | (greedy decoding) | `llmc_argmax` | (1, 1, 1) | the first index of the largest logit |
@@ -72,12 +72,6 @@ def _max_rows(op: tgt.Kernel) -> int:
     return 1
 
 
-def _float_rows(op: tgt.Kernel, name: str, value) -> None:
-    if not isinstance(value.type, MemRefType) or str(value.type.element_type) != "f32":
-        raise LlmcError(f"cuda: {op.name} needs float rows for '{name}', got {value.type} "
-                        f"(CUDA kernels take a32 activations: compile without --compute a8)")
-
-
 class KernelLibrary:
     """Emits CUDA kernels into `module` for `device` (`Ptx` or `Emulated`), once per distinct op."""
 
@@ -94,9 +88,10 @@ class KernelLibrary:
             emitter = _EMITTERS.get(type(op))
             if emitter is None:
                 raise LlmcError(f"cuda: no kernel for {op.name}")
-            for name, value in op.abi():
-                if isinstance(value.type, tgt.QRowsType):
-                    _float_rows(op, name, value)
+            quantized = [name for name, value in op.abi() if isinstance(value.type, tgt.QRowsType)]
+            if quantized:
+                raise LlmcError(f"cuda: {op.name} takes quantized rows ({', '.join(quantized)}); CUDA kernels "
+                                f"take float rows (a32): compile without --compute a8")
             self._cache[key] = emitter(_Emit(self, op, f"{kernel_name(op)}_r{rows}", rows))
         return self._cache[key]
 
@@ -148,10 +143,9 @@ def _strided(f: KernelBuilder, start: ir.Value, stop: int | ir.Value, step: int,
     return f.loop(start, stop, step, name=name, unroll=False)
 
 
-def _thread(f: KernelBuilder, dev) -> tuple[ir.Value, ir.Value, ir.Value]:
-    """This thread's index in the block, its lane in the warp, its warp in the block."""
-    tid = dev.tid(f)
-    return tid, f.b.urem(tid, f.i64(WARP)), f.b.udiv(tid, f.i64(WARP))
+def _index(f: KernelBuilder, ids: ir.Value, t: ir.Value) -> ir.Value:
+    """Entry `t` of an i32 buffer (tokens, positions) as an i64."""
+    return f.b.sext(f.load(f.b.bitcast(ids, I32.as_pointer()), t), I64)
 
 
 def _inv_rms(f: KernelBuilder, dev, x: ir.Value, width: int, eps: float, start: ir.Value, step: int,
@@ -221,7 +215,7 @@ def _gemv(e: _Emit) -> list[Launch]:
         b = f.b
         x, rows = _fptr(f, a["x"]), a["rows"]
         weights = [WeightRows(f, a[name], v.type) for name, v in op.abi() if v in weight_values]
-        tid, lane, warp = _thread(f, dev)
+        tid, lane, warp = dev.lanes(f)
         j = f.add(f.mul(dev.ctaid(f, "x"), WARPS), warp)
         first = f.sub(rows, 1) if last else f.mul(dev.ctaid(f, "y"), tile)
         with f.when(_lt(f, j, n)):  # whole warps: the shuffles below see every lane
@@ -285,7 +279,7 @@ def _gemm_mma(e: _Emit) -> list[Launch]:
         b = f.b
         x, rows = _fptr(f, a["x"]), a["rows"]
         weights = [WeightRows(f, a[name], v.type) for name, v in op.abi() if v in weight_values]
-        tid, lane, warp = _thread(f, dev)
+        tid, lane, warp = dev.lanes(f)
         wm, wn = b.udiv(warp, f.i64(2)), b.urem(warp, f.i64(2))
         group, quad = b.udiv(lane, f.i64(4)), b.urem(lane, f.i64(4))
         n0, t0 = f.mul(dev.ctaid(f, "x"), MMA_COLS), f.mul(dev.ctaid(f, "y"), MMA_ROWS)
@@ -301,7 +295,8 @@ def _gemm_mma(e: _Emit) -> list[Launch]:
                 inv = _inv_rms(f, dev, xr, k, op.eps.value.data, lane, WARP, dev.warp_sum)
                 with f.when(b.icmp_unsigned("==", lane, f.i64(0))):
                     f.store(inv, inv_s, row)
-        accs = [[[f.alloca(F32, name=f"c{w}_{j}_{i}") for i in range(4)] for j in range(4)] for w in range(len(weights))]
+        accs = [[[f.alloca(F32, name=f"c{w}_{j}_{i}") for i in range(4)] for j in range(4)]
+                for w in range(len(weights))]
         for per_weight in accs:
             for tile in per_weight:
                 for acc in tile:
@@ -366,8 +361,6 @@ def _gemm_mma(e: _Emit) -> list[Launch]:
 
 def _matmul(e: _Emit) -> list[Launch]:
     """GEMV, or GEMM on tensor cores where `pack` chose them (`isa mma_f16`)."""
-    _float_rows(e.op, "x", e.op.x)
-    _float_rows(e.op, "out", e.op.out)
     if e.op.isa is not None and e.op.isa.data is tgt.Isa.MMA_F16:
         return _gemm_mma(e)
     return _gemv(e)
@@ -379,12 +372,11 @@ def _matmul(e: _Emit) -> list[Launch]:
 def _embedding(e: _Emit) -> list[Launch]:
     op, dev = e.op, e.dev
     width = tgt.dims(op.table)[1]
-    _float_rows(op, "out", op.out)
 
     def body(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
         col, t = _column(f, dev), dev.ctaid(f, "y")
         with f.when(_lt(f, col, width)):
-            token = f.b.sext(f.load(f.b.bitcast(a["tokens"], I32.as_pointer()), t), I64)
+            token = _index(f, a["tokens"], t)
             table = WeightRows(f, a["table"], op.table.type)
             f.store(table.element(token, col), _fptr(f, a["out"]), f.add(f.mul(t, width), col))
 
@@ -394,7 +386,6 @@ def _embedding(e: _Emit) -> list[Launch]:
 def _rms_norm(e: _Emit) -> list[Launch]:
     op, dev = e.op, e.dev
     width = tgt.row_width(op.x)
-    _float_rows(op, "out", op.out)
 
     def body(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
         t, tid = dev.ctaid(f, "y"), dev.tid(f)
@@ -446,7 +437,7 @@ def _rope(e: _Emit) -> list[Launch]:
 
     def body(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
         t = dev.ctaid(f, "y")
-        position = f.b.sext(f.load(f.b.bitcast(a["positions"], I32.as_pointer()), t), I64)
+        position = _index(f, a["positions"], t)
         _rotate(f, dev, f.b.gep(_fptr(f, a["x"]), [f.mul(t, heads * d)]), heads, d, position, op.theta.value.data)
 
     return [e.kernel("", body, (1, PerRows(1), 1))]
@@ -510,16 +501,12 @@ def _attention(e: _Emit) -> list[Launch]:
     _, kv_heads, _ = tgt.dims(op.k)
     group = heads // kv_heads
     splits = SPLITS if e.rows <= tgt.ATTENTION_SPLIT_ROWS else 1
-    _float_rows(op, "out", op.out)
     lanes = -(-d // WARP)  # head-dimension elements per lane
     stride = d + 2  # a partial result: d weighted values, the maximum, the sum
 
-    def position_of(f: KernelBuilder, a, t: ir.Value) -> ir.Value:
-        return f.b.sext(f.load(f.b.bitcast(a["positions"], I32.as_pointer()), t), I64)
-
     def store(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
         t = dev.ctaid(f, "y")
-        position = position_of(f, a, t)
+        position = _index(f, a["positions"], t)
         q = f.b.gep(_fptr(f, a["q"]), [f.mul(t, heads * d)])
         k = f.b.gep(_fptr(f, a["k"]), [f.mul(t, kv_heads * d)])
         v = f.b.gep(_fptr(f, a["v"]), [f.mul(t, kv_heads * d)])
@@ -570,10 +557,11 @@ def _attention(e: _Emit) -> list[Launch]:
         """Prefill: each warp one query row (a block 4 consecutive rows of one head, which read the
         same cache rows, so the block's loads of them hit L1), over all its positions."""
         b = f.b
-        tid, lane, warp = _thread(f, dev)
+        tid, lane, warp = dev.lanes(f)
         h, t = dev.ctaid(f, "x"), f.add(f.mul(dev.ctaid(f, "y"), WARPS), warp)
         with f.when(_lt(f, t, a["rows"])):
-            _, l, accs, valid, dims = online_softmax(f, a, h, t, f.i64(0), f.add(position_of(f, a, t), 1), 1, lane)
+            end = f.add(_index(f, a["positions"], t), 1)
+            _, l, accs, valid, dims = online_softmax(f, a, h, t, f.i64(0), end, 1, lane)
             out = _fptr(f, a["out"])
             for ok, i, acc in zip(valid, dims, accs):
                 with f.when(ok):
@@ -584,8 +572,8 @@ def _attention(e: _Emit) -> list[Launch]:
         memory into a partial result; `merge` combines the `splits` blocks' partials."""
         b = f.b
         h, t, split = dev.ctaid(f, "x"), dev.ctaid(f, "y"), dev.ctaid(f, "z")
-        tid, lane, warp = _thread(f, dev)
-        total = f.add(position_of(f, a, t), 1)
+        tid, lane, warp = dev.lanes(f)
+        total = f.add(_index(f, a["positions"], t), 1)
         lo = b.sdiv(f.mul(total, split), f.i64(splits))
         hi = b.sdiv(f.mul(total, f.add(split, 1)), f.i64(splits))
         m, l, accs, valid, dims = online_softmax(f, a, h, t, f.add(lo, warp), hi, WARPS, lane)
@@ -672,7 +660,7 @@ def argmax_kernel(module: ir.Module, dev) -> Launch:
         v, i = merge(v, i, dev.shfl_xor(f, v, mask), dev.shfl_xor_i32(f, i, mask))
     values = dev.shared(f, "values", WARPS)
     indices = b.bitcast(dev.shared(f, "indices", WARPS), I32.as_pointer())
-    _, lane, warp = _thread(f, dev)
+    _, lane, warp = dev.lanes(f)
     with f.when(b.icmp_unsigned("==", lane, f.i64(0))):
         f.store(v, values, warp)
         f.store(i, indices, warp)

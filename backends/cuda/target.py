@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from llmc.errors import UsageError
 from llmc.ir.tgt import TargetAttr
 
-TRIPLE = "nvptx64-nvidia-cuda"
+ARCH = "nvptx64"
+TRIPLE = f"{ARCH}-nvidia-cuda"
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ def cuda_target(gpus: str = DEFAULT_GPUS) -> TargetAttr:
     """The target for `--gpu`: the oldest architecture named, with what it has."""
     oldest = parse_gpus(gpus)[0]
     gpu = GPUS[oldest]
-    return TargetAttr("cuda", "nvptx64", oldest, [*gpu.features, f"smem={gpu.shared_memory}"])
+    return TargetAttr("cuda", ARCH, oldest, [*gpu.features, f"smem={gpu.shared_memory}"])
 
 
 def shared_memory(target: TargetAttr) -> int:

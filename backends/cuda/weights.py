@@ -45,7 +45,8 @@ def load_bf16(f: KernelBuilder, base: ir.Value, index: ir.Value) -> ir.Value:
 
 
 class WeightRows:
-    """The weight `[N, K]` at `base`, read a unit (one 4-byte code word, or one float) at a time."""
+    """The weight `[N, K]` at `base`, read a unit at a time: one 4-byte word of codes (`runs`), 16 bytes
+    (`wide_runs`), or one float."""
 
     def __init__(self, f: KernelBuilder, base: ir.Value, weight_type: tgt.WeightType):
         self.f, self.base, self.type = f, base, weight_type
@@ -61,8 +62,8 @@ class WeightRows:
                 raise ValueError(f"cuda: integer weights are read in the split layout, not {weight_type.layout}")
             self.planes = {p.name: p for p in weight_planes(self.storage, (self.n, self.k))}
             kp = padded_width(self.k)
-            self.wide = self.fmt.bits == 8
-            self.units, self.per_unit = (kp // 4, 4) if self.wide else (kp // 8, 8)
+            self.bytes = self.fmt.bits == 8  # one code a byte (else nibbles and bit planes)
+            self.units, self.per_unit = (kp // 4, 4) if self.bytes else (kp // 8, 8)
 
     @property
     def padded(self) -> bool:
@@ -137,7 +138,7 @@ class WeightRows:
         if self.storage.is_float:
             return [(u, [self._float(row, u)])]
         word = self._plane("codes", row, u, I32, 4)
-        if self.wide:
+        if self.bytes:
             k0 = f.mul(u, 4)
             dq = self._dequantizer(row, k0)
             return [(k0, [dq(f.b.and_(f.b.lshr(word, ir.Constant(I32, 8 * b)), ir.Constant(I32, 255)))
@@ -173,7 +174,7 @@ class WeightRows:
         offset = f.add(f.add(p.offset, f.mul(row, p.row_bytes)), f.mul(u, 16))
         vector = b.load(typed(f, self.base, offset, ir.VectorType(I32, 4)), align=16)
         words = [b.extract_element(vector, ir.Constant(I32, w)) for w in range(4)]
-        if self.wide:
+        if self.bytes:
             k0 = f.mul(u, 16)
             dq = self._dequantizer(row, k0)
             return [(k0, [dq(b.and_(b.lshr(word, ir.Constant(I32, 8 * i)), ir.Constant(I32, 255)))
@@ -203,7 +204,7 @@ class WeightRows:
         if self.storage.is_float:
             return self._float(row, k)
         dq = self._dequantizer(row, k)
-        if self.wide:
+        if self.bytes:
             return dq(f.b.zext(self._plane("codes", row, k, I8, 1), I32))
         group, within = f.b.udiv(k, f.i64(GROUP)), f.b.urem(k, f.i64(GROUP))
         byte = f.b.zext(self._plane("codes", row, f.add(f.mul(group, 32), f.b.urem(within, f.i64(32))), I8, 1), I32)

@@ -39,7 +39,8 @@ semantics = _SEMANTICS.register  # `fn(op, env, *operand_values) -> result`
 
 @dataclass
 class KVCache:
-    """Keys and values of every layer: `[layers, kv_heads, capacity, head_dim]` each.
+    """Keys and values of every layer: `[layers, kv_heads, capacity, head_dim]` each, or
+    `[layers, slots, kv_heads, capacity, head_dim]` for a cache of several sequences.
 
     `element` is the cache's type: "f32", "f16" (the arrays are float16) or "q8_0" (the
     arrays hold float32 values rounded as q8_0 rows are: int8 per 32 with a scale).
@@ -54,7 +55,8 @@ class KVCache:
         """A zeroed cache of `cache_type`, or of its first `positions` rows only."""
         layers, kv_heads, capacity, head_dim = cache_type.shape
         element = llm.kv_type_name(cache_type.element_type)
-        return cls.zeros((layers, kv_heads, min(capacity, positions or capacity), head_dim), element)
+        slots = (cache_type.slots,) if cache_type.slots > 1 else ()
+        return cls.zeros((layers, *slots, kv_heads, min(capacity, positions or capacity), head_dim), element)
 
     @classmethod
     def zeros(cls, shape: tuple[int, ...], element: str = "f32") -> KVCache:
@@ -197,12 +199,29 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray
     return out.reshape(heads, t, d).transpose(1, 0, 2).astype(np.float32)
 
 
+def attention_in_slots(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                       cache: KVCache, layer: int) -> np.ndarray:
+    """`attention` in a cache of several sequences (`[layers, slots, …]`): row t in sequence `slots[t]`."""
+    count = cache.keys.shape[1]
+    if slots.size and (slots.min() < 0 or slots.max() >= count):
+        raise ValueError(f"slot outside the KV cache's {count} sequences")
+    out = np.empty_like(q)
+    for slot in np.unique(slots):
+        rows = slots == slot
+        one = KVCache(cache.keys[:, slot], cache.values[:, slot], cache.element)
+        out[rows] = attention(q[rows], k[rows], v[rows], positions[rows], one, layer)
+    return out
+
+
 @semantics(llm.AttentionOp)
-def _attention(
-    op: llm.AttentionOp, env: Env, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, cache: KVCache
-) -> np.ndarray:
+def _attention(op: llm.AttentionOp, env: Env, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray,
+               *slots_and_cache: object) -> np.ndarray:
+    *slots, cache = slots_and_cache
+    assert isinstance(cache, KVCache)
     if op.rope is not None:
         q, k = rope(q, positions, op.rope.value.data), rope(k, positions, op.rope.value.data)
+    if slots:
+        return attention_in_slots(q, k, v, positions, slots[0], cache, op.layer.value.data)
     return attention(q, k, v, positions, cache, op.layer.value.data)
 
 

@@ -123,7 +123,8 @@ def kv_type_name(element: Attribute) -> str:
 
 @irdl_attr_definition
 class KVCacheType(ParametrizedAttribute, TypeAttribute):
-    """The key/value cache of every layer: `!llm.kv_cache<layers x kv_heads x capacity x head_dim x f32>`.
+    """The key/value cache of every layer: `!llm.kv_cache<layers x kv_heads x capacity x head_dim x f32>`,
+    for one sequence, or for `slots` sequences (`--max-batch`): `!llm.kv_cache<30x3x4096x64xf16, slots 8>`.
 
     One value of this type is threaded through the forward function; `llm.attention`
     writes the new rows of its layer and attends to the rows before them. The element
@@ -137,30 +138,48 @@ class KVCacheType(ParametrizedAttribute, TypeAttribute):
     capacity: IntAttr = param_def(IntAttr)
     head_dim: IntAttr = param_def(IntAttr)
     element_type: Attribute = param_def(AnyAttr())
+    slot_count: IntAttr = param_def(IntAttr)
 
-    def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, element_type: Attribute = f32):
-        super().__init__(IntAttr(layers), IntAttr(kv_heads), IntAttr(capacity), IntAttr(head_dim), element_type)
+    def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, element_type: Attribute = f32,
+                 slots: int = 1):
+        super().__init__(IntAttr(layers), IntAttr(kv_heads), IntAttr(capacity), IntAttr(head_dim), element_type,
+                         IntAttr(slots))
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
+        """One sequence's cache: layers, kv heads, capacity, head dimension."""
         return (self.layers.data, self.kv_heads.data, self.capacity.data, self.head_dim.data)
+
+    @property
+    def slots(self) -> int:
+        """How many sequences the cache holds."""
+        return self.slot_count.data
 
     def print_parameters(self, printer: Printer) -> None:
         printer.print_string("<" + "x".join(str(d) for d in self.shape) + "x")
         printer.print_attribute(self.element_type)
+        if self.slots != 1:
+            printer.print_string(f", slots {self.slots}")
         printer.print_string(">")
 
     @classmethod
     def parse_parameters(cls, parser: AttrParser) -> Sequence[Attribute]:
         pos = parser.pos
-        dims, element_type = parser.parse_comma_separated_list(parser.Delimiter.ANGLE, parser.parse_ranked_shape)[0]
+        parser.parse_punctuation("<")
+        dims, element_type = parser.parse_ranked_shape()
         if len(dims) != 4 or any(d < 1 for d in dims):
             parser.raise_error("!llm.kv_cache needs four static dimensions: layers x kv_heads x capacity x head_dim", pos)
-        return (*(IntAttr(d) for d in dims), element_type)
+        slots = 1
+        if parser.parse_optional_punctuation(",") is not None:
+            parser.parse_keyword("slots")
+            slots = parser.parse_integer(allow_boolean=False, allow_negative=False)
+        parser.parse_punctuation(">")
+        return (*(IntAttr(d) for d in dims), element_type, IntAttr(slots))
 
     def verify(self) -> None:
-        if any(d < 1 for d in self.shape):
-            raise VerifyException(f"!llm.kv_cache dimensions must be positive, got {self.shape}")
+        if any(d < 1 for d in self.shape) or self.slots < 1:
+            raise VerifyException(f"!llm.kv_cache dimensions and slots must be positive, got {self.shape}, "
+                                  f"{self.slots} slots")
 
 
 # ------------------------------------------------------------------ shape helpers
@@ -542,6 +561,12 @@ class AttentionOp(IRDLOperation, _ShapeChecks):
     %a = llm.attention %q, %k, %v, %pos, %kv layer 0 : (tensor<?x9x64xf32>, tensor<?x3x64xf32>,
            tensor<?x3x64xf32>, tensor<?xi32>, !llm.kv_cache<30x3x8192x64xf32>) -> tensor<?x9x64xf32>
     ```
+    A cache of several sequences (`slots N`) takes each row's slot too: row `t` is written
+    to and attends within sequence `slots[t]` only (batched decode: one row per sequence).
+    ```mlir
+    %a = llm.attention %q, %k, %v, %pos slots %slots, %kv layer 0 : (tensor<8x9x64xf32>, tensor<8x3x64xf32>,
+           tensor<8x3x64xf32>, tensor<8xi32> slots tensor<8xi32>, !llm.kv_cache<30x3x4096x64xf16, slots 8>) -> ...
+    ```
     Not pure: it writes the cache.
     """
 
@@ -550,22 +575,25 @@ class AttentionOp(IRDLOperation, _ShapeChecks):
     key = operand_def(TensorType)
     value = operand_def(TensorType)
     positions = operand_def(TensorType)
+    slots = opt_operand_def(TensorType)
     kv_cache = operand_def(KVCacheType)
     layer = prop_def(IntegerAttr[I64])
     rope = opt_prop_def(FloatAttr[Float32Type])
     result = result_def(TensorType)
+    irdl_options = (AttrSizedOperandSegments(as_property=True),)
     assembly_format = (
-        "$query `,` $key `,` $value `,` $positions `,` $kv_cache `layer` $layer (`rope` $rope^)? attr-dict `:` "
-        "`(` type($query) `,` type($key) `,` type($value) `,` type($positions) `,` type($kv_cache) `)` "
-        "`->` type($result)"
+        "$query `,` $key `,` $value `,` $positions (`slots` $slots^)? `,` $kv_cache `layer` $layer (`rope` $rope^)? "
+        "attr-dict `:` `(` type($query) `,` type($key) `,` type($value) `,` type($positions) "
+        "(`slots` type($slots)^)? `,` type($kv_cache) `)` `->` type($result)"
     )
 
     def __init__(self, q: SSAValue, k: SSAValue, v: SSAValue, positions: SSAValue, kv_cache: SSAValue, layer: int,
-                 rope: float | None = None):
+                 rope: float | None = None, slots: SSAValue | None = None):
         props: dict[str, Attribute] = {"layer": IntegerAttr(layer, i64)}
         if rope is not None:
             props["rope"] = FloatAttr(rope, f32)
-        super().__init__(operands=[q, k, v, positions, kv_cache], properties=props, result_types=[q.type])
+        super().__init__(operands=[q, k, v, positions, [slots] if slots is not None else [], kv_cache],
+                         properties=props, result_types=[q.type])
 
     def verify_(self) -> None:
         t, h, d = self._rank("query", self.query, 3)
@@ -589,6 +617,12 @@ class AttentionOp(IRDLOperation, _ShapeChecks):
         self._same("head dimension (key vs kv_cache)", kd, cd)
         if not 0 <= self.layer.value.data < layers:
             self._fail(f"layer {self.layer.value.data} is outside the cache's {layers} layers")
+        if (self.slots is not None) != (cache.slots > 1):
+            self._fail("a cache of several sequences needs each row's slot (`slots %s`), and only such a cache")
+        if self.slots is not None:
+            (st,) = self._rank("slots", self.slots, 1)
+            self._element("slots", self.slots, i32)
+            self._same("token count (query vs slots)", t, st)
 
 
 @irdl_op_definition

@@ -90,6 +90,7 @@ from llmc.ir.layouts import Layout, qrows_nbytes, weight_nbytes
 
 f32 = Float32Type()
 KV_LAYOUT = "layer,kv_head,position,dim"
+KV_LAYOUT_SLOTS = "layer,slot,kv_head,position,dim"  # a cache of several sequences (`--max-batch`)
 
 
 # ------------------------------------------------------------------ the target
@@ -508,9 +509,9 @@ class Kernel(IRDLOperation):
                 self._fail("a kernel reading quantized rows from packed weights needs an isa (run pack)")
 
 
-def _positions(op: Kernel, positions: SSAValue, rows: int) -> None:
+def _positions(op: Kernel, positions: SSAValue, rows: int, what: str = "positions") -> None:
     if positions.type != memref(rows, element_type=i32):
-        op._fail(f"positions must be memref<{rows}xi32>, got {positions.type}")
+        op._fail(f"{what} must be memref<{rows}xi32>, got {positions.type}")
 
 
 def _eps_props(eps: float | None) -> dict[str, Attribute]:
@@ -725,13 +726,15 @@ class RopeOp(Kernel):
 @irdl_op_definition
 class AttentionOp(Kernel):
     """Causal GQA of one layer: write each row `t` of `k`, `v` at position `positions[t]` of the layer's
-    cache (`[kv_heads, capacity, head_dim]`, a `tgt.subview` of the KV cache), attend.
+    cache (`[kv_heads, capacity, head_dim]`, a `tgt.subview` of the KV cache), attend. A cache of
+    several sequences (`[slots, kv_heads, capacity, head_dim]`) takes `slots %s` too: row `t` is
+    written to and attends within sequence `slots[t]`.
 
     With `rope T`, `q` and `k` are rotated first (in place): RoPE and the KV-cache write
     fused into the attention kernel. Writes float or quantized rows `[rows, heads·head_dim]`.
     The cache holds f32, f16 or q8_0 rows (`--kv-type`; i8, `kv_row_width`). `partials` is scratch where, for up to
-    `ATTENTION_SPLIT_ROWS` rows, each thread leaves its share of the positions' result
-    for the merge (flash-decoding).
+    as many rows as it has room for (`ATTENTION_SPLIT_ROWS`, or decode's batch), each thread
+    leaves its share of the positions' result for the merge (flash-decoding).
 
     ```mlir
     tgt.attention %q, %k, %v, %kc, %vc -> %a positions %positions partials %p rows %n rope 1.000000e+05 : memref<128x9x64xf32>, memref<128x3x64xf32>, memref<128x3x64xf32>, memref<3x4096x64xf16>, memref<3x4096x64xf16> -> !tgt.qrows<128x576>, memref<128xi32>, memref<64x4x9x66xf32>
@@ -739,7 +742,7 @@ class AttentionOp(Kernel):
     """
 
     name = "tgt.attention"
-    ROWS: ClassVar[tuple[str, ...]] = ("q", "k", "v", "out", "positions")
+    ROWS: ClassVar[tuple[str, ...]] = ("q", "k", "v", "out", "positions", "slots")
     WRITES: ClassVar[tuple[str, ...]] = ("q", "k", "k_cache", "v_cache", "out", "partials")  # rope: q, k in place
     SYNCS: ClassVar[bool] = True
     q = operand_def(MemRefType)
@@ -749,29 +752,45 @@ class AttentionOp(Kernel):
     v_cache = operand_def(MemRefType)
     out = operand_def(Activations)
     positions = operand_def(MemRefType)
+    slots = opt_operand_def(MemRefType)
     partials = operand_def(MemRefType)
     rows = operand_def(IndexType)
     rope = opt_prop_def(FloatAttr[Float32Type])
+    irdl_options = (AttrSizedOperandSegments(as_property=True),)
     assembly_format = (
-        "$q `,` $k `,` $v `,` $k_cache `,` $v_cache `->` $out `positions` $positions `partials` $partials "
-        "`rows` $rows (`rope` $rope^)? attr-dict `:` type($q) `,` type($k) `,` type($v) `,` type($k_cache) `,` "
-        "type($v_cache) `->` type($out) `,` type($positions) `,` type($partials)"
+        "$q `,` $k `,` $v `,` $k_cache `,` $v_cache `->` $out `positions` $positions (`slots` $slots^)? "
+        "`partials` $partials `rows` $rows (`rope` $rope^)? attr-dict `:` type($q) `,` type($k) `,` type($v) `,` "
+        "type($k_cache) `,` type($v_cache) `->` type($out) `,` type($positions) (`slots` type($slots)^)? `,` "
+        "type($partials)"
     )
 
     def __init__(self, q: SSAValue, k: SSAValue, v: SSAValue, k_cache: SSAValue, v_cache: SSAValue,
-                 out: SSAValue, positions: SSAValue, partials: SSAValue, rows: SSAValue, rope: float | None = None):
+                 out: SSAValue, positions: SSAValue, partials: SSAValue, rows: SSAValue, rope: float | None = None,
+                 slots: SSAValue | None = None):
         props = {"rope": FloatAttr(rope, f32)} if rope is not None else {}
-        super().__init__(operands=[q, k, v, k_cache, v_cache, out, positions, partials, rows], properties=props)
+        super().__init__(operands=[q, k, v, k_cache, v_cache, out, positions, [slots] if slots is not None else [],
+                                   partials, rows], properties=props)
 
     @staticmethod
-    def partials_type(heads: int, head_dim: int) -> MemRefType:
-        """Where decode's threads leave their partial results (max, sum, weighted values per head)."""
-        return memref(MAX_THREADS, ATTENTION_SPLIT_ROWS, heads, head_dim + 2)
+    def partials_type(heads: int, head_dim: int, split_rows: int = ATTENTION_SPLIT_ROWS) -> MemRefType:
+        """Where decode's threads leave their partial results (max, sum, weighted values per head) for
+        up to `split_rows` rows."""
+        return memref(MAX_THREADS, split_rows, heads, head_dim + 2)
+
+    @property
+    def split_rows(self) -> int:
+        """Up to this many rows the threads share the cache positions (the room in `partials`)."""
+        return dims(self.partials)[1]
 
     def verify_(self) -> None:
         _, heads, d = dims(self.q)
         _, kv_heads, kd = dims(self.k)
-        ckh, _, cd = dims(self.k_cache)
+        if (self.slots is not None) != (len(dims(self.k_cache)) == 4):
+            self._fail("a cache of several sequences ([slots, kv_heads, capacity, width]) needs `slots`, "
+                       "and only such a cache")
+        if self.slots is not None:
+            _positions(self, self.slots, dims(self.q)[0], "slots")
+        ckh, _, cd = dims(self.k_cache)[-3:]
         self._same("k vs v shape", dims(self.k), dims(self.v))
         self._same("k_cache vs v_cache shape", dims(self.k_cache), dims(self.v_cache))
         self._same("head dimension (q vs k)", d, kd)
@@ -781,7 +800,9 @@ class AttentionOp(Kernel):
         if heads % kv_heads:
             self._fail(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
         _positions(self, self.positions, dims(self.q)[0])
-        self._same("partials", self.partials.type, self.partials_type(heads, d))
+        self._same("partials", self.partials.type, self.partials_type(heads, d, max(self.split_rows, 1)))
+        if self.split_rows < ATTENTION_SPLIT_ROWS:
+            self._fail(f"partials must have room for at least {ATTENTION_SPLIT_ROWS} rows")
         if str(self.k_cache.type.element_type) not in ("f32", "f16", "i8"):
             self._fail(f"the cache holds f32, f16 or i8 (q8_0 rows), not {self.k_cache.type.element_type}")
         if str(self.k_cache.type.element_type) == "i8" and d % 32:

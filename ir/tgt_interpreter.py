@@ -24,7 +24,7 @@ from xdsl.ir import SSAValue
 
 from llmc.ir import llm, tgt
 from llmc.ir.formats import QuantizedTensor, integer_matmul, quantize_rows
-from llmc.ir.interpreter import KVCache, OpTable, attention, rms_norm, rope, silu
+from llmc.ir.interpreter import KVCache, OpTable, attention, attention_in_slots, rms_norm, rope, silu
 from llmc.ir.layouts import Layout, QRowLayout, pack, unpack
 from llmc.ir.weights import WeightStore
 
@@ -163,7 +163,10 @@ def _attention(op: tgt.AttentionOp, get: _State) -> None:
         q[...] = rope(q, positions, op.rope.value.data)
         k[...] = rope(k, positions, op.rope.value.data)
     cache = KVCache(get(op.k_cache)[None], get(op.v_cache)[None], cache_element(op.k_cache.type))  # one layer
-    _store(get, op.out, attention(q, k, v, positions, cache, 0))
+    if op.slots is not None:
+        _store(get, op.out, attention_in_slots(q, k, v, positions, get(op.slots)[: get.n], cache, 0))
+    else:
+        _store(get, op.out, attention(q, k, v, positions, cache, 0))
 
 
 @kernel(tgt.AddOp)
@@ -188,10 +191,10 @@ def cache_element(memref: MemRefType) -> str:
 
 def cache_for(memref: MemRefType) -> KVCache:
     """A zeroed `KVCache` for an entry point's cache argument (q8_0 rows held as their float values)."""
-    layers, kv_heads, capacity, width = tgt.dims(memref)
+    *dims, width = tgt.dims(memref)  # layers(, slots), kv_heads, capacity
     element = cache_element(memref)
     head_dim = width * 32 // (32 + tgt.KV_Q8_SCALES) if element == "q8_0" else width
-    return KVCache.zeros((layers, kv_heads, capacity, head_dim), element)
+    return KVCache.zeros((*dims, head_dim), element)
 
 
 def arena_bytes(function: func.FuncOp) -> int:
@@ -210,21 +213,26 @@ def _buffer(arena: np.ndarray, alloc: tgt.AllocOp) -> np.ndarray | QRows:
     return QRows(*QRowLayout(t.width).views(arena[offset : offset + alloc.nbytes], t.rows))
 
 
-def run_entry(function: func.FuncOp, weights: KernelWeights, tokens: np.ndarray, start: int,
-              cache: KVCache) -> np.ndarray:
-    """Run one entry point on `tokens` at positions `start..`; returns its logits `[rows, vocab]`."""
-    tokens_arg, positions_arg, n_arg, k_arg, v_arg, logits_arg = function.body.block.args
+def run_entry(function: func.FuncOp, weights: KernelWeights, tokens: np.ndarray, start: int | np.ndarray,
+              cache: KVCache, slots: np.ndarray | None = None) -> np.ndarray:
+    """Run one entry point on `tokens` at positions `start..` (or at the positions `start`, in cache
+    `slots` where it holds several sequences); returns its logits `[rows, vocab]`."""
+    args = {arg.name_hint: arg for arg in function.body.block.args}  # passes.lower.ENTRY_ARGUMENTS
     arena = np.zeros(arena_bytes(function), np.uint8)
     n = len(tokens)
     state = _State(n)
-    capacity = tgt.dims(tokens_arg)[0]
+    capacity = tgt.dims(args["tokens"])[0]
     if not 1 <= n <= capacity:
         raise ValueError(f"@{function.sym_name.data} takes 1..{capacity} tokens, got {n}")
-    ids, positions = np.zeros(capacity, np.int32), np.zeros(capacity, np.int32)
-    ids[:n], positions[:n] = tokens, np.arange(start, start + n)
-    logits = np.zeros(tgt.dims(logits_arg), np.float32)
-    state.values |= {tokens_arg: ids, positions_arg: positions, k_arg: cache.keys, v_arg: cache.values,
-                     logits_arg: logits}
+    ids, positions, slot_ids = (np.zeros(capacity, np.int32) for _ in range(3))
+    ids[:n] = tokens
+    positions[:n] = np.arange(start, start + n) if np.ndim(start) == 0 else start
+    slot_ids[:n] = 0 if slots is None else slots
+    logits = np.zeros(tgt.dims(args["logits"]), np.float32)
+    state.values |= {args["tokens"]: ids, args["positions"]: positions, args["k_cache"]: cache.keys,
+                     args["v_cache"]: cache.values, args["logits"]: logits}
+    if "slots" in args:
+        state.values[args["slots"]] = slot_ids
     for op in function.body.block.ops:
         if isinstance(op, tgt.AllocOp):
             state.values[op.result] = _buffer(arena, op)

@@ -5,6 +5,8 @@
     llmc verify MODEL [--prompt TEXT] [--quant T]          compare every stage with the source model
     llmc compile MODEL [--target cpu|cuda] [-o DIR]        compile to an artifact directory
     llmc run DIR -p TEXT [-n N] [--chat] [sampling]       generate text with an artifact
+    llmc serve DIR [--host H] [--port P] [--queue N]      an OpenAI-compatible HTTP API over an artifact
+    llmc chat DIR [--system TEXT] [-n N] [sampling]       chat with an artifact in the terminal
     llmc bench DIR [--depth D,D] [--vs PEER,PEER]         prefill and decode tokens/s, next to peers
     llmc perplexity MODEL|DIR --text FILE [--ctx 512]     perplexity (and KL divergence) on a text
 
@@ -221,6 +223,10 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=_positive, metavar="N",
                    help="most tokens one prefill call takes; longer prompts go in chunks (default: 128, 512 "
                         "for --target cuda; at most --max-seq)")
+    p.add_argument("--max-batch", type=_positive, metavar="B", default=1,
+                   help="sequences decoded together: the KV cache holds B of them (each --max-seq tokens) and "
+                        "one decode call takes a token of each, reading the weights once (`llmc serve`; "
+                        "default 1)")
 
 
 def _default_output(model: str) -> Path:
@@ -240,7 +246,8 @@ def compile_options(args: argparse.Namespace):
     return CompileOptions(prefill_chunk=getattr(args, "prefill_chunk", None) or 0,
                           max_seq=getattr(args, "max_seq", None) or 0, group=not getattr(args, "no_group", False),
                           quant=args.quant or "", quant_output=args.quant_output or "", requantize=args.requantize,
-                          compute=args.compute, kv_type=getattr(args, "kv_type", None) or "f16")
+                          compute=args.compute, kv_type=getattr(args, "kv_type", None) or "f16",
+                          max_batch=getattr(args, "max_batch", None) or 1)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -286,6 +293,56 @@ def cmd_run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     print()
     _progress(f"[{len(ids)} prompt tokens, {len(tokens)} generated in {elapsed:.2f} s]")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from llmc.runtime.server import Server, model_name, serve
+    except ImportError as e:
+        if e.name not in ("starlette", "uvicorn") and not (e.name or "").startswith(("starlette.", "uvicorn.")):
+            raise
+        raise UsageError(f"llmc serve needs starlette and uvicorn ({e.name} is not installed): "
+                         f"pip install 'llmc[serve]'") from None
+    from llmc.runtime.codec import TextCodec
+    from llmc.runtime.session import open_session
+
+    directory = Path(args.artifact)
+    session = open_session(directory, check_files=not args.no_verify, threads=args.threads)
+    try:
+        codec = TextCodec.from_artifact(session.manifest)
+        name = model_name(directory)
+        server = Server(session, codec, name, args.queue, args.max_batch, aliases=(directory.resolve().name,))
+
+        def ready(url: str) -> None:
+            print(f"llmc serve: listening on {url} (model '{name}', {server.engine.max_active} sequences at once, "
+                  f"{args.queue} more may wait, KV capacity {session.capacity} each; Ctrl-C stops)", flush=True)
+
+        try:
+            serve(server, args.host, args.port, ready)
+        except KeyboardInterrupt:
+            pass
+        _progress("llmc serve: stopped")
+    finally:
+        session.close()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from llmc.runtime.chat import Chat, run_chat
+    from llmc.runtime.codec import TextCodec
+    from llmc.runtime.session import open_session
+
+    sampling = _sampling(args)
+    session = open_session(Path(args.artifact), check_files=not args.no_verify, threads=args.threads)
+    try:
+        codec = TextCodec.from_artifact(session.manifest)
+        if not codec.chat_template:
+            raise UsageError("this model has no chat template; use 'llmc run' for plain completion")
+        chat = Chat(session, codec, args.system, sampling, args.n)
+        run_chat(chat, verbose=args.verbose)
+    finally:
+        session.close()
     return 0
 
 
@@ -443,6 +500,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact's files")
     p.add_argument("--threads", type=_positive, metavar="N", help="threads to run on (default: every CPU available)")
     p.set_defaults(run=cmd_run)
+
+    p = sub.add_parser("serve", parents=[common], help="serve an artifact over an OpenAI-compatible HTTP API",
+                       description="Serve an artifact over HTTP: POST /v1/completions and /v1/chat/completions "
+                                   "(OpenAI's API, streamed as server-sent events or whole), GET /v1/models, GET "
+                                   "/health. Requests share the artifact's KV cache slots (--max-batch at compile "
+                                   "time); the others wait in a bounded queue. Needs the serve extra "
+                                   "(pip install 'llmc[serve]').")
+    p.add_argument("artifact", metavar="DIR", help="an artifact directory from 'llmc compile'")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=_non_negative, default=8000, help="port to listen on; 0 = any free one "
+                                                                     "(default: %(default)s)")
+    p.add_argument("--max-batch", type=_positive, metavar="N",
+                   help="most sequences generating at once (default: every slot the artifact's cache holds)")
+    p.add_argument("--queue", type=_non_negative, default=64, metavar="N",
+                   help="requests that may wait for a slot; beyond them the server answers 429 (default: 64)")
+    p.add_argument("--threads", type=_positive, metavar="N", help="threads to run on (default: every CPU available)")
+    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact's files")
+    p.set_defaults(run=cmd_serve)
+
+    p = sub.add_parser("chat", parents=[common], help="chat with an artifact in the terminal",
+                       description="Interactive multi-turn chat with the model's chat template. The conversation "
+                                   "stays in the KV cache: each turn feeds only its new tokens. Commands: /reset, "
+                                   "/system TEXT, /quit (or end of input). Ctrl-C stops a reply; at the prompt it "
+                                   "ends the chat.")
+    p.add_argument("artifact", metavar="DIR", help="an artifact directory from 'llmc compile'")
+    p.add_argument("--system", metavar="TEXT", help="the system prompt")
+    p.add_argument("-n", type=_positive, default=512, metavar="N", help="most tokens per reply (default: 512)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: 0)")
+    p.add_argument("--top-k", type=_int, default=0, metavar="K", help="sample among the K likeliest (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass in (0, 1] (default: 1)")
+    p.add_argument("--seed", type=_int, metavar="S", help="random seed for sampling")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="after each reply, a line of token counts (reused from the cache, fed, generated)")
+    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact's files")
+    p.add_argument("--threads", type=_positive, metavar="N", help="threads to run on (default: every CPU available)")
+    p.set_defaults(run=cmd_chat)
 
     p = sub.add_parser("bench", parents=[common], help="measure prefill and decode speed, next to other engines",
                        description="Prefill tokens/s of each --prompt-tokens prompt and decode tokens/s over "

@@ -27,7 +27,7 @@ from xdsl.dialects.builtin import ModuleOp
 from llmc.errors import UsageError
 from llmc.frontend import import_model, load_model
 from llmc.frontend.model import Model
-from llmc.ir import tgt
+from llmc.ir import llm, tgt
 from llmc.ir.text import print_module
 from llmc.package import check_output_directory
 from llmc.passes.pipeline import PHASES, CompileOptions, IRDumper, run_phase
@@ -56,8 +56,10 @@ def _split_report(module: ModuleOp) -> str:
     for function in module.ops:
         if isinstance(function, func.FuncOp) and function.sym_name.data == "prefill":
             chunk = function.attributes["llm.max_tokens"].value.data  # type: ignore[union-attr]
-            capacity = function.function_type.inputs.data[2].capacity.data  # type: ignore[attr-defined]
-            return f"prefill chunk {chunk}, KV capacity {capacity}"
+            cache = function.function_type.inputs.data[-1]
+            assert isinstance(cache, llm.KVCacheType)
+            batch = f", {cache.slots} sequences (decode batch {cache.slots})" if cache.slots > 1 else ""
+            return f"prefill chunk {chunk}, KV capacity {cache.capacity.data}{batch}"
     return ""
 
 

@@ -106,11 +106,13 @@ def write_artifact(directory: Path, module: ModuleOp, model: Model, target_facts
     tokenizer = model.tokenizer
     (directory / "tokenizer.json").write_text(tokenizer.tokenizer.to_str())
     entry_points = {}
-    kv_shape = kv_dtype = None
+    kv: dict = {}
     for stage, function in entry_functions(module).items():
-        tokens, _, _, k_cache, _, logits = function.body.block.args  # passes.lower.ENTRY_ARGUMENTS
-        kv_shape = list(tgt.dims(k_cache))
-        kv_dtype = llm.kv_type_name(k_cache.type.element_type)
+        args = {arg.name_hint: arg for arg in function.body.block.args}  # passes.lower.ENTRY_ARGUMENTS
+        tokens, k_cache, logits = args["tokens"], args["k_cache"], args["logits"]
+        kv = {"layout": function.attributes["tgt.kv_layout"].data, "shape": list(tgt.dims(k_cache)),
+              "dtype": llm.kv_type_name(k_cache.type.element_type), "slots": _int(function.attributes["tgt.slots"]),
+              "capacity": tgt.dims(k_cache)[-2], "tensors": ["keys", "values"]}
         entry_points[stage] = {
             **entries[stage],
             "max_tokens": tgt.dims(tokens)[0],
@@ -131,7 +133,7 @@ def write_artifact(directory: Path, module: ModuleOp, model: Model, target_facts
         },
         "compile_options": compile_options,
         "entry_points": entry_points,
-        "kv_cache": {"layout": tgt.KV_LAYOUT, "shape": kv_shape, "dtype": kv_dtype, "tensors": ["keys", "values"]},
+        "kv_cache": kv,
         "weights": {
             name: {"offset": o, "bytes": t.nbytes, "shape": list(t.shape), "storage": t.storage.value,
                    "layout": t.layout.value}

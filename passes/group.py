@@ -77,7 +77,7 @@ def fuse_rope(block: Block, attention: llm.AttentionOp) -> None:
     if q_rope.theta != k_rope.theta:
         return
     fused = llm.AttentionOp(q_rope.input, k_rope.input, attention.value, attention.positions, attention.kv_cache,
-                            attention.layer.value.data, rope=q_rope.theta.value.data)
+                            attention.layer.value.data, rope=q_rope.theta.value.data, slots=attention.slots)
     _replace(block, attention, fused, q_rope, k_rope)
 
 

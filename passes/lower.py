@@ -4,8 +4,9 @@ Each `llm` value gets a buffer (`tgt.alloc`, placed later by `plan-memory`) size
 the entry point's largest chunk: float rows, or quantized rows when every reader is an
 `a8` projection and the producing kernel can quantize its output (RMSNorm, SwiGLU,
 attention); an `a8` reader of float rows gets them through one `tgt.quantize`.
-Reshapes become views; the token positions become `%positions`, one per row; the KV
-cache becomes `%k_cache` / `%v_cache` in the layout `tgt.kv_layout`, one
+Reshapes become views; the token positions become `%positions`, one per row (and their
+sequences `%slots`, where the cache holds several); the KV cache becomes `%k_cache` /
+`%v_cache` in the layout `tgt.kv_layout` (`tgt.KV_LAYOUT`, or `tgt.KV_LAYOUT_SLOTS`), one
 `tgt.subview` per layer; logits are written to the `%logits` argument. Weights keep
 the storage `quantize` chose, in the `stored` layout (`pack` chooses the target's).
 
@@ -54,6 +55,8 @@ class _Lowering:
     rows: int
     n: SSAValue
     positions: SSAValue
+    slots: SSAValue | None
+    split_rows: int  # attention's rows that share the cache positions among threads
     k_cache: SSAValue
     v_cache: SSAValue
     logits: SSAValue
@@ -201,10 +204,10 @@ def _attention(lo: _Lowering, op: llm.AttentionOp) -> None:
     out = lo.out(op.result, can_quantize=head_dim is not None and head_dim % 32 == 0)
     rope = op.rope.value.data if op.rope is not None else None
     heads = llm.shape_of(op.query)[1]
-    partials = lo.emit(tgt.AllocOp(tgt.AttentionOp.partials_type(heads, head_dim))).result
+    partials = lo.emit(tgt.AllocOp(tgt.AttentionOp.partials_type(heads, head_dim, lo.split_rows))).result
     partials.name_hint = f"l{op.layer.value.data}_partials"
     lo.emit(tgt.AttentionOp(lo.buffers[op.query], lo.buffers[op.key], lo.buffers[op.value], k_cache, v_cache, out,
-                            lo.positions, partials, lo.n, rope))
+                            lo.positions, partials, lo.n, rope, slots=lo.slots))
 
 
 @lowering(llm.LastTokenOp)
@@ -229,8 +232,8 @@ def _return(lo: _Lowering, op: func.ReturnOp) -> None:
     lo.emit(func.ReturnOp())
 
 
-# the arguments of every lowered entry point, in order
-ENTRY_ARGUMENTS = ("tokens", "positions", "n", "k_cache", "v_cache", "logits")
+# the arguments of every lowered entry point, in order (`slots` only where the cache holds several sequences)
+ENTRY_ARGUMENTS = ("tokens", "positions", "slots", "n", "k_cache", "v_cache", "logits")
 
 
 def lower_function(function: func.FuncOp) -> func.FuncOp:
@@ -238,23 +241,26 @@ def lower_function(function: func.FuncOp) -> func.FuncOp:
     max_tokens = function.attributes["llm.max_tokens"]
     assert isinstance(max_tokens, IntegerAttr)
     rows = max_tokens.value.data
-    tokens_arg, positions_arg, kv_arg = function.body.block.args
+    *ids_args, kv_arg = function.body.block.args  # tokens, positions (, slots)
     kv = kv_arg.type
     assert isinstance(kv, llm.KVCacheType)
     (logits_type,) = function.function_type.outputs.data
     layers, kv_heads, capacity, head_dim = kv.shape
-    cache = tgt.memref(layers, kv_heads, capacity, tgt.kv_row_width(head_dim, kv.element_type),
+    slot_dims = (kv.slots,) if kv.slots > 1 else ()
+    cache = tgt.memref(layers, *slot_dims, kv_heads, capacity, tgt.kv_row_width(head_dim, kv.element_type),
                        element_type=kv.element_type)
     ids = tgt.memref(rows, element_type=i32)
-    block = Block(arg_types=[
-        ids, ids, IndexType(), cache, cache, tgt.memref(*(d if d is not None else rows for d in llm.shape_of(logits_type))),
-    ])
-    for arg, name in zip(block.args, ENTRY_ARGUMENTS):
+    logits_buffer = tgt.memref(*(d if d is not None else rows for d in llm.shape_of(logits_type)))
+    block = Block(arg_types=[*(ids for _ in ids_args), IndexType(), cache, cache, logits_buffer])
+    names = [name for name in ENTRY_ARGUMENTS if name != "slots" or kv.slots > 1]
+    for arg, name in zip(block.args, names):
         arg.name_hint = name
-    tokens, positions, n, k_cache, v_cache, logits = block.args
-    lo = _Lowering(block, rows, n, positions, k_cache, v_cache, logits)
-    lo.buffers[tokens_arg] = tokens
-    lo.buffers[positions_arg] = positions
+    args = dict(zip(names, block.args))
+    split_rows = max(tgt.ATTENTION_SPLIT_ROWS, rows) if stage.data == "decode" else tgt.ATTENTION_SPLIT_ROWS
+    lo = _Lowering(block, rows, args["n"], args["positions"], args.get("slots"), split_rows, args["k_cache"],
+                   args["v_cache"], args["logits"])
+    for old, new in zip(ids_args, block.args):
+        lo.buffers[old] = new
     for op in function.body.block.ops:
         lower_op = _LOWERINGS.get(type(op))
         if lower_op is None:
@@ -264,7 +270,8 @@ def lower_function(function: func.FuncOp) -> func.FuncOp:
     lowered.attributes |= {
         "llm.stage": stage,
         "tgt.max_tokens": IntegerAttr(rows, i64),
-        "tgt.kv_layout": StringAttr(tgt.KV_LAYOUT),
+        "tgt.kv_layout": StringAttr(tgt.KV_LAYOUT_SLOTS if kv.slots > 1 else tgt.KV_LAYOUT),
+        "tgt.slots": IntegerAttr(kv.slots, i64),
     }
     return lowered
 

@@ -40,6 +40,7 @@ class CompileOptions:
     requantize: bool = False  # convert tensors that are already quantized too
     compute: str = "auto"  # a32, a8, or the fastest on the target
     kv_type: str = "f16"  # element type of the KV cache: f32 or f16
+    max_batch: int = 1  # sequences the cache holds (decode's rows)
 
 
 PHASES: dict[str, tuple[str, ...]] = {
@@ -60,7 +61,7 @@ def phase_passes(phase: str, options: CompileOptions) -> list[ModulePass]:
             from llmc.passes.split import SplitPass
 
             passes.append(SplitPass(prefill_chunk=options.prefill_chunk, max_seq=options.max_seq,
-                                    kv_type=options.kv_type))
+                                    kv_type=options.kv_type, max_batch=options.max_batch))
         elif name == "quantize":
             from llmc.passes.quantize import QuantizePass
 

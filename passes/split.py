@@ -18,6 +18,17 @@ func.func @decode(%tokens: tensor<1xi32>, %pos: tensor<1xi32>, %kv: !llm.kv_cach
 ```
 The positions of a chunk are consecutive; the stage attribute tells later phases whether
 the cache holds history to read.
+
+With `max_batch B > 1` the cache holds B sequences (`!llm.kv_cache<…, slots B>`) and every
+entry point takes each row's slot (`%slots`, passed on to every `llm.attention`): a prompt
+chunk's rows are all in one slot; `@decode` takes up to B rows, one token of each of up
+to B sequences, and returns every row's logits:
+
+```mlir
+func.func @decode(%tokens: tensor<?xi32>, %pos: tensor<?xi32>, %slots: tensor<?xi32>,
+                  %kv: !llm.kv_cache<30x3x4096x64xf16, slots 8>) -> tensor<?x49152xf32>
+    attributes {llm.max_tokens = 8 : i64, llm.stage = "decode"} {
+```
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ from llmc.passes.base import LlmcPass
 STAGES = ("prefill", "prefill_kv", "decode", "score")
 DEFAULT_MAX_SEQ_CAP = 4096
 DEFAULT_PREFILL_CHUNK = 128
+MAX_BATCH = 64  # sequences a cache may hold (decode's rows; attention's partials scale with it)
 DEFAULT_PREFILL_CHUNK_GPU = 512  # a GPU fills its SMs with more rows, and a chunk is one graph replay
 
 
@@ -82,6 +94,24 @@ def _last_token_logits(function: func.FuncOp) -> None:
     )
 
 
+def _take_slots(function: func.FuncOp) -> None:
+    """Add `%slots` (each row's sequence) after `%pos`, and give it to every `llm.attention`."""
+    block = function.body.block
+    positions = block.args[1]
+    slots = block.insert_arg(positions.type, 2)
+    slots.name_hint = "slots"
+    for op in list(block.ops):
+        if isinstance(op, llm.AttentionOp):
+            rope = op.rope.value.data if op.rope is not None else None
+            new = llm.AttentionOp(op.query, op.key, op.value, op.positions, op.kv_cache, op.layer.value.data, rope,
+                                  slots=slots)
+            new.result.name_hint = op.result.name_hint
+            block.insert_op_before(new, op)
+            op.result.replace_all_uses_with(new.result)
+            block.erase_op(op)
+    function.function_type = builtin.FunctionType.from_lists(block.arg_types, function.function_type.outputs.data)
+
+
 @dataclass(frozen=True)
 class SplitPass(LlmcPass):
     name = "split"
@@ -90,6 +120,7 @@ class SplitPass(LlmcPass):
     prefill_chunk: int = 0  # 0: DEFAULT_PREFILL_CHUNK (on a GPU, DEFAULT_PREFILL_CHUNK_GPU), at most max_seq
     max_seq: int = 0  # 0: the model's context length, capped at DEFAULT_MAX_SEQ_CAP
     kv_type: str = "f32"  # the cache's element type: f32, f16 or q8_0
+    max_batch: int = 1  # sequences the cache holds, and decode's rows
 
     def run(self, ctx: Context, module: ModuleOp) -> None:
         forward = find_function(module, "forward")
@@ -108,10 +139,13 @@ class SplitPass(LlmcPass):
             raise UsageError(f"--kv-type must be one of {', '.join(llm.KV_TYPES)}, got '{self.kv_type}'")
         if self.kv_type == "q8_0" and head_dim % 32:
             raise UsageError(f"--kv-type q8_0 needs a head dimension that is a multiple of 32, got {head_dim}")
-        new_cache = llm.KVCacheType(layers, kv_heads, max_seq, head_dim, llm.KV_TYPES[self.kv_type])
+        if not 1 <= self.max_batch <= MAX_BATCH:
+            raise UsageError(f"--max-batch must be in 1..{MAX_BATCH}, got {self.max_batch}")
+        batched = self.max_batch > 1
+        new_cache = llm.KVCacheType(layers, kv_heads, max_seq, head_dim, llm.KV_TYPES[self.kv_type], self.max_batch)
 
         for stage in STAGES:
-            tokens = 1 if stage == "decode" else None
+            tokens = 1 if stage == "decode" and not batched else None
 
             def subst(t: Attribute, tokens: int | None = tokens) -> Attribute:
                 if t == cache:
@@ -124,7 +158,9 @@ class SplitPass(LlmcPass):
             entry = retyped(forward, stage, subst)
             if stage in ("prefill", "prefill_kv"):
                 _last_token_logits(entry)
+            if batched:
+                _take_slots(entry)
             entry.attributes["llm.stage"] = StringAttr(stage)
-            entry.attributes["llm.max_tokens"] = IntegerAttr(1 if stage == "decode" else chunk, i64)
+            entry.attributes["llm.max_tokens"] = IntegerAttr(self.max_batch if stage == "decode" else chunk, i64)
             module.body.block.insert_op_before(entry, forward)
         module.body.block.erase_op(forward)

@@ -22,12 +22,13 @@ from pathlib import Path
 
 from llmc.errors import LlmcError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 MANIFEST = "manifest.json"
 ENTRY_POINTS = ("prefill", "prefill_kv", "decode", "score")
 # what the runtime passes for each argument an entry point may name in the manifest
 KV_DTYPES = {"f32": "float32", "f16": "float16", "q8_0": "int8"}  # the KV cache's types, as numpy arrays
 ARGUMENTS = ("tokens", "positions", "n", "k_cache", "v_cache", "logits", "arena", "weights", "tid", "nth", "sync")
+BATCH_ARGUMENTS = ("slots",)  # what artifacts whose cache holds several sequences take too
 INTEGER_ARGUMENTS = ("n", "tid", "nth")
 # /proc/cpuinfo flag of each CPU feature a kernel may need
 _CPU_FLAGS = {
@@ -105,22 +106,25 @@ def _check_schema(path: Path, data: dict) -> None:
                 _check_cpu_entry(name, entry)
             else:
                 _check_launches(name, entry["launches"])
-            rows = entry["max_tokens"] if name == "score" else 1
+            rows = entry["max_tokens"] if name in ("score", "decode") else 1
             if entry["logits"] != [rows, data["model"]["vocab_size"]]:
                 raise ValueError(f"entry point {name} writes logits {entry['logits']!r}, not {rows} x vocabulary")
             if not (positive_ints([entry["max_tokens"]]) and type(entry["arena_bytes"]) is int
                     and 0 <= entry["arena_bytes"] < _MAX_BYTES):
                 raise ValueError(f"entry point {name} has malformed sizes")
+        kv = data["kv_cache"]
         chunks = {data["entry_points"][name]["max_tokens"] for name in ("prefill", "prefill_kv", "score")}
-        if len(chunks) != 1 or data["entry_points"]["decode"]["max_tokens"] != 1:
-            raise ValueError("entry points disagree on the prefill chunk (prefill, prefill_kv, score) or decode's 1 token")
-        if not positive_ints(data["kv_cache"]["shape"], 4):
-            raise ValueError("kv_cache.shape must be four positive integers")
+        if len(chunks) != 1 or data["entry_points"]["decode"]["max_tokens"] != kv["slots"]:
+            raise ValueError("entry points disagree on the prefill chunk (prefill, prefill_kv, score), or decode's "
+                             "rows on the cache's slots")
+        if not (positive_ints([kv["slots"], kv["capacity"]])
+                and positive_ints(kv["shape"], 4 if kv["slots"] == 1 else 5) and kv["capacity"] in kv["shape"]):
+            raise ValueError("kv_cache.shape must be four positive integers (five with slots), with the capacity")
         if cpu and not isinstance(data["read_probe"], str):
             raise ValueError("read_probe must be a symbol name")
         if cpu and not positive_ints([data["max_threads"]]):
             raise ValueError("max_threads must be a positive integer")
-        if data["kv_cache"]["dtype"] not in KV_DTYPES:
+        if kv["dtype"] not in KV_DTYPES:
             raise ValueError(f"kv_cache.dtype must be one of {', '.join(KV_DTYPES)}")
         if not positive_ints([data["model"]["vocab_size"]]):
             raise ValueError("model.vocab_size must be a positive integer")
@@ -143,12 +147,13 @@ def _check_cpu_entry(name: str, entry: dict) -> None:
     if entry["symbol"] != f"llmc_{name}":
         raise ValueError(f"entry point {name} has symbol {entry['symbol']!r}")
     arguments = entry["arguments"]
-    if not (isinstance(arguments, list) and sorted(arguments) == sorted(ARGUMENTS)):
+    if not (isinstance(arguments, list) and sorted(set(arguments) - set(BATCH_ARGUMENTS)) == sorted(ARGUMENTS)
+            and len(set(arguments)) == len(arguments)):
         raise ValueError(f"entry point {name} takes arguments {arguments!r}; this runtime passes "
                          f"{', '.join(ARGUMENTS)}")
 
 
-_LAUNCH_ARGUMENTS = ("tokens", "positions", "k_cache", "v_cache", "logits", "token")
+_LAUNCH_ARGUMENTS = ("tokens", "positions", "slots", "k_cache", "v_cache", "logits", "token")
 _MAX_GRID = 1 << 31
 
 

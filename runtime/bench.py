@@ -106,14 +106,14 @@ def benchmark(directory: Path, prompts: int | Sequence[int] = (512,), decode_tok
             for prompt in prompts:
                 best = float("inf")
                 for _ in range(repeat):
-                    session.position = depth
+                    session.rewind(depth)
                     start = time.perf_counter()
                     session.feed(tokens[depth : depth + prompt])
                     best = min(best, time.perf_counter() - start)
                 speeds.prefill[depth, prompt] = prompt / best
             best = float("inf")
             for _ in range(repeat):
-                session.position = depth
+                session.rewind(depth)
                 token = int(tokens[depth])
                 start = time.perf_counter()
                 for _ in range(decode_tokens):

@@ -174,7 +174,7 @@ class Driver:
 
 
 COPY_PROBE_BYTES = 1 << 30  # the most weights `read_bandwidth` copies: far past every cache
-MAX_GRAPHS = 16  # captured (entry point, rows) pairs kept: decode, full chunks and a few remainders
+MAX_GRAPHS = 32  # captured (entry point, rows) pairs kept: decode (per batch size), full chunks, remainders
 
 
 def _grid(dims: list, n: int) -> tuple[int, int, int]:
@@ -198,6 +198,7 @@ class CudaSession(Conversation):
             "weights": dev.alloc(weights.size), "arena": dev.alloc(arena),
             "k_cache": dev.alloc(kv_bytes), "v_cache": dev.alloc(kv_bytes),
             "tokens": dev.alloc(self.tokens.nbytes), "positions": dev.alloc(self.positions.nbytes),
+            "slots": dev.alloc(self.slot_ids.nbytes),
             "logits": dev.alloc(int(np.prod(manifest.entry_points["score"]["logits"])) * 4),
             "token": dev.alloc(4),
         }
@@ -241,16 +242,17 @@ class CudaSession(Conversation):
             self._prepared[key] = [self._prepare(launch, n) for launch in self.manifest.entry_points[entry]["launches"]]
         return self._prepared[key]
 
-    def _upload(self, tokens: np.ndarray) -> int:
-        """The tokens and their positions into device memory; returns their number."""
-        n = self._stage(tokens)
+    def _upload(self) -> None:
+        """The staged tokens, their positions and their sequences into device memory."""
         self.device.upload(self.buffers["tokens"], self.tokens)
         self.device.upload(self.buffers["positions"], self.positions)
-        return n
+        if self.slot_count > 1:
+            self.device.upload(self.buffers["slots"], self.slot_ids)
 
-    def _call(self, entry: str, tokens: np.ndarray, logits: np.ndarray | None) -> None:
-        """Run the entry point on `tokens`; download the logits into `logits` (None: leave them on the GPU)."""
-        n = self._upload(tokens)
+    def _call(self, entry: str, n: int, logits: np.ndarray | None) -> None:
+        """Run the entry point on the `n` staged rows; download the logits into `logits` (None: leave them
+        on the GPU)."""
+        self._upload()
         dev = self.device
         launches = self._launches(entry, n)
         if dev.graphs:
@@ -269,7 +271,12 @@ class CudaSession(Conversation):
     def profile(self, entry: str, tokens: list[int] | np.ndarray) -> list[tuple[str, float, int]]:
         """Run `entry` on `tokens` at the current position launch by launch, timing each:
         `(kernel, seconds, weight bytes it reads)` in launch order (the position does not advance)."""
-        n = self._upload(np.asarray(tokens, dtype=np.int32))
+        tokens = np.asarray(tokens, dtype=np.int32)
+        n = tokens.size
+        self.tokens[:n] = tokens
+        self.positions[:n] = np.arange(self.position, self.position + n)
+        self.slot_ids[:n] = self.slot
+        self._upload()
         sizes = {w["offset"]: w["bytes"] for w in self.manifest.data["weights"].values()}
         plan = self.manifest.entry_points[entry]["launches"]
         seconds = self.device.time_launches(self._launches(entry, n))

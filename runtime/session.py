@@ -88,36 +88,61 @@ class CapacityError(LlmcError):
 
 class Conversation:
     """What every target's session shares: the position in the cache, prompts cut into chunks,
-    the entry point for each call. A target implements `_call` (run one entry point on up to a
-    chunk of tokens at `self.position`, leave the logits in the given array) and `close`."""
+    the entry point for each call. A target implements `_call` (run one entry point on the `n`
+    rows staged in `self.tokens`, `self.positions`, `self.slot_ids`, leave the logits in the
+    given array) and `close`.
+
+    The cache holds `slot_count` sequences (`--max-batch`; 1 by default); this conversation's
+    is `self.slot`. `run` is the call underneath, for a scheduler of several sequences
+    (`llmc.runtime.batch`): `decode` takes up to `batch` rows, one per sequence."""
 
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
-        self.capacity = manifest.kv_cache["shape"][2]
+        self.capacity = manifest.kv_cache["capacity"]
+        self.slot_count = manifest.kv_cache["slots"]
         self.vocab_size = manifest.model["vocab_size"]
         self.chunk = manifest.entry_points["prefill"]["max_tokens"]
-        self.logits = np.zeros(manifest.entry_points["decode"]["logits"], np.float32)
+        self.batch = manifest.entry_points["decode"]["max_tokens"]
+        self.logits = np.zeros((1, self.vocab_size), np.float32)
         self._all_logits: np.ndarray | None = None  # `score`'s rows, allocated when first scored
-        self.tokens = np.zeros(self.chunk, np.int32)
-        self.positions = np.zeros(self.chunk, np.int32)
+        rows = max(self.chunk, self.batch)
+        self.tokens = np.zeros(rows, np.int32)
+        self.positions = np.zeros(rows, np.int32)
+        self.slot_ids = np.zeros(rows, np.int32)
         self.position = 0
+        self.slot = 0
 
     def close(self) -> None:
         pass
 
     def reset(self) -> None:
         """Forget the conversation (the cache rows are overwritten as new tokens arrive)."""
-        self.position = 0
+        self.rewind(0)
 
-    def _call(self, entry: str, tokens: np.ndarray, logits: np.ndarray) -> None:
+    def rewind(self, position: int) -> None:
+        """Forget the tokens from `position` on: the next ones are fed after the first `position`."""
+        if not 0 <= position <= self.position:
+            raise ValueError(f"cannot rewind to {position}: the cache holds {self.position} tokens")
+        self.position = position
+
+    def _call(self, entry: str, n: int, logits: np.ndarray | None) -> None:
         raise NotImplementedError
 
-    def _stage(self, tokens: np.ndarray) -> int:
-        """Put the tokens and their positions in `self.tokens`, `self.positions`; returns their number."""
+    def run(self, entry: str, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+            logits: np.ndarray | None) -> None:
+        """Run `entry` on rows `tokens` at `positions` of cache `slots` (the caller checks them: a
+        chunk's rows are consecutive positions of one slot, decode's rows distinct slots); the
+        logits go to `logits` (None: a target may leave them on the device)."""
         n = len(tokens)
         self.tokens[:n] = tokens
-        self.positions[:n] = np.arange(self.position, self.position + n)
-        return n
+        self.positions[:n] = positions
+        self.slot_ids[:n] = slots
+        self._call(entry, n, logits)
+
+    def _run_here(self, entry: str, tokens: np.ndarray, logits: np.ndarray | None) -> None:
+        """`run` at this conversation's position and slot."""
+        n = tokens.size
+        self.run(entry, tokens, np.arange(self.position, self.position + n), np.full(n, self.slot), logits)
 
     def _check(self, tokens: np.ndarray) -> None:
         if tokens.size == 0:
@@ -143,13 +168,13 @@ class Conversation:
 
     def _feed(self, tokens: np.ndarray, logits: np.ndarray | None) -> None:
         if tokens.size == 1 and self.position > 0:
-            self._call("decode", tokens, logits)
+            self._run_here("decode", tokens, logits)
             self.position += 1
         else:
             for begin in range(0, tokens.size, self.chunk):
                 entry = "prefill" if self.position == 0 else "prefill_kv"
                 chunk = tokens[begin : begin + self.chunk]
-                self._call(entry, chunk, logits)
+                self._run_here(entry, chunk, logits)
                 self.position += chunk.size
 
     def score(self, tokens: list[int] | np.ndarray) -> np.ndarray:
@@ -161,7 +186,7 @@ class Conversation:
         out = np.empty((tokens.size, self.vocab_size), np.float32)
         for begin in range(0, tokens.size, self.chunk):
             chunk = tokens[begin : begin + self.chunk]
-            self._call("score", chunk, self._all_logits)
+            self._run_here("score", chunk, self._all_logits)
             self.position += chunk.size
             out[begin : begin + chunk.size] = self._all_logits[: chunk.size]
         return out
@@ -224,10 +249,10 @@ class Session(Conversation):
         """Stop the worker threads."""
         self.team.close()
 
-    def _call(self, entry: str, tokens: np.ndarray, logits: np.ndarray) -> None:
-        n = self._stage(tokens)
+    def _call(self, entry: str, n: int, logits: np.ndarray | None) -> None:
+        assert logits is not None
         (fn, names), threads = self.entries[entry], self.threads
-        buffers = {"tokens": _ptr(self.tokens), "positions": _ptr(self.positions), "n": n,
+        buffers = {"tokens": _ptr(self.tokens), "positions": _ptr(self.positions), "slots": _ptr(self.slot_ids), "n": n,
                    "k_cache": _ptr(self.k_cache), "v_cache": _ptr(self.v_cache), "logits": _ptr(logits),
                    "arena": _ptr(self.arena), "weights": self.weights.ctypes.data, "nth": threads,
                    "sync": _ptr(self.sync)}

@@ -6,14 +6,13 @@ import ctypes
 import json
 import re
 import subprocess
-import sys
-import textwrap
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+from runtime_only import runtime_only
 from tiny_models import TinySpec
 
 from llmc.cli import main
@@ -231,40 +230,16 @@ def test_compile_cli_options(tiny, tmp_path, capsys) -> None:
     assert names[0] == "00-phase-import.mlir" and any("plan-memory" in n for n in names)
 
 
-BLOCK_COMPILER = textwrap.dedent(
-    """
-    import sys
-    from importlib.abc import MetaPathFinder
-
-    BLOCKED = ("xdsl", "llvmlite", "torch", "transformers", "gguf",
-               "llmc.frontend", "llmc.ir", "llmc.passes", "llmc.backends", "llmc.compile")
-
-    class Block(MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if any(name == b or name.startswith(b + ".") for b in BLOCKED):
-                raise ImportError(f"blocked: {name}")
-            return None
-
-    sys.meta_path.insert(0, Block())
-    from llmc.cli import main
-    code = main(sys.argv[1:])
-    assert not any(m.startswith(("xdsl", "llvmlite", "torch")) for m in sys.modules)
-    sys.exit(code)
-    """
-)
-
-
 def test_runtime_runs_without_the_compiler_stack(artifact) -> None:
     directory = artifact(SPECS["gqa"])
     proc = subprocess.run(
-        [sys.executable, "-c", BLOCK_COMPILER, "run", str(directory), "-p", "the cat", "-n", "4"],
+        runtime_only("", "run", str(directory), "-p", "the cat", "-n", "4"),
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "4 generated" in proc.stderr or "generated" in proc.stderr
     bench = subprocess.run(
-        [sys.executable, "-c", BLOCK_COMPILER, "bench", str(directory), "--prompt-tokens", "8",
-         "--decode-tokens", "4", "--repeat", "1"],
+        runtime_only("", "bench", str(directory), "--prompt-tokens", "8", "--decode-tokens", "4", "--repeat", "1"),
         capture_output=True, text=True, timeout=120,
     )
     assert bench.returncode == 0, bench.stderr
@@ -272,7 +247,7 @@ def test_runtime_runs_without_the_compiler_stack(artifact) -> None:
     text = directory / "text.txt"  # (not a file of the artifact: its manifest does not list it)
     text.write_text("the cat in the hat " * 10)
     scored = subprocess.run(
-        [sys.executable, "-c", BLOCK_COMPILER, "perplexity", str(directory), "--text", str(text), "--ctx", "8"],
+        runtime_only("", "perplexity", str(directory), "--text", str(text), "--ctx", "8"),
         capture_output=True, text=True, timeout=120,
     )
     text.unlink()

@@ -585,6 +585,46 @@ def test_attention(tmp_path, tm, rope, H, KVH, D, S, nth, cache):
         np.testing.assert_array_equal(c[:, total:], c0[:, total:])
 
 
+@pytest.mark.parametrize("nth", [1, 2])
+def test_attention_in_a_cache_of_several_sequences(tmp_path, tm, nth):
+    """`slots`: each row is written to and attends within its own sequence's cache. A 13-row call
+    whose rows belong to three sequences, interleaved (query tiles taken one sequence at a time),
+    then a decode-style call of one row per sequence (positions split among the threads)."""
+    rng = np.random.default_rng(11)
+    H, KVH, D, S, SLOTS, R = 4, 2, 16, 24, 3, 13
+    split = 4
+    k_fn = Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, p, sl, s, n: tgt.AttentionOp(q, k, v, kc, vc, o, p, s, n,
+                                                                                         10000.0, slots=sl),
+                  [tgt.memref(R, H, D), tgt.memref(R, KVH, D), tgt.memref(R, KVH, D),
+                   tgt.memref(SLOTS, KVH, S, D), tgt.memref(SLOTS, KVH, S, D), tgt.memref(R, H, D),
+                   tgt.memref(R, element_type=i32), tgt.memref(R, element_type=i32),
+                   tgt.AttentionOp.partials_type(H, D, split), IDX])
+    kc, vc = rand(rng, SLOTS, KVH, S, D), rand(rng, SLOTS, KVH, S, D)
+    history: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {s: [] for s in range(SLOTS)}  # rotated k, v rows
+    calls = [[0, 1, 0, 2, 1, 1, 0, 2, 2, 0, 1, 0, 0], [2, 0, 1]]
+    for slots in calls:
+        n = len(slots)
+        q, k, v = rand(rng, R, H, D), rand(rng, R, KVH, D), rand(rng, R, KVH, D)
+        pos, seen = np.zeros(R, np.int32), {s: len(history[s]) for s in range(SLOTS)}
+        for t, slot in enumerate(slots):
+            pos[t] = seen[slot]
+            seen[slot] += 1
+        qr, kr = ref_rope(q[:n], pos[:n], 10000.0), ref_rope(k[:n], pos[:n], 10000.0)
+        for t, slot in enumerate(slots):
+            history[slot].append((kr[t], v[t]))
+        out = np.zeros((R, H, D), f32)
+        ids = np.zeros(R, np.int32)
+        ids[:n] = slots
+        k_fn({"q": q, "k": k, "v": v, "k_cache": kc, "v_cache": vc, "out": out, "positions": pos, "slots": ids,
+              "partials": np.zeros(tgt.dims(tgt.AttentionOp.partials_type(H, D, split)), f32),
+              "rows": n}, nth)
+        for t, slot in enumerate(slots):
+            keys = np.stack([kv[0] for kv in history[slot]], axis=1)  # [KVH, positions, D]
+            values = np.stack([kv[1] for kv in history[slot]], axis=1)
+            np.testing.assert_allclose(kc[slot][:, : keys.shape[1]], keys, rtol=1e-5, atol=1e-5)
+            assert_close(out[t : t + 1], ref_attention(qr[t : t + 1], keys, values, pos[t : t + 1]))
+
+
 def q8_rows(x: np.ndarray) -> np.ndarray:
     """Rows `[..., D]` as a q8_0 cache holds them: D int8 values, then one f32 scale per 32 (as bytes)."""
     flat = x.reshape(-1, x.shape[-1])

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_batch import assert_rows_are_each_sequence_alone
 from test_compile import QSPECS, SPECS, TOKENS, _close, _reference, _stage_logits
 from tiny_models import TinySpec
 
@@ -92,6 +93,15 @@ def test_emulated_quantized_kernels_match_the_quantize_stage(tiny, cuda_artifact
     """Every storage type (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k, f16) dequantized in registers:
     the quantize stage's numbers (the same quantized data) within float rounding."""
     _close(_teacher_forced(_session(cuda_artifact, spec)), _stage_logits(tiny, spec, TOKENS, compute="a32"))
+
+
+@pytest.mark.parametrize("batch", [2, 8])  # (8: past attention's 4 split rows)
+def test_emulated_batched_decode_rows_are_each_sequence_alone(cuda_artifact, batch: int) -> None:
+    """`--max-batch`: one decode launch plan over several sequences' rows, each in its own cache slot."""
+    spec = QSPECS["mixed"]
+    batched, alone = (_session(cuda_artifact, spec, max_batch=batch) for _ in range(2))
+    assert batched.slot_count == batch
+    assert_rows_are_each_sequence_alone(batched, alone, [[5, 17, 42], [100, 150, 7, 9, 11], [4], [66, 250]][:batch])
 
 
 def test_emulated_float_formats_match_the_quantize_stage(tiny, cuda_artifact) -> None:

@@ -99,9 +99,16 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
        merge them head by head (flash-decoding). More rows (prefill): the threads share
        tiles of `QUERY_TILE` rows × one kv head, dealt round-robin (later rows attend to
        more positions); every K and V row is loaded once for the tile's rows and heads.
+
+    With `slots` (a cache of several sequences, `[slots, KVH, S, D]`), row t lives in
+    sequence slots[t]: its cache rows are that sequence's. Decode's rows (one per sequence)
+    each read their own; a prefill tile's rows are taken one sequence at a time (a chunk's
+    rows are one sequence's: one pass).
     """
     _, H, D = tgt.dims(op.q)
-    KVH, S, W = tgt.dims(op.k_cache)  # W: a cache row's elements (D, or q8_0's bytes)
+    KVH, S, W = tgt.dims(op.k_cache)[-3:]  # W: a cache row's elements (D, or q8_0's bytes)
+    SLOTS = tgt.dims(op.k_cache)[0] if op.slots is not None else 1
+    SPLIT = op.split_rows
     G = H // KVH
     b = f.b
     q, k, v, partials = (floats(f, a[name]) for name in ("q", "k", "v", "partials"))
@@ -116,10 +123,22 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
     def position(t: ir.Value) -> ir.Value:
         return _position(f, a["positions"], t)
 
+    def slot(t: ir.Value) -> ir.Value:
+        """Row t's sequence (0 in a cache of one)."""
+        return _position(f, a["slots"], t) if op.slots is not None else f.i64(0)
+
+    def slot_base(t: ir.Value) -> ir.Value:
+        """The element where row t's sequence's cache begins."""
+        return f.mul(slot(t), KVH * S * W) if op.slots is not None else f.i64(0)
+
     def inside(t: ir.Value) -> ir.Value:
-        """Whether row t's position is inside the cache (the row is skipped otherwise)."""
+        """Whether row t's position (and sequence) is inside the cache (the row is skipped otherwise)."""
         pos = position(t)
-        return b.and_(b.icmp_signed(">=", pos, f.i64(0)), b.icmp_signed("<", pos, f.i64(S)))
+        ok = b.and_(b.icmp_signed(">=", pos, f.i64(0)), b.icmp_signed("<", pos, f.i64(S)))
+        if op.slots is not None:
+            sl = slot(t)
+            ok = b.and_(ok, b.and_(b.icmp_signed(">=", sl, f.i64(0)), b.icmp_signed("<", sl, f.i64(SLOTS))))
+        return ok
 
     def cache_row(cache: ir.Value, index: ir.Value) -> list[ir.Value]:
         """The cache row at element `index` as f32 vectors (one per chunk of D)."""
@@ -159,7 +178,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
             if op.rope is not None:
                 fill(pos)
                 _rope_apply(f, f.ptr(k, f.mul(item, D)), 1, D, cos_t, sin_t)
-            dst = f.mul(f.add(f.mul(h, S), pos), W)
+            dst = f.add(slot_base(t), f.mul(f.add(f.mul(h, S), pos), W))
             for src, cache in ((k, k_cache), (v, v_cache)):
                 store_row(cache, dst, [f.vload(src, f.add(f.mul(item, D), o), w) for o, w in chunks])
     if op.rope is not None:
@@ -180,9 +199,10 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
     vbuf = f.alloca(F32, POS_BLOCK * D, name="v_block")
     limits = f.alloca(I64, TQ, name="limits")
 
-    def attend(t0: ir.Value, tq: int, h: ir.Value, s_lo: ir.Value, s_hi: ir.Value) -> None:
+    def attend(t0: ir.Value, tq: int, h: ir.Value, s_lo: ir.Value, s_hi: ir.Value, base: ir.Value) -> None:
         """Queries of rows t0..t0+tq (each up to its `limits[r]`) × the G heads of kv head h,
-        over cache positions [s_lo, s_hi), a block of `POS_BLOCK` positions at a time: the
+        over cache positions [s_lo, s_hi) of the sequence whose cache begins at element `base`,
+        a block of `POS_BLOCK` positions at a time: the
         block's K and V rows staged as f32, 16 scores at once (`KernelBuilder.hsum16` of
         16 rows' products), then per query a vector max and exp and the weighted V rows."""
         nq = tq * G
@@ -193,7 +213,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
         with f.loop(0, nq * D, name="az") as i:
             f.store(f.f32(0.0), acc, i)
         qrow = [f.mul(f.add(f.mul(f.add(t0, i // G), H), f.add(f.mul(h, G), i % G)), D) for i in range(nq)]
-        kv_base = f.mul(h, S * W)
+        kv_base = f.add(base, f.mul(h, S * W))
         lane = ir.Constant(vec(I64, 16), list(range(16)))
         with f.loop(s_lo, s_hi, POS_BLOCK, name="blk", unroll=False) as s0:
             count = f.smin(POS_BLOCK, f.sub(s_hi, s0))
@@ -260,7 +280,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
         for blk in range(D // ACT_BLOCK):
             qout.store_block(t, f.add(f.mul(head, D // ACT_BLOCK), blk), ys[2 * blk], ys[2 * blk + 1])
 
-    split = b.icmp_signed("<=", n, f.i64(tgt.ATTENTION_SPLIT_ROWS))
+    split = b.icmp_signed("<=", n, f.i64(SPLIT))
     stride = D + 2  # a partial: max, sum, D weighted values
     with b.if_else(split) as (decode, prefill):
         with decode:
@@ -268,9 +288,9 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                 s_lo, s_hi = f.share(f.add(position(t), 1), tid, nth)
                 f.store(s_hi, limits, 0)
                 with f.loop(0, KVH, name="dh") as h:
-                    attend(t, 1, h, s_lo, s_hi)
+                    attend(t, 1, h, s_lo, s_hi, slot_base(t))
                     for g in range(G):
-                        base = f.mul(f.add(f.mul(f.add(f.mul(tid, tgt.ATTENTION_SPLIT_ROWS), t), H),
+                        base = f.mul(f.add(f.mul(f.add(f.mul(tid, SPLIT), t), H),
                                            f.add(f.mul(h, G), g)), stride)
                         f.store(f.load(m_buf, g), partials, base)
                         f.store(f.load(l_buf, g), partials, f.add(base, 1))
@@ -281,7 +301,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                 t, head = b.sdiv(item, f.i64(H)), b.srem(item, f.i64(H))
                 with f.when(inside(t)):
                     def part(j: ir.Value) -> ir.Value:
-                        return f.mul(f.add(f.mul(f.add(f.mul(j, tgt.ATTENTION_SPLIT_ROWS), t), H), head), stride)
+                        return f.mul(f.add(f.mul(f.add(f.mul(j, SPLIT), t), H), head), stride)
 
                     top = f.alloca(F32, name="top")
                     b.store(f.f32(float("-inf")), top)
@@ -306,9 +326,8 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
             tiles = b.sdiv(f.add(n, TQ - 1), f.i64(TQ))
             items = f.mul(tiles, KVH)
             mine = b.sdiv(f.add(f.sub(items, tid), f.sub(nth, 1)), nth)  # items tid, tid + nth, …
-            with f.loop(0, mine, name="pt", unroll=False) as i:
-                item = f.add(tid, f.mul(i, nth))
-                t0, h = f.mul(b.sdiv(item, f.i64(KVH)), TQ), b.srem(item, f.i64(KVH))
+            def tile(t0: ir.Value, h: ir.Value, sequence: ir.Value | None) -> None:
+                """The tile's rows (of `sequence` only, with slots) against kv head h."""
                 s_hi = f.alloca(I64, name="s_hi")
                 b.store(f.i64(0), s_hi)
                 for r in range(TQ):
@@ -316,10 +335,12 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                     present = f.alloca(I64, name=f"lim{r}")
                     b.store(f.i64(0), present)
                     with f.when(b.icmp_signed("<", t, n)), f.when(inside(t)):
-                        b.store(f.add(position(t), 1), present)
+                        mine = f.i64(1) if sequence is None else b.zext(b.icmp_signed("==", slot(t), sequence), I64)
+                        b.store(f.mul(f.add(position(t), 1), mine), present)
                     f.store(b.load(present), limits, r)
                     b.store(f.smax(b.load(s_hi), b.load(present)), s_hi)
-                attend(t0, TQ, h, f.i64(0), b.load(s_hi))
+                base = f.i64(0) if sequence is None else f.mul(sequence, KVH * S * W)
+                attend(t0, TQ, h, f.i64(0), b.load(s_hi), base)
                 for r in range(TQ):
                     t = f.add(t0, r)
                     with f.when(b.icmp_signed(">", f.load(limits, r), f.i64(0))):
@@ -329,6 +350,25 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                             ys = [f.fmul(f.vload(acc, f.i64(i * D + o), w), f.splat(inv, vec(F32, w)))
                                   for o, w in chunks]
                             store_head(t, f.add(f.mul(h, G), g), ys)
+
+            with f.loop(0, mine, name="pt", unroll=False) as i:
+                item = f.add(tid, f.mul(i, nth))
+                t0, h = f.mul(b.sdiv(item, f.i64(KVH)), TQ), b.srem(item, f.i64(KVH))
+                if op.slots is None:
+                    tile(t0, h, None)
+                else:  # one pass per sequence among the tile's rows: at the first row of each
+                    last = f.sub(n, 1)
+                    with f.loop(0, TQ, name="ps", unroll=False) as r0:
+                        t = f.add(t0, r0)
+                        with f.when(b.icmp_signed("<", t, n)):
+                            sequence = slot(t)
+                            seen = ir.Constant(ir.IntType(1), 0)
+                            for r in range(TQ - 1):
+                                earlier = b.and_(b.icmp_signed("<", f.i64(r), r0),
+                                                 b.icmp_signed("==", slot(f.smin(f.add(t0, r), last)), sequence))
+                                seen = b.or_(seen, earlier)
+                            with f.when(b.not_(seen)):
+                                tile(t0, h, sequence)
 
 
 def _sum16(f: KernelBuilder, terms: list[ir.Value]) -> ir.Value:

@@ -88,6 +88,6 @@ def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int], emulated: b
         for op in function.body.block.ops:
             plan.emit(op)
         plans[stage] = plan.launches
-    vocab = tgt.dims(function.body.block.args[5])[1]  # the logits of any entry point
+    vocab = tgt.dims(function.body.block.args[-1])[1]  # the logits of any entry point
     args = [{"argument": "logits", "offset": 0}, {"argument": "token", "offset": 0}, {"count": vocab}]
     return llvm_module, plans, _launch_entry(argmax_kernel(llvm_module, device), args)

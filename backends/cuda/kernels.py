@@ -447,13 +447,16 @@ def _rope(e: _Emit) -> list[Launch]:
 
 
 class _Cache:
-    """One layer's cache `[kv_heads, capacity, row]` of f32, f16 or q8_0 rows (int8 values, f32 scale per 32)."""
+    """One layer's cache `[kv_heads, capacity, row]` of f32, f16 or q8_0 rows (int8 values, f32 scale per 32),
+    of one sequence: with `slot` (a cache of several, `[slots, kv_heads, capacity, row]`), that one's."""
 
-    def __init__(self, f: KernelBuilder, base: ir.Value, memref: MemRefType, head_dim: int):
-        self.f, self.base, self.d = f, base, head_dim
-        _, self.capacity, self.row = tgt.dims(memref)
+    def __init__(self, f: KernelBuilder, base: ir.Value, memref: MemRefType, head_dim: int,
+                 slot: ir.Value | None = None):
+        self.f, self.d = f, head_dim
+        kv_heads, self.capacity, self.row = tgt.dims(memref)[-3:]
         self.element = str(memref.element_type)
         self.size = {"f32": 4, "f16": 2, "i8": 1}[self.element]
+        self.base = base if slot is None else f.b.gep(base, [f.mul(slot, kv_heads * self.capacity * self.row * self.size)])
 
     def _row(self, head: ir.Value, position: ir.Value) -> ir.Value:
         f = self.f
@@ -500,9 +503,13 @@ def _attention(e: _Emit) -> list[Launch]:
     _, heads, d = tgt.dims(op.q)
     _, kv_heads, _ = tgt.dims(op.k)
     group = heads // kv_heads
-    splits = SPLITS if e.rows <= tgt.ATTENTION_SPLIT_ROWS else 1
+    splits = SPLITS if e.rows <= op.split_rows else 1
     lanes = -(-d // WARP)  # head-dimension elements per lane
     stride = d + 2  # a partial result: d weighted values, the maximum, the sum
+
+    def slot(f: KernelBuilder, a: dict[str, ir.Value], t: ir.Value) -> ir.Value | None:
+        """Row t's sequence, in a cache of several."""
+        return _index(f, a["slots"], t) if op.slots is not None else None
 
     def store(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
         t = dev.ctaid(f, "y")
@@ -515,7 +522,7 @@ def _attention(e: _Emit) -> list[Launch]:
             _rotate(f, dev, k, kv_heads, d, position, op.rope.value.data)
             dev.barrier(f)
         for name, src in (("k_cache", k), ("v_cache", v)):
-            cache = _Cache(f, a[name], getattr(op, name).type, d)
+            cache = _Cache(f, a[name], getattr(op, name).type, d, slot(f, a, t))
             for h in range(kv_heads):
                 cache.store_row(dev, f.i64(h), position, f.b.gep(src, [f.i64(h * d)]), dev.tid(f), THREADS)
 
@@ -525,8 +532,8 @@ def _attention(e: _Emit) -> list[Launch]:
         maximum, the sum of exponentials and the weighted values (lanes over the head dimension)."""
         b = f.b
         kvh = b.udiv(h, f.i64(group))
-        keys = _Cache(f, a["k_cache"], op.k_cache.type, d)
-        values = _Cache(f, a["v_cache"], op.v_cache.type, d)
+        keys = _Cache(f, a["k_cache"], op.k_cache.type, d, slot(f, a, t))
+        values = _Cache(f, a["v_cache"], op.v_cache.type, d, slot(f, a, t))
         q = b.gep(_fptr(f, a["q"]), [f.mul(f.add(f.mul(t, heads), h), d)])
         dims = [f.add(lane, WARP * i) for i in range(lanes)]
         valid = [_lt(f, i, d) for i in dims]
@@ -596,7 +603,7 @@ def _attention(e: _Emit) -> list[Launch]:
                 out_v = f.fadd(out_v, f.fmul(f.load(slots, f.add(c, w * stride)), factor))
                 out_l = f.fadd(out_l, f.fmul(f.load(slots, w * stride + d + 1), factor))
             partials = _fptr(f, a["partials"])
-            base = f.mul(f.add(f.mul(f.add(f.mul(split, tgt.ATTENTION_SPLIT_ROWS), t), heads), h), stride)
+            base = f.mul(f.add(f.mul(f.add(f.mul(split, op.split_rows), t), heads), h), stride)
             f.store(out_v, partials, f.add(base, c))
             with f.when(b.icmp_unsigned("==", c, f.i64(0))):
                 f.store(top, partials, f.add(base, d))
@@ -608,7 +615,7 @@ def _attention(e: _Emit) -> list[Launch]:
         partials = _fptr(f, a["partials"])
 
         def at(s: int) -> ir.Value:
-            return f.mul(f.add(f.mul(f.add(f.i64(s * tgt.ATTENTION_SPLIT_ROWS), t), heads), h), stride)
+            return f.mul(f.add(f.mul(f.add(f.i64(s * op.split_rows), t), heads), h), stride)
 
         with _strided(f, dev.tid(f), d, THREADS, "c") as c:
             top = f.f32(NO_SCORE)

@@ -1,0 +1,189 @@
+"""Concurrent streams through `llmc serve`: each stream's text against the same request alone, and
+aggregate decode tokens/s against one stream alone (issue: ≥ 4× with 8 streams).
+
+    .venv/bin/llmc compile smollm2-135m --max-batch 8 -o smollm2-b8.llmc
+    .venv/bin/python benchmarks/serve_bench.py smollm2-b8.llmc --streams 8 --tokens 64 [--vs-llama-server B/llama-server]
+
+It starts `llmc serve` on a free loopback port, sends every prompt alone (streaming, greedy,
+`max_tokens` = --tokens, end of sequence ignored by choosing prompts that run long), then all of
+them at once, through the official `openai` client. Decode rate of a stream: its tokens after the
+first over the time from its first token to its last; aggregate: all streams' tokens after their
+first over the time from the first first-token to the last last-token. With `--vs-llama-server`,
+llama.cpp's server (`-np N`, continuous batching, the artifact's GGUF) is measured the same way.
+Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PROMPTS = [
+    "The history of the city of Rome begins",
+    "Here is a recipe for a simple tomato soup:",
+    "The three most important ideas in physics are",
+    "Once upon a time, in a small village by the sea,",
+    "A short guide to writing clear Python code:",
+    "The main causes of the French Revolution were",
+    "To plant a vegetable garden, first",
+    "The life cycle of a star starts when",
+    "An introduction to the theory of computation:",
+    "The rules of chess are simple:",
+    "Photosynthesis is the process by which",
+    "The first computers were built",
+    "A travel guide to the mountains of Norway:",
+    "The difference between weather and climate is",
+    "How to train for a marathon in twelve weeks:",
+    "The story of the Silk Road begins",
+]
+
+
+@dataclass
+class Stream:
+    text: str
+    tokens: int
+    first: float  # seconds since the epoch of the run
+    last: float
+    start: float
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"the server exited with {process.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url} not ready after {timeout:.0f} s")
+
+
+def one_stream(client, model: str, prompt: str, tokens: int, out: list, index: int) -> None:
+    start = time.perf_counter()
+    text, count, first, last = [], 0, None, None
+    response = client.completions.create(model=model, prompt=prompt, max_tokens=tokens, temperature=0,
+                                         stream=True, stream_options={"include_usage": True})
+    for chunk in response:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].text:
+            text.append(chunk.choices[0].text)
+            first = first or now
+            last = now
+        if chunk.usage is not None:
+            count = chunk.usage.completion_tokens
+    out[index] = Stream("".join(text), count, first, last, start)
+
+
+def run_streams(client, model: str, prompts: list[str], tokens: int) -> list[Stream]:
+    out: list = [None] * len(prompts)
+    threads = [threading.Thread(target=one_stream, args=(client, model, p, tokens, out, i))
+               for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def decode_rate(streams: list[Stream]) -> float:
+    after_first = sum(s.tokens - 1 for s in streams)
+    return after_first / (max(s.last for s in streams) - min(s.first for s in streams))
+
+
+def measure(base_url: str, prompts: list[str], tokens: int, repeat: int) -> dict:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+    run_streams(client, model, prompts, 8)  # warm-up: weights paged in, every slot's cache pages touched
+    alone = [[run_streams(client, model, [p], tokens)[0] for p in prompts] for _ in range(repeat)]
+    together = [run_streams(client, model, prompts, tokens) for _ in range(repeat)]
+    alone_rate = statistics.median(decode_rate([s]) for rep in alone for s in rep)
+    best = max(together, key=decode_rate)
+    same = all(together[r][i].text == alone[0][i].text for r in range(repeat) for i in range(len(prompts)))
+    return {"alone": alone_rate, "together": decode_rate(best), "same_text": same,
+            "tokens": [s.tokens for s in best], "wall": max(s.last for s in best) - min(s.start for s in best)}
+
+
+def serve_llmc(artifact: Path, streams: int, threads: int | None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [str(Path(sys.executable).parent / "llmc"), "serve", str(artifact), "--port", str(port),
+               "--max-batch", str(streams), "--queue", str(4 * streams)]
+    if threads:
+        command += ["--threads", str(threads)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return process, f"http://127.0.0.1:{port}"
+
+
+def serve_llama(binary: str, gguf: str, streams: int, threads: int, ctx: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [binary, "-m", gguf, "--port", str(port), "--host", "127.0.0.1", "-np", str(streams),
+               "-c", str(ctx * streams), "-t", str(threads), "-tb", str(threads), "--no-webui"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env=os.environ | {"LD_LIBRARY_PATH": str(Path(binary).parent)})
+    return process, f"http://127.0.0.1:{port}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("artifact", type=Path, help="an artifact compiled with --max-batch ≥ --streams")
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--vs-llama-server", metavar="PATH", help="llama.cpp's llama-server, run on the artifact's GGUF")
+    args = p.parse_args()
+    if not 1 <= args.streams <= len(PROMPTS):
+        raise SystemExit(f"--streams must be in 1..{len(PROMPTS)}")
+    prompts = PROMPTS[: args.streams]
+    rows = []
+    process, url = serve_llmc(args.artifact, args.streams, args.threads)
+    try:
+        wait_ready(url + "/health", process)
+        rows.append((f"llmc serve {args.artifact.name}", measure(url + "/v1", prompts, args.tokens, args.repeat)))
+    finally:
+        process.terminate()
+        process.wait(30)
+    if args.vs_llama_server:
+        manifest = json.loads((args.artifact / "manifest.json").read_text())
+        threads = args.threads or len(os.sched_getaffinity(0))
+        process, url = serve_llama(args.vs_llama_server, manifest["model"]["source_path"], args.streams, threads,
+                                   512)
+        try:
+            wait_ready(url + "/health", process)
+            rows.append((f"llama-server -np {args.streams}", measure(url + "/v1", prompts, args.tokens, args.repeat)))
+        finally:
+            process.terminate()
+            process.wait(30)
+    print(f"| server | 1 stream decode tok/s | {args.streams} streams aggregate tok/s | × one stream "
+          f"| texts equal alone | tokens per stream | wall s |")
+    print("|---|--:|--:|--:|---|---|--:|")
+    for name, r in rows:
+        tokens = sorted(set(r["tokens"]))
+        print(f"| {name} | {r['alone']:.1f} | {r['together']:.1f} | {r['together'] / r['alone']:.2f}x "
+              f"| {'yes' if r['same_text'] else 'NO'} | {','.join(map(str, tokens))} | {r['wall']:.2f} |")
+    return 0 if all(r["same_text"] for name, r in rows if name.startswith("llmc")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""Continuous batching: many sequences on one artifact, each in a slot of the KV cache.
+
+An artifact compiled with `--max-batch B` holds B sequences in its cache, and its
+`decode` takes one row per sequence (its own token, position and slot): the weights are
+read once for all of them. `Engine` schedules requests onto the slots:
+
+- a request waits in a bounded queue until a slot is free (`QueueFull` beyond it);
+- each step runs at most one prompt chunk (`prefill`, then `prefill_kv`) of one
+  admitted request, then one `decode` over every sequence that is generating, so a new
+  prompt enters between the decode steps of the others;
+- a request ends at its end-of-sequence token, at `max_tokens`, at the cache's capacity
+  or when cancelled; its slot is free for the next step.
+
+Tokens reach a request through its `emit` callback, and its end through `finish`, both
+called on the engine's thread. Only numpy and the standard library here.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llmc.errors import LlmcError
+from llmc.runtime.sampling import Sampler, SamplingOptions
+from llmc.runtime.session import CapacityError, Conversation
+
+SWITCH_INTERVAL = 2e-4  # seconds: how long a thread waits for the GIL before the holder is asked to let go
+
+
+class QueueFull(LlmcError):
+    """Every slot is busy and the queue of waiting requests is full."""
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation: `prompt` token ids, then up to `max_tokens` new ones.
+
+    `emit(token)` receives each new token (the end-of-sequence token is not emitted);
+    `finish(reason)` is called once: "stop" (end of sequence), "length" (`max_tokens` or
+    the cache's capacity), "cancelled", or "error: …"."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingOptions = SamplingOptions()
+    emit: Callable[[int], None] = lambda token: None
+    finish: Callable[[str], None] = lambda reason: None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Stop generating (from any thread); the slot is freed at the engine's next step."""
+        self.cancelled.set()
+
+
+@dataclass(eq=False)
+class _Sequence:
+    request: Request
+    slot: int
+    sampler: Sampler
+    fed: int = 0  # prompt tokens already in the cache
+    position: int = 0
+    token: int | None = None  # the sampled token not yet fed (None while the prompt is being fed)
+    generated: int = 0
+
+
+def _finish(request: Request, reason: str) -> None:
+    """Tell a request it ended; a failing receiver affects nobody else."""
+    try:
+        request.finish(reason)
+    except Exception:
+        pass
+
+
+class Engine:
+    """Schedules requests onto the slots of one session's KV cache (see the module docstring)."""
+
+    def __init__(self, session: Conversation, eos_id: int | None, queue_size: int = 64, max_active: int | None = None):
+        """`max_active` sequences at once (default: every slot of the cache); `queue_size` requests
+        waiting beyond them."""
+        active = session.slot_count if max_active is None else max_active
+        if not 1 <= active <= session.slot_count:
+            raise LlmcError(f"--max-batch must be in 1..{session.slot_count} (the sequences this artifact's cache "
+                            f"holds; compile with a larger --max-batch), got {active}")
+        self.session = session
+        self.eos_id = eos_id
+        self.queue_size = queue_size
+        self.max_active = active
+        self.free = list(range(active))[::-1]
+        self.waiting: deque[Request] = deque()
+        self.running: list[_Sequence] = []
+        self.logits = np.zeros((session.batch, session.vocab_size), np.float32)
+        self.steps = 0  # decode calls so far
+        self.decoded_rows = 0  # sequences' tokens those calls produced
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def check(self, request: Request) -> None:
+        """Raise ValueError (or CapacityError) for a request this artifact cannot run."""
+        request.sampling.check()
+        if not request.prompt:
+            raise ValueError("the prompt has no tokens")
+        if min(request.prompt) < 0 or max(request.prompt) >= self.session.vocab_size:
+            raise ValueError(f"a prompt token id is outside the vocabulary of {self.session.vocab_size}")
+        if len(request.prompt) >= self.session.capacity:
+            raise CapacityError(f"the prompt has {len(request.prompt)} tokens; the KV cache holds "
+                                f"{self.session.capacity} per sequence")
+        if request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
+
+    def submit(self, request: Request) -> None:
+        """Queue `request` (checked first); raises QueueFull when every slot is taken and `queue_size`
+        requests are already waiting."""
+        self.check(request)
+        with self._wake:
+            if self._stopping:
+                raise LlmcError("the engine is shutting down")
+            self._drop_cancelled()
+            if len(self.waiting) >= self.queue_size + len(self.free):  # (the free slots admit at the next step)
+                raise QueueFull(f"all {self.max_active} slots are busy and {self.queue_size} requests are waiting")
+            self.waiting.append(request)
+            self._wake.notify()
+
+    def stats(self) -> dict[str, int]:
+        """What the engine holds now and has done: sequences running and waiting, decode calls and the
+        tokens they produced."""
+        with self._wake:
+            return {"slots": self.max_active, "running": len(self.running), "waiting": len(self.waiting),
+                    "queue_size": self.queue_size, "decode_steps": self.steps, "decoded_tokens": self.decoded_rows}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _end(self, seq: _Sequence, reason: str) -> None:
+        self.running.remove(seq)
+        self.free.append(seq.slot)
+        _finish(seq.request, reason)
+
+    def _drop_cancelled(self) -> None:
+        """End the waiting requests that were cancelled (under the lock)."""
+        for request in [r for r in self.waiting if r.cancelled.is_set()]:
+            self.waiting.remove(request)
+            _finish(request, "cancelled")
+
+    def _admit(self) -> None:
+        with self._wake:
+            self._drop_cancelled()
+            while self.free and self.waiting:
+                request = self.waiting.popleft()
+                self.running.append(_Sequence(request, self.free.pop(), Sampler(request.sampling)))
+
+    def _next(self, seq: _Sequence, logits: np.ndarray) -> None:
+        """Sample after `logits`; emit the token or end the sequence."""
+        token = seq.sampler(logits)
+        if token == self.eos_id:
+            self._end(seq, "stop")
+            return
+        seq.generated += 1
+        try:
+            seq.request.emit(token)
+        except Exception as e:  # a failing receiver ends its own request only
+            self._end(seq, f"error: {e}")
+            return
+        if seq.generated >= seq.request.max_tokens or seq.position >= self.session.capacity:
+            self._end(seq, "length")
+            return
+        seq.token = token
+
+    def _prefill_one(self) -> None:
+        """One prompt chunk of the first sequence still feeding its prompt."""
+        seq = next((s for s in self.running if s.token is None), None)
+        if seq is None:
+            return
+        s = self.session
+        chunk = np.asarray(seq.request.prompt[seq.fed : seq.fed + s.chunk], np.int32)
+        entry = "prefill" if seq.position == 0 else "prefill_kv"
+        s.run(entry, chunk, np.arange(seq.position, seq.position + chunk.size), np.full(chunk.size, seq.slot),
+              self.logits[:1])
+        seq.fed += chunk.size
+        seq.position += chunk.size
+        if seq.fed == len(seq.request.prompt):
+            self._next(seq, self.logits[0])
+
+    def _decode(self) -> None:
+        """One `decode` over every generating sequence (up to the artifact's batch at a time)."""
+        ready = [s for s in self.running if s.token is not None]
+        for begin in range(0, len(ready), self.session.batch):
+            group = ready[begin : begin + self.session.batch]
+            n = len(group)
+            tokens = np.array([s.token for s in group], np.int32)
+            positions = np.array([s.position for s in group], np.int32)
+            slots = np.array([s.slot for s in group], np.int32)
+            self.session.run("decode", tokens, positions, slots, self.logits[:n])
+            self.steps += 1
+            self.decoded_rows += n
+            for row, seq in enumerate(group):
+                seq.position += 1
+                self._next(seq, self.logits[row])
+
+    def step(self) -> None:
+        """Admit, drop cancelled sequences, feed one prompt chunk, decode every generating sequence."""
+        self._admit()
+        for seq in [s for s in self.running if s.request.cancelled.is_set()]:
+            self._end(seq, "cancelled")
+        try:
+            self._prefill_one()
+            self._decode()
+        except Exception as e:  # a failed call ends its sequences, not the engine
+            for seq in list(self.running):
+                self._end(seq, f"error: {e}")
+
+    # ------------------------------------------------------------------ the engine's thread
+
+    def start(self) -> None:
+        """Run steps on a background thread until `close`.
+
+        Each step hands the GIL between this thread, the session's worker threads (which
+        return from native code and meet at a barrier) and whatever else runs in the
+        process (a server's event loop): at Python's default switch interval (5 ms) every
+        hand-off to a thread waiting on a busy one costs up to 5 ms, longer than a decode
+        step. The interval is set to `SWITCH_INTERVAL` for the process."""
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="llmc-engine")
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not (self.busy or self._stopping):
+                    self._wake.wait()
+                if self._stopping:
+                    break
+            self.step()
+        for seq in list(self.running):
+            self._end(seq, "cancelled")
+        while self.waiting:
+            _finish(self.waiting.popleft(), "cancelled")
+
+    def close(self) -> None:
+        """Stop the thread (running and waiting requests end "cancelled")."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()

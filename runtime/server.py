@@ -1,0 +1,667 @@
+"""`llmc serve`: an OpenAI-compatible HTTP API over one artifact.
+
+    POST /v1/completions        a prompt (text or token ids) → its continuation
+    POST /v1/chat/completions   messages, rendered with the model's chat template → the reply
+    GET  /v1/models             the one model served (the artifact's name)
+    GET  /health                the engine's state: slots, running and waiting requests, counts
+
+Both generation endpoints stream as server-sent events in OpenAI's chunk format (ending
+with `data: [DONE]`) when `"stream": true`, and answer whole otherwise. Requests run on the
+batching `Engine` (`llmc.runtime.batch`), on its own thread: it calls each request's
+`emit` per token there, and those hand the tokens to the asyncio loop
+(`loop.call_soon_threadsafe`) into a queue per request, where the text is decoded (whole
+UTF-8 characters only) and `stop` strings are looked for. A client that goes away
+cancels its request at once, which frees its slot at the engine's next step.
+
+Errors are OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for a
+malformed request (naming the field), 404 for an unknown route or model, 429 when every
+slot is busy and the queue of waiting requests is full.
+
+Starlette and uvicorn only (the `serve` extra), besides the runtime: no compiler here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import socket
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from llmc.errors import LlmcError
+from llmc.runtime.artifact import MANIFEST
+from llmc.runtime.batch import Engine, QueueFull, Request
+from llmc.runtime.codec import TextCodec
+from llmc.runtime.sampling import SamplingOptions
+from llmc.runtime.session import Conversation
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat replies default to the room left
+MAX_STOP_STRINGS = 4  # as OpenAI allows
+MAX_BODY_BYTES = 16 << 20  # a request body (a prompt the cache holds is far smaller)
+ROLES = ("system", "user", "assistant")
+
+
+# ------------------------------------------------------------------ errors
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def _invalid(param: str, message: str, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+# ------------------------------------------------------------------ request bodies
+
+_COMMON_FIELDS = {"model", "temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "n", "stream",
+                  "stream_options", "user"}
+_FIELDS = {"completions": _COMMON_FIELDS | {"prompt"},
+           "chat": _COMMON_FIELDS | {"messages", "max_completion_tokens"}}
+
+
+def _zero(v: object) -> bool:
+    return v is None or (type(v) in (int, float) and v == 0)
+
+
+# OpenAI fields that llmc does not implement, accepted at their neutral values only (clients send some by default)
+_NEUTRAL: dict[str, Callable[[object], bool]] = {
+    "frequency_penalty": _zero,
+    "presence_penalty": _zero,
+    "logit_bias": lambda v: v is None or v == {},
+    "logprobs": lambda v: v is None or v is False,
+    "top_logprobs": _zero,
+    "echo": lambda v: v is None or v is False,
+    "best_of": lambda v: v is None or (type(v) is int and v == 1),
+    "suffix": lambda v: v is None,
+    "tools": lambda v: v is None or v == [],
+    "tool_choice": lambda v: v is None or v == "none",
+    "parallel_tool_calls": lambda v: v is None or type(v) is bool,
+    "response_format": lambda v: v is None or v == {"type": "text"},
+}
+
+
+def _show(v: object) -> str:
+    """A value from a request, for an error message (bounded)."""
+    text = json.dumps(v)
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
+def _is_int(v: object) -> bool:
+    return type(v) is int
+
+
+def _is_number(v: object) -> bool:
+    return type(v) in (int, float)
+
+
+@dataclass
+class Job:
+    """One parsed generation request."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingOptions
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    # filled in as it runs
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    request: Request | None = field(default=None, repr=False)
+
+
+def _check_fields(body: dict, kind: str) -> None:
+    for name, value in body.items():
+        if name in _FIELDS[kind]:
+            continue
+        if name in _NEUTRAL:
+            if not _NEUTRAL[name](value):
+                raise _invalid(name, f"'{name}' is not supported by llmc serve (only its default value)",
+                               "unsupported_parameter")
+            continue
+        raise _invalid(name, f"unknown field '{name}'", "unknown_parameter")
+
+
+def _sampling(body: dict) -> SamplingOptions:
+    temperature = body.get("temperature")
+    if temperature is None:
+        temperature = 1.0  # OpenAI's default
+    elif not _is_number(temperature) or not 0 <= temperature < math.inf:
+        raise _invalid("temperature", f"temperature must be a number >= 0, got {_show(temperature)}")
+    top_p = body.get("top_p")
+    if top_p is None:
+        top_p = 1.0
+    elif not _is_number(top_p) or not 0 < top_p <= 1:
+        raise _invalid("top_p", f"top_p must be a number in (0, 1], got {_show(top_p)}")
+    top_k = body.get("top_k")
+    if top_k is None:
+        top_k = 0
+    elif not _is_int(top_k) or top_k < 0:
+        raise _invalid("top_k", f"top_k must be an integer >= 0 (0: no limit), got {_show(top_k)}")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise _invalid("seed", f"seed must be an integer, got {_show(seed)}")
+    return SamplingOptions(float(temperature), top_k, float(top_p), None if seed is None else seed % 2**64)
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+        raise _invalid("stop", "stop must be a string or a list of strings")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise _invalid("stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+    if any(not s for s in stops):
+        raise _invalid("stop", "stop strings must not be empty")
+    return stops
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = body.get("stream")
+    if stream is not None and type(stream) is not bool:
+        raise _invalid("stream", f"stream must be a boolean, got {_show(stream)}")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise _invalid("stream_options", "stream_options needs \"stream\": true")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise _invalid("stream_options", "stream_options must be an object with 'include_usage' only")
+        include_usage = options.get("include_usage", False)
+        if type(include_usage) is not bool:
+            raise _invalid("stream_options", "stream_options.include_usage must be a boolean")
+    return bool(stream), include_usage
+
+
+def _messages(body: dict) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if messages is None:
+        raise _invalid("messages", "missing required field 'messages'", "missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise _invalid("messages", "messages must be a non-empty list of {\"role\", \"content\"} objects")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise _invalid(where, f"{where} must be an object with 'role' and 'content'")
+        unknown = set(message) - {"role", "content", "name"}
+        if unknown:
+            raise _invalid(f"{where}.{sorted(unknown)[0]}", f"unknown field '{sorted(unknown)[0]}' in {where}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise _invalid(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}, got "
+                                            f"{_show(role)}")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       and set(p) == {"type", "text"} for p in content):
+                raise _invalid(f"{where}.content", f"{where}.content parts must be {{\"type\": \"text\", "
+                                                   f"\"text\": ...}} (this model reads text only)")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise _invalid(f"{where}.content", f"{where}.content must be a string or a list of text parts")
+        name = message.get("name")
+        if name is not None and not isinstance(name, str):
+            raise _invalid(f"{where}.name", f"{where}.name must be a string")
+        out.append({"role": role, "content": content, **({"name": name} if name is not None else {})})
+    return out
+
+
+def _max_tokens(body: dict, names: tuple[str, ...]) -> tuple[str, int | None]:
+    given = [(name, body[name]) for name in names if body.get(name) is not None]
+    if len(given) > 1 and given[0][1] != given[1][1]:
+        raise _invalid(given[1][0], f"{given[0][0]} and {given[1][0]} disagree")
+    if not given:
+        return names[0], None
+    name, value = given[0]
+    if not _is_int(value) or value < 1:
+        raise _invalid(name, f"{name} must be an integer >= 1, got {_show(value)}")
+    return name, value
+
+
+# ------------------------------------------------------------------ token hand-off and text
+
+
+class _Tokens:
+    """One request's tokens and end, from the engine's thread into the event loop's queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, counts: Counter):
+        self.loop = loop
+        self.queue: asyncio.Queue[int | str] = asyncio.Queue()
+        self.counts = counts
+
+    def _put(self, item: int | str) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop has closed (shutting down): nobody is waiting
+            pass
+
+    def emit(self, token: int) -> None:  # on the engine's thread
+        self.counts["generated_tokens"] += 1
+        self._put(token)
+
+    def finish(self, reason: str) -> None:  # on the engine's thread
+        self.counts["error" if reason.startswith("error") else reason] += 1
+        self._put(reason)
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """How many characters at the end of `text` could begin a stop string (kept until the next piece)."""
+    held = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), held, -1):
+            if text.endswith(stop[:n]):
+                held = n
+                break
+    return held
+
+
+class _Disconnected(Exception):
+    pass
+
+
+# ------------------------------------------------------------------ the server
+
+
+class Server:
+    """The ASGI app (`self.app`) over one session's engine."""
+
+    def __init__(self, session: Conversation, codec: TextCodec, name: str, queue_size: int = 64,
+                 max_active: int | None = None, aliases: tuple[str, ...] = ()):
+        self.session = session
+        self.codec = codec
+        self.name = name
+        self.names = {name, *aliases}
+        self.capacity = session.capacity
+        self.engine = Engine(session, codec.eos_id, queue_size, max_active)
+        self.counts: Counter = Counter()
+        manifest = session.manifest
+        self.created = int((manifest.directory / MANIFEST).stat().st_mtime)  # when the artifact was written
+        self.model_card = {
+            "id": name, "object": "model", "created": self.created, "owned_by": "llmc",
+            "source": manifest.model.get("source"), "target": manifest.target,
+            "max_model_len": self.capacity, "slots": self.engine.max_active,
+            "chat_template": bool(codec.chat_template),
+        }
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: self._http_error, ApiError: self._api_error,
+                                Exception: self._internal_error},
+            lifespan=self._lifespan,
+        )
+
+    # -------------------------------------------------------------- lifecycle
+
+    @asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(self.engine.close)
+
+    def close(self) -> None:
+        """Stop the engine: requests running or waiting end (their clients get an error)."""
+        self.engine.close()
+
+    # -------------------------------------------------------------- errors
+
+    async def _http_error(self, request: HttpRequest, exc: HTTPException) -> Response:
+        if exc.status_code == 404:
+            return ApiError(404, f"no route {request.method} {request.url.path} (llmc serve has POST "
+                                 f"/v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health)",
+                            code="not_found").response()
+        if exc.status_code == 405:
+            return ApiError(405, f"{request.url.path} does not take {request.method}",
+                            code="method_not_allowed").response()
+        return ApiError(exc.status_code, str(exc.detail)).response()
+
+    async def _api_error(self, request: HttpRequest, exc: ApiError) -> Response:
+        return exc.response()
+
+    async def _internal_error(self, request: HttpRequest, exc: Exception) -> Response:
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
+
+    # -------------------------------------------------------------- simple routes
+
+    async def models(self, request: HttpRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [self.model_card]})
+
+    async def model(self, request: HttpRequest) -> Response:
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self.model_card)
+
+    async def health(self, request: HttpRequest) -> Response:
+        return JSONResponse({
+            "status": "ok", "model": self.name, **self.engine.stats(), "capacity": self.capacity,
+            "requests": {reason: self.counts[reason] for reason in ("stop", "length", "cancelled", "error")},
+            "generated_tokens": self.counts["generated_tokens"],
+        })
+
+    # -------------------------------------------------------------- parsing
+
+    def _check_model(self, model: object) -> None:
+        if model is None:
+            return
+        if not isinstance(model, str):
+            raise _invalid("model", "model must be a string")
+        if model not in self.names:
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.name}'",
+                           param="model", code="model_not_found")
+
+    async def _body(self, request: HttpRequest, kind: str) -> dict:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MB", code="too_large")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise _invalid(None, f"the request body is not valid JSON: {e}", "invalid_json") from None
+        if not isinstance(body, dict):
+            raise _invalid(None, "the request body must be a JSON object")
+        _check_fields(body, kind)
+        self._check_model(body.get("model"))
+        n = body.get("n")
+        if n is not None and not (_is_int(n) and n == 1):
+            raise _invalid("n", f"n must be 1 (one choice per request), got {_show(n)}")
+        return body
+
+    def _job(self, body: dict, prompt: list[int], prompt_param: str, max_names: tuple[str, ...],
+             default_max: int | None) -> Job:
+        if not prompt:
+            raise _invalid(prompt_param, "the prompt has no tokens")
+        if len(prompt) >= self.capacity:
+            raise _invalid(prompt_param, f"the prompt has {len(prompt)} tokens; the KV cache holds {self.capacity} "
+                                         f"per sequence, prompt and completion together", "context_length_exceeded")
+        if min(prompt) < 0 or max(prompt) >= self.session.vocab_size:
+            raise _invalid(prompt_param, f"a prompt token id is outside the vocabulary of {self.session.vocab_size}")
+        room = self.capacity - len(prompt)
+        max_name, max_tokens = _max_tokens(body, max_names)
+        if max_tokens is None:
+            max_tokens = room if default_max is None else min(default_max, room)
+        elif max_tokens > room:
+            raise _invalid(max_name, f"{max_name} is {max_tokens}, but the KV cache holds {self.capacity} tokens per "
+                                     f"sequence and the prompt takes {len(prompt)}: at most {room} remain",
+                           "context_length_exceeded")
+        stream, include_usage = _stream(body)
+        return Job(prompt, max_tokens, _sampling(body), _stop(body), stream, include_usage)
+
+    # -------------------------------------------------------------- generation
+
+    def _submit(self, job: Job, prompt_param: str) -> _Tokens:
+        tokens = _Tokens(asyncio.get_running_loop(), self.counts)
+        job.request = Request(job.prompt, job.max_tokens, job.sampling, tokens.emit, tokens.finish)
+        try:
+            self.engine.submit(job.request)
+        except QueueFull as e:
+            raise ApiError(429, f"the server is busy ({e}); retry later", "server_overloaded",
+                           code="queue_full") from None
+        except ValueError as e:  # (the request was checked above; kept for what the engine checks itself)
+            raise _invalid(prompt_param, str(e)) from None
+        except LlmcError as e:  # shutting down
+            raise ApiError(503, str(e), "server_error", code="unavailable") from None
+        return tokens
+
+    async def _pieces(self, job: Job, tokens: _Tokens) -> AsyncIterator[str]:
+        """The completion's text, piece by piece; sets `job.finish_reason` at the end."""
+        decoder = self.codec.text_stream()
+        pending = ""  # text held back: it may begin a stop string
+        while True:
+            item = await tokens.queue.get()
+            if isinstance(item, int):
+                job.completion_tokens += 1
+                text, reason = pending + decoder.push(item), None
+            else:
+                text, reason = pending + decoder.flush(), item
+            if job.stop:
+                cuts = [i for i in (text.find(s) for s in job.stop) if i >= 0]
+                if cuts:
+                    job.request.cancel()  # the engine frees the slot at its next step
+                    if min(cuts):
+                        yield text[: min(cuts)]
+                    job.finish_reason = "stop"
+                    return
+            if reason is not None:
+                if reason not in ("stop", "length"):
+                    raise ApiError(503 if reason == "cancelled" else 500,
+                                   "the server is shutting down" if reason == "cancelled" else f"generation failed "
+                                   f"({reason})", "server_error")
+                if text:
+                    yield text
+                job.finish_reason = reason
+                return
+            held = _held_back(text, job.stop) if job.stop else 0
+            pending = text[len(text) - held:]
+            if len(text) > held:
+                yield text[: len(text) - held]
+
+    def _usage(self, job: Job) -> dict:
+        return {"prompt_tokens": len(job.prompt), "completion_tokens": job.completion_tokens,
+                "total_tokens": len(job.prompt) + job.completion_tokens}
+
+    async def _whole(self, request: HttpRequest, job: Job, tokens: _Tokens) -> str:
+        """The whole completion, or _Disconnected as soon as the client goes away."""
+
+        async def collect() -> str:
+            return "".join([piece async for piece in self._pieces(job, tokens)])
+
+        collecting = asyncio.ensure_future(collect())
+        watching = asyncio.ensure_future(_disconnect(request))
+        try:
+            await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            job.request.cancel()  # (a finished request is not affected)
+            watching.cancel()
+        if not collecting.done():
+            collecting.cancel()
+            raise _Disconnected
+        return collecting.result()
+
+    def _events(self, job: Job, tokens: _Tokens, chunk: Callable[..., dict]) -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[str]:
+            first = chunk(start=True)
+            if first is not None:
+                yield _sse(first)
+            try:
+                async for piece in self._pieces(job, tokens):
+                    yield _sse(chunk(text=piece))
+                yield _sse(chunk(finish=job.finish_reason))
+                if job.include_usage:
+                    yield _sse(chunk(usage=self._usage(job)))
+            except ApiError as e:
+                yield _sse(e.body())
+            yield "data: [DONE]\n\n"
+
+        return events()
+
+    async def completions(self, request: HttpRequest) -> Response:
+        body = await self._body(request, "completions")
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise _invalid("prompt", "missing required field 'prompt'", "missing_required_parameter")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.codec.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+            ids = prompt
+        else:
+            raise _invalid("prompt", "prompt must be a string or a list of token ids (one prompt per request)")
+        job = self._job(body, ids, "prompt", ("max_tokens",), COMPLETION_MAX_TOKENS)
+        tokens = self._submit(job, "prompt")
+        ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(text: str = "", finish: str | None = None, start: bool = False, usage: dict | None = None):
+            if start:
+                return None
+            return {"id": ident, "object": "text_completion", "created": created, "model": self.name,
+                    "choices": [] if usage else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+                    **({"usage": usage} if job.include_usage else {})}
+
+        if job.stream:
+            return _EventStream(self._events(job, tokens, chunk), job.request.cancel)
+        try:
+            text = await self._whole(request, job, tokens)
+        except _Disconnected:
+            return Response(status_code=499)
+        return JSONResponse({"id": ident, "object": "text_completion", "created": created, "model": self.name,
+                             "choices": [{"index": 0, "text": text, "logprobs": None,
+                                          "finish_reason": job.finish_reason}],
+                             "usage": self._usage(job)})
+
+    async def chat_completions(self, request: HttpRequest) -> Response:
+        body = await self._body(request, "chat")
+        messages = _messages(body)
+        if not self.codec.chat_template:
+            raise _invalid("messages", "this model has no chat template; use /v1/completions", "no_chat_template")
+        try:
+            text = self.codec.render_chat(messages)
+        except LlmcError as e:
+            raise _invalid("messages", str(e), "chat_template_failed") from None
+        job = self._job(body, self.codec.encode(text), "messages", ("max_tokens", "max_completion_tokens"), None)
+        tokens = self._submit(job, "messages")
+        ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(text: str = "", finish: str | None = None, start: bool = False, usage: dict | None = None):
+            if usage:
+                choices = []
+            else:
+                delta = {"role": "assistant", "content": ""} if start else ({"content": text} if finish is None else {})
+                choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+            return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.name,
+                    "choices": choices, **({"usage": usage} if job.include_usage else {})}
+
+        if job.stream:
+            return _EventStream(self._events(job, tokens, chunk), job.request.cancel)
+        try:
+            reply = await self._whole(request, job, tokens)
+        except _Disconnected:
+            return Response(status_code=499)
+        return JSONResponse({"id": ident, "object": "chat.completion", "created": created, "model": self.name,
+                             "choices": [{"index": 0, "message": {"role": "assistant", "content": reply},
+                                          "logprobs": None, "finish_reason": job.finish_reason}],
+                             "usage": self._usage(job)})
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _disconnect(request: HttpRequest) -> None:
+    """Return when the client has gone away (the body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that stop, and cancel their request, as soon as the client goes away
+    (whatever ASGI spec version the server speaks)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str], cancel: Callable[[], None]):
+        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.cancel = cancel
+
+    async def __call__(self, scope, receive, send) -> None:
+        streaming = asyncio.ensure_future(self.stream_response(send))
+        listening = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({streaming, listening}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.cancel()
+            for task in (streaming, listening):
+                task.cancel()
+            await asyncio.gather(streaming, listening, return_exceptions=True)
+            await self.body_iterator.aclose()
+        if streaming.done() and not streaming.cancelled() and streaming.exception() is not None:
+            exc = streaming.exception()
+            if not isinstance(exc, OSError):  # (a client gone while writing)
+                raise exc
+
+
+# ------------------------------------------------------------------ running it
+
+
+def model_name(directory: Path) -> str:
+    """The name a served artifact answers to: its directory's name, without a `.llmc` suffix."""
+    name = directory.resolve().name
+    return name[: -len(".llmc")] if name.endswith(".llmc") and len(name) > len(".llmc") else name
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn, announcing the URL once it listens, and stopping the engine first on shutdown
+    (so that streams in flight end at once instead of holding the shutdown)."""
+
+    def __init__(self, config: uvicorn.Config, server: Server, url: str, announce: Callable[[str], None]):
+        super().__init__(config)
+        self.llmc, self.url, self.announce = server, url, announce
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            self.announce(self.url)
+
+    async def shutdown(self, sockets=None) -> None:
+        await asyncio.to_thread(self.llmc.close)
+        await super().shutdown(sockets=sockets)
+
+
+def serve(server: Server, host: str = "127.0.0.1", port: int = 8000,
+          announce: Callable[[str], None] = lambda url: print(url, flush=True)) -> None:
+    """Listen on `host:port` (port 0: any free port) until Ctrl-C or SIGTERM; `announce(url)` once ready."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family, backlog=128)
+    except OSError as e:
+        raise LlmcError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    bound = sock.getsockname()[1]
+    url = f"http://{f'[{host}]' if family == socket.AF_INET6 else host}:{bound}"
+    config = uvicorn.Config(server.app, log_level="warning", access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=5)
+    # (asyncio warns of writes to a socket its client has just closed: that client's stream is being cancelled)
+    logging.getLogger("asyncio").setLevel(logging.ERROR)
+    try:
+        _Uvicorn(config, server, url, announce).run(sockets=[sock])
+    finally:
+        sock.close()
+        server.close()

@@ -1,0 +1,320 @@
+"""Batched decode (`--max-batch`): the IR, the interpreters, the compiled kernels and the scheduler.
+
+Every check compares a batch against the same sequences run one at a time: each row of a
+batched `decode` must be what that sequence alone gives.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tiny_models import TinySpec
+
+from llmc.cli import main
+from llmc.compile import BackendOptions, compile_model, run_phases, target_attr
+from llmc.errors import LlmcError
+from llmc.frontend import load_model
+from llmc.ir import find_function, llm
+from llmc.ir.interpreter import KVCache, forward_logits, run
+from llmc.ir.text import parse_module, print_module
+from llmc.ir.tgt_interpreter import KernelWeights, cache_for, run_entry
+from llmc.passes.pipeline import CompileOptions
+from llmc.runtime.batch import Engine, QueueFull, Request
+from llmc.runtime.sampling import Sampler, SamplingOptions
+from llmc.runtime.session import Conversation, Session
+
+SPEC = TinySpec(context_length=64)
+# a8 integer kernels (q8_0 and q4_1 weights), a head dimension of 32, GQA
+QSPEC = TinySpec(hidden=64, heads=4, kv_heads=2, head_dim=32, ffn=128, context_length=64, gguf_storage=(
+    ("token_embd", "q8_0"), *((k, "q4_1") for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                                      "ffn_up", "ffn_down"))))
+PROMPTS = [[5, 17, 42], [100, 150, 7, 9, 11, 200, 3], [4], [66, 250, 31, 8, 19], [12, 13], [200, 201, 202, 203],
+           [7, 7, 7, 7, 7, 7, 7, 7, 7], [90, 1]]
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny, tmp_path_factory) -> Callable[..., Path]:
+    root = tmp_path_factory.mktemp("batched")
+    built: dict[tuple, Path] = {}
+
+    def build(spec: TinySpec, max_batch: int, **options) -> Path:
+        key = (spec, max_batch, tuple(sorted(options.items())))
+        if key not in built:
+            out = root / f"a{len(built)}"
+            compile_model(str(tiny(spec, "gguf")), out,
+                          CompileOptions(**{"prefill_chunk": 4, "max_seq": 32, "kv_type": "f32",
+                                            "max_batch": max_batch, **options}),
+                          BackendOptions(), progress=lambda _: None)
+            built[key] = out
+        return built[key]
+
+    return build
+
+
+def _split(tiny, spec: TinySpec, phase: str = "split", **options):
+    model = load_model(tiny(spec, "gguf"))
+    module = run_phases(model, CompileOptions(max_seq=32, prefill_chunk=4, kv_type="f32", **options), phase,
+                        None, lambda _: None, target_attr(BackendOptions()))
+    return model, module
+
+
+def test_batched_split_has_slots_everywhere_and_round_trips(tiny) -> None:
+    for phase in ("split", "group", "lower"):
+        _, module = _split(tiny, SPEC, phase, max_batch=4)
+        text = print_module(module)
+        assert print_module(parse_module(text)) == text
+        decode = find_function(module, "decode")
+        if phase == "lower":
+            names = [a.name_hint for a in decode.body.block.args]
+            assert names == ["tokens", "positions", "slots", "n", "k_cache", "v_cache", "logits"]
+            assert decode.attributes["tgt.kv_layout"].data == "layer,slot,kv_head,position,dim"
+            assert "slots %slots" in text and "memref<2x4x2x32x8xf32>" in text
+        else:
+            cache = decode.function_type.inputs.data[-1]
+            assert isinstance(cache, llm.KVCacheType) and cache.slots == 4
+            assert decode.attributes["llm.max_tokens"].value.data == 4
+            assert "slots 4>" in text
+            attentions = [op for op in decode.body.block.ops if isinstance(op, llm.AttentionOp)]
+            assert attentions and all(op.slots is decode.body.block.args[2] for op in attentions)
+    _, plain = _split(tiny, SPEC)
+    assert "slots" not in print_module(plain)  # B = 1 keeps today's IR
+
+
+def test_attention_without_slots_on_a_batched_cache_is_refused(tiny) -> None:
+    _, module = _split(tiny, SPEC, max_batch=4)
+    op = next(op for op in find_function(module, "decode").body.block.ops if isinstance(op, llm.AttentionOp))
+    alone = llm.AttentionOp(op.query, op.key, op.value, op.positions, op.kv_cache, 0)
+    with pytest.raises(Exception, match="several sequences needs each row's slot"):
+        alone.verify()
+    _, plain = _split(tiny, SPEC)
+    op = next(op for op in find_function(plain, "decode").body.block.ops if isinstance(op, llm.AttentionOp))
+    with pytest.raises(Exception, match="and only such a cache"):
+        llm.AttentionOp(op.query, op.key, op.value, op.positions, op.kv_cache, 0, slots=op.positions).verify()
+
+
+def _alone(model, module, prompt: list[int], steps: list[int]) -> list[np.ndarray]:
+    """The logits of `prompt` then of each token of `steps`, one sequence (the `llm` interpreter)."""
+    cache = KVCache.for_type(find_function(module, "forward").function_type.inputs.data[2], 32)
+    out = [forward_logits(module, model.weights, prompt, cache=cache)[-1]]
+    for i, token in enumerate(steps):
+        out.append(forward_logits(module, model.weights, [token], start=len(prompt) + i, cache=cache)[-1])
+    return out
+
+
+def test_batched_decode_in_the_llm_and_tgt_interpreters_equals_each_sequence_alone(tiny) -> None:
+    model, forward = _split(tiny, SPEC, "optimize")
+    _, split = _split(tiny, SPEC, max_batch=4)
+    _, lowered = _split(tiny, SPEC, "lower", max_batch=4)
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3][:4]]  # (one prefill chunk each)
+    steps = [[9, 3], [1, 2], [250, 4]]
+    reference = [_alone(model, forward, p, s) for p, s in zip(prompts, steps)]
+    # llm: each prompt into its own slot (1, 3, 0), then two decode calls over the three rows
+    slots = np.array([1, 3, 0], np.int32)
+    cache = KVCache.for_type(find_function(split, "decode").function_type.inputs.data[-1])
+    weights = KernelWeights(model.weights)
+    tgt_cache = cache_for(find_function(lowered, "decode").body.block.args[4].type)
+    for prompt, slot, ref in zip(prompts, slots, reference):
+        positions = np.arange(len(prompt), dtype=np.int32)
+        (got,) = run(find_function(split, "prefill"), model.weights, np.array(prompt, np.int32), positions,
+                     np.full(len(prompt), slot, np.int32), cache)
+        np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=1e-5)
+        got = run_entry(find_function(lowered, "prefill"), weights, np.array(prompt), positions, tgt_cache,
+                        np.full(len(prompt), slot))
+        np.testing.assert_allclose(got[0], ref[0], rtol=1e-4, atol=1e-4)
+    for i in range(2):
+        tokens = np.array([s[i] for s in steps], np.int32)
+        positions = np.array([len(p) + i for p in prompts], np.int32)
+        (got,) = run(find_function(split, "decode"), model.weights, tokens, positions, slots, cache)
+        got_tgt = run_entry(find_function(lowered, "decode"), weights, tokens, positions, tgt_cache, slots)
+        for row, ref in enumerate(reference):
+            np.testing.assert_allclose(got[row], ref[i + 1], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(got_tgt[row], ref[i + 1], rtol=1e-4, atol=1e-4)
+
+
+def assert_rows_are_each_sequence_alone(batched: Conversation, alone: Conversation, prompts: list[list[int]]) -> None:
+    """Prompts fed into scattered slots (prefill chunks and prefill_kv), then decode calls over all of them
+    at once, against each sequence on its own in slot 0 of `alone` (the same artifact)."""
+    batch = batched.batch
+    slots = np.random.default_rng(batch).permutation(batch)[: len(prompts)].astype(np.int32)
+    reference = []
+    for prompt in prompts:
+        alone.reset()
+        rows = [alone.feed(prompt)]
+        for token in range(3):
+            rows.append(alone.feed([10 + token]))
+        reference.append(rows)
+    for prompt, slot, rows in zip(prompts, slots, reference):
+        batched.reset()
+        batched.slot = int(slot)
+        first = batched.feed(prompt)
+        np.testing.assert_allclose(first, rows[0], rtol=0, atol=1e-5 * np.abs(rows[0]).max())
+    logits = np.zeros((batch, batched.vocab_size), np.float32)
+    n = len(prompts)
+    for step in range(3):
+        tokens = np.full(n, 10 + step, np.int32)
+        positions = np.array([len(p) + step for p in prompts], np.int32)
+        batched.run("decode", tokens, positions, slots, logits[:n])
+        for row in range(n):
+            expected = reference[row][step + 1]
+            np.testing.assert_allclose(logits[row], expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("spec", [SPEC, QSPEC], ids=["f32", "a8"])
+@pytest.mark.parametrize("batch", [4, 8])  # up to attention's 4 split rows, and past them
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_row_of_a_batched_decode_is_its_sequence_alone(artifact, spec: TinySpec, batch: int,
+                                                            threads: int) -> None:
+    batched = Session(artifact(spec, batch), threads=threads)
+    alone = Session(artifact(spec, batch), threads=threads)
+    assert_rows_are_each_sequence_alone(batched, alone, PROMPTS[:batch])
+    batched.close()
+    alone.close()
+
+
+def test_one_sequence_artifacts_keep_the_one_row_decode(artifact) -> None:
+    session = Session(artifact(SPEC, 1))
+    assert session.slot_count == 1 and session.batch == 1
+    assert "slots" not in session.manifest.entry_points["decode"]["arguments"]
+    assert session.manifest.kv_cache["shape"] == [2, 2, 32, 8]
+    session.close()
+
+
+def _alone_stream(session: Session, prompt: list[int], count: int, sampling: SamplingOptions = SamplingOptions()
+                  ) -> list[int]:
+    sampler = Sampler(sampling)
+    session.reset()
+    out = [sampler(session.feed(prompt))]
+    while len(out) < count:
+        out.append(sampler(session.feed([out[-1]])))
+    return out
+
+
+def test_the_engine_gives_every_request_its_text_alone(artifact) -> None:
+    """More requests than slots: they wait, enter as slots free up (continuous batching), and each
+    stream is what its prompt gives alone; fewer decode calls than tokens. Sampled with a seed per
+    request (tiny random models repeat their last token greedily; sampling reads the whole
+    distribution)."""
+    session = Session(artifact(QSPEC, 4))
+    sampling = [SamplingOptions(temperature=8.0, seed=i) for i in range(len(PROMPTS))]
+    expected = [_alone_stream(session, p, 6, o) for p, o in zip(PROMPTS, sampling)]
+    assert len({t for stream in expected for t in stream}) > 20
+    engine = Engine(session, eos_id=None)
+    got: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+    reasons: dict[int, str] = {}
+    for i, prompt in enumerate(PROMPTS):
+        engine.submit(Request(prompt, 6, sampling[i], emit=got[i].append,
+                              finish=lambda r, i=i: reasons.__setitem__(i, r)))
+    while engine.busy:
+        engine.step()
+    assert [got[i] for i in range(len(PROMPTS))] == expected
+    assert set(reasons.values()) == {"length"}
+    assert engine.decoded_rows == 5 * len(PROMPTS) and engine.steps < engine.decoded_rows / 2
+    session.close()
+
+
+def test_the_engine_ends_at_eos_capacity_and_cancel_and_refuses_beyond_its_queue(artifact) -> None:
+    session = Session(artifact(QSPEC, 2))
+    stream = _alone_stream(session, PROMPTS[4], 8)
+    eos = next(t for t in stream if t != stream[0])
+    engine = Engine(session, eos_id=eos, queue_size=1)
+    seen: list[int] = []
+    reasons: list[str] = []
+    engine.submit(Request(PROMPTS[4], 10, emit=seen.append, finish=reasons.append))
+    while engine.busy:
+        engine.step()
+    assert seen == stream[: stream.index(eos)] and seen and reasons == ["stop"]  # EOS ends it, not emitted
+
+    engine = Engine(session, eos_id=None, queue_size=1, max_active=1)
+    long = Request([1] * 30, 10, finish=reasons.append)
+    engine.submit(long)
+    engine.step()  # admitted: the queue is empty again
+    engine.submit(Request([2], 1, finish=reasons.append))
+    with pytest.raises(QueueFull, match="1 slots are busy"):
+        engine.submit(Request([3], 1))
+    while engine.busy:
+        engine.step()
+    assert reasons[1:] == ["length", "length"]  # 30 + 2 reach the capacity of 32; the queued one ran after
+
+    cancelled = Request([4, 5], 20, finish=reasons.append)
+    engine.submit(cancelled)
+    engine.step()
+    cancelled.cancel()
+    engine.step()
+    assert reasons[-1] == "cancelled" and not engine.busy and engine.free == [0]
+    for bad, message in ((Request([], 1), "no tokens"), (Request([1] * 32, 1), "KV cache holds 32"),
+                         (Request([1], 0), "max_tokens"), (Request([10 ** 6], 1), "vocabulary"),
+                         (Request([1], 1, SamplingOptions(top_p=0)), "top-p")):
+        with pytest.raises((ValueError, LlmcError), match=message):
+            engine.submit(bad)
+    with pytest.raises(LlmcError, match=r"--max-batch must be in 1..2"):
+        Engine(session, eos_id=None, max_active=3)
+    session.close()
+
+
+def test_the_engine_admits_free_slots_without_a_queue_and_isolates_failing_receivers(artifact) -> None:
+    session = Session(artifact(SPEC, 2))
+    engine = Engine(session, eos_id=None, queue_size=0)
+    reasons: dict[str, str] = {}
+    got: list[int] = []
+
+    def broken(token: int) -> None:
+        raise RuntimeError("the client went away")
+
+    engine.submit(Request([1, 2], 3, emit=broken, finish=lambda r: reasons.__setitem__("broken", r)))
+    engine.submit(Request([3, 4], 3, emit=got.append, finish=lambda r: reasons.__setitem__("fine", r)))
+    with pytest.raises(QueueFull):  # both slots taken, no queue
+        engine.submit(Request([5], 1))
+    while engine.busy:
+        engine.step()
+    assert reasons == {"broken": "error: the client went away", "fine": "length"} and len(got) == 3
+    assert engine.stats() | {"decode_steps": 0, "decoded_tokens": 0} == {
+        "slots": 2, "running": 0, "waiting": 0, "queue_size": 0, "decode_steps": 0, "decoded_tokens": 0}
+
+    engine = Engine(session, eos_id=None, queue_size=1, max_active=1)
+    engine.submit(Request([1], 5))
+    engine.step()
+    waiting = Request([2], 1, finish=lambda r: reasons.__setitem__("waiting", r))
+    engine.submit(waiting)
+    waiting.cancel()  # a cancelled request gives up its place in the queue at once
+    engine.submit(Request([3], 1))
+    assert reasons["waiting"] == "cancelled" and engine.stats()["waiting"] == 1
+    session.close()
+
+
+def test_the_engine_thread_serves_requests_submitted_from_other_threads(artifact) -> None:
+    session = Session(artifact(QSPEC, 4))
+    expected = [_alone_stream(session, p, 5) for p in PROMPTS[:4]]
+    engine = Engine(session, eos_id=None)
+    engine.start()
+    results: dict[int, list[int]] = {}
+    done = threading.Barrier(5)
+
+    def client(i: int) -> None:
+        tokens: list[int] = []
+        finished = threading.Event()
+        engine.submit(Request(PROMPTS[i], 5, emit=tokens.append, finish=lambda _: finished.set()))
+        assert finished.wait(60)
+        results[i] = tokens
+        done.wait()
+
+    for i in range(4):
+        threading.Thread(target=client, args=(i,)).start()
+    done.wait(60)
+    engine.close()
+    assert [results[i] for i in range(4)] == expected
+    session.close()
+
+
+def test_max_batch_errors_are_one_line(tiny, capsys) -> None:
+    model = str(tiny(SPEC, "gguf"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["compile", model, "--max-batch", "0", "-o", "/tmp/never"])
+    assert exit_.value.code == 2
+    assert main(["compile", model, "--max-batch", "65", "--compile-to", "split"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any("--max-batch: must be a positive integer, got 0" in line for line in err)
+    assert any("--max-batch must be in 1..64, got 65" in line for line in err)

@@ -1,0 +1,267 @@
+"""`llmc chat`: multi-turn chat whose history stays in the KV cache.
+
+`Chat` is checked in process against a conversation fed from scratch; the command itself
+runs in a pseudo-terminal (two turns, /reset, /system, Ctrl-C during a reply and at the
+prompt), in a process that refuses to import the compiler stack.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import signal
+import subprocess
+import sys
+import termios
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from runtime_only import runtime_only
+from tiny_models import TinySpec
+
+from llmc.compile import BackendOptions, compile_model
+from llmc.passes.pipeline import CompileOptions
+from llmc.runtime.chat import Chat
+from llmc.runtime.codec import TextCodec
+from llmc.runtime.session import Session
+
+LONG = TinySpec(context_length=4096)
+SHORT = TinySpec(context_length=64)
+
+STATS = re.compile(r"\[(\d+) tokens? reused from the cache, (\d+) fed; (\d+) generated in [\d.]+ s([^;\]]*); "
+                   r"position (\d+)/(\d+)\]")
+
+
+@pytest.fixture(scope="module")
+def artifacts(tiny, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("chat")
+    out = {}
+    for name, spec in (("long", LONG), ("short", SHORT)):
+        out[name] = root / name
+        compile_model(str(tiny(spec, "gguf")), out[name],
+                      CompileOptions(prefill_chunk=16, max_seq=spec.context_length), BackendOptions(),
+                      progress=lambda _: None)
+    return out
+
+
+def _chat(directory: Path, **options) -> Chat:
+    session = Session(directory, threads=1)
+    return Chat(session, TextCodec.from_artifact(session.manifest), **options)
+
+
+def test_each_turn_feeds_only_its_new_tokens(artifacts) -> None:
+    chat = _chat(artifacts["long"], system="be brief", max_tokens=12)
+    pieces: list[str] = []
+    first = chat.reply("hello", pieces.append)
+    render = lambda messages: chat.codec.encode(chat.codec.render_chat(messages))  # noqa: E731
+    prompt1 = render(chat.messages[:2])
+    assert (first.reused, first.fed) == (0, len(prompt1))
+    assert chat.messages[-1] == {"role": "assistant", "content": "".join(pieces)}
+    unfed = first.reason != "stop"  # the last token of a reply cut at -n is not fed (an end of sequence never is)
+    assert first.position == chat.session.position == len(chat.cached) == len(prompt1) + first.generated - unfed
+    second = chat.reply("and then?", lambda text: None)
+    prompt2 = render(chat.messages[:4])
+    assert chat.cached[: first.position] == prompt2[: first.position]  # the reply re-tokenizes as it was generated
+    assert second.reused == first.position, "the whole history stayed in the cache"
+    assert second.fed == len(prompt2) - first.position
+    assert 0 < second.fed < second.reused
+    # the same conversation fed from scratch gives the same reply (greedy)
+    fresh = _chat(artifacts["long"], system="be brief", max_tokens=12)
+    fresh.messages = [dict(m) for m in chat.messages[:3]]
+    again = fresh.reply("and then?", lambda text: None)
+    assert (again.reused, again.fed) == (0, len(prompt2))
+    assert fresh.messages[-1] == chat.messages[-1]
+    assert fresh.cached == chat.cached
+
+
+def test_a_changed_beginning_is_fed_again_from_where_it_departs(artifacts) -> None:
+    notes: list[str] = []
+    chat = _chat(artifacts["long"], system="be brief", max_tokens=4, note=notes.append)
+    chat.reply("hello", lambda text: None)
+    chat.set_system("be verbose")
+    turn = chat.reply("more", lambda text: None)
+    departs = len(chat.codec.encode("<|im_start|>system\nbe "))  # the renderings agree up to "be "
+    assert turn.reused == departs
+    assert turn.fed == len(chat.codec.encode(chat.codec.render_chat(chat.messages[:4]))) - departs
+    assert any(f"depart from the cache's at position {departs}" in n for n in notes)
+    chat.reset()
+    assert chat.session.position == 0 and chat.messages == [{"role": "system", "content": "be verbose"}]
+    assert chat.reply("hello", lambda text: None).reused == 0
+
+
+def test_a_conversation_outgrowing_the_cache_drops_its_oldest_turns(artifacts) -> None:
+    notes: list[str] = []
+    chat = _chat(artifacts["short"], max_tokens=6, note=notes.append)
+    for i in range(4):
+        turn = chat.reply(f"turn {i}", lambda text: None)
+        assert turn.position <= 64
+    assert any("oldest turns were dropped" in n for n in notes)
+    assert chat.messages[0] != {"role": "user", "content": "turn 0"}
+    assert chat.messages[-2:][0] == {"role": "user", "content": "turn 3"}
+    assert turn.reused < turn.position
+
+
+def test_an_interrupted_reply_stays_in_the_history(artifacts) -> None:
+    chat = _chat(artifacts["long"], max_tokens=100)
+    pieces: list[str] = []
+    turn = chat.reply("hello", pieces.append, interrupted=lambda: len(chat.cached) >= 30)
+    assert turn.reason == "interrupted" and 0 < turn.generated < 100
+    assert chat.messages[-1] == {"role": "assistant", "content": "".join(pieces)}
+    assert chat.reply("go on", lambda text: None).reused == turn.position
+
+
+# ------------------------------------------------------------------ the command in a terminal
+
+
+class Terminal:
+    """`llmc chat` on a pseudo-terminal that is its controlling terminal (so ^C is SIGINT)."""
+
+    def __init__(self, *args: str):
+        master, slave = os.openpty()
+
+        def controlling_terminal() -> None:
+            os.setsid()
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+        self.process = subprocess.Popen(runtime_only("", "chat", *args), stdin=slave,
+                                        stdout=slave, stderr=slave, preexec_fn=controlling_terminal,
+                                        env={**os.environ, "TERM": "dumb"})
+        os.close(slave)
+        self.master = master
+        self.output = ""
+        self.seen = 0  # how much of `output` expect() has consumed
+        self.lock = threading.Lock()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = os.read(self.master, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            with self.lock:
+                self.output += data.decode("utf-8", "replace")
+
+    def send(self, text: str) -> None:
+        os.write(self.master, text.encode())
+
+    def expect(self, pattern: str | re.Pattern, timeout: float = 30) -> re.Match:
+        pattern = re.compile(pattern) if isinstance(pattern, str) else pattern
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                match = pattern.search(self.output, self.seen)
+            if match:
+                self.seen = match.end()
+                return match
+            if self.process.poll() is not None:
+                time.sleep(0.1)
+                with self.lock:
+                    match = pattern.search(self.output, self.seen)
+                if match:
+                    self.seen = match.end()
+                    return match
+                break
+            time.sleep(0.01)
+        raise AssertionError(f"no {pattern.pattern!r} in the terminal's output:\n{self.output[self.seen:][-2000:]}")
+
+    def turn(self, line: str) -> dict:
+        self.send(line + "\r")
+        m = self.expect(STATS)
+        self.expect(r"> ")
+        return {"reused": int(m[1]), "fed": int(m[2]), "generated": int(m[3]), "ended": m[4], "position": int(m[5])}
+
+    def close(self) -> int:
+        try:
+            return self.process.wait(30)
+        finally:
+            os.close(self.master)
+
+
+def test_chat_command_turns_reset_and_system(artifacts) -> None:
+    term = Terminal(str(artifacts["long"]), "-n", "8", "--verbose", "--threads", "1")
+    try:
+        term.expect(r"/reset.*\n")
+        term.expect(r"> ")
+        first = term.turn("tell me a story about the cat in the hat")
+        assert first["reused"] == 0 and first["fed"] > 0
+        second = term.turn("ok")
+        assert second["reused"] == first["position"], "the history stayed in the cache"
+        assert 0 < second["fed"] < second["reused"], "only the new turn was fed"
+        term.send("/reset\r")
+        term.expect(r"\[conversation reset\]")
+        again = term.turn("tell me a story about the cat in the hat")
+        assert again == first
+        term.send("/system be nice\r")
+        term.expect(r"\[system prompt set\]")
+        changed = term.turn("hi")
+        assert 0 < changed["reused"] < again["position"]  # fed again from where the system prompt departs
+        assert "depart from the cache's" in term.output
+        term.send("/nonsense\r")
+        term.expect(r"unknown command /nonsense")
+        term.send("/quit\r")
+        assert term.close() == 0
+    finally:
+        if term.process.poll() is None:
+            term.process.kill()
+
+
+def test_ctrl_c_stops_a_reply_and_at_the_prompt_ends_the_chat(artifacts) -> None:
+    term = Terminal(str(artifacts["long"]), "-n", "4000", "--verbose", "--threads", "1", "--system", "x")
+    try:
+        term.expect(r"> ")
+        term.send("hello\r")
+        term.expect(r"hello\r?\n.")  # the reply has begun
+        term.send("\x03")
+        term.expect(r"\[reply stopped\]")
+        stopped = term.expect(STATS)
+        assert stopped[4] == ", interrupted" and 0 < int(stopped[3]) < 4000
+        term.expect(r"> ")
+        term.send("/system y\r")  # (the chat goes on: a short reply to the next turn)
+        term.expect(r"> ")
+        term.send("\x03")  # at the prompt: the end
+        assert term.close() == 0
+        assert "Traceback" not in term.output
+    finally:
+        if term.process.poll() is None:
+            term.process.kill()
+
+
+def test_end_of_input_ends_the_chat(artifacts) -> None:
+    proc = subprocess.run([sys.executable, "-m", "llmc", "chat", str(artifacts["short"]), "-n", "3"],
+                          input="hello\n", capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("> ") and proc.stdout.count("> ") == 2
+    assert "/reset" in proc.stderr
+
+
+def test_chat_without_a_template_is_one_line(artifacts, tmp_path) -> None:
+    import json
+    import shutil
+
+    copy = tmp_path / "plain"
+    shutil.copytree(artifacts["short"], copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["tokenizer"]["chat_template"] = None
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    proc = subprocess.run([sys.executable, "-m", "llmc", "chat", str(copy)], input="", capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "llmc: error: this model has no chat template; use 'llmc run' for plain completion"
+
+
+def test_sigint_handler_is_restored_after_a_reply(artifacts) -> None:
+    chat = _chat(artifacts["short"], max_tokens=2)
+    before = signal.getsignal(signal.SIGINT)
+    from llmc.runtime.chat import run_chat
+
+    lines = iter(["hello", "/quit"])
+    with open(os.devnull, "w") as null:
+        run_chat(chat, read=lambda prompt: next(lines), out=null, err=null)
+    assert signal.getsignal(signal.SIGINT) is before
+    assert [m["role"] for m in chat.messages] == ["user", "assistant"]

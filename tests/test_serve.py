@@ -1,0 +1,367 @@
+"""`llmc serve`: the OpenAI-compatible HTTP API, driven by the official `openai` client and raw httpx.
+
+The server runs as `llmc serve` in a subprocess that refuses to import the compiler stack
+(xdsl, llvmlite, torch, ...), on a tiny random-weight artifact with a long KV cache (so
+that a long generation takes long enough to be cut short).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import pytest
+from runtime_only import runtime_only
+from tiny_models import TinySpec
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from llmc.compile import BackendOptions, compile_model  # noqa: E402
+from llmc.passes.pipeline import CompileOptions  # noqa: E402
+from llmc.runtime.artifact import load_manifest  # noqa: E402
+from llmc.runtime.codec import TextCodec  # noqa: E402
+
+CAPACITY = 4096
+SPEC = TinySpec(context_length=CAPACITY)
+SLOTS = 4 if "max_batch" in {f.name for f in fields(CompileOptions)} else 1
+# greedy continuations of the tiny model that never reach its end-of-sequence token
+REPEATS = "on the"  # → " the the the ..."
+LETTERS = "abc def"  # → "apapap..."
+
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("serve") / "tiny.llmc"
+    options = {"prefill_chunk": 16, "max_seq": CAPACITY, **({"max_batch": SLOTS} if SLOTS > 1 else {})}
+    compile_model(str(tiny(SPEC, "gguf")), out, CompileOptions(**options), BackendOptions(), progress=lambda _: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def codec(artifact) -> TextCodec:
+    return TextCodec.from_artifact(load_manifest(artifact))
+
+
+@dataclass
+class Served:
+    process: subprocess.Popen
+    url: str
+    stderr: list[str]
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+    def stop(self, timeout: float = 20) -> int:
+        self.process.send_signal(signal.SIGINT)
+        return self.process.wait(timeout)
+
+
+def start_server(artifact: Path, *options: str) -> Served:
+    process = subprocess.Popen(
+        runtime_only("", "serve", str(artifact), "--port", "0", "--threads", "1", *options),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    line = process.stdout.readline()  # the one line, once it listens
+    match = re.search(r"listening on (http://\S+)", line)
+    if not match:
+        process.kill()
+        raise AssertionError(f"no URL from llmc serve: {line!r} {process.stderr.read()}")
+    stderr: list[str] = []
+    threading.Thread(target=lambda: stderr.extend(process.stderr), daemon=True).start()
+    return Served(process, match.group(1), stderr)
+
+
+@pytest.fixture(scope="module")
+def server(artifact) -> Iterator[Served]:
+    served = start_server(artifact)
+    yield served
+    if served.process.poll() is None:
+        served.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60) as client:
+        yield client
+
+
+def complete(client, prompt: str, **options) -> tuple[str, str, object]:
+    """(text, finish_reason, usage) of a whole greedy completion."""
+    result = client.completions.create(model="tiny", prompt=prompt, **{"temperature": 0, **options})
+    return result.choices[0].text, result.choices[0].finish_reason, result.usage
+
+
+def stream(client, prompt: str, **options) -> tuple[list[str], str]:
+    """(text pieces, finish_reason) of a streamed greedy completion."""
+    pieces, finish = [], None
+    for chunk in client.completions.create(model="tiny", prompt=prompt, stream=True,
+                                           **{"temperature": 0, **options}):
+        assert chunk.object == "text_completion" and len(chunk.choices) == 1
+        if chunk.choices[0].finish_reason is not None:
+            assert finish is None, "one chunk carries the finish reason"
+            finish = chunk.choices[0].finish_reason
+        pieces.append(chunk.choices[0].text)
+    return pieces, finish
+
+
+# ------------------------------------------------------------------ the API
+
+
+def test_models_and_health(server, client, artifact) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert models[0].owned_by == "llmc" and models[0].max_model_len == CAPACITY
+    assert client.models.retrieve("tiny.llmc").id == "tiny"  # the directory's own name is accepted too
+    health = server.health()
+    assert health["status"] == "ok" and health["slots"] == SLOTS and health["capacity"] == CAPACITY
+
+
+def test_completion_whole_and_streamed(client, codec) -> None:
+    text, finish, usage = complete(client, REPEATS, max_tokens=12)
+    assert finish == "length"
+    assert text.startswith(" the the")
+    prompt_tokens = len(codec.encode(REPEATS))
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (prompt_tokens, 12, prompt_tokens + 12)
+    pieces, finish = stream(client, REPEATS, max_tokens=12)
+    assert "".join(pieces) == text and finish == "length"
+    assert len([p for p in pieces if p]) > 1, "the text comes piece by piece"
+    # OpenAI's default of 16 tokens; token ids as the prompt give the same continuation
+    assert complete(client, REPEATS)[2].completion_tokens == 16
+    by_ids = client.completions.create(model="tiny", prompt=codec.encode(REPEATS), max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == text
+
+
+def test_chat_whole_and_streamed(client, codec) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    prompt_tokens = len(codec.encode(codec.render_chat(messages)))
+    whole = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=20)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == prompt_tokens and whole.usage.completion_tokens == 20
+    assert whole.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=20,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    # without max_tokens a reply may take the rest of the cache
+    rest = client.chat.completions.create(model="tiny", messages=messages, temperature=0)
+    assert rest.usage.completion_tokens == CAPACITY - prompt_tokens
+    assert rest.choices[0].finish_reason == "length"
+
+
+def test_sse_ends_with_done(server) -> None:
+    body = {"prompt": LETTERS, "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert "".join(e["choices"][0]["text"] for e in events).startswith("apap")
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_strings_end_the_text_before_them(client, server) -> None:
+    text, _, _ = complete(client, REPEATS, max_tokens=12)  # " the the the ..."
+    before = server.health()["requests"]["cancelled"]
+    # "e t" spans two tokens (" the", " the"): held back until it is known
+    for stop in ("e t", ["zzz", "e t"]):
+        cut, finish, usage = complete(client, REPEATS, max_tokens=2000, stop=stop)
+        assert (cut, finish) == (text[: text.index("e t")], "stop")
+        assert usage.completion_tokens == 2
+        pieces, finish = stream(client, REPEATS, max_tokens=2000, stop=stop)
+        assert ("".join(pieces), finish) == (cut, "stop")
+    # the engine stopped generating: cancelled, not run to max_tokens
+    deadline = time.monotonic() + 10
+    while server.health()["requests"]["cancelled"] < before + 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.health()["requests"]["cancelled"] == before + 4
+
+
+def test_seed_makes_sampling_repeatable(client) -> None:
+    def sample(seed: int) -> str:
+        return complete(client, LETTERS, max_tokens=24, temperature=4.0, seed=seed)[0]
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+    greedy = complete(client, LETTERS, max_tokens=24)[0]
+    assert complete(client, LETTERS, max_tokens=24, temperature=1.0, extra_body={"top_k": 1})[0] == greedy
+
+
+def test_concurrent_greedy_streams_equal_each_alone(client) -> None:
+    prompts = [REPEATS, LETTERS, "hello world", "12345"]
+    alone = {p: "".join(stream(client, p, max_tokens=40)[0]) for p in prompts}
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda p: "".join(stream(client, p, max_tokens=40)[0]), prompts * 2))
+    assert together == [alone[p] for p in prompts * 2]
+
+
+# ------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "message"),
+    [
+        ("completions", b"{not json", None, "not valid JSON"),
+        ("completions", b"[1, 2]", None, "must be a JSON object"),
+        ("completions", {"prompt": "x", "temperature": "hot"}, "temperature", "temperature must be a number"),
+        ("completions", {"prompt": "x", "temperature": True}, "temperature", "temperature must be a number"),
+        ("completions", {"prompt": "x", "top_p": 0}, "top_p", "top_p must be a number in"),
+        ("completions", {"prompt": "x", "top_k": 1.5}, "top_k", "top_k must be an integer"),
+        ("completions", {"prompt": "x", "max_tokens": "5"}, "max_tokens", "max_tokens must be an integer"),
+        ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be an integer >= 1"),
+        ("completions", {"prompt": "x", "stream": "yes"}, "stream", "stream must be a boolean"),
+        ("completions", {"prompt": "x", "stop": 5}, "stop", "stop must be a string or a list"),
+        ("completions", {"prompt": "x", "seed": "1"}, "seed", "seed must be an integer"),
+        ("completions", {"prompt": {"a": 1}}, "prompt", "prompt must be a string or a list of token ids"),
+        ("completions", {"prompt": [1, 99999]}, "prompt", "outside the vocabulary"),
+        ("completions", {}, "prompt", "missing required field 'prompt'"),
+        ("completions", {"prompt": "x", "colour": "red"}, "colour", "unknown field 'colour'"),
+        ("completions", {"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
+        ("completions", {"prompt": "x", "n": 2}, "n", "n must be 1"),
+        ("completions", {"prompt": [5] * CAPACITY}, "prompt", f"the KV cache holds {CAPACITY}"),
+        ("completions", {"prompt": "x", "max_tokens": CAPACITY}, "max_tokens", f"at most {CAPACITY - 1} remain"),
+        ("chat/completions", {"messages": "hi"}, "messages", "non-empty list"),
+        ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "must be one of"),
+        ("chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "must be a string"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x", "mood": 1}]}, "messages[0].mood",
+         "unknown field"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": CAPACITY},
+         "max_tokens", "remain"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x " * CAPACITY}]}, "messages",
+         f"the KV cache holds {CAPACITY}"),
+    ],
+)
+def test_malformed_requests_are_400_naming_the_field(server, path: str, body, param: str | None, message: str) -> None:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(f"{server.url}/v1/{path}", content=raw, headers={"Content-Type": "application/json"},
+                          timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert message in error["message"]
+
+
+def test_other_errors(server, client) -> None:
+    missing = httpx.get(f"{server.url}/v2/nothing", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    wrong_method = httpx.get(f"{server.url}/v1/completions", timeout=10)
+    assert wrong_method.status_code == 405 and "does not take GET" in wrong_method.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="x")
+    assert e.value.body["code"] == "model_not_found" and "serves 'tiny'" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # the official client reads the error body
+        client.completions.create(model="tiny", prompt="x", n=2)
+    assert e.value.status_code == 400 and e.value.body["param"] == "n"
+
+
+def test_disconnect_mid_stream_frees_the_slot_at_once(server, client) -> None:
+    before = server.health()
+    body = {"prompt": REPEATS, "max_tokens": CAPACITY - 8, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    # (leaving the block closed the connection mid-stream)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        after = server.health()
+        if after["requests"]["cancelled"] > before["requests"]["cancelled"] and after["running"] == 0:
+            break
+        time.sleep(0.02)
+    assert after["requests"]["cancelled"] == before["requests"]["cancelled"] + 1
+    assert after["running"] == 0 and after["waiting"] == 0
+    assert after["requests"]["length"] == before["requests"]["length"]
+    assert after["generated_tokens"] - before["generated_tokens"] < CAPACITY // 2, "cut short, not run to the end"
+    assert complete(client, LETTERS, max_tokens=8)[1] == "length"  # the slot serves the next request
+    # a client waiting for a whole completion that goes away is cancelled too
+    before = server.health()
+    host, port = server.url.removeprefix("http://").split(":")
+    payload = json.dumps({**body, "stream": False}).encode()
+    with socket.create_connection((host, int(port))) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        deadline = time.monotonic() + 10
+        while server.health()["running"] == 0 and time.monotonic() < deadline:
+            pass
+    deadline = time.monotonic() + 10
+    while server.health()["requests"]["cancelled"] == before["requests"]["cancelled"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    after = server.health()
+    assert after["requests"]["cancelled"] == before["requests"]["cancelled"] + 1
+    assert after["generated_tokens"] - before["generated_tokens"] < CAPACITY // 2
+
+
+def test_full_queue_is_429_and_ctrl_c_stops_cleanly(artifact) -> None:
+    """One slot, one place in the queue: a third request is refused while a long one runs."""
+    served = start_server(artifact, "--max-batch", "1", "--queue", "1")
+    try:
+        assert served.health()["slots"] == 1
+        long = {"prompt": REPEATS, "max_tokens": CAPACITY - 8, "temperature": 0, "stream": True}
+        short = {"prompt": LETTERS, "max_tokens": 4, "temperature": 0}
+        with httpx.Client(timeout=30) as http, ThreadPoolExecutor(1) as pool:
+            with http.stream("POST", f"{served.url}/v1/completions", json=long) as running:
+                events = running.iter_lines()
+                assert next(events).startswith("data: ")  # generating: the one slot is taken
+                waiting = pool.submit(httpx.post, f"{served.url}/v1/completions", json=short, timeout=30)
+                deadline = time.monotonic() + 10
+                while served.health()["waiting"] < 1 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                refused = httpx.post(f"{served.url}/v1/completions", json=short, timeout=10)
+                assert refused.status_code == 429, refused.text
+                assert refused.json()["error"]["code"] == "queue_full"
+                assert "busy" in refused.json()["error"]["message"] and refused.headers["retry-after"]
+            # the long stream was dropped: the waiting request runs, and a new one is taken again
+            assert waiting.result().status_code == 200, waiting.result().text
+            assert waiting.result().json()["usage"]["completion_tokens"] == 4
+            assert httpx.post(f"{served.url}/v1/completions", json=short, timeout=10).status_code == 200
+            # Ctrl-C while a stream is running: it ends at once, and so does the server
+            with http.stream("POST", f"{served.url}/v1/completions", json=long) as running:
+                events = running.iter_lines()
+                assert next(events).startswith("data: ")
+                start = time.monotonic()
+                served.process.send_signal(signal.SIGINT)
+                rest = [line for line in events if line]
+            assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2]
+        assert served.process.wait(20) == 0, "".join(served.stderr)
+        assert time.monotonic() - start < 10
+        time.sleep(0.1)
+        assert "Traceback" not in "".join(served.stderr) and "stopped" in "".join(served.stderr)
+    finally:
+        if served.process.poll() is None:
+            served.process.kill()
+
+
+def test_without_starlette_serve_says_how_to_install(artifact) -> None:
+    proc = subprocess.run(runtime_only("starlette", "serve", str(artifact)),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "pip install 'llmc[serve]'" in proc.stderr
+
+
+def test_text_stream_gives_whole_characters(codec) -> None:
+    """Byte-level tokens of multi-byte characters: nothing comes out until a character is whole."""
+    text = "é漢🙂 ok"
+    ids = codec.encode(text)
+    assert len(ids) > len(text)  # (the tiny vocabulary has a token per byte, few merges)
+    stream = codec.text_stream()
+    pieces = [stream.push(token) for token in ids]
+    assert "".join(pieces) + stream.flush() == text
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert [p for p in pieces if p][:3] == ["é", "漢", "🙂"]

@@ -60,7 +60,8 @@ def client(url: str, model: str, capacity: int, deadline: float, seed: int, coun
                     lines = [line for line in r.iter_lines() if line]
                 if r.status_code == 429:
                     counts["429"] += 1
-                elif r.status_code != 200 or lines[-1] != "data: [DONE]" or '"error"' in "".join(lines):
+                    continue
+                if r.status_code != 200 or lines[-1] != "data: [DONE]" or '"error"' in "".join(lines):
                     failures.append(f"stream: {r.status_code} {lines[-2:]}")
             elif kind == "whole-chat":
                 body = {"model": model, "messages": [{"role": "user", "content": prompt(rng)}],
@@ -68,11 +69,15 @@ def client(url: str, model: str, capacity: int, deadline: float, seed: int, coun
                 r = http.post("/v1/chat/completions", json=body)
                 if r.status_code == 429:
                     counts["429"] += 1
-                elif r.status_code != 200 or r.json()["choices"][0]["finish_reason"] not in ("stop", "length"):
+                    continue
+                if r.status_code != 200 or r.json()["choices"][0]["finish_reason"] not in ("stop", "length"):
                     failures.append(f"chat: {r.status_code} {r.text[:200]}")
             elif kind == "dropped":
                 body = {"model": model, "prompt": prompt(rng), "max_tokens": 64, "stream": True}
                 with http.stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code == 429:
+                        counts["429"] += 1
+                        continue
                     for i, _ in enumerate(r.iter_lines()):
                         if i >= rng.randint(0, 6):
                             break  # the client goes away mid-stream
@@ -131,7 +136,8 @@ def main() -> int:
     warm = [r for t, r in samples if t < args.minutes * 20]
     after = [r for t, r in samples if t >= args.minutes * 20]
     growth = max(after) - max(warm) if after and warm else 0.0
-    print(f"requests: {dict(counts)}; server: {final['requests']}, {final['generated_tokens']} tokens")
+    print(f"client side (429: refused while the queue was full): {dict(counts)}")
+    print(f"server side: {final['requests']}, {final['generated_tokens']} tokens generated")
     print(f"memory: warm-up peak {max(warm):.1f} MB, after it {min(after):.1f}..{max(after):.1f} MB "
           f"(growth {growth:+.1f} MB over {len(after)} samples)")
     print(f"failures: {len(failures)}" + "".join(f"\n  {f}" for f in failures[:10]))

@@ -87,10 +87,9 @@ from xdsl.utils.exceptions import VerifyException
 from llmc.ir import named_operands
 from llmc.ir.formats import FORMATS, Storage
 from llmc.ir.layouts import Layout, qrows_nbytes, weight_nbytes
+from llmc.runtime.artifact import KV_LAYOUT, KV_LAYOUT_SLOTS  # noqa: F401 (the cache's layouts, as the runtime reads them)
 
 f32 = Float32Type()
-KV_LAYOUT = "layer,kv_head,position,dim"
-KV_LAYOUT_SLOTS = "layer,slot,kv_head,position,dim"  # a cache of several sequences (`--max-batch`)
 
 
 # ------------------------------------------------------------------ the target

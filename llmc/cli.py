@@ -5,7 +5,7 @@
     llmc verify MODEL [--prompt TEXT] [--quant T]          compare every stage with the source model
     llmc compile MODEL [--target cpu|cuda] [-o DIR]        compile to an artifact directory
     llmc run DIR -p TEXT [-n N] [--chat] [sampling]       generate text with an artifact
-    llmc serve DIR [--host H] [--port P] [--queue N]      an OpenAI-compatible HTTP API over an artifact
+    llmc serve DIR [--port P] [--max-batch N] [--queue N] an OpenAI-compatible HTTP API over an artifact
     llmc chat DIR [--system TEXT] [-n N] [sampling]       chat with an artifact in the terminal
     llmc bench DIR [--depth D,D] [--vs PEER,PEER]         prefill and decode tokens/s, next to peers
     llmc perplexity MODEL|DIR --text FILE [--ctx 512]     perplexity (and KL divergence) on a text
@@ -107,7 +107,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _compile_options_given(args: argparse.Namespace) -> bool:
     return bool(args.quant or args.quant_output or args.requantize or args.compute != "auto" or args.cpu != "native"
-                or args.max_seq or args.prefill_chunk or args.no_group or args.kv_type != "f16")
+                or args.max_seq or args.prefill_chunk or args.no_group or args.kv_type != "f16" or args.max_batch != 1)
 
 
 def cmd_perplexity(args: argparse.Namespace) -> int:

@@ -58,7 +58,7 @@ def _split_report(module: ModuleOp) -> str:
             chunk = function.attributes["llm.max_tokens"].value.data  # type: ignore[union-attr]
             cache = function.function_type.inputs.data[-1]
             assert isinstance(cache, llm.KVCacheType)
-            batch = f", {cache.slots} sequences (decode batch {cache.slots})" if cache.slots > 1 else ""
+            batch = f", {cache.slots} sequences (decode batch)" if cache.slots > 1 else ""
             return f"prefill chunk {chunk}, KV capacity {cache.capacity.data}{batch}"
     return ""
 

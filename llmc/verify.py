@@ -198,7 +198,7 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
     for phase in ("split", "group", "lower"):
         run_phase(module, phase, options=options)
     entries = {name: find_function(module, name) for name in ("prefill", "decode")}
-    cache = cache_for(entries["decode"].body.block.args[3].type)
+    cache = cache_for(next(a for a in entries["decode"].body.block.args if a.name_hint == "k_cache").type)
     weights = KernelWeights(model.weights)
 
     def tgt_feed(chunk: list[int], start: int) -> np.ndarray:

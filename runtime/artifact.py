@@ -25,6 +25,8 @@ from llmc.errors import LlmcError
 SCHEMA_VERSION = 4
 MANIFEST = "manifest.json"
 ENTRY_POINTS = ("prefill", "prefill_kv", "decode", "score")
+KV_LAYOUT = "layer,kv_head,position,dim"  # the KV cache's dimensions (as `tgt.KV_LAYOUT`)
+KV_LAYOUT_SLOTS = "layer,slot,kv_head,position,dim"  # a cache of several sequences (`tgt.KV_LAYOUT_SLOTS`)
 # what the runtime passes for each argument an entry point may name in the manifest
 KV_DTYPES = {"f32": "float32", "f16": "float16", "q8_0": "int8"}  # the KV cache's types, as numpy arrays
 ARGUMENTS = ("tokens", "positions", "n", "k_cache", "v_cache", "logits", "arena", "weights", "tid", "nth", "sync")
@@ -117,9 +119,20 @@ def _check_schema(path: Path, data: dict) -> None:
         if len(chunks) != 1 or data["entry_points"]["decode"]["max_tokens"] != kv["slots"]:
             raise ValueError("entry points disagree on the prefill chunk (prefill, prefill_kv, score), or decode's "
                              "rows on the cache's slots")
-        if not (positive_ints([kv["slots"], kv["capacity"]])
-                and positive_ints(kv["shape"], 4 if kv["slots"] == 1 else 5) and kv["capacity"] in kv["shape"]):
-            raise ValueError("kv_cache.shape must be four positive integers (five with slots), with the capacity")
+        batched = positive_ints([kv["slots"]]) and kv["slots"] > 1
+        if not (positive_ints([kv["slots"], kv["capacity"]]) and positive_ints(kv["shape"], 5 if batched else 4)
+                and kv["shape"][-2] == kv["capacity"] and (not batched or kv["shape"][1] == kv["slots"])):
+            raise ValueError("kv_cache.shape must be [layers, kv_heads, capacity, row] ([layers, slots, …] with "
+                             "slots), matching kv_cache.capacity and kv_cache.slots")
+        if kv["layout"] != (KV_LAYOUT_SLOTS if batched else KV_LAYOUT):
+            raise ValueError(f"kv_cache.layout {kv['layout']!r} is not this runtime's for {kv['slots']} slots")
+        for name in ENTRY_POINTS:
+            entry = data["entry_points"][name]
+            takes = ("slots" in entry["arguments"]) if cpu else any(
+                a.get("argument") == "slots" for launch in entry["launches"] for a in launch["args"])
+            if takes != batched:
+                raise ValueError(f"entry point {name} {'takes' if takes else 'lacks'} the rows' slots, but the cache "
+                                 f"holds {kv['slots']} sequences")
         if cpu and not isinstance(data["read_probe"], str):
             raise ValueError("read_probe must be a symbol name")
         if cpu and not positive_ints([data["max_threads"]]):

@@ -99,16 +99,20 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
 
+    def check_prompt(self, prompt: list[int]) -> None:
+        """Raise ValueError (or CapacityError) for a prompt this artifact cannot run."""
+        if not prompt:
+            raise ValueError("the prompt has no tokens")
+        if min(prompt) < 0 or max(prompt) >= self.session.vocab_size:
+            raise ValueError(f"a prompt token id is outside the vocabulary of {self.session.vocab_size}")
+        if len(prompt) >= self.session.capacity:
+            raise CapacityError(f"the prompt has {len(prompt)} tokens; the KV cache holds {self.session.capacity} "
+                                f"per sequence, prompt and completion together")
+
     def check(self, request: Request) -> None:
         """Raise ValueError (or CapacityError) for a request this artifact cannot run."""
         request.sampling.check()
-        if not request.prompt:
-            raise ValueError("the prompt has no tokens")
-        if min(request.prompt) < 0 or max(request.prompt) >= self.session.vocab_size:
-            raise ValueError(f"a prompt token id is outside the vocabulary of {self.session.vocab_size}")
-        if len(request.prompt) >= self.session.capacity:
-            raise CapacityError(f"the prompt has {len(request.prompt)} tokens; the KV cache holds "
-                                f"{self.session.capacity} per sequence")
+        self.check_prompt(request.prompt)
         if request.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
 
@@ -119,8 +123,8 @@ class Engine:
         with self._wake:
             if self._stopping:
                 raise LlmcError("the engine is shutting down")
-            self._drop_cancelled()
-            if len(self.waiting) >= self.queue_size + len(self.free):  # (the free slots admit at the next step)
+            live = sum(not r.cancelled.is_set() for r in self.waiting)  # (cancelled ones end at the next step)
+            if live >= self.queue_size + len(self.free):  # (the free slots admit at the next step)
                 raise QueueFull(f"all {self.max_active} slots are busy and {self.queue_size} requests are waiting")
             self.waiting.append(request)
             self._wake.notify()
@@ -143,22 +147,25 @@ class Engine:
         self.free.append(seq.slot)
         _finish(seq.request, reason)
 
-    def _drop_cancelled(self) -> None:
-        """End the waiting requests that were cancelled (under the lock)."""
-        for request in [r for r in self.waiting if r.cancelled.is_set()]:
-            self.waiting.remove(request)
-            _finish(request, "cancelled")
-
     def _admit(self) -> None:
+        """Drop the waiting requests that were cancelled, then give free slots to the first waiting."""
         with self._wake:
-            self._drop_cancelled()
+            dropped = [r for r in self.waiting if r.cancelled.is_set()]
+            for request in dropped:
+                self.waiting.remove(request)
             while self.free and self.waiting:
                 request = self.waiting.popleft()
                 self.running.append(_Sequence(request, self.free.pop(), Sampler(request.sampling)))
+        for request in dropped:  # (outside the lock, on this thread, as every callback)
+            _finish(request, "cancelled")
 
     def _next(self, seq: _Sequence, logits: np.ndarray) -> None:
-        """Sample after `logits`; emit the token or end the sequence."""
-        token = seq.sampler(logits)
+        """Sample after `logits`; emit the token or end the sequence (a failure ends this one only)."""
+        try:
+            token = seq.sampler(logits)
+        except Exception as e:
+            self._end(seq, f"error: {e}")
+            return
         if token == self.eos_id:
             self._end(seq, "stop")
             return

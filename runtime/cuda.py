@@ -174,7 +174,7 @@ class Driver:
 
 
 COPY_PROBE_BYTES = 1 << 30  # the most weights `read_bandwidth` copies: far past every cache
-MAX_GRAPHS = 32  # captured (entry point, rows) pairs kept: decode (per batch size), full chunks, remainders
+MAX_GRAPHS = 16  # captured (entry point, rows) pairs kept beyond decode's (one per batch size): chunks, remainders
 
 
 def _grid(dims: list, n: int) -> tuple[int, int, int]:
@@ -199,7 +199,7 @@ class CudaSession(Conversation):
             "k_cache": dev.alloc(kv_bytes), "v_cache": dev.alloc(kv_bytes),
             "tokens": dev.alloc(self.tokens.nbytes), "positions": dev.alloc(self.positions.nbytes),
             "slots": dev.alloc(self.slot_ids.nbytes),
-            "logits": dev.alloc(int(np.prod(manifest.entry_points["score"]["logits"])) * 4),
+            "logits": dev.alloc(max(int(np.prod(e["logits"])) for e in manifest.entry_points.values()) * 4),
             "token": dev.alloc(4),
         }
         dev.upload(self.buffers["weights"], weights)
@@ -258,7 +258,7 @@ class CudaSession(Conversation):
         if dev.graphs:
             key = (entry, n)
             if key not in self._graphs:
-                if len(self._graphs) >= MAX_GRAPHS:  # odd chunk sizes: forget the oldest
+                if len(self._graphs) >= MAX_GRAPHS + self.batch:  # odd chunk sizes: forget the oldest
                     dev.destroy(self._graphs.pop(next(iter(self._graphs))))
                 self._graphs[key] = dev.capture(launches)
             dev.replay(self._graphs[key])
@@ -271,11 +271,7 @@ class CudaSession(Conversation):
     def profile(self, entry: str, tokens: list[int] | np.ndarray) -> list[tuple[str, float, int]]:
         """Run `entry` on `tokens` at the current position launch by launch, timing each:
         `(kernel, seconds, weight bytes it reads)` in launch order (the position does not advance)."""
-        tokens = np.asarray(tokens, dtype=np.int32)
-        n = tokens.size
-        self.tokens[:n] = tokens
-        self.positions[:n] = np.arange(self.position, self.position + n)
-        self.slot_ids[:n] = self.slot
+        n = self._stage_here(np.asarray(tokens, dtype=np.int32))
         self._upload()
         sizes = {w["offset"]: w["bytes"] for w in self.manifest.data["weights"].values()}
         plan = self.manifest.entry_points[entry]["launches"]

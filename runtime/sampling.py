@@ -40,11 +40,13 @@ class Sampler:
         o = self.options
         if o.temperature == 0:
             return int(np.argmax(logits))
-        scores = logits.astype(np.float64) / o.temperature
+        logits = logits.astype(np.float64)
+        with np.errstate(over="ignore"):  # ≤ 0, and -inf far below the top at a tiny temperature
+            scores = (logits - logits.max()) / o.temperature
         order = np.argsort(-scores)
         if o.top_k:
             order = order[: o.top_k]
-        probs = np.exp(scores[order] - scores[order[0]])
+        probs = np.exp(scores[order])
         probs /= probs.sum()
         if o.top_p < 1:
             keep = int(np.searchsorted(np.cumsum(probs), o.top_p) + 1)

@@ -47,7 +47,7 @@ from llmc.runtime.artifact import MANIFEST
 from llmc.runtime.batch import Engine, QueueFull, Request
 from llmc.runtime.codec import TextCodec
 from llmc.runtime.sampling import SamplingOptions
-from llmc.runtime.session import Conversation
+from llmc.runtime.session import CapacityError, Conversation
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat replies default to the room left
 MAX_STOP_STRINGS = 4  # as OpenAI allows
@@ -407,13 +407,12 @@ class Server:
 
     def _job(self, body: dict, prompt: list[int], prompt_param: str, max_names: tuple[str, ...],
              default_max: int | None) -> Job:
-        if not prompt:
-            raise _invalid(prompt_param, "the prompt has no tokens")
-        if len(prompt) >= self.capacity:
-            raise _invalid(prompt_param, f"the prompt has {len(prompt)} tokens; the KV cache holds {self.capacity} "
-                                         f"per sequence, prompt and completion together", "context_length_exceeded")
-        if min(prompt) < 0 or max(prompt) >= self.session.vocab_size:
-            raise _invalid(prompt_param, f"a prompt token id is outside the vocabulary of {self.session.vocab_size}")
+        try:
+            self.engine.check_prompt(prompt)
+        except CapacityError as e:
+            raise _invalid(prompt_param, str(e), "context_length_exceeded") from None
+        except ValueError as e:
+            raise _invalid(prompt_param, str(e)) from None
         room = self.capacity - len(prompt)
         max_name, max_tokens = _max_tokens(body, max_names)
         if max_tokens is None:

@@ -128,21 +128,28 @@ class Conversation:
     def _call(self, entry: str, n: int, logits: np.ndarray | None) -> None:
         raise NotImplementedError
 
+    def _stage(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray | int) -> int:
+        """Put the rows in `self.tokens`, `self.positions`, `self.slot_ids`; returns their number."""
+        n = len(tokens)
+        self.tokens[:n] = tokens
+        self.positions[:n] = positions
+        self.slot_ids[:n] = slots
+        return n
+
+    def _stage_here(self, tokens: np.ndarray) -> int:
+        """`_stage` at this conversation's position and slot."""
+        return self._stage(tokens, np.arange(self.position, self.position + tokens.size), self.slot)
+
     def run(self, entry: str, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
             logits: np.ndarray | None) -> None:
         """Run `entry` on rows `tokens` at `positions` of cache `slots` (the caller checks them: a
         chunk's rows are consecutive positions of one slot, decode's rows distinct slots); the
         logits go to `logits` (None: a target may leave them on the device)."""
-        n = len(tokens)
-        self.tokens[:n] = tokens
-        self.positions[:n] = positions
-        self.slot_ids[:n] = slots
-        self._call(entry, n, logits)
+        self._call(entry, self._stage(tokens, positions, slots), logits)
 
     def _run_here(self, entry: str, tokens: np.ndarray, logits: np.ndarray | None) -> None:
         """`run` at this conversation's position and slot."""
-        n = tokens.size
-        self.run(entry, tokens, np.arange(self.position, self.position + n), np.full(n, self.slot), logits)
+        self._call(entry, self._stage_here(tokens), logits)
 
     def _check(self, tokens: np.ndarray) -> None:
         if tokens.size == 0:

@@ -274,8 +274,13 @@ def test_chat_template_renders_in_a_sandbox(artifact, capsys) -> None:
         (lambda m: m["entry_points"]["decode"].update(symbol="system"), "has symbol 'system'"),
         (lambda m: m["kv_cache"].update(shape=[1, 2, -3, 4]), "kv_cache.shape"),
         (lambda m: m["files"]["kernels"].update(path="../elsewhere.so"), "outside the artifact directory"),
+        (lambda m: m["kv_cache"].update(capacity=2), "matching kv_cache.capacity"),
+        (lambda m: m["kv_cache"].update(slots=2), "decode's rows on the cache's slots"),
+        (lambda m: m["kv_cache"].update(layout="layer,slot,kv_head,position,dim"), "kv_cache.layout"),
+        (lambda m: m["entry_points"]["decode"]["arguments"].append("slots"), "takes the rows' slots"),
     ],
-    ids=["missing-field", "foreign-symbol", "negative-shape", "kernels-outside"],
+    ids=["missing-field", "foreign-symbol", "negative-shape", "kernels-outside", "capacity", "slots", "layout",
+         "slots-argument"],
 )
 def test_malformed_manifest_is_refused(artifact, tmp_path, capsys, edit, message: str) -> None:
     import shutil

@@ -101,7 +101,8 @@ def test_emulated_batched_decode_rows_are_each_sequence_alone(cuda_artifact, bat
     spec = QSPECS["mixed"]
     batched, alone = (_session(cuda_artifact, spec, max_batch=batch) for _ in range(2))
     assert batched.slot_count == batch
-    assert_rows_are_each_sequence_alone(batched, alone, [[5, 17, 42], [100, 150, 7, 9, 11], [4], [66, 250]][:batch])
+    prompts = [[5, 17, 42], [100, 150, 7, 9, 11], [4], [66, 250], [12, 13], [200, 201, 202], [7, 7, 7, 7, 7], [90]]
+    assert_rows_are_each_sequence_alone(batched, alone, prompts[:batch])  # (8 rows: more than a prefill chunk)
 
 
 def test_emulated_float_formats_match_the_quantize_stage(tiny, cuda_artifact) -> None:

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -35,7 +35,7 @@ from llmc.runtime.codec import TextCodec  # noqa: E402
 
 CAPACITY = 4096
 SPEC = TinySpec(context_length=CAPACITY)
-SLOTS = 4 if "max_batch" in {f.name for f in fields(CompileOptions)} else 1
+SLOTS = 4
 # greedy continuations of the tiny model that never reach its end-of-sequence token
 REPEATS = "on the"  # → " the the the ..."
 LETTERS = "abc def"  # → "apapap..."
@@ -45,7 +45,7 @@ LETTERS = "abc def"  # → "apapap..."
 @pytest.fixture(scope="module")
 def artifact(tiny, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("serve") / "tiny.llmc"
-    options = {"prefill_chunk": 16, "max_seq": CAPACITY, **({"max_batch": SLOTS} if SLOTS > 1 else {})}
+    options = {"prefill_chunk": 16, "max_seq": CAPACITY, "max_batch": SLOTS}
     compile_model(str(tiny(SPEC, "gguf")), out, CompileOptions(**options), BackendOptions(), progress=lambda _: None)
     return out
 
@@ -203,12 +203,22 @@ def test_seed_makes_sampling_repeatable(client) -> None:
     assert complete(client, LETTERS, max_tokens=24, temperature=1.0, extra_body={"top_k": 1})[0] == greedy
 
 
-def test_concurrent_greedy_streams_equal_each_alone(client) -> None:
-    prompts = [REPEATS, LETTERS, "hello world", "12345"]
-    alone = {p: "".join(stream(client, p, max_tokens=40)[0]) for p in prompts}
+def test_concurrent_streams_equal_each_alone(client) -> None:
+    """Eight streams at once on four slots give each request's text alone: greedy, and sampled with a
+    seed per request at a high temperature (the tiny model's greedy text repeats its last token; a
+    sampled one depends on the whole distribution, so rows mixed between slots would show)."""
+    requests = [(p, {}) for p in (REPEATS, LETTERS)] + [(p, {"temperature": 4.0, "seed": i})
+                                                      for i, p in enumerate(("hello world", "12345", REPEATS, "abc"))]
+
+    def text(request) -> str:
+        prompt, options = request
+        return "".join(stream(client, prompt, max_tokens=40, **options)[0])
+
+    alone = [text(r) for r in requests]
+    assert len(set(alone[2:])) == 4 and len(set(alone[2][i:i + 4] for i in range(0, 36, 4))) > 3
     with ThreadPoolExecutor(8) as pool:
-        together = list(pool.map(lambda p: "".join(stream(client, p, max_tokens=40)[0]), prompts * 2))
-    assert together == [alone[p] for p in prompts * 2]
+        together = list(pool.map(text, requests + requests[:2]))
+    assert together == alone + alone[:2]
 
 
 # ------------------------------------------------------------------ errors

@@ -93,8 +93,8 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
 
     1. RoPE and the cache write, the threads sharing (row, head) pairs; a barrier.
     2. Online softmax over blocks of `POS_BLOCK` positions (the scores of one block on the
-       stack, whatever the context length). Up to `tgt.ATTENTION_SPLIT_ROWS` rows (decode)
-       the threads share the positions of the cache: each leaves a partial (max, sum,
+       stack, whatever the context length). Up to `op.split_rows` rows (decode: 4, or its
+       batch) the threads share the positions of the cache: each leaves a partial (max, sum,
        weighted values) per query head in `partials`, and after a barrier the threads
        merge them head by head (flash-decoding). More rows (prefill): the threads share
        tiles of `QUERY_TILE` rows × one kv head, dealt round-robin (later rows attend to

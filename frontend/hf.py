@@ -191,7 +191,8 @@ def _config(path: Path, cfg: dict) -> ModelConfig:
     return config
 
 
-def _tokenizer(directory: Path) -> TextCodec:
+def load_hf_tokenizer(directory: Path) -> TextCodec:
+    """The directory's `tokenizer.json`, with the special ids and chat template of `tokenizer_config.json`."""
     from tokenizers import Tokenizer
 
     file = directory / "tokenizer.json"
@@ -290,4 +291,4 @@ def load_hf(directory: Path, allow_pickle: bool = False) -> Model:
                            "them only with --allow-pickle (through torch's weights-only loader)")
         for file in pickles:
             _read_pickle(_inside(directory, file), store)
-    return Model(directory, config, store, lambda: _tokenizer(directory))
+    return Model(directory, config, store, lambda: load_hf_tokenizer(directory))

@@ -7,6 +7,7 @@
     llmc run DIR -p TEXT [-n N] [--chat] [sampling]       generate text with an artifact
     llmc serve DIR [--port P] [--max-batch N] [--queue N] an OpenAI-compatible HTTP API over an artifact
     llmc chat DIR [--system TEXT] [-n N] [sampling]       chat with an artifact in the terminal
+    llmc tokenize MODEL TEXT [--ids] [--jsonl FILE]       a text's tokens, as llama-tokenize prints them
     llmc bench DIR [--depth D,D] [--vs PEER,PEER]         prefill and decode tokens/s, next to peers
     llmc perplexity MODEL|DIR --text FILE [--ctx 512]     perplexity (and KL divergence) on a text
 
@@ -275,6 +276,48 @@ def _sampling(args: argparse.Namespace):
     return options
 
 
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    import json
+
+    from llmc.frontend import load_tokenizer
+
+    if (args.text is None) == (args.jsonl is None):
+        raise UsageError("give the TEXT to tokenize, or --jsonl FILE (one JSON string per line), not both")
+    codec = load_tokenizer(args.model)
+
+    def ids_of(text: str) -> list[int]:
+        ids = codec.encode(text)
+        return ids[1:] if args.no_bos and ids[:1] == [codec.bos_id] and codec.add_bos else ids
+
+    if args.text is not None:
+        ids = ids_of(args.text)
+        if args.ids:
+            print(json.dumps(ids))
+        else:
+            for i in ids:
+                print(f"{i:6d} -> {codec.decode([i])!r}")
+        return 0
+    lines = sys.stdin if args.jsonl == "-" else _open_text(args.jsonl)
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{args.jsonl}:{number}: not JSON ({e.msg})") from None
+        if not isinstance(text, str):
+            raise UsageError(f"{args.jsonl}:{number}: a JSON string per line, got {type(text).__name__}")
+        print(json.dumps(ids_of(text)))
+    return 0
+
+
+def _open_text(path: str):
+    try:
+        return open(path, encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from llmc.runtime.codec import TextCodec
     from llmc.runtime.generate import generate, stream_text
@@ -536,6 +579,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact's files")
     p.add_argument("--threads", type=_positive, metavar="N", help="threads to run on (default: every CPU available)")
     p.set_defaults(run=cmd_chat)
+
+    p = sub.add_parser("tokenize", parents=[common], help="print a text's tokens, as llama-tokenize does",
+                       description="Tokenize TEXT with a model's tokenizer and print each token (id and piece), "
+                                   "or only the ids (--ids); with --jsonl, each line of FILE is a JSON string and "
+                                   "each output line the JSON list of its ids. MODEL is a .gguf file (a "
+                                   "vocabulary-only one too: only the tokenizer metadata is read), a Hugging Face "
+                                   "directory, an artifact directory, or a known model name. The beginning-of-text "
+                                   "token is added where the model says so (--no-bos leaves it out).")
+    p.add_argument("model", metavar="MODEL", help="a .gguf file, a Hugging Face or artifact directory, or a known "
+                                                  "model name (smollm2-135m)")
+    p.add_argument("text", metavar="TEXT", nargs="?", help="the text to tokenize")
+    p.add_argument("--ids", action="store_true", help="print only the ids, as a JSON list")
+    p.add_argument("--jsonl", metavar="FILE", help="tokenize each line of FILE (- for standard input), a JSON string")
+    p.add_argument("--no-bos", action="store_true", help="leave out the beginning-of-text token")
+    p.set_defaults(run=cmd_tokenize)
 
     p = sub.add_parser("bench", parents=[common], help="measure prefill and decode speed, next to other engines",
                        description="Prefill tokens/s of each --prompt-tokens prompt and decode tokens/s over "

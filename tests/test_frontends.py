@@ -21,6 +21,7 @@ from tiny_models import (
     vocabulary,
     write_gguf,
     write_hf,
+    write_vocab_gguf,
 )
 from tokenizers import Tokenizer
 
@@ -174,6 +175,63 @@ def test_gguf_tokenizer_follows_the_declared_pre_tokenizer(tmp_path: Path) -> No
     weird = load_model(str(write_gguf(spec, random_weights(spec), tmp_path / "weird.gguf", pre="no-such-pre")))
     with pytest.raises(ModelFormatError, match="weird.gguf.*no-such-pre"):
         weird.tokenizer
+
+
+def test_llmc_tokenize_prints_what_the_original_tokenizer_gives(tiny: Callable[..., Path], tmp_path: Path,
+                                                                 capsys) -> None:
+    """`llmc tokenize` on a GGUF file, a vocabulary-only GGUF, an HF directory and an artifact: ids equal
+    to the original tokenizer.json's, pieces as llama-tokenize prints them, `--jsonl` line by line."""
+    spec = SPECS["gqa"]
+    hf_dir = tiny(spec, "hf")
+    original = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    artifact = tmp_path / "artifact"
+    assert main(["compile", str(tiny(spec, "gguf")), "-o", str(artifact), "--max-seq", "16"]) == 0
+    vocab_only = write_vocab_gguf(tmp_path / "vocab.gguf")
+    capsys.readouterr()
+    texts = [t for t in TEXTS.values() if t]
+    for model in (tiny(spec, "gguf"), vocab_only, hf_dir, artifact):
+        for text in texts:
+            want = original.encode(text, add_special_tokens=False).ids
+            assert main(["tokenize", str(model), text, "--ids"]) == 0
+            assert json.loads(capsys.readouterr().out) == want
+        assert main(["tokenize", str(model), "Hello 2018"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        ids = original.encode("Hello 2018", add_special_tokens=False).ids
+        assert lines == [f"{i:6d} -> {original.decode([i])!r}" for i in ids]
+    jsonl = tmp_path / "texts.jsonl"
+    jsonl.write_text("".join(json.dumps(t) + "\n" for t in texts) + "\n", encoding="utf-8")
+    assert main(["tokenize", str(vocab_only), "--jsonl", str(jsonl)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [json.loads(line) for line in out] == [original.encode(t, add_special_tokens=False).ids for t in texts]
+    with_bos = write_vocab_gguf(tmp_path / "bos.gguf", add_bos=True)
+    assert main(["tokenize", str(with_bos), "hi", "--ids"]) == 0
+    assert json.loads(capsys.readouterr().out) == [0, *original.encode("hi").ids]
+    assert main(["tokenize", str(with_bos), "hi", "--ids", "--no-bos"]) == 0
+    assert json.loads(capsys.readouterr().out) == original.encode("hi").ids
+
+
+def test_llmc_tokenize_errors_are_one_line(tiny: Callable[..., Path], tmp_path: Path, capsys) -> None:
+    vocab_only = write_vocab_gguf(tmp_path / "vocab.gguf")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('"fine"\n{"not": "a string"}\n', encoding="utf-8")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('"fine"\n"unterminated\n', encoding="utf-8")
+    weird = write_gguf(SPECS["gqa"], random_weights(SPECS["gqa"]), tmp_path / "weird.gguf", pre="no-such-pre")
+    for argv, message in (
+        ([str(vocab_only)], "give the TEXT to tokenize, or --jsonl FILE"),
+        ([str(vocab_only), "x", "--jsonl", str(bad)], "not both"),
+        ([str(vocab_only), "--jsonl", str(bad)], "bad.jsonl:2: a JSON string per line, got dict"),
+        ([str(vocab_only), "--jsonl", str(broken)], "broken.jsonl:2: not JSON"),
+        ([str(vocab_only), "--jsonl", str(tmp_path / "missing.jsonl")], "cannot read"),
+        ([str(weird), "x"], "unsupported pre-tokenizer 'no-such-pre'"),
+        ([str(tmp_path / "nothing.gguf"), "x"], "no such model file"),
+    ):
+        assert main(["tokenize", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, (argv, err)
+    assert main(["compile", str(vocab_only), "--compile-to", "import"]) == 2  # no tensors: nothing to compile
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no tensors (a vocabulary-only GGUF?)" in err
 
 
 # ------------------------------------------------------------ lazy weights

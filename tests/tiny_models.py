@@ -193,16 +193,7 @@ def write_gguf(spec: TinySpec, weights: dict[str, np.ndarray], path: Path, pre: 
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_layer_norm_rms_eps(spec.rms_eps)
     writer.add_vocab_size(VOCAB_SIZE)
-    tokens, merges = vocabulary()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    _add_vocabulary(writer, pre)
     for hf, w in weights.items():
         name = gguf_name(hf)
         if spec.arch == "qwen2":
@@ -218,6 +209,31 @@ def write_gguf(spec: TinySpec, weights: dict[str, np.ndarray], path: Path, pre: 
             writer.add_tensor(name, w.astype(np.float16))
         else:
             writer.add_tensor(name, _blocks(storage, w), raw_dtype=gguf.GGMLQuantizationType[storage.upper()])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_vocabulary(writer: gguf.GGUFWriter, pre: str, add_bos: bool = False) -> None:
+    tokens, merges = vocabulary()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(add_bos)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def write_vocab_gguf(path: Path, pre: str = "smollm", add_bos: bool = False) -> Path:
+    """A vocabulary-only GGUF file (tokenizer metadata, no tensors), as llama.cpp's `ggml-vocab-*.gguf`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _add_vocabulary(writer, pre, add_bos)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

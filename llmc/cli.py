@@ -285,12 +285,8 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
         raise UsageError("give the TEXT to tokenize, or --jsonl FILE (one JSON string per line), not both")
     codec = load_tokenizer(args.model)
 
-    def ids_of(text: str) -> list[int]:
-        ids = codec.encode(text)
-        return ids[1:] if args.no_bos and ids[:1] == [codec.bos_id] and codec.add_bos else ids
-
     if args.text is not None:
-        ids = ids_of(args.text)
+        ids = codec.encode(args.text, bos=not args.no_bos)
         if args.ids:
             print(json.dumps(ids))
         else:
@@ -307,7 +303,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
             raise UsageError(f"{args.jsonl}:{number}: not JSON ({e.msg})") from None
         if not isinstance(text, str):
             raise UsageError(f"{args.jsonl}:{number}: a JSON string per line, got {type(text).__name__}")
-        print(json.dumps(ids_of(text)))
+        print(json.dumps(codec.encode(text, bos=not args.no_bos)))
     return 0
 
 
@@ -530,27 +526,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dump_options(p)
     p.set_defaults(run=cmd_compile)
 
-    p = sub.add_parser("run", parents=[common], help="generate text with a compiled artifact",
+    # what every command that runs an artifact takes, and what those that sample take
+    artifact_args = argparse.ArgumentParser(add_help=False)
+    artifact_args.add_argument("artifact", metavar="DIR", help="an artifact directory from 'llmc compile'")
+    artifact_args.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact's files")
+    artifact_args.add_argument("--threads", type=_positive, metavar="N",
+                               help="threads to run on (default: every CPU available)")
+    sampling_args = argparse.ArgumentParser(add_help=False)
+    sampling_args.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: 0)")
+    sampling_args.add_argument("--top-k", type=_int, default=0, metavar="K",
+                               help="sample among the K likeliest (0 = all)")
+    sampling_args.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                               help="nucleus sampling mass in (0, 1] (default: 1)")
+    sampling_args.add_argument("--seed", type=_int, metavar="S", help="random seed for sampling")
+
+    p = sub.add_parser("run", parents=[common, artifact_args, sampling_args], help="generate text with a compiled artifact",
                        description="Load an artifact and generate text, streaming it as it comes.")
-    p.add_argument("artifact", metavar="DIR", help="an artifact directory from 'llmc compile'")
     p.add_argument("-p", "--prompt", required=True, help="the prompt text")
     p.add_argument("-n", type=_non_negative, default=128, metavar="N", help="most tokens to generate (default: 128)")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: 0)")
-    p.add_argument("--top-k", type=_int, default=0, metavar="K", help="sample among the K likeliest (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass in (0, 1] (default: 1)")
-    p.add_argument("--seed", type=_int, metavar="S", help="random seed for sampling")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact's files")
-    p.add_argument("--threads", type=_positive, metavar="N", help="threads to run on (default: every CPU available)")
     p.set_defaults(run=cmd_run)
 
-    p = sub.add_parser("serve", parents=[common], help="serve an artifact over an OpenAI-compatible HTTP API",
+    p = sub.add_parser("serve", parents=[common, artifact_args], help="serve an artifact over an OpenAI-compatible HTTP API",
                        description="Serve an artifact over HTTP: POST /v1/completions and /v1/chat/completions "
                                    "(OpenAI's API, streamed as server-sent events or whole), GET /v1/models, GET "
                                    "/health. Requests share the artifact's KV cache slots (--max-batch at compile "
                                    "time); the others wait in a bounded queue. Needs the serve extra "
                                    "(pip install 'llmc[serve]').")
-    p.add_argument("artifact", metavar="DIR", help="an artifact directory from 'llmc compile'")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=_non_negative, default=8000, help="port to listen on; 0 = any free one "
                                                                      "(default: %(default)s)")
@@ -558,26 +560,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most sequences generating at once (default: every slot the artifact's cache holds)")
     p.add_argument("--queue", type=_non_negative, default=64, metavar="N",
                    help="requests that may wait for a slot; beyond them the server answers 429 (default: 64)")
-    p.add_argument("--threads", type=_positive, metavar="N", help="threads to run on (default: every CPU available)")
-    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact's files")
     p.set_defaults(run=cmd_serve)
 
-    p = sub.add_parser("chat", parents=[common], help="chat with an artifact in the terminal",
+    p = sub.add_parser("chat", parents=[common, artifact_args, sampling_args], help="chat with an artifact in the terminal",
                        description="Interactive multi-turn chat with the model's chat template. The conversation "
                                    "stays in the KV cache: each turn feeds only its new tokens. Commands: /reset, "
                                    "/system TEXT, /quit (or end of input). Ctrl-C stops a reply; at the prompt it "
                                    "ends the chat.")
-    p.add_argument("artifact", metavar="DIR", help="an artifact directory from 'llmc compile'")
     p.add_argument("--system", metavar="TEXT", help="the system prompt")
     p.add_argument("-n", type=_positive, default=512, metavar="N", help="most tokens per reply (default: 512)")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: 0)")
-    p.add_argument("--top-k", type=_int, default=0, metavar="K", help="sample among the K likeliest (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass in (0, 1] (default: 1)")
-    p.add_argument("--seed", type=_int, metavar="S", help="random seed for sampling")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="after each reply, a line of token counts (reused from the cache, fed, generated)")
-    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact's files")
-    p.add_argument("--threads", type=_positive, metavar="N", help="threads to run on (default: every CPU available)")
     p.set_defaults(run=cmd_chat)
 
     p = sub.add_parser("tokenize", parents=[common], help="print a text's tokens, as llama-tokenize does",

@@ -110,9 +110,10 @@ def write_artifact(directory: Path, module: ModuleOp, model: Model, target_facts
     for stage, function in entry_functions(module).items():
         args = {arg.name_hint: arg for arg in function.body.block.args}  # passes.lower.ENTRY_ARGUMENTS
         tokens, k_cache, logits = args["tokens"], args["k_cache"], args["logits"]
-        kv = {"layout": function.attributes["tgt.kv_layout"].data, "shape": list(tgt.dims(k_cache)),
-              "dtype": llm.kv_type_name(k_cache.type.element_type), "slots": _int(function.attributes["tgt.slots"]),
-              "capacity": tgt.dims(k_cache)[-2], "tensors": ["keys", "values"]}
+        kv_layout, shape = function.attributes["tgt.kv_layout"].data, list(tgt.dims(k_cache))
+        kv = {"layout": kv_layout, "shape": shape, "dtype": llm.kv_type_name(k_cache.type.element_type),
+              "slots": shape[1] if kv_layout == tgt.KV_LAYOUT_SLOTS else 1, "capacity": shape[-2],
+              "tensors": ["keys", "values"]}
         entry_points[stage] = {
             **entries[stage],
             "max_tokens": tgt.dims(tokens)[0],

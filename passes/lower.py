@@ -271,7 +271,6 @@ def lower_function(function: func.FuncOp) -> func.FuncOp:
         "llm.stage": stage,
         "tgt.max_tokens": IntegerAttr(rows, i64),
         "tgt.kv_layout": StringAttr(tgt.KV_LAYOUT_SLOTS if kv.slots > 1 else tgt.KV_LAYOUT),
-        "tgt.slots": IntegerAttr(kv.slots, i64),
     }
     return lowered
 

@@ -196,20 +196,19 @@ class Engine:
             self._next(seq, self.logits[0])
 
     def _decode(self) -> None:
-        """One `decode` over every generating sequence (up to the artifact's batch at a time)."""
+        """One `decode` over every generating sequence (at most one per slot: decode's rows)."""
         ready = [s for s in self.running if s.token is not None]
-        for begin in range(0, len(ready), self.session.batch):
-            group = ready[begin : begin + self.session.batch]
-            n = len(group)
-            tokens = np.array([s.token for s in group], np.int32)
-            positions = np.array([s.position for s in group], np.int32)
-            slots = np.array([s.slot for s in group], np.int32)
-            self.session.run("decode", tokens, positions, slots, self.logits[:n])
-            self.steps += 1
-            self.decoded_rows += n
-            for row, seq in enumerate(group):
-                seq.position += 1
-                self._next(seq, self.logits[row])
+        if not ready:
+            return
+        tokens = np.array([s.token for s in ready], np.int32)
+        positions = np.array([s.position for s in ready], np.int32)
+        slots = np.array([s.slot for s in ready], np.int32)
+        self.session.run("decode", tokens, positions, slots, self.logits[: len(ready)])
+        self.steps += 1
+        self.decoded_rows += len(ready)
+        for row, seq in enumerate(ready):
+            seq.position += 1
+            self._next(seq, self.logits[row])
 
     def step(self) -> None:
         """Admit, drop cancelled sequences, feed one prompt chunk, decode every generating sequence."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from llmc.runtime.codec import TextCodec
+from llmc.runtime.generate import next_token
 from llmc.runtime.sampling import Sampler, SamplingOptions
 from llmc.runtime.session import CapacityError, Conversation
 
@@ -122,10 +123,9 @@ class Chat:
                           f"feeding from there again]")
             self.cached = self.cached[:keep]
         session.rewind(keep)  # (the rows past it are overwritten as the new tokens arrive)
-        greedy = self.sampler.greedy
 
-        def step(tokens: list[int]) -> int:  # greedy: the session's argmax (on a GPU, where the logits are)
-            token = session.greedy(tokens) if greedy else self.sampler(session.feed(tokens))
+        def step(tokens: list[int]) -> int:
+            token = next_token(session, self.sampler, tokens)
             self.cached.extend(tokens)
             return token
 

@@ -34,9 +34,10 @@ class TextCodec:
         return cls(tokenizer, facts.get("bos_id"), facts.get("eos_id"), facts.get("add_bos", False),
                    facts.get("chat_template"))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        """The text's ids, after the beginning-of-text token where the model adds one (and `bos`)."""
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
+        return [self.bos_id, *ids] if bos and self.add_bos and self.bos_id is not None else ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

@@ -9,6 +9,11 @@ from llmc.runtime.sampling import Sampler, SamplingOptions
 from llmc.runtime.session import CapacityError, Conversation
 
 
+def next_token(session: Conversation, sampler: Sampler, tokens: list[int]) -> int:
+    """Feed `tokens` and choose the next one (greedy: the session's argmax, on a GPU where the logits are)."""
+    return session.greedy(tokens) if sampler.greedy else sampler(session.feed(tokens))
+
+
 def generate(session: Conversation, codec: TextCodec, prompt_ids: list[int], max_tokens: int,
              sampling: SamplingOptions) -> Iterator[int]:
     """Yield up to `max_tokens` new token ids, stopping after EOS (not yielded) or at capacity."""
@@ -17,17 +22,14 @@ def generate(session: Conversation, codec: TextCodec, prompt_ids: list[int], max
         raise CapacityError(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds {session.capacity}")
     session.reset()
 
-    def step(ids: list[int]) -> int:  # greedy: the session's argmax (on a GPU, where the logits are)
-        return session.greedy(ids) if sampler.greedy else sampler(session.feed(ids))
-
-    token = step(prompt_ids)
+    token = next_token(session, sampler, prompt_ids)
     for _ in range(max_tokens):
         if token == codec.eos_id:
             return
         yield token
         if session.position >= session.capacity:
             return
-        token = step([token])
+        token = next_token(session, sampler, [token])
 
 
 def stream_text(codec: TextCodec, tokens: Iterator[int], write: Callable[[str], None]) -> list[int]:

@@ -536,16 +536,9 @@ class Server:
                     "choices": [] if usage else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
                     **({"usage": usage} if job.include_usage else {})}
 
-        if job.stream:
-            return _EventStream(self._events(job, tokens, chunk), job.request.cancel)
-        try:
-            text = await self._whole(request, job, tokens)
-        except _Disconnected:
-            return Response(status_code=499)
-        return JSONResponse({"id": ident, "object": "text_completion", "created": created, "model": self.name,
-                             "choices": [{"index": 0, "text": text, "logprobs": None,
-                                          "finish_reason": job.finish_reason}],
-                             "usage": self._usage(job)})
+        return await self._respond(request, job, tokens, chunk, lambda text: {
+            "id": ident, "object": "text_completion", "created": created, "model": self.name,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": job.finish_reason}]})
 
     async def chat_completions(self, request: HttpRequest) -> Response:
         body = await self._body(request, "chat")
@@ -569,16 +562,21 @@ class Server:
             return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.name,
                     "choices": choices, **({"usage": usage} if job.include_usage else {})}
 
+        return await self._respond(request, job, tokens, chunk, lambda reply: {
+            "id": ident, "object": "chat.completion", "created": created, "model": self.name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, "logprobs": None,
+                         "finish_reason": job.finish_reason}]})
+
+    async def _respond(self, request: HttpRequest, job: Job, tokens: _Tokens, chunk: Callable[..., dict | None],
+                       answer: Callable[[str], dict]) -> Response:
+        """Server-sent `chunk`s as tokens come (`stream`), or `answer(text)` with the usage once whole."""
         if job.stream:
             return _EventStream(self._events(job, tokens, chunk), job.request.cancel)
         try:
-            reply = await self._whole(request, job, tokens)
+            text = await self._whole(request, job, tokens)
         except _Disconnected:
             return Response(status_code=499)
-        return JSONResponse({"id": ident, "object": "chat.completion", "created": created, "model": self.name,
-                             "choices": [{"index": 0, "message": {"role": "assistant", "content": reply},
-                                          "logprobs": None, "finish_reason": job.finish_reason}],
-                             "usage": self._usage(job)})
+        return JSONResponse(answer(text) | {"usage": self._usage(job)})
 
 
 def _sse(data: dict) -> str:

@@ -127,9 +127,13 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
         """Row t's sequence (0 in a cache of one)."""
         return _position(f, a["slots"], t) if op.slots is not None else f.i64(0)
 
+    def sequence_base(sequence: ir.Value | None) -> ir.Value:
+        """The element where a sequence's cache begins (None: the cache of one)."""
+        return f.mul(sequence, KVH * S * W) if sequence is not None else f.i64(0)
+
     def slot_base(t: ir.Value) -> ir.Value:
         """The element where row t's sequence's cache begins."""
-        return f.mul(slot(t), KVH * S * W) if op.slots is not None else f.i64(0)
+        return sequence_base(slot(t) if op.slots is not None else None)
 
     def inside(t: ir.Value) -> ir.Value:
         """Whether row t's position (and sequence) is inside the cache (the row is skipped otherwise)."""
@@ -335,12 +339,11 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                     present = f.alloca(I64, name=f"lim{r}")
                     b.store(f.i64(0), present)
                     with f.when(b.icmp_signed("<", t, n)), f.when(inside(t)):
-                        mine = f.i64(1) if sequence is None else b.zext(b.icmp_signed("==", slot(t), sequence), I64)
-                        b.store(f.mul(f.add(position(t), 1), mine), present)
+                        ours = f.i64(1) if sequence is None else b.zext(b.icmp_signed("==", slot(t), sequence), I64)
+                        b.store(f.mul(f.add(position(t), 1), ours), present)
                     f.store(b.load(present), limits, r)
                     b.store(f.smax(b.load(s_hi), b.load(present)), s_hi)
-                base = f.i64(0) if sequence is None else f.mul(sequence, KVH * S * W)
-                attend(t0, TQ, h, f.i64(0), b.load(s_hi), base)
+                attend(t0, TQ, h, f.i64(0), b.load(s_hi), sequence_base(sequence))
                 for r in range(TQ):
                     t = f.add(t0, r)
                     with f.when(b.icmp_signed(">", f.load(limits, r), f.i64(0))):

@@ -188,6 +188,13 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {text}")
+    return value
+
+
 # the storage types of `llmc.ir.formats.Storage` (not imported here: `llmc run` needs no compiler)
 QUANT_TYPES = ("f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, int4-g32, int4-g64, int4-g128, "
                "int4-g256")
@@ -554,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "time); the others wait in a bounded queue. Needs the serve extra "
                                    "(pip install 'llmc[serve]').")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    p.add_argument("--port", type=_non_negative, default=8000, help="port to listen on; 0 = any free one "
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on; 0 = any free one "
                                                                      "(default: %(default)s)")
     p.add_argument("--max-batch", type=_positive, metavar="N",
                    help="most sequences generating at once (default: every slot the artifact's cache holds)")

@@ -365,6 +365,18 @@ def test_without_starlette_serve_says_how_to_install(artifact) -> None:
     assert "pip install 'llmc[serve]'" in proc.stderr
 
 
+@pytest.mark.parametrize(("options", "message"), [
+    (["--port", "70000"], "--port: must be in 0..65535, got 70000"),
+    (["--queue", "-1"], "--queue: must be >= 0, got -1"),
+    (["--max-batch", "0"], "--max-batch: must be a positive integer, got 0"),
+    (["--max-batch", "9"], "--max-batch must be in 1..4"),
+])
+def test_bad_serve_options_are_one_line(artifact, options: list[str], message: str) -> None:
+    proc = subprocess.run(runtime_only("", "serve", str(artifact), *options), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and message in proc.stderr, proc.stderr
+
+
 def test_text_stream_gives_whole_characters(codec) -> None:
     """Byte-level tokens of multi-byte characters: nothing comes out until a character is whole."""
     text = "é漢🙂 ok"

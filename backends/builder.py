@@ -287,6 +287,22 @@ class KernelBuilder:
         e = self.exp(self.b.fneg(x))
         return self.b.fdiv(x, self.b.fadd(one, e), flags=("arcp",))
 
+    def tanh(self, x: ir.Value) -> ir.Value:
+        """tanh x as 1 - 2 / (e**2x + 1) (`exp` clamps, so ±1 far out, never NaN)."""
+        one = self.const(x.type, 1.0)
+        e = self.exp(self.fmul(x, self.const(x.type, 2.0)))
+        return self.b.fsub(one, self.b.fdiv(self.const(x.type, 2.0), self.b.fadd(e, one)))
+
+    def softcap(self, x: ir.Value, cap: float) -> ir.Value:
+        """cap · tanh(x / cap): Gemma's soft-capping of attention scores and logits."""
+        return self.fmul(self.const(x.type, cap), self.tanh(self.fmul(x, self.const(x.type, 1.0 / cap))))
+
+    def gelu_tanh(self, x: ir.Value) -> ir.Value:
+        """GELU, tanh approximation: x/2 · (1 + tanh(√(2/π) · (x + 0.044715 x³)))."""
+        c = lambda v: self.const(x.type, v)  # noqa: E731
+        inner = self.fmul(c(0.7978845608028654), self.fadd(x, self.fmul(c(0.044715), self.fmul(x, self.fmul(x, x)))))
+        return self.fmul(self.fmul(c(0.5), x), self.fadd(c(1.0), self.tanh(inner)))
+
     # control flow ---------------------------------------------------------------------
 
     def _no_unroll(self) -> _LoopID:

@@ -5,15 +5,18 @@
 
 from __future__ import annotations
 
-from llmc.ir import tgt
+import hashlib
+
+import numpy as np
+
+from llmc.ir import llm, tgt
+from llmc.ir.interpreter import rope_inv_freq
 
 
-def fmt_float(value: float) -> str:
-    """A float as an identifier fragment: distinct floats give distinct text."""
-    text = repr(float(value))
-    if text.endswith(".0"):
-        text = text[:-2]
-    return text.replace("-", "m").replace("+", "").replace(".", "p")
+def rope_table(head_dim: int, rope: llm.RopeAttr) -> tuple[str, np.ndarray]:
+    """The name and values of the constant table of a RoPE's pair frequencies (`rope_inv_freq`)."""
+    values = rope_inv_freq(head_dim, rope)
+    return f"rope_inv_freq_{values.size}_{hashlib.sha1(values.tobytes()).hexdigest()[:12]}", values
 
 
 def kernel_key(op: tgt.Kernel) -> tuple:

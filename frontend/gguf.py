@@ -1,4 +1,4 @@
-"""GGUF files (architectures `llama`, `qwen2`) → `Model`.
+"""GGUF files (architectures `llama`, `qwen2`, `qwen3`, `phi3`, `gemma2`, `gemma3`) → `Model`.
 
 The file is parsed by the bounded reader in `gguf_reader`; tensors stay in the file:
 each `Weight` is a memory-mapped view in its GGUF storage type (q8_0, q4_1, … are
@@ -18,14 +18,22 @@ import numpy as np
 from llmc.errors import ModelFormatError
 from llmc.frontend import tokenizer as tok
 from llmc.frontend.gguf_reader import GGUFFile, read_gguf
-from llmc.frontend.model import Model, ModelConfig
+from llmc.frontend.model import Model, ModelConfig, split_fused
 from llmc.ir.formats import GGUF_STORAGE, Storage
 from llmc.ir.weights import Weight, WeightStore
 from llmc.runtime.codec import TextCodec
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # Architectures whose converter permuted Q/K rows for llama.cpp's interleaved RoPE.
 _PERMUTED_QK = ("llama",)
+# Architectures whose `attention.sliding_window` applies to every layer.
+_WINDOWED_EVERYWHERE = ("llama", "phi3")
+# Gemma: 1 global layer after every N-1 sliding ones (`attention.sliding_window_pattern`, these by
+# default), the window's size by default, and the layer counts of the 27B models, whose queries
+# llama.cpp scales by hidden/heads rather than head_dim (Google's query_pre_attn_scalar)
+_GEMMA = {"gemma2": (2, 4096, 46), "gemma3": (6, None, 62)}
+# RoPE frequency tables llama.cpp's converters store as tensors (not graph weights).
+_ROPE_TABLES = ("rope_freqs", "rope_factors_short", "rope_factors_long")
 
 # the numpy type of unquantized GGUF data
 _FLOAT_DTYPES = {Storage.F32: np.float32, Storage.F16: np.float16, Storage.BF16: np.uint16}
@@ -99,6 +107,37 @@ def _check_token_ids(meta: _Metadata, vocab: int) -> None:
             raise ModelFormatError(meta.path, f"metadata key 'tokenizer.ggml.{key}': id {value} is outside the vocabulary of {vocab}")
 
 
+def _rope(meta: _Metadata, weights: WeightStore, a: str, head_dim: int) -> dict:
+    """`ModelConfig`'s RoPE fields: `rope.dimension_count` (partial rotary), linear scaling, and the
+    per-pair frequency factors llama.cpp's converters store as tensors (`rope_freqs`: Llama 3's;
+    `rope_factors_short`: Phi-3's LongRoPE, with `rope.scaling.attn_factor`)."""
+    path = meta.path
+    dims = meta.get(a + "rope.dimension_count", int, head_dim)
+    scaling = meta.get(a + "rope.scaling.type", str, "none")
+    factor = meta.get(a + "rope.scaling.factor", float, 1.0)
+    tables = {name: weights.entries.pop(name) for name in _ROPE_TABLES if name in weights}
+    for name, table in tables.items():
+        if table.storage is not Storage.F32 or table.shape != (dims // 2,):
+            raise ModelFormatError(path, f"tensor '{name}' must be {dims // 2} f32 values (one per rotating pair)")
+    factors: tuple[float, ...] = ()
+    if "rope_freqs" in tables:
+        factors = tuple(float(v) for v in tables["rope_freqs"].to_f32())
+    elif "rope_factors_short" in tables:
+        factors = tuple(float(v) for v in tables["rope_factors_short"].to_f32())
+    if scaling == "linear" and factor not in (0.0, 1.0):
+        if factors:
+            raise ModelFormatError(path, "linear RoPE scaling and frequency factors together are not supported")
+        factors = (factor,) * (dims // 2)
+    elif scaling not in ("none", "linear"):
+        raise ModelFormatError(path, f"RoPE scaling '{scaling}' in a GGUF file is not supported yet (none, linear)")
+    return {
+        "rope_theta": meta.get(a + "rope.freq_base", float, 10000.0),
+        "rope_dims": 0 if dims == head_dim else dims,
+        "rope_factors": factors,
+        "rope_mscale": meta.get(a + "rope.scaling.attn_factor", float, 1.0) if "rope_factors_short" in tables else 1.0,
+    }
+
+
 def load_gguf(path: Path) -> Model:
     """Read a GGUF file's config, weights (lazily) and tokenizer recipe."""
     gguf = read_gguf(path)
@@ -117,30 +156,58 @@ def load_gguf(path: Path) -> Model:
         raise ModelFormatError(path, f"head counts must be positive, got {heads} heads and {kv_heads} KV heads")
     if heads % kv_heads:
         raise ModelFormatError(path, f"{heads} attention heads are not a multiple of {kv_heads} KV heads")
-    if hidden % heads:
-        raise ModelFormatError(path, f"embedding length {hidden} is not a multiple of {heads} heads")
-    scaling = meta.get(a + "rope.scaling.type", str, "none")
-    if scaling != "none" or meta.get(a + "rope.scaling.factor", float, 1.0) not in (0.0, 1.0):
-        raise ModelFormatError(path, f"RoPE scaling ({scaling}) is not supported yet")
+    head_dim = meta.get(a + "attention.key_length", int)
+    if head_dim is None:
+        if hidden % heads:
+            raise ModelFormatError(path, f"embedding length {hidden} is not a multiple of {heads} heads")
+        head_dim = hidden // heads
+    if meta.get(a + "attention.value_length", int, head_dim) != head_dim:
+        raise ModelFormatError(path, "attention.value_length differs from attention.key_length, which llmc does not support")
     weights = _weights(gguf, heads, kv_heads, arch in _PERMUTED_QK)
     if "token_embd" not in weights:
         raise ModelFormatError(path, "missing tensor 'token_embd'")
+    rope = _rope(meta, weights, a, head_dim)
+    layers = meta.require(a + "block_count", int)
+    ffn = meta.require(a + "feed_forward_length", int)
+    if arch == "phi3":  # its `ffn_up` holds gate and up: `split_fused` takes them apart
+        for i in range(layers):
+            if f"blk.{i}.ffn_up" in weights and f"blk.{i}.ffn_gate" not in weights:
+                fused = weights.entries.pop(f"blk.{i}.ffn_up")
+                weights.add(fused.row_slice(f"blk.{i}.ffn_gate_up", 0, fused.shape[0]))
+    window = meta.get(a + "attention.sliding_window", int)
+    sliding = tuple(range(layers)) if window and arch in _WINDOWED_EVERYWHERE else ()
+    gemma = {}
+    if arch in _GEMMA:
+        pattern, default_window, layers_27b = _GEMMA[arch]
+        window = window or default_window
+        pattern = meta.get(a + "attention.sliding_window_pattern", int, pattern)
+        sliding = tuple(i for i in range(layers) if (i + 1) % pattern) if window else ()
+        gemma = {"embedding_scale": float(np.float32(hidden ** 0.5)), "gelu": True, "post_norms": True,
+                 "attn_scale": (hidden / heads if layers == layers_27b else head_dim) ** -0.5,
+                 "attn_softcap": meta.get(a + "attn_logit_softcapping", float) or None,
+                 "final_softcap": meta.get(a + "final_logit_softcapping", float) or None,
+                 "local_rope_theta": meta.get(a + "rope.freq_base_swa", float, 10000.0 if arch == "gemma3" else None)}
     config = ModelConfig(
         arch=arch,
         vocab_size=weights["token_embd"].shape[0],
         hidden=hidden,
-        layers=meta.require(a + "block_count", int),
+        layers=layers,
         heads=heads,
         kv_heads=kv_heads,
-        head_dim=meta.get(a + "rope.dimension_count", int, hidden // heads),
-        ffn=meta.require(a + "feed_forward_length", int),
-        rope_theta=meta.get(a + "rope.freq_base", float, 10000.0),
+        head_dim=head_dim,
+        ffn=ffn,
         rms_eps=meta.require(a + "attention.layer_norm_rms_epsilon", float),
         context_length=meta.require(a + "context_length", int),
         tied_embeddings="output" not in weights,
         qkv_bias="blk.0.attn_q.bias" in weights,
+        qk_norm=arch in ("qwen3", "gemma3"),
+        sliding_window=window if sliding else None,
+        sliding_layers=sliding,
+        **rope,
+        **gemma,
     )
     config.check(path)
+    split_fused(config, weights)
     return Model(path, config, weights, _tokenizer_recipe(meta, config.vocab_size))
 
 
@@ -151,11 +218,15 @@ def _tokenizer_recipe(meta: _Metadata, vocab_size: int | None) -> Callable[[], T
     tokens = meta.get("tokenizer.ggml.tokens", "strings")
     types = meta.get("tokenizer.ggml.token_type", "integers")
     merges = meta.get("tokenizer.ggml.merges", "strings", [])
+    scores = meta.values.get("tokenizer.ggml.scores")
+    if scores is not None and not (isinstance(scores, np.ndarray) and scores.dtype.kind in "fiu"):
+        raise ModelFormatError(path, "metadata key 'tokenizer.ggml.scores' should be an array of numbers")
     if tokens is not None:
         if vocab_size is not None and len(tokens) != vocab_size:
             raise ModelFormatError(path, f"tokenizer has {len(tokens)} tokens, token_embd has {vocab_size} rows")
-        if types is not None and len(types) != len(tokens):
-            raise ModelFormatError(path, f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+        for key, values in (("token_type", types), ("scores", scores)):
+            if values is not None and len(values) != len(tokens):
+                raise ModelFormatError(path, f"tokenizer.ggml.{key} has {len(values)} entries for {len(tokens)} tokens")
         _check_token_ids(meta, len(tokens))
 
     def make_tokenizer() -> TextCodec:
@@ -168,10 +239,13 @@ def _tokenizer_recipe(meta: _Metadata, vocab_size: int | None) -> Callable[[], T
             tokens=tokens,
             token_types=[] if types is None else types.tolist(),
             merges=merges,
+            scores=None if scores is None else scores.tolist(),
             bos_id=meta.get("tokenizer.ggml.bos_token_id", int),
             eos_id=meta.get("tokenizer.ggml.eos_token_id", int),
-            add_bos=meta.get("tokenizer.ggml.add_bos_token", bool, False),
+            add_bos=meta.get("tokenizer.ggml.add_bos_token", bool),
+            add_space_prefix=meta.get("tokenizer.ggml.add_space_prefix", bool),
             chat_template=meta.get("tokenizer.chat_template", str),
+            name=meta.get("general.name", str),
         )
 
     return make_tokenizer

@@ -1,6 +1,11 @@
 """Hugging Face model directories (config.json + *.safetensors) → `Model`.
 
-Supports `LlamaForCausalLM` (SmolLM2 included) and `Qwen2ForCausalLM` (Q/K/V bias).
+Supports `LlamaForCausalLM` (SmolLM2 included; RoPE scaling llama3, linear, YaRN),
+`Qwen2ForCausalLM` (Q/K/V bias), `Qwen3ForCausalLM` (per-head q/k RMSNorm),
+`MistralForCausalLM` (sliding-window attention), `Phi3ForCausalLM` (fused QKV and
+gate-up tensors, LongRoPE, partial rotary), `Gemma2ForCausalLM` and `Gemma3ForCausalLM`
+(text; (1 + w) norms folded into their weights at import, GeGLU, sandwich norms,
+soft-capping, alternating sliding and global layers with their own RoPE bases).
 safetensors files are read with a small reader of their own (8-byte header length,
 JSON header, raw data) into numpy memory maps, so nothing is loaded at import and bf16
 needs no torch. Tensor names are mapped to the GGUF names the IR uses.
@@ -15,12 +20,18 @@ from pathlib import Path
 import numpy as np
 
 from llmc.errors import ModelFormatError
-from llmc.frontend.model import Model, ModelConfig
+from llmc.frontend.model import Model, ModelConfig, split_fused
+from llmc.frontend.rope_scaling import hf_rope_scaling
 from llmc.ir.formats import Storage
 from llmc.ir.weights import Weight, WeightStore
 from llmc.runtime.codec import TextCodec
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+}
+GEMMA = ("gemma2", "gemma3")
 
 _DTYPES = {"F32": (np.float32, Storage.F32), "F16": (np.float16, Storage.F16), "BF16": (np.uint16, Storage.BF16)}
 
@@ -42,19 +53,40 @@ _LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate",
     "mlp.up_proj.weight": "ffn_up",
     "mlp.down_proj.weight": "ffn_down",
+    "self_attn.q_norm.weight": "attn_q_norm",
+    "self_attn.k_norm.weight": "attn_k_norm",
+    "self_attn.qkv_proj.weight": "attn_qkv",  # fused (Phi-3): split by `split_fused`
+    "mlp.gate_up_proj.weight": "ffn_gate_up",
 }
+# Gemma's sandwich norms (llama.cpp's names): its `post_attention_layernorm` follows attention
+_GEMMA_LAYER_NAMES = _LAYER_NAMES | {
+    "post_attention_layernorm.weight": "post_attention_norm",
+    "pre_feedforward_layernorm.weight": "ffn_norm",
+    "post_feedforward_layernorm.weight": "post_ffw_norm",
+}
+# Gemma's RMSNorm scales by (1 + w): the frontend adds the 1 (as llama.cpp's converter does)
+_GEMMA_NORMS = ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm", "output_norm", "attn_q_norm",
+                "attn_k_norm")
 _LAYER = re.compile(r"model\.layers\.(\d{1,6})\.(.+)")
 _MAX_HEADER = 16 * 1024 * 1024  # safetensors headers and JSON files; real ones are far smaller
 
 
-def ir_name(hf_name: str) -> str | None:
+def ir_name(hf_name: str, arch: str = "llama") -> str | None:
     """The IR symbol of a Hugging Face tensor name, or None for tensors the graph does not use."""
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
+    names = _GEMMA_LAYER_NAMES if arch in GEMMA else _LAYER_NAMES
     m = _LAYER.fullmatch(hf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"blk.{int(m.group(1))}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in names:
+        return f"blk.{int(m.group(1))}.{names[m.group(2)]}"
     return None
+
+
+def _add_one_to_norms(store: WeightStore) -> None:
+    """Gemma: each norm weight `w` becomes `1 + w` (float32), so `llm.rms_norm` computes Gemma's norm."""
+    for name in [n for n in store if n.rsplit(".", 1)[-1] in _GEMMA_NORMS]:
+        w = store[name]
+        store.add(Weight(name, Storage.F32, w.shape, (w.to_f32() + np.float32(1)).astype(np.float32)))
 
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
@@ -97,7 +129,7 @@ def _tensor_entry(path: Path, name: str, info: object) -> tuple[np.dtype, Storag
     return np.dtype(numpy_type), storage, tuple(shape), offsets[0], offsets[1]
 
 
-def _read_safetensors(path: Path, store: WeightStore) -> None:
+def _read_safetensors(path: Path, store: WeightStore, arch: str) -> None:
     size = path.stat().st_size
     if size < 8:
         raise ModelFormatError(path, f"truncated safetensors file ({size} bytes, no header)")
@@ -121,7 +153,7 @@ def _read_safetensors(path: Path, store: WeightStore) -> None:
                 path, f"tensor '{hf_name}': data offsets {begin}..{end} do not hold {shape} {info['dtype']} "
                       f"or run past the data ({body.size} bytes)")
         spans.append((begin, end, hf_name))
-        name = ir_name(hf_name)
+        name = ir_name(hf_name, arch)
         if name is None:
             if hf_name.endswith("rotary_emb.inv_freq"):  # a buffer some checkpoints save; recomputed from theta
                 continue
@@ -145,12 +177,68 @@ def _int(path: Path, cfg: dict, key: str, default: int | None = None) -> int:
     return value
 
 
+def _optional_float(path: Path, cfg: dict, key: str) -> float | None:
+    return None if cfg.get(key) is None else _float(path, cfg, key, 0.0)
+
+
 def _float(path: Path, cfg: dict, key: str, default: float) -> float:
     value = cfg.get(key)
     value = default if value is None else value
     if type(value) not in (int, float):
         raise ModelFormatError(path, f"config.json: {key} must be a number, got {value!r}")
     return float(value)
+
+
+def _sliding_layers(path: Path, cfg: dict, arch: str, layers: int) -> tuple[int, ...]:
+    """The layers whose attention is windowed: `layer_types` where given; else every layer of a
+    Mistral or Phi-3 with `sliding_window`, or Qwen2's `use_sliding_window` from `max_window_layers` on."""
+    types = cfg.get("layer_types")
+    if types is not None:
+        kinds = ("full_attention", "sliding_attention")
+        if not (isinstance(types, list) and len(types) == layers and all(t in kinds for t in types)):
+            raise ModelFormatError(path, f"config.json: layer_types must list {layers} of {', '.join(kinds)}")
+        return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if cfg.get("sliding_window") is None:
+        return ()
+    if arch in ("mistral", "phi3"):
+        return tuple(range(layers))
+    if arch in GEMMA:  # configs from before `layer_types`: every other layer, or 5 of every 6
+        pattern = _int(path, cfg, "sliding_window_pattern", 2 if arch == "gemma2" else 6)
+        return tuple(i for i in range(layers) if (i + 1) % pattern)
+    if cfg.get("use_sliding_window"):
+        return tuple(range(_int(path, cfg, "max_window_layers", 0), layers))
+    return ()
+
+
+def _rope(path: Path, cfg: dict, head_dim: int, max_positions: int) -> dict:
+    """`ModelConfig`'s RoPE fields from `rope_parameters` (transformers 5) or `rope_theta` and
+    `rope_scaling` (older configs), with `partial_rotary_factor`; Gemma 3's sliding layers'
+    own base from `rope_parameters.sliding_attention` or `rope_local_base_freq`."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise ModelFormatError(path, "config.json: rope_parameters and rope_scaling must be objects")
+    local = cfg.get("rope_local_base_freq")
+    if params and all(isinstance(v, dict) for v in params.values()):  # per layer type
+        if set(params) - {"full_attention", "sliding_attention"}:
+            raise ModelFormatError(path, f"config.json: unknown layer types in rope_parameters: {sorted(params)}")
+        sliding = params.get("sliding_attention", {})
+        if sliding.get("rope_type", "default") != "default":
+            raise ModelFormatError(path, "RoPE scaling of the sliding-window layers is not supported yet")
+        local = sliding.get("rope_theta", local)
+        params = params.get("full_attention", {})
+    params = {**scaling, **params}
+    theta = _float(path, cfg, "rope_theta", _float(path, params, "rope_theta", 10000.0))
+    partial = _float(path, cfg, "partial_rotary_factor", _float(path, params, "partial_rotary_factor", 1.0))
+    if not 0 < partial <= 1:
+        raise ModelFormatError(path, f"config.json: partial_rotary_factor must be in (0, 1], got {partial}")
+    dims = int(head_dim * partial)
+    if "original_max_position_embeddings" in cfg and "original_max_position_embeddings" not in params:
+        params["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    scaled = hf_rope_scaling(path, params, theta, dims, max_positions)
+    return {"rope_theta": theta, "rope_dims": 0 if dims == head_dim else dims, "rope_factors": scaled.factors,
+            "rope_mscale": scaled.mscale,
+            "local_rope_theta": None if local is None else _float(path, {"local": local}, "local", 0.0)}
 
 
 def _config(path: Path, cfg: dict) -> ModelConfig:
@@ -160,32 +248,46 @@ def _config(path: Path, cfg: dict) -> ModelConfig:
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if arch is None:
         raise ModelFormatError(path, f"unsupported architecture {archs} (supported: {', '.join(ARCHITECTURES)})")
-    rope = cfg.get("rope_parameters") or {}
-    if not isinstance(rope, dict) or cfg.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-        raise ModelFormatError(path, "RoPE scaling is not supported yet")
-    for flag in ("mlp_bias",) + (("attention_bias",) if arch == "llama" else ()):
+    for flag in ("mlp_bias",) + (("attention_bias",) if arch != "qwen2" else ()):
         if cfg.get(flag):
             raise ModelFormatError(path, f"config.json sets {flag}, which llmc does not support yet")
-    tied = cfg.get("tie_word_embeddings", False)
+    tied = cfg.get("tie_word_embeddings", arch in GEMMA)
     if not isinstance(tied, bool):
         raise ModelFormatError(path, f"config.json: tie_word_embeddings must be true or false, got {tied!r}")
     hidden, heads = _int(path, cfg, "hidden_size"), _int(path, cfg, "num_attention_heads")
     if heads < 1:
         raise ModelFormatError(path, f"config.json: num_attention_heads must be positive, got {heads}")
+    layers = _int(path, cfg, "num_hidden_layers")
+    head_dim = _int(path, cfg, "head_dim", hidden // heads)
+    context = _int(path, cfg, "max_position_embeddings", 2048)
+    sliding = _sliding_layers(path, cfg, arch, layers)
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if arch in GEMMA else "silu")
+    if act != ("gelu_pytorch_tanh" if arch in GEMMA else "silu"):
+        raise ModelFormatError(path, f"config.json: activation {act!r} is not supported for {arch}")
+    gemma = {}
+    if arch in GEMMA:
+        gemma = {"embedding_scale": float(np.float32(hidden ** 0.5)), "gelu": True, "post_norms": True,
+                 "attn_scale": _float(path, cfg, "query_pre_attn_scalar", head_dim) ** -0.5,
+                 "attn_softcap": _optional_float(path, cfg, "attn_logit_softcapping"),
+                 "final_softcap": _optional_float(path, cfg, "final_logit_softcapping")}
     config = ModelConfig(
         arch=arch,
         vocab_size=_int(path, cfg, "vocab_size"),
         hidden=hidden,
-        layers=_int(path, cfg, "num_hidden_layers"),
+        layers=layers,
         heads=heads,
         kv_heads=_int(path, cfg, "num_key_value_heads", heads),
-        head_dim=_int(path, cfg, "head_dim", hidden // heads),
+        head_dim=head_dim,
         ffn=_int(path, cfg, "intermediate_size"),
-        rope_theta=_float(path, cfg, "rope_theta", _float(path, rope, "rope_theta", 10000.0)),
         rms_eps=_float(path, cfg, "rms_norm_eps", 1e-6),
-        context_length=_int(path, cfg, "max_position_embeddings", 2048),
+        context_length=context,
         tied_embeddings=tied,
         qkv_bias=arch == "qwen2",
+        qk_norm=arch in ("qwen3", "gemma3"),
+        sliding_window=_int(path, cfg, "sliding_window") if sliding else None,
+        sliding_layers=sliding,
+        **_rope(path, cfg, head_dim, context),
+        **gemma,
     )
     config.check(path)
     return config
@@ -238,7 +340,7 @@ def _json(path: Path) -> dict:
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 
 
-def _read_pickle(path: Path, store: WeightStore) -> None:
+def _read_pickle(path: Path, store: WeightStore, arch: str) -> None:
     """Tensors of a PyTorch checkpoint through torch's weights-only unpickler (no code runs)."""
     try:
         import torch
@@ -252,7 +354,7 @@ def _read_pickle(path: Path, store: WeightStore) -> None:
         raise ModelFormatError(path, "the checkpoint is not a dictionary of tensors")
     numpy_of = {torch.float32: np.float32, torch.float16: np.float16}
     for hf_name, tensor in state.items():
-        name = ir_name(hf_name) if isinstance(hf_name, str) else None
+        name = ir_name(hf_name, arch) if isinstance(hf_name, str) else None
         if name is None or not isinstance(tensor, torch.Tensor):
             if isinstance(hf_name, str) and hf_name.endswith("rotary_emb.inv_freq"):
                 continue
@@ -280,7 +382,7 @@ def load_hf(directory: Path, allow_pickle: bool = False) -> Model:
     files = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
     if files:
         for file in files:
-            _read_safetensors(_inside(directory, file), store)
+            _read_safetensors(_inside(directory, file), store, config.arch)
     else:
         pickles = sorted(p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
         if not pickles:
@@ -290,5 +392,8 @@ def load_hf(directory: Path, allow_pickle: bool = False) -> Model:
                 directory, f"holds only pickle weights ({pickles[0].name}); pickles can run code, so llmc loads "
                            "them only with --allow-pickle (through torch's weights-only loader)")
         for file in pickles:
-            _read_pickle(_inside(directory, file), store)
+            _read_pickle(_inside(directory, file), store, config.arch)
+    split_fused(config, store)
+    if config.arch in GEMMA:
+        _add_one_to_norms(store)
     return Model(directory, config, store, lambda: load_hf_tokenizer(directory))

@@ -4,7 +4,10 @@ Both frontends call `build_module`, which is why a GGUF file and a Hugging Face 
 holding the same weights import to the same IR. Weight symbols follow GGUF's tensor
 names without the `.weight` suffix (`@blk.3.attn_q`, `@blk.3.attn_q.bias`).
 
-One block, as the IR shows it (Qwen2 adds `bias` operands to the Q/K/V matmuls):
+One block, as the IR shows it (Qwen2 adds `bias` operands to the Q/K/V matmuls, Qwen3 an
+`llm.rms_norm` of each head of q and k before RoPE, Mistral a `window` to the attention,
+Gemma a scaled embedding, `llm.gelu`, norms after attention and after the feed-forward,
+attention `scale` and `softcap`, and a `softcap` on the logits):
 
 ```mlir
 %h = llm.rms_norm %x, %blk_0_attn_norm eps 1.000000e-05 : tensor<?x576xf32>, tensor<576xf32>
@@ -50,6 +53,10 @@ def expected_weights(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         }
         if c.qkv_bias:
             shapes |= {b + "attn_q.bias": (q_width,), b + "attn_k.bias": (kv_width,), b + "attn_v.bias": (kv_width,)}
+        if c.qk_norm:
+            shapes |= {b + "attn_q_norm": (c.head_dim,), b + "attn_k_norm": (c.head_dim,)}
+        if c.post_norms:
+            shapes |= {b + "post_attention_norm": (c.hidden,), b + "post_ffw_norm": (c.hidden,)}
     return shapes
 
 
@@ -109,7 +116,7 @@ def build_module(config: ModelConfig, weights: WeightStore) -> builtin.ModuleOp:
     tokens.name_hint, pos.name_hint, kv.name_hint = "tokens", "pos", "kv"
     g = _GraphBuilder(block, weights)
 
-    x = g.add(llm.EmbeddingOp(tokens, g.weight("token_embd")), "x")
+    x = g.add(llm.EmbeddingOp(tokens, g.weight("token_embd"), c.embedding_scale), "x")
     for i in range(c.layers):
         b, n = f"blk.{i}.", f"l{i}_"
         h = g.add(llm.RMSNormOp(x, g.weight(b + "attn_norm"), c.rms_eps), n + "attn_in")
@@ -119,21 +126,31 @@ def build_module(config: ModelConfig, weights: WeightStore) -> builtin.ModuleOp:
         q = g.add(llm.ReshapeOp(q, [None, c.heads, c.head_dim]), n + "q_heads")
         k = g.add(llm.ReshapeOp(k, [None, c.kv_heads, c.head_dim]), n + "k_heads")
         v = g.add(llm.ReshapeOp(v, [None, c.kv_heads, c.head_dim]), n + "v_heads")
-        q = g.add(llm.RopeOp(q, pos, c.rope_theta), n + "q_rot")
-        k = g.add(llm.RopeOp(k, pos, c.rope_theta), n + "k_rot")
-        a = g.add(llm.AttentionOp(q, k, v, pos, kv, i), n + "attn")
+        if c.qk_norm:
+            q = g.add(llm.RMSNormOp(q, g.weight(b + "attn_q_norm"), c.rms_eps), n + "q_normed")
+            k = g.add(llm.RMSNormOp(k, g.weight(b + "attn_k_norm"), c.rms_eps), n + "k_normed")
+        q = g.add(llm.RopeOp(q, pos, c.rope_for(i)), n + "q_rot")
+        k = g.add(llm.RopeOp(k, pos, c.rope_for(i)), n + "k_rot")
+        scoring = llm.AttentionOp.scoring(window=c.window(i), softcap=c.attn_softcap, scale=c.attn_scale)
+        a = g.add(llm.AttentionOp(q, k, v, pos, kv, i, **scoring), n + "attn")
         a = g.add(llm.ReshapeOp(a, [None, c.heads * c.head_dim]), n + "attn_flat")
-        x = g.add(llm.AddOp(x, g.linear(a, b + "attn_output", False, n + "attn_out")), n + "x_attn")
+        o = g.linear(a, b + "attn_output", False, n + "attn_out")
+        if c.post_norms:
+            o = g.add(llm.RMSNormOp(o, g.weight(b + "post_attention_norm"), c.rms_eps), n + "attn_out_normed")
+        x = g.add(llm.AddOp(x, o), n + "x_attn")
 
         h = g.add(llm.RMSNormOp(x, g.weight(b + "ffn_norm"), c.rms_eps), n + "ffn_in")
-        gate = g.add(llm.SiluOp(g.linear(h, b + "ffn_gate", False, n + "gate")), n + "gate_act")
+        gate = g.linear(h, b + "ffn_gate", False, n + "gate")
+        gate = g.add(llm.GeluOp(gate) if c.gelu else llm.SiluOp(gate), n + "gate_act")
         up = g.linear(h, b + "ffn_up", False, n + "up")
         down = g.linear(g.add(llm.MulOp(gate, up), n + "gated"), b + "ffn_down", False, n + "down")
+        if c.post_norms:
+            down = g.add(llm.RMSNormOp(down, g.weight(b + "post_ffw_norm"), c.rms_eps), n + "down_normed")
         x = g.add(llm.AddOp(x, down), n + "x_out")
 
     h = g.add(llm.RMSNormOp(x, g.weight("output_norm"), c.rms_eps), "final")
     head = g.weight("token_embd" if c.tied_embeddings else "output")
-    logits = g.add(llm.LogitsOp(h, head), "logits")
+    logits = g.add(llm.LogitsOp(h, head, softcap=c.final_softcap), "logits")
     block.add_op(func.ReturnOp(logits))
     forward = func.FuncOp("forward", (block.arg_types, [logits.type]), Region(block))
     return builtin.ModuleOp([forward])

@@ -7,19 +7,29 @@ either. `ModelConfig.check` rejects hyper-parameters that contradict each other.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 from llmc.errors import ModelFormatError
+from llmc.ir import llm
 from llmc.ir.weights import WeightStore
 from llmc.runtime.codec import TextCodec
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder (Llama, SmolLM, Qwen2)."""
+    """Hyper-parameters of a Llama-family decoder (Llama, SmolLM, Qwen2/3, Mistral, Phi-3, Gemma 2/3).
+
+    What the families add to Llama's block is optional here: RoPE scaling and partial
+    rotary (`rope_dims`, `rope_factors`, `rope_mscale`, as `#llm.rope` carries them),
+    per-head q/k RMSNorm (`qk_norm`), sliding-window attention in `sliding_layers` (with
+    their own RoPE base, `local_rope_theta`), and Gemma's: the embedding scaled, GeGLU
+    (`gelu`), norms after attention and after the feed-forward (`post_norms`), attention
+    scores scaled by `attn_scale` and soft-capped, final logits soft-capped.
+    """
 
     arch: str
     vocab_size: int
@@ -34,6 +44,33 @@ class ModelConfig:
     context_length: int
     tied_embeddings: bool
     qkv_bias: bool = False
+    rope_dims: int = 0  # rotating elements of a head; 0: all of them
+    rope_factors: tuple[float, ...] = ()  # per rotating pair, the frequency's divisor
+    rope_mscale: float = 1.0
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()  # the layers that attend within `sliding_window`
+    local_rope_theta: float | None = None  # the RoPE base of the sliding layers, where it differs
+    embedding_scale: float | None = None
+    gelu: bool = False
+    post_norms: bool = False
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+
+    @property
+    def rope(self) -> llm.RopeAttr:
+        return llm.RopeAttr(self.rope_theta, self.rope_dims, self.rope_mscale, self.rope_factors)
+
+    def rope_for(self, layer: int) -> llm.RopeAttr:
+        """The RoPE of `layer`: the sliding layers' own base where there is one."""
+        if layer in self.sliding_layers and self.local_rope_theta is not None:
+            return llm.RopeAttr(self.local_rope_theta, self.rope_dims)
+        return self.rope
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`'s attention, or None (it sees every earlier position)."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     def check(self, source: object) -> None:
         """Raise `ModelFormatError` when the numbers cannot describe one model."""
@@ -49,6 +86,20 @@ class ModelConfig:
             raise ModelFormatError(source, f"rope theta must be positive, got {self.rope_theta}")
         if not 0 < self.rms_eps < 1:
             raise ModelFormatError(source, f"RMSNorm epsilon must be in (0, 1), got {self.rms_eps}")
+        dims = self.rope_dims or self.head_dim
+        if dims % 2 or dims > self.head_dim:
+            raise ModelFormatError(source, f"{dims} rotary dimensions must be even and at most the head dimension "
+                                           f"{self.head_dim}")
+        if self.rope_factors and (len(self.rope_factors) != dims // 2 or not all(f > 0 for f in self.rope_factors)):
+            raise ModelFormatError(source, f"RoPE needs {dims // 2} positive frequency factors, got {len(self.rope_factors)}")
+        if not self.rope_mscale > 0:
+            raise ModelFormatError(source, f"RoPE attention factor must be positive, got {self.rope_mscale}")
+        if self.sliding_layers and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
+            raise ModelFormatError(source, f"sliding window must be a positive integer, got {self.sliding_window!r}")
+        for name in ("local_rope_theta", "embedding_scale", "attn_scale", "attn_softcap", "final_softcap"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ModelFormatError(source, f"{name} must be a positive number, got {value!r}")
 
 
 @dataclass
@@ -67,3 +118,25 @@ class Model:
     @cached_property
     def tokenizer(self) -> TextCodec:
         return self.make_tokenizer()
+
+
+# fused tensors (Phi-3's `qkv_proj` and `gate_up_proj`, as HF and GGUF store them) → their parts
+FUSED = ("attn_qkv", "ffn_gate_up")
+
+
+def split_fused(config: ModelConfig, weights: WeightStore) -> None:
+    """Replace each layer's fused QKV and gate-up matrices by the parts the graph names,
+    slicing rows (no copy of a memory-mapped file's float data)."""
+    q_width, kv_width = config.heads * config.head_dim, config.kv_heads * config.head_dim
+    parts = {"attn_qkv": (("attn_q", q_width), ("attn_k", kv_width), ("attn_v", kv_width)),
+             "ffn_gate_up": (("ffn_gate", config.ffn), ("ffn_up", config.ffn))}
+    for name in [n for n in weights if n.rsplit(".", 1)[-1] in FUSED]:
+        fused = weights.entries.pop(name)
+        prefix, kind = name.rsplit(".", 1)
+        rows = sum(width for _, width in parts[kind])
+        if fused.shape[0] != rows:
+            raise ModelFormatError(weights.source, f"tensor '{name}' has {fused.shape[0]} rows, the config implies {rows}")
+        start = 0
+        for part, width in parts[kind]:
+            weights.add(fused.row_slice(f"{prefix}.{part}", start, start + width))
+            start += width

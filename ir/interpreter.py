@@ -90,7 +90,7 @@ def _weight(op: llm.WeightOp, env: Env) -> np.ndarray:
 def _embedding(op: llm.EmbeddingOp, env: Env, tokens: np.ndarray, table: np.ndarray) -> np.ndarray:
     if tokens.size and (tokens.min() < 0 or tokens.max() >= table.shape[0]):
         raise ValueError(f"token id outside the vocabulary of {table.shape[0]}")
-    return table[tokens]
+    return table[tokens] if op.scale is None else table[tokens] * np.float32(op.scale.value.data)
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -99,6 +99,22 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (np.float32(1) + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU's tanh approximation, as `llm.gelu`."""
+    inner = np.float32(np.sqrt(2 / np.pi)) * (x + np.float32(0.044715) * x * x * x)
+    return (np.float32(0.5) * x * (np.float32(1) + np.tanh(inner))).astype(np.float32)
+
+
+def soft_capped(x: np.ndarray, cap: float | None) -> np.ndarray:
+    """`cap · tanh(x / cap)`, or x without a cap."""
+    return x if cap is None else (np.float32(cap) * np.tanh(x / np.float32(cap))).astype(np.float32)
+
+
+def activation(op: Operation) -> Callable[[np.ndarray], np.ndarray]:
+    """The gate's activation of an `llm.swiglu` or `tgt.swiglu`: silu, or gelu with `gelu`."""
+    return gelu_tanh if op.properties.get("gelu") is not None else silu
 
 
 @semantics(llm.RMSNormOp)
@@ -137,14 +153,14 @@ def _matmul(op: llm.MatmulOp, env: Env, *values: np.ndarray) -> np.ndarray:
 @semantics(llm.LogitsOp)
 def _logits(op: llm.LogitsOp, env: Env, *values: np.ndarray) -> np.ndarray:
     v = _operands(op, values)
-    return _product(op, env, v["input"], v["norm"], op.weight, v["weight"])
+    return soft_capped(_product(op, env, v["input"], v["norm"], op.weight, v["weight"]), op.cap)
 
 
 @semantics(llm.SwigluOp)
 def _swiglu(op: llm.SwigluOp, env: Env, *values: np.ndarray) -> np.ndarray:
     v = _operands(op, values)
     gate = _product(op, env, v["input"], v["norm"], op.gate, v["gate"])
-    return silu(gate) * _product(op, env, v["input"], v["norm"], op.up, v["up"])
+    return activation(op)(gate) * _product(op, env, v["input"], v["norm"], op.up, v["up"])
 
 
 @semantics(llm.ReshapeOp)
@@ -152,34 +168,41 @@ def _reshape(op: llm.ReshapeOp, env: Env, x: np.ndarray) -> np.ndarray:
     return x.reshape(x.shape[0], *llm.shape_of(op.result)[1:])
 
 
-def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
-    """`1 / theta^(2i/head_dim)` in float32: the rotation speed of each pair."""
-    return (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))).astype(np.float32)
+def rope_inv_freq(head_dim: int, rope: llm.RopeAttr) -> np.ndarray:
+    """`theta^(-2i/dims) / factor_i` in float32: the rotation speed of each rotating pair."""
+    dims = rope.rotary_dims(head_dim)
+    base = 1.0 / (rope.theta.data ** (np.arange(0, dims, 2, dtype=np.float32) / dims))
+    factors = rope.frequency_factors
+    return (base / np.asarray(factors, dtype=np.float32) if factors else base).astype(np.float32)
 
 
-def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of each position's angles, `[T, head_dim/2]`."""
-    angles = positions.astype(np.float32)[:, None] * rope_inv_freq(head_dim, theta)[None, :]
-    return np.cos(angles), np.sin(angles)
-
-
-def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
-    """Rotate-half RoPE of `x [T, heads, head_dim]` at `positions [T]`."""
-    half = x.shape[-1] // 2
-    cos, sin = rope_tables(positions, x.shape[-1], theta)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+def rope(x: np.ndarray, positions: np.ndarray, spec: llm.RopeAttr) -> np.ndarray:
+    """Rotate-half RoPE of `x [T, heads, head_dim]` at `positions [T]`: the first `dims` elements rotate."""
+    dims = spec.rotary_dims(x.shape[-1])
+    half = dims // 2
+    angles = positions.astype(np.float32)[:, None] * rope_inv_freq(x.shape[-1], spec)[None, :]
+    mscale = np.float32(spec.mscale.data)
+    cos, sin = (np.cos(angles) * mscale)[:, None, :], (np.sin(angles) * mscale)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:dims]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., dims:]], axis=-1)
 
 
 @semantics(llm.RopeOp)
 def _rope(op: llm.RopeOp, env: Env, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    return rope(x, positions, op.theta.value.data)
+    return rope(x, positions, op.rope)
+
+
+def scoring(op: Operation) -> dict[str, float | int | None]:
+    """The scoring options of an `llm.attention` or `tgt.attention`, for `attention`."""
+    return {name: (None if (attr := op.properties.get(name)) is None else attr.value.data)
+            for name in ("window", "softcap", "scale")}
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, cache: KVCache,
-              layer: int) -> np.ndarray:
-    """Write `k`, `v` into the cache rows of `layer` at `positions`, then causal GQA of `q`."""
+              layer: int, window: int | None = None, softcap: float | None = None,
+              scale: float | None = None) -> np.ndarray:
+    """Write `k`, `v` into the cache rows of `layer` at `positions`, then causal GQA of `q`
+    (over the last `window` positions only, scores `softcap·tanh(s/softcap)`, scaled by `scale`)."""
     capacity = cache.keys.shape[2]
     if positions.size and (positions.min() < 0 or positions.max() >= capacity):
         raise ValueError(f"position outside the KV cache capacity of {capacity}")
@@ -190,9 +213,12 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray
     t, heads, d = q.shape
     group = heads // keys.shape[0]
     qg = q.transpose(1, 0, 2).reshape(keys.shape[0], group, t, d)  # [kv_heads, group, T, D]
-    scores = np.einsum("hgtd,hsd->hgts", qg, keys) / np.float32(np.sqrt(d))
-    future = np.arange(span)[None, :] > positions[:, None]  # [T, S]
-    scores = np.where(future, -np.inf, scores)
+    scores = np.einsum("hgtd,hsd->hgts", qg, keys) * np.float32(1 / np.sqrt(d) if scale is None else scale)
+    scores = soft_capped(scores, softcap)
+    masked = np.arange(span)[None, :] > positions[:, None]  # [T, S]: the future
+    if window is not None:
+        masked |= np.arange(span)[None, :] <= positions[:, None] - window
+    scores = np.where(masked, -np.inf, scores)
     scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
     probs = scores / scores.sum(axis=-1, keepdims=True)
     out = np.einsum("hgts,hsd->hgtd", probs, values)  # [kv_heads, group, T, D]
@@ -200,7 +226,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray
 
 
 def attention_in_slots(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-                       cache: KVCache, layer: int) -> np.ndarray:
+                       cache: KVCache, layer: int, **options: float | int | None) -> np.ndarray:
     """`attention` in a cache of several sequences (`[layers, slots, …]`): row t in sequence `slots[t]`."""
     count = cache.keys.shape[1]
     if slots.size and (slots.min() < 0 or slots.max() >= count):
@@ -209,7 +235,7 @@ def attention_in_slots(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: n
     for slot in np.unique(slots):
         rows = slots == slot
         one = KVCache(cache.keys[:, slot], cache.values[:, slot], cache.element)
-        out[rows] = attention(q[rows], k[rows], v[rows], positions[rows], one, layer)
+        out[rows] = attention(q[rows], k[rows], v[rows], positions[rows], one, layer, **options)
     return out
 
 
@@ -219,10 +245,10 @@ def _attention(op: llm.AttentionOp, env: Env, q: np.ndarray, k: np.ndarray, v: n
     *slots, cache = slots_and_cache
     assert isinstance(cache, KVCache)
     if op.rope is not None:
-        q, k = rope(q, positions, op.rope.value.data), rope(k, positions, op.rope.value.data)
+        q, k = rope(q, positions, op.rope), rope(k, positions, op.rope)
     if slots:
-        return attention_in_slots(q, k, v, positions, slots[0], cache, op.layer.value.data)
-    return attention(q, k, v, positions, cache, op.layer.value.data)
+        return attention_in_slots(q, k, v, positions, slots[0], cache, op.layer.value.data, **scoring(op))
+    return attention(q, k, v, positions, cache, op.layer.value.data, **scoring(op))
 
 
 @semantics(llm.LastTokenOp)
@@ -243,6 +269,11 @@ def _mul(op: llm.MulOp, env: Env, a: np.ndarray, b: np.ndarray) -> np.ndarray:
 @semantics(llm.SiluOp)
 def _silu(op: llm.SiluOp, env: Env, x: np.ndarray) -> np.ndarray:
     return silu(x)
+
+
+@semantics(llm.GeluOp)
+def _gelu(op: llm.GeluOp, env: Env, x: np.ndarray) -> np.ndarray:
+    return gelu_tanh(x)
 
 
 def run(function: func.FuncOp, weights: WeightStore, *args: object) -> list[np.ndarray]:

@@ -36,12 +36,15 @@ from typing import ClassVar
 from xdsl.dialects.builtin import (
     DYNAMIC_INDEX,
     I64,
+    ArrayAttr,
     Float32Type,
     FloatAttr,
+    FloatData,
     IntAttr,
     IntegerAttr,
     SymbolRefAttr,
     TensorType,
+    UnitAttr,
     f16,
     i8,
     i32,
@@ -182,6 +185,95 @@ class KVCacheType(ParametrizedAttribute, TypeAttribute):
                                   f"{self.slots} slots")
 
 
+def float_text(x: float) -> str:
+    """`x` as an MLIR float literal that parses back to the same double (`1.0e-05`, `500000.0`)."""
+    text = repr(float(x))
+    return text.replace("e", ".0e") if "e" in text and "." not in text else text
+
+
+@irdl_attr_definition
+class RopeAttr(ParametrizedAttribute):
+    """How RoPE rotates a head: `#llm.rope<theta 10000.0>`, with the optional parts of scaled and
+    partial rotary embeddings:
+
+    - `dims N`: only the first N elements of a head rotate (partial rotary); pair `i` is
+      element `i` with `i + N/2`; the rest pass through.
+    - `factors [f0, f1, …]`: pair `i` turns at `theta^(-2i/N) / f_i`: llama3, linear, YaRN
+      and LongRoPE scaling all reduce to these per-pair divisors (llama.cpp's `rope_freqs`).
+    - `mscale M`: cos and sin are multiplied by M (YaRN's and LongRoPE's attention factor).
+
+    ```mlir
+    #llm.rope<theta 500000.0, factors [1.0, 1.0, 3.21, 8.0]>
+    ```
+    """
+
+    name = "llm.rope"
+
+    theta: FloatData = param_def(FloatData)
+    dims: IntAttr = param_def(IntAttr)  # 0: the whole head
+    mscale: FloatData = param_def(FloatData)
+    factors: ArrayAttr[FloatData] = param_def(ArrayAttr[FloatData])
+
+    def __init__(self, theta: float, dims: int = 0, mscale: float = 1.0, factors: Sequence[float] = ()):
+        super().__init__(FloatData(float(theta)), IntAttr(dims), FloatData(float(mscale)),
+                         ArrayAttr([FloatData(float(f)) for f in factors]))
+
+    def rotary_dims(self, head_dim: int) -> int:
+        """How many elements of a head of `head_dim` rotate."""
+        return self.dims.data or head_dim
+
+    @property
+    def frequency_factors(self) -> tuple[float, ...]:
+        return tuple(f.data for f in self.factors.data)
+
+    def print_parameters(self, printer: Printer) -> None:
+        printer.print_string(f"<theta {float_text(self.theta.data)}")
+        if self.dims.data:
+            printer.print_string(f", dims {self.dims.data}")
+        if self.mscale.data != 1.0:
+            printer.print_string(f", mscale {float_text(self.mscale.data)}")
+        if self.factors.data:
+            printer.print_string(", factors [" + ", ".join(float_text(f) for f in self.frequency_factors) + "]")
+        printer.print_string(">")
+
+    @classmethod
+    def parse_parameters(cls, parser: AttrParser) -> Sequence[Attribute]:
+        parser.parse_punctuation("<")
+        parser.parse_keyword("theta")
+        theta, dims, mscale, factors = parser.parse_float(), 0, 1.0, []
+        while parser.parse_optional_punctuation(",") is not None:
+            key = parser.parse_optional_keyword_in(("dims", "mscale", "factors"))
+            if key == "dims":
+                dims = parser.parse_integer(allow_boolean=False, allow_negative=False)
+            elif key == "mscale":
+                mscale = parser.parse_float()
+            elif key == "factors":
+                factors = parser.parse_comma_separated_list(parser.Delimiter.SQUARE, parser.parse_float)
+            else:
+                parser.raise_error("expected dims, mscale or factors")
+        parser.parse_punctuation(">")
+        return (FloatData(theta), IntAttr(dims), FloatData(mscale), ArrayAttr([FloatData(f) for f in factors]))
+
+    def verify(self) -> None:
+        if not (math.isfinite(self.theta.data) and self.theta.data > 0):
+            raise VerifyException(f"#llm.rope: theta must be positive, got {self.theta.data}")
+        if self.dims.data < 0 or self.dims.data % 2:
+            raise VerifyException(f"#llm.rope: dims must be even, got {self.dims.data}")
+        if not (math.isfinite(self.mscale.data) and self.mscale.data > 0):
+            raise VerifyException(f"#llm.rope: mscale must be positive, got {self.mscale.data}")
+        if not all(math.isfinite(f) and f > 0 for f in self.frequency_factors):
+            raise VerifyException("#llm.rope: frequency factors must be positive")
+
+    def check_head(self, head_dim: int) -> str | None:
+        """Why this rotation cannot apply to heads of `head_dim`, or None."""
+        dims = self.rotary_dims(head_dim)
+        if dims > head_dim or dims % 2:
+            return f"rotary dims {dims} must be even and at most the head dimension {head_dim}"
+        if self.factors.data and len(self.factors.data) != dims // 2:
+            return f"{len(self.factors.data)} frequency factors for {dims // 2} rotating pairs"
+        return None
+
+
 # ------------------------------------------------------------------ shape helpers
 
 
@@ -265,23 +357,28 @@ class WeightOp(IRDLOperation, _ShapeChecks):
 
 @irdl_op_definition
 class EmbeddingOp(IRDLOperation, _ShapeChecks):
-    """Rows of an embedding table, one per token id.
+    """Rows of an embedding table, one per token id; with `scale S`, times S (Gemma's √hidden).
 
     ```mlir
     %x = llm.embedding %tokens, %table : (tensor<?xi32>, tensor<49152x576xf32>) -> tensor<?x576xf32>
+    %x = llm.embedding %tokens, %table scale 4.800000e+01 : (tensor<?xi32>, tensor<256000x2304xf32>) -> tensor<?x2304xf32>
     ```
     """
 
     name = "llm.embedding"
     tokens = operand_def(TensorType)
     table = operand_def(TensorType)
+    scale = opt_prop_def(FloatAttr[Float32Type])
     result = result_def(TensorType)
     traits = traits_def(Pure())
-    assembly_format = "$tokens `,` $table attr-dict `:` `(` type($tokens) `,` type($table) `)` `->` type($result)"
+    assembly_format = (
+        "$tokens `,` $table (`scale` $scale^)? attr-dict `:` `(` type($tokens) `,` type($table) `)` `->` type($result)"
+    )
 
-    def __init__(self, tokens: SSAValue, table: SSAValue):
+    def __init__(self, tokens: SSAValue, table: SSAValue, scale: float | None = None):
         t = shape_of(tokens)[0]
-        super().__init__(operands=[tokens, table], result_types=[tensor(t, shape_of(table)[1])])
+        super().__init__(operands=[tokens, table], result_types=[tensor(t, shape_of(table)[1])],
+                         properties={} if scale is None else {"scale": FloatAttr(scale, f32)})
 
     def verify_(self) -> None:
         (t,) = self._rank("tokens", self.tokens, 1)
@@ -418,6 +515,7 @@ class LogitsOp(Projection):
     %logits = llm.logits %h, %token_embd : (tensor<?x576xf32>, tensor<49152x576xf32>) -> tensor<?x49152xf32>
     %logits = llm.logits %last, %token_embd norm %g eps 1.000000e-05 : (tensor<1x576xf32>, tensor<49152x576xf32> norm tensor<576xf32>) -> tensor<1x49152xf32>
     ```
+    With `softcap C`, each score `s` becomes `C · tanh(s / C)` (Gemma 2's final soft-capping).
     """
 
     name = "llm.logits"
@@ -425,18 +523,26 @@ class LogitsOp(Projection):
     weight = operand_def(TensorType)
     norm = opt_operand_def(TensorType)
     eps = opt_prop_def(FloatAttr[Float32Type])
+    softcap = opt_prop_def(FloatAttr[Float32Type])
     result = result_def(TensorType)
     traits = traits_def(Pure())
     assembly_format = (
-        "$input `,` $weight (`norm` $norm^ `eps` $eps)? (`compute` $compute^)? attr-dict `:` "
+        "$input `,` $weight (`norm` $norm^ `eps` $eps)? (`compute` $compute^)? (`softcap` $softcap^)? attr-dict `:` "
         "`(` type($input) `,` type($weight) (`norm` type($norm)^)? `)` `->` type($result)"
     )
 
     def __init__(self, x: SSAValue, weight: SSAValue, *, norm: SSAValue | None = None, eps: float | None = None,
-                 compute: Compute | None = None):
-        super().__init__(operands=[x, weight, [norm] if norm else []],
-                         properties=_norm_props(eps if norm is not None else None, compute),
+                 compute: Compute | None = None, softcap: float | None = None):
+        props = _norm_props(eps if norm is not None else None, compute)
+        if softcap is not None:
+            props["softcap"] = FloatAttr(softcap, f32)
+        super().__init__(operands=[x, weight, [norm] if norm else []], properties=props,
                          result_types=[tensor(shape_of(x)[0], shape_of(weight)[0])])
+
+    @property
+    def cap(self) -> float | None:
+        """The soft-capping constant, or None."""
+        return self.softcap.value.data if self.softcap is not None else None
 
     def verify_(self) -> None:
         t, k = self._rank("input", self.input, 2)
@@ -450,10 +556,12 @@ class LogitsOp(Projection):
 
 @irdl_op_definition
 class SwigluOp(Projection):
-    """The gated feed-forward input, fused by `group`: `silu(x · w_gateᵀ) * (x · w_upᵀ)`.
+    """The gated feed-forward input, fused by `group`: `silu(x · w_gateᵀ) * (x · w_upᵀ)`;
+    with `gelu`, GeGLU: `gelu(x · w_gateᵀ) * (x · w_upᵀ)` (`llm.gelu`'s tanh approximation).
 
     ```mlir
     %h = llm.swiglu %x, %wg, %wu compute a8 : (tensor<?x576xf32>, tensor<1536x576xf32>, tensor<1536x576xf32>) -> tensor<?x1536xf32>
+    %h = llm.swiglu %x, %wg, %wu gelu : (tensor<?x2304xf32>, tensor<9216x2304xf32>, tensor<9216x2304xf32>) -> tensor<?x9216xf32>
     ```
     """
 
@@ -463,17 +571,20 @@ class SwigluOp(Projection):
     up = operand_def(TensorType)
     norm = opt_operand_def(TensorType)
     eps = opt_prop_def(FloatAttr[Float32Type])
+    gelu = opt_prop_def(UnitAttr)
     result = result_def(TensorType)
     traits = traits_def(Pure())
     assembly_format = (
-        "$input `,` $gate `,` $up (`norm` $norm^ `eps` $eps)? (`compute` $compute^)? attr-dict `:` "
+        "$input `,` $gate `,` $up (`norm` $norm^ `eps` $eps)? (`compute` $compute^)? (`gelu` $gelu^)? attr-dict `:` "
         "`(` type($input) `,` type($gate) `,` type($up) (`norm` type($norm)^)? `)` `->` type($result)"
     )
 
     def __init__(self, x: SSAValue, gate: SSAValue, up: SSAValue, *, norm: SSAValue | None = None,
-                 eps: float | None = None, compute: Compute | None = None):
-        super().__init__(operands=[x, gate, up, [norm] if norm else []],
-                         properties=_norm_props(eps if norm is not None else None, compute),
+                 eps: float | None = None, compute: Compute | None = None, gelu: bool = False):
+        props = _norm_props(eps if norm is not None else None, compute)
+        if gelu:
+            props["gelu"] = UnitAttr()
+        super().__init__(operands=[x, gate, up, [norm] if norm else []], properties=props,
                          result_types=[tensor(shape_of(x)[0], shape_of(gate)[0])])
 
     def verify_(self) -> None:
@@ -519,12 +630,12 @@ class ReshapeOp(IRDLOperation, _ShapeChecks):
 
 @irdl_op_definition
 class RopeOp(IRDLOperation, _ShapeChecks):
-    """Rotary position embedding of each head at each token's position.
+    """Rotary position embedding of each head at each token's position, as `#llm.rope` says.
 
-    Pairs element `i` with element `i + head_dim/2` (the rotate-half convention) and
-    rotates them by `pos · theta^(-2i/head_dim)`.
+    Pairs element `i` with element `i + dims/2` (the rotate-half convention) and rotates
+    them by `pos · theta^(-2i/dims) / factor_i`.
     ```mlir
-    %qr = llm.rope %q3, %pos theta 1.000000e+05 : tensor<?x9x64xf32>, tensor<?xi32>
+    %qr = llm.rope %q3, %pos <theta 100000.0> : tensor<?x9x64xf32>, tensor<?xi32>
     ```
     """
 
@@ -532,21 +643,21 @@ class RopeOp(IRDLOperation, _ShapeChecks):
     T: ClassVar = VarConstraint("T", AnyAttr())
     input = operand_def(T)
     positions = operand_def(TensorType)
-    theta = prop_def(FloatAttr[Float32Type])
+    rope = prop_def(RopeAttr)
     result = result_def(T)
     traits = traits_def(Pure())
-    assembly_format = "$input `,` $positions `theta` $theta attr-dict `:` type($input) `,` type($positions)"
+    assembly_format = "$input `,` $positions $rope attr-dict `:` type($input) `,` type($positions)"
 
-    def __init__(self, x: SSAValue, positions: SSAValue, theta: float):
-        super().__init__(operands=[x, positions], properties={"theta": FloatAttr(theta, f32)}, result_types=[x.type])
+    def __init__(self, x: SSAValue, positions: SSAValue, rope: RopeAttr):
+        super().__init__(operands=[x, positions], properties={"rope": rope}, result_types=[x.type])
 
     def verify_(self) -> None:
         t, _, d = self._rank("input", self.input, 3)
         (p,) = self._rank("positions", self.positions, 1)
         self._element("positions", self.positions, i32)
         self._same("token count (input vs positions)", t, p)
-        if d is not None and d % 2:
-            self._fail(f"head dimension must be even, got {d}")
+        if d is not None and (problem := self.rope.check_head(d)):
+            self._fail(problem)
 
 
 @irdl_op_definition
@@ -555,8 +666,11 @@ class AttentionOp(IRDLOperation, _ShapeChecks):
 
     Writes `k` and `v` into the cache rows of layer `layer` at `positions`, then each
     query attends to the cached rows `0..position` of its KV head
-    (`kv_head = head / (heads / kv_heads)`), scaled by `1/sqrt(head_dim)`. With
-    `rope T` (fused by `group`), `q` and `k` are rotated first as `llm.rope` would.
+    (`kv_head = head / (heads / kv_heads)`), its scores scaled by `1/sqrt(head_dim)`. With
+    `rope <…>` (fused by `group`), `q` and `k` are rotated first as `llm.rope` would.
+    Optional: `window W` attends to the last W positions only (sliding-window attention,
+    `position - W < p <= position`); `softcap C` maps each scaled score `s` to
+    `C · tanh(s / C)`; `scale S` replaces `1/sqrt(head_dim)`.
     ```mlir
     %a = llm.attention %q, %k, %v, %pos, %kv layer 0 : (tensor<?x9x64xf32>, tensor<?x3x64xf32>,
            tensor<?x3x64xf32>, tensor<?xi32>, !llm.kv_cache<30x3x8192x64xf32>) -> tensor<?x9x64xf32>
@@ -578,22 +692,40 @@ class AttentionOp(IRDLOperation, _ShapeChecks):
     slots = opt_operand_def(TensorType)
     kv_cache = operand_def(KVCacheType)
     layer = prop_def(IntegerAttr[I64])
-    rope = opt_prop_def(FloatAttr[Float32Type])
+    rope = opt_prop_def(RopeAttr)
+    window = opt_prop_def(IntegerAttr[I64])
+    softcap = opt_prop_def(FloatAttr[Float32Type])
+    scale = opt_prop_def(FloatAttr[Float32Type])
     result = result_def(TensorType)
     irdl_options = (AttrSizedOperandSegments(as_property=True),)
     assembly_format = (
         "$query `,` $key `,` $value `,` $positions (`slots` $slots^)? `,` $kv_cache `layer` $layer (`rope` $rope^)? "
+        "(`window` $window^)? (`softcap` $softcap^)? (`scale` $scale^)? "
         "attr-dict `:` `(` type($query) `,` type($key) `,` type($value) `,` type($positions) "
         "(`slots` type($slots)^)? `,` type($kv_cache) `)` `->` type($result)"
     )
 
     def __init__(self, q: SSAValue, k: SSAValue, v: SSAValue, positions: SSAValue, kv_cache: SSAValue, layer: int,
-                 rope: float | None = None, slots: SSAValue | None = None):
-        props: dict[str, Attribute] = {"layer": IntegerAttr(layer, i64)}
+                 rope: RopeAttr | None = None, slots: SSAValue | None = None, **options: Attribute):
+        props: dict[str, Attribute] = {"layer": IntegerAttr(layer, i64), **options}
         if rope is not None:
-            props["rope"] = FloatAttr(rope, f32)
+            props["rope"] = rope
         super().__init__(operands=[q, k, v, positions, [slots] if slots is not None else [], kv_cache],
                          properties=props, result_types=[q.type])
+
+    @staticmethod
+    def scoring(window: int | None = None, softcap: float | None = None, scale: float | None = None
+                ) -> dict[str, Attribute]:
+        """The optional properties that change the scores, for `__init__`'s `options`."""
+        found = {"window": None if window is None else IntegerAttr(window, i64),
+                 "softcap": None if softcap is None else FloatAttr(softcap, f32),
+                 "scale": None if scale is None else FloatAttr(scale, f32)}
+        return {k: v for k, v in found.items() if v is not None}
+
+    @property
+    def options(self) -> dict[str, Attribute]:
+        """This op's scoring properties, to build a rewritten attention with."""
+        return {k: v for k in ("window", "softcap", "scale") if (v := self.properties.get(k)) is not None}
 
     def verify_(self) -> None:
         t, h, d = self._rank("query", self.query, 3)
@@ -617,6 +749,14 @@ class AttentionOp(IRDLOperation, _ShapeChecks):
         self._same("head dimension (key vs kv_cache)", kd, cd)
         if not 0 <= self.layer.value.data < layers:
             self._fail(f"layer {self.layer.value.data} is outside the cache's {layers} layers")
+        if self.rope is not None and d is not None and (problem := self.rope.check_head(d)):
+            self._fail(problem)
+        if self.window is not None and self.window.value.data < 1:
+            self._fail(f"window must be positive, got {self.window.value.data}")
+        for what in ("softcap", "scale"):
+            value = self.properties.get(what)
+            if value is not None and not (math.isfinite(value.value.data) and value.value.data > 0):
+                self._fail(f"{what} must be positive, got {value.value.data}")
         if (self.slots is not None) != (cache.slots > 1):
             self._fail("a cache of several sequences needs each row's slot (`slots %s`), and only such a cache")
         if self.slots is not None:
@@ -707,11 +847,31 @@ class SiluOp(IRDLOperation, _ShapeChecks):
         super().__init__(operands=[x], result_types=[x.type])
 
 
+@irdl_op_definition
+class GeluOp(IRDLOperation, _ShapeChecks):
+    """GELU, tanh approximation (`gelu_pytorch_tanh`): `x/2 · (1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+
+    ```mlir
+    %g = llm.gelu %gate : tensor<?x9216xf32>
+    ```
+    """
+
+    name = "llm.gelu"
+    T: ClassVar = VarConstraint("T", AnyAttr())
+    input = operand_def(T)
+    result = result_def(T)
+    traits = traits_def(Pure())
+    assembly_format = "$input attr-dict `:` type($input)"
+
+    def __init__(self, x: SSAValue):
+        super().__init__(operands=[x], result_types=[x.type])
+
+
 LLM = Dialect(
     "llm",
     [
         WeightOp, EmbeddingOp, RMSNormOp, MatmulOp, LogitsOp, SwigluOp, ReshapeOp, RopeOp, AttentionOp,
-        LastTokenOp, AddOp, MulOp, SiluOp,
+        LastTokenOp, AddOp, MulOp, SiluOp, GeluOp,
     ],
-    [StorageAttr, ComputeAttr, KVCacheType],
+    [StorageAttr, ComputeAttr, KVCacheType, RopeAttr],
 )

@@ -87,6 +87,7 @@ from xdsl.utils.exceptions import VerifyException
 from llmc.ir import named_operands
 from llmc.ir.formats import FORMATS, Storage
 from llmc.ir.layouts import Layout, qrows_nbytes, weight_nbytes
+from llmc.ir.llm import RopeAttr
 from llmc.runtime.artifact import KV_LAYOUT, KV_LAYOUT_SLOTS  # noqa: F401 (the cache's layouts, as the runtime reads them)
 
 f32 = Float32Type()
@@ -519,7 +520,7 @@ def _eps_props(eps: float | None) -> dict[str, Attribute]:
 
 @irdl_op_definition
 class EmbeddingOp(Kernel):
-    """`out[t] = table[tokens[t]]` for `t < n`, dequantizing rows of any storage.
+    """`out[t] = table[tokens[t]]` (times `scale`) for `t < n`, dequantizing rows of any storage.
 
     ```mlir
     tgt.embedding %tokens, %table -> %x rows %n : memref<128xi32>, !tgt.weight<49152x576, q8_0, tiles> -> memref<128x576xf32>
@@ -532,12 +533,14 @@ class EmbeddingOp(Kernel):
     table = operand_def(WeightType)
     out = operand_def(MemRefType)
     rows = operand_def(IndexType)
+    scale = opt_prop_def(FloatAttr[Float32Type])
     assembly_format = (
-        "$tokens `,` $table `->` $out `rows` $rows attr-dict `:` type($tokens) `,` type($table) `->` type($out)"
+        "$tokens `,` $table `->` $out `rows` $rows (`scale` $scale^)? attr-dict `:` type($tokens) `,` type($table) "
+        "`->` type($out)"
     )
 
-    def __init__(self, tokens: SSAValue, table: SSAValue, out: SSAValue, rows: SSAValue):
-        super().__init__(operands=[tokens, table, out, rows])
+    def __init__(self, tokens: SSAValue, table: SSAValue, out: SSAValue, rows: SSAValue, scale: FloatAttr | None = None):
+        super().__init__(operands=[tokens, table, out, rows], properties={} if scale is None else {"scale": scale})
 
     def verify_(self) -> None:
         self._same("embedding width (table vs out)", dims(self.table)[1], row_width(self.out))
@@ -549,6 +552,11 @@ class RMSNormOp(Kernel):
 
     ```mlir
     tgt.rms_norm %x, %w -> %h rows %n eps 1.000000e-05 : memref<128x576xf32>, !tgt.weight<576, f32, stored> -> !tgt.qrows<128x576>
+    ```
+    A weight narrower than the row normalizes each of the row's groups of its width on its
+    own (the per-head q/k norms of Qwen3 and Gemma 3), into float rows:
+    ```mlir
+    tgt.rms_norm %q, %w -> %q rows %n eps 1.000000e-06 : memref<128x16x128xf32>, !tgt.weight<128, f32, stored> -> memref<128x16x128xf32>
     ```
     """
 
@@ -565,10 +573,21 @@ class RMSNormOp(Kernel):
     def __init__(self, x: SSAValue, weight: SSAValue, out: SSAValue, rows: SSAValue, eps: float):
         super().__init__(operands=[x, weight, out, rows], properties={"eps": FloatAttr(eps, f32)})
 
+    @property
+    def groups(self) -> int:
+        """How many groups of the weight's width each row normalizes on its own."""
+        return row_width(self.x) // self.weight.type.shape[0]
+
     def verify_(self) -> None:
         width = row_width(self.x)
-        self._float_weight("weight", self.weight, width)
+        t = self.weight.type
+        group = t.shape[0] if isinstance(t, WeightType) and len(t.shape) == 1 and t.shape[0] else width
+        if width % group:
+            self._fail(f"row width {width} is not a multiple of the weight's {group}")
+        self._float_weight("weight", self.weight, group)
         self._same("width (x vs out)", width, row_width(self.out))
+        if group != width and is_quantized(self.out):
+            self._fail("a norm in groups writes float rows")
 
 
 @irdl_op_definition
@@ -601,7 +620,8 @@ class MatmulOp(Kernel):
     integer dot products with the `isa` that `pack` chose).
     - `norm %g eps E`: RMS-normalize each row of float `x` with weight `g` first;
     - `accumulate`: add into `out` instead of overwriting it (a fused residual add);
-    - `last_row`: compute only row `n-1` of `x`, into row 0 of `out` (the LM head).
+    - `last_row`: compute only row `n-1` of `x`, into row 0 of `out` (the LM head);
+    - `softcap C`: each result `y` becomes `C · tanh(y / C)` (Gemma 2's logits).
 
     ```mlir
     tgt.matmul %h, %wq -> %q rows %n isa amx : !tgt.qrows<128x576>, !tgt.weight<576x576, q4_1, tiles> -> memref<128x576xf32>
@@ -619,22 +639,26 @@ class MatmulOp(Kernel):
     eps = opt_prop_def(FloatAttr[Float32Type])
     accumulate = opt_prop_def(UnitAttr)
     last_row = opt_prop_def(UnitAttr)
+    softcap = opt_prop_def(FloatAttr[Float32Type])
     isa = opt_prop_def(IsaAttr)
     irdl_options = (AttrSizedOperandSegments(as_property=True),)
     assembly_format = (
         "$x `,` $weight `->` $out `rows` $rows (`bias` $bias^)? (`norm` $norm^ `eps` $eps)? "
-        "(`accumulate` $accumulate^)? (`last_row` $last_row^)? (`isa` $isa^)? attr-dict `:` type($x) `,` "
+        "(`accumulate` $accumulate^)? (`last_row` $last_row^)? (`softcap` $softcap^)? (`isa` $isa^)? attr-dict `:` "
+        "type($x) `,` "
         "type($weight) (`bias` type($bias)^)? (`norm` type($norm)^)? `->` type($out)"
     )
 
     def __init__(self, x: SSAValue, weight: SSAValue, out: SSAValue, rows: SSAValue, *,
                  bias: SSAValue | None = None, norm: SSAValue | None = None, eps: float | None = None,
-                 accumulate: bool = False, last_row: bool = False):
+                 accumulate: bool = False, last_row: bool = False, softcap: float | None = None):
         props = _eps_props(eps if norm is not None else None)
         if accumulate:
             props["accumulate"] = UnitAttr()
         if last_row:
             props["last_row"] = UnitAttr()
+        if softcap is not None:
+            props["softcap"] = FloatAttr(softcap, f32)
         super().__init__(
             operands=[x, weight, out, rows, [bias] if bias else [], [norm] if norm else []], properties=props
         )
@@ -649,6 +673,8 @@ class MatmulOp(Kernel):
             self._fail("'norm' and 'eps' go together")
         if self.norm is not None and is_quantized(self.x):
             self._fail("quantized rows cannot be normalized: the producer of the rows normalizes")
+        if self.softcap is not None and self.accumulate is not None:
+            self._fail("softcap and accumulate do not go together")
         if self.accumulate is not None and root(self.x) is root(self.out):
             self._fail("x and out are one buffer: accumulating would overwrite the rows it reads")
         self._quantized_kernel(self.x, self.weight)
@@ -656,7 +682,8 @@ class MatmulOp(Kernel):
 
 @irdl_op_definition
 class SwigluOp(Kernel):
-    """The gated feed-forward input: `out[t] = silu(x[t]·w_gateᵀ) * (x[t]·w_upᵀ)`, norm optional.
+    """The gated feed-forward input: `out[t] = silu(x[t]·w_gateᵀ) * (x[t]·w_upᵀ)` (with `gelu`:
+    GELU's tanh approximation instead of silu), norm optional.
 
     Writes float or quantized rows (quantized 32 columns at a time by the thread that
     computed them).
@@ -673,16 +700,19 @@ class SwigluOp(Kernel):
     rows = operand_def(IndexType)
     norm = opt_operand_def(WeightType)
     eps = opt_prop_def(FloatAttr[Float32Type])
+    gelu = opt_prop_def(UnitAttr)
     isa = opt_prop_def(IsaAttr)
     assembly_format = (
-        "$x `,` $gate `,` $up `->` $out `rows` $rows (`norm` $norm^ `eps` $eps)? (`isa` $isa^)? attr-dict `:` "
-        "type($x) `,` type($gate) `,` type($up) (`norm` type($norm)^)? `->` type($out)"
+        "$x `,` $gate `,` $up `->` $out `rows` $rows (`norm` $norm^ `eps` $eps)? (`gelu` $gelu^)? (`isa` $isa^)? "
+        "attr-dict `:` type($x) `,` type($gate) `,` type($up) (`norm` type($norm)^)? `->` type($out)"
     )
 
     def __init__(self, x: SSAValue, gate: SSAValue, up: SSAValue, out: SSAValue, rows: SSAValue, *,
-                 norm: SSAValue | None = None, eps: float | None = None):
-        super().__init__(operands=[x, gate, up, out, rows, [norm] if norm else []],
-                         properties=_eps_props(eps if norm is not None else None))
+                 norm: SSAValue | None = None, eps: float | None = None, gelu: bool = False):
+        props = _eps_props(eps if norm is not None else None)
+        if gelu:
+            props["gelu"] = UnitAttr()
+        super().__init__(operands=[x, gate, up, out, rows, [norm] if norm else []], properties=props)
 
     def verify_(self) -> None:
         n, k = dims(self.gate)
@@ -697,10 +727,10 @@ class SwigluOp(Kernel):
 
 @irdl_op_definition
 class RopeOp(Kernel):
-    """Rotate-half RoPE in place on `x [rows, heads, head_dim]`, row `t` at position `positions[t]`.
+    """Rotate-half RoPE (`#llm.rope`) in place on `x [rows, heads, head_dim]`, row `t` at position `positions[t]`.
 
     ```mlir
-    tgt.rope %q positions %positions rows %n theta 1.000000e+05 : memref<128x9x64xf32>, memref<128xi32>
+    tgt.rope %q positions %positions rows %n <theta 100000.0> : memref<128x9x64xf32>, memref<128xi32>
     ```
     """
 
@@ -710,15 +740,17 @@ class RopeOp(Kernel):
     x = operand_def(MemRefType)
     positions = operand_def(MemRefType)
     rows = operand_def(IndexType)
-    theta = prop_def(FloatAttr[Float32Type])
-    assembly_format = "$x `positions` $positions `rows` $rows `theta` $theta attr-dict `:` type($x) `,` type($positions)"
+    rope = prop_def(RopeAttr)
+    assembly_format = "$x `positions` $positions `rows` $rows $rope attr-dict `:` type($x) `,` type($positions)"
 
-    def __init__(self, x: SSAValue, positions: SSAValue, rows: SSAValue, theta: float):
-        super().__init__(operands=[x, positions, rows], properties={"theta": FloatAttr(theta, f32)})
+    def __init__(self, x: SSAValue, positions: SSAValue, rows: SSAValue, rope: RopeAttr):
+        super().__init__(operands=[x, positions, rows], properties={"rope": rope})
 
     def verify_(self) -> None:
-        if len(dims(self.x)) != 3 or dims(self.x)[2] % 2:
-            self._fail(f"x must be [rows, heads, even head_dim], got {self.x.type}")
+        if len(dims(self.x)) != 3:
+            self._fail(f"x must be [rows, heads, head_dim], got {self.x.type}")
+        if problem := self.rope.check_head(dims(self.x)[2]):
+            self._fail(problem)
         _positions(self, self.positions, dims(self.x)[0])
 
 
@@ -729,14 +761,14 @@ class AttentionOp(Kernel):
     several sequences (`[slots, kv_heads, capacity, head_dim]`) takes `slots %s` too: row `t` is
     written to and attends within sequence `slots[t]`.
 
-    With `rope T`, `q` and `k` are rotated first (in place): RoPE and the KV-cache write
-    fused into the attention kernel. Writes float or quantized rows `[rows, heads·head_dim]`.
+    With `rope <…>`, `q` and `k` are rotated first (in place): RoPE and the KV-cache write
+    fused into the attention kernel. `window`, `softcap` and `scale` score as `llm.attention` says. Writes float or quantized rows `[rows, heads·head_dim]`.
     The cache holds f32, f16 or q8_0 rows (`--kv-type`; i8, `kv_row_width`). `partials` is scratch where, for up to
     as many rows as it has room for (`ATTENTION_SPLIT_ROWS`, or decode's batch), each thread
     leaves its share of the positions' result for the merge (flash-decoding).
 
     ```mlir
-    tgt.attention %q, %k, %v, %kc, %vc -> %a positions %positions partials %p rows %n rope 1.000000e+05 : memref<128x9x64xf32>, memref<128x3x64xf32>, memref<128x3x64xf32>, memref<3x4096x64xf16>, memref<3x4096x64xf16> -> !tgt.qrows<128x576>, memref<128xi32>, memref<64x4x9x66xf32>
+    tgt.attention %q, %k, %v, %kc, %vc -> %a positions %positions partials %p rows %n rope <theta 100000.0> : memref<128x9x64xf32>, memref<128x3x64xf32>, memref<128x3x64xf32>, memref<3x4096x64xf16>, memref<3x4096x64xf16> -> !tgt.qrows<128x576>, memref<128xi32>, memref<64x4x9x66xf32>
     ```
     """
 
@@ -754,19 +786,23 @@ class AttentionOp(Kernel):
     slots = opt_operand_def(MemRefType)
     partials = operand_def(MemRefType)
     rows = operand_def(IndexType)
-    rope = opt_prop_def(FloatAttr[Float32Type])
+    rope = opt_prop_def(RopeAttr)
+    window = opt_prop_def(IntegerAttr[I64])
+    softcap = opt_prop_def(FloatAttr[Float32Type])
+    scale = opt_prop_def(FloatAttr[Float32Type])
     irdl_options = (AttrSizedOperandSegments(as_property=True),)
     assembly_format = (
         "$q `,` $k `,` $v `,` $k_cache `,` $v_cache `->` $out `positions` $positions (`slots` $slots^)? "
-        "`partials` $partials `rows` $rows (`rope` $rope^)? attr-dict `:` type($q) `,` type($k) `,` type($v) `,` "
+        "`partials` $partials `rows` $rows (`rope` $rope^)? (`window` $window^)? (`softcap` $softcap^)? "
+        "(`scale` $scale^)? attr-dict `:` type($q) `,` type($k) `,` type($v) `,` "
         "type($k_cache) `,` type($v_cache) `->` type($out) `,` type($positions) (`slots` type($slots)^)? `,` "
         "type($partials)"
     )
 
     def __init__(self, q: SSAValue, k: SSAValue, v: SSAValue, k_cache: SSAValue, v_cache: SSAValue,
-                 out: SSAValue, positions: SSAValue, partials: SSAValue, rows: SSAValue, rope: float | None = None,
-                 slots: SSAValue | None = None):
-        props = {"rope": FloatAttr(rope, f32)} if rope is not None else {}
+                 out: SSAValue, positions: SSAValue, partials: SSAValue, rows: SSAValue, rope: RopeAttr | None = None,
+                 slots: SSAValue | None = None, **options: Attribute):
+        props = {"rope": rope, **options} if rope is not None else dict(options)
         super().__init__(operands=[q, k, v, k_cache, v_cache, out, positions, [slots] if slots is not None else [],
                                    partials, rows], properties=props)
 
@@ -798,6 +834,8 @@ class AttentionOp(Kernel):
         self._same("width (q vs out)", heads * d, row_width(self.out))
         if heads % kv_heads:
             self._fail(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
+        if self.rope is not None and (problem := self.rope.check_head(d)):
+            self._fail(problem)
         _positions(self, self.positions, dims(self.q)[0])
         self._same("partials", self.partials.type, self.partials_type(heads, d, max(self.split_rows, 1)))
         if self.split_rows < ATTENTION_SPLIT_ROWS:
@@ -852,8 +890,23 @@ class SiluOp(Kernel):
         super().__init__(operands=[x, out, rows])
 
 
+@irdl_op_definition
+class GeluOp(Kernel):
+    """`out = gelu(x)` (tanh approximation) on the first `rows` rows: `tgt.gelu %g -> %s rows %n : memref<128x9216xf32>`."""
+
+    name = "tgt.gelu"
+    T: ClassVar = VarConstraint("T", BaseAttr(MemRefType))
+    x = operand_def(T)
+    out = operand_def(T)
+    rows = operand_def(IndexType)
+    assembly_format = "$x `->` $out `rows` $rows attr-dict `:` type($out)"
+
+    def __init__(self, x: SSAValue, out: SSAValue, rows: SSAValue):
+        super().__init__(operands=[x, out, rows])
+
+
 KERNELS: tuple[type[Kernel], ...] = (
-    EmbeddingOp, RMSNormOp, QuantizeOp, MatmulOp, SwigluOp, RopeOp, AttentionOp, AddOp, MulOp, SiluOp,
+    EmbeddingOp, RMSNormOp, QuantizeOp, MatmulOp, SwigluOp, RopeOp, AttentionOp, AddOp, MulOp, SiluOp, GeluOp,
 )
 
 TGT = Dialect(

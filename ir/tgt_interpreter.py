@@ -24,7 +24,19 @@ from xdsl.ir import SSAValue
 
 from llmc.ir import llm, tgt
 from llmc.ir.formats import QuantizedTensor, integer_matmul, quantize_rows
-from llmc.ir.interpreter import KVCache, OpTable, attention, attention_in_slots, rms_norm, rope, silu
+from llmc.ir.interpreter import (
+    KVCache,
+    OpTable,
+    activation,
+    attention,
+    attention_in_slots,
+    gelu_tanh,
+    rms_norm,
+    rope,
+    scoring,
+    silu,
+    soft_capped,
+)
 from llmc.ir.layouts import Layout, QRowLayout, pack, unpack
 from llmc.ir.weights import WeightStore
 
@@ -120,13 +132,14 @@ def _embedding(op: tgt.EmbeddingOp, get: _State) -> None:
     table = get(op.table)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= table.shape[0]):
         raise ValueError(f"token id outside the vocabulary of {table.shape[0]}")
-    _store(get, op.out, table[tokens])
+    _store(get, op.out, table[tokens] if op.scale is None else table[tokens] * np.float32(op.scale.value.data))
 
 
 @kernel(tgt.RMSNormOp)
 def _rms_norm(op: tgt.RMSNormOp, get: _State) -> None:
     x = get(op.x)[: get.n]
-    _store(get, op.out, rms_norm(x.reshape(x.shape[0], -1), get(op.weight), op.eps.value.data))
+    w = get(op.weight)
+    _store(get, op.out, rms_norm(x.reshape(x.shape[0], -1, w.shape[0]), w, op.eps.value.data))
 
 
 @kernel(tgt.QuantizeOp)
@@ -140,19 +153,20 @@ def _matmul(op: tgt.MatmulOp, get: _State) -> None:
     y = _project(get, op, op.weight, get.n, last_row=op.last_row is not None)
     if op.bias is not None:
         y = y + get(op.bias)
+    y = soft_capped(y, op.softcap.value.data if op.softcap is not None else None)
     out = get(op.out)[: y.shape[0]]
     out[...] = out + y if op.accumulate is not None else y
 
 
 @kernel(tgt.SwigluOp)
 def _swiglu(op: tgt.SwigluOp, get: _State) -> None:
-    _store(get, op.out, silu(_project(get, op, op.gate, get.n)) * _project(get, op, op.up, get.n))
+    _store(get, op.out, activation(op)(_project(get, op, op.gate, get.n)) * _project(get, op, op.up, get.n))
 
 
 @kernel(tgt.RopeOp)
 def _rope(op: tgt.RopeOp, get: _State) -> None:
     x = get(op.x)
-    x[: get.n] = rope(x[: get.n], get(op.positions)[: get.n], op.theta.value.data)
+    x[: get.n] = rope(x[: get.n], get(op.positions)[: get.n], op.rope)
 
 
 @kernel(tgt.AttentionOp)
@@ -160,13 +174,13 @@ def _attention(op: tgt.AttentionOp, get: _State) -> None:
     q, k, v = get(op.q)[: get.n], get(op.k)[: get.n], get(op.v)[: get.n]
     positions = get(op.positions)[: get.n]
     if op.rope is not None:
-        q[...] = rope(q, positions, op.rope.value.data)
-        k[...] = rope(k, positions, op.rope.value.data)
+        q[...] = rope(q, positions, op.rope)
+        k[...] = rope(k, positions, op.rope)
     cache = KVCache(get(op.k_cache)[None], get(op.v_cache)[None], cache_element(op.k_cache.type))  # one layer
     if op.slots is not None:
-        _store(get, op.out, attention_in_slots(q, k, v, positions, get(op.slots)[: get.n], cache, 0))
+        _store(get, op.out, attention_in_slots(q, k, v, positions, get(op.slots)[: get.n], cache, 0, **scoring(op)))
     else:
-        _store(get, op.out, attention(q, k, v, positions, cache, 0))
+        _store(get, op.out, attention(q, k, v, positions, cache, 0, **scoring(op)))
 
 
 @kernel(tgt.AddOp)
@@ -182,6 +196,11 @@ def _mul(op: tgt.MulOp, get: _State) -> None:
 @kernel(tgt.SiluOp)
 def _silu(op: tgt.SiluOp, get: _State) -> None:
     get(op.out)[: get.n] = silu(get(op.x)[: get.n])
+
+
+@kernel(tgt.GeluOp)
+def _gelu(op: tgt.GeluOp, get: _State) -> None:
+    get(op.out)[: get.n] = gelu_tanh(get(op.x)[: get.n])
 
 
 def cache_element(memref: MemRefType) -> str:

@@ -40,6 +40,10 @@ class Weight:
         """The stored data with rows in logical order (still in the storage format)."""
         return self.data if self.row_order is None else self.data[self.row_order]
 
+    def row_slice(self, name: str, start: int, stop: int) -> Weight:
+        """Rows `start:stop` of this matrix as a weight of its own (a fused QKV or gate-up tensor's part)."""
+        return Weight(name, self.storage, (stop - start, *self.shape[1:]), self.rows()[start:stop])
+
     def matrix_shape(self) -> tuple[int, int]:
         return (int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1, self.shape[-1])
 

@@ -298,7 +298,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
             print(json.dumps(ids))
         else:
             for i in ids:
-                print(f"{i:6d} -> {codec.decode([i])!r}")
+                print(f"{i:6d} -> {codec.piece(i)!r}")
         return 0
     lines = sys.stdin if args.jsonl == "-" else _open_text(args.jsonl)
     for number, line in enumerate(lines, 1):
@@ -335,7 +335,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError("the prompt gives no tokens")
     start = time.perf_counter()
     tokens = stream_text(codec, generate(session, codec, ids, args.n, sampling),
-                         lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+                         lambda s: (sys.stdout.write(s), sys.stdout.flush()), ids)
     elapsed = time.perf_counter() - start
     print()
     _progress(f"[{len(ids)} prompt tokens, {len(tokens)} generated in {elapsed:.2f} s]")

@@ -4,8 +4,8 @@ Each fused op becomes one `tgt` kernel in `lower`, which then matches one op at 
 
 | chain                                         | fused op                                   |
 |-----------------------------------------------|--------------------------------------------|
-| `mul(silu(matmul(h, wg)), matmul(h, wu))`     | `llm.swiglu %h, %wg, %wu`                  |
-| `rope(q)`, `rope(k)` into `attention`         | `llm.attention ... rope θ`                 |
+| `mul(silu(matmul(h, wg)), matmul(h, wu))`     | `llm.swiglu %h, %wg, %wu` (`gelu`: GeGLU)  |
+| `rope(q)`, `rope(k)` into `attention`         | `llm.attention ... rope <theta …>`         |
 | `add(x, matmul(a, w))`, x dead after the add  | `llm.matmul %a, %w residual %x` (in place) |
 | `rms_norm(x)` read only by `a32` projections  | `norm %g eps E` on each of them            |
 
@@ -53,8 +53,8 @@ def _replace(block: Block, old: Operation, new: Operation, *dead: Operation) -> 
 
 
 def fuse_swiglu(block: Block, mul: llm.MulOp) -> None:
-    silu, up = mul.lhs.owner, mul.rhs.owner
-    if not (isinstance(silu, llm.SiluOp) and isinstance(up, llm.MatmulOp)):
+    silu, up = mul.lhs.owner, mul.rhs.owner  # silu: or gelu (GeGLU)
+    if not (isinstance(silu, (llm.SiluOp, llm.GeluOp)) and isinstance(up, llm.MatmulOp)):
         return
     gate = silu.input.owner
     if not isinstance(gate, llm.MatmulOp) or gate.input != up.input or gate.mode is not up.mode:
@@ -63,7 +63,7 @@ def fuse_swiglu(block: Block, mul: llm.MulOp) -> None:
         return
     if not (single_user(gate.result) is silu and single_user(silu.result) is mul and single_user(up.result) is mul):
         return
-    fused = llm.SwigluOp(gate.input, gate.weight, up.weight, compute=gate.mode)
+    fused = llm.SwigluOp(gate.input, gate.weight, up.weight, compute=gate.mode, gelu=isinstance(silu, llm.GeluOp))
     _replace(block, mul, fused, silu, gate, up)
 
 
@@ -74,10 +74,10 @@ def fuse_rope(block: Block, attention: llm.AttentionOp) -> None:
             for r in ropes):
         return
     q_rope, k_rope = ropes
-    if q_rope.theta != k_rope.theta:
+    if q_rope.rope != k_rope.rope:
         return
     fused = llm.AttentionOp(q_rope.input, k_rope.input, attention.value, attention.positions, attention.kv_cache,
-                            attention.layer.value.data, rope=q_rope.theta.value.data, slots=attention.slots)
+                            attention.layer.value.data, rope=q_rope.rope, slots=attention.slots, **attention.options)
     _replace(block, attention, fused, q_rope, k_rope)
 
 
@@ -145,9 +145,9 @@ def _with_norm(op: Operation, x: SSAValue, g: SSAValue, eps: float) -> Operation
     if isinstance(op, llm.MatmulOp):
         return llm.MatmulOp(x, op.weight, op.bias, norm=g, eps=eps, residual=op.residual, compute=op.mode)
     if isinstance(op, llm.SwigluOp):
-        return llm.SwigluOp(x, op.gate, op.up, norm=g, eps=eps, compute=op.mode)
+        return llm.SwigluOp(x, op.gate, op.up, norm=g, eps=eps, compute=op.mode, gelu=op.gelu is not None)
     assert isinstance(op, llm.LogitsOp)
-    return llm.LogitsOp(x, op.weight, norm=g, eps=eps, compute=op.mode)
+    return llm.LogitsOp(x, op.weight, norm=g, eps=eps, compute=op.mode, softcap=op.cap)
 
 
 def group_function(function: func.FuncOp) -> None:

@@ -143,7 +143,7 @@ def _weight(lo: _Lowering, op: llm.WeightOp) -> None:
 
 @lowering(llm.EmbeddingOp)
 def _embedding(lo: _Lowering, op: llm.EmbeddingOp) -> None:
-    lo.emit(tgt.EmbeddingOp(lo.buffers[op.tokens], lo.buffers[op.table], lo.out(op.result), lo.n))
+    lo.emit(tgt.EmbeddingOp(lo.buffers[op.tokens], lo.buffers[op.table], lo.out(op.result), lo.n, op.scale))
 
 
 @lowering(llm.RMSNormOp)
@@ -167,13 +167,15 @@ def _matmul(lo: _Lowering, op: llm.MatmulOp) -> None:
 @lowering(llm.LogitsOp)
 def _logits(lo: _Lowering, op: llm.LogitsOp) -> None:
     last_row = isinstance(op.input.owner, llm.LastTokenOp)
-    lo.emit(tgt.MatmulOp(lo.x(op), lo.buffers[op.weight], lo.logits, lo.n, last_row=last_row, **lo.norm(op)))
+    lo.emit(tgt.MatmulOp(lo.x(op), lo.buffers[op.weight], lo.logits, lo.n, last_row=last_row, softcap=op.cap,
+                         **lo.norm(op)))
 
 
 @lowering(llm.SwigluOp)
 def _swiglu(lo: _Lowering, op: llm.SwigluOp) -> None:
     out = lo.out(op.result, can_quantize=True)
-    lo.emit(tgt.SwigluOp(lo.x(op), lo.buffers[op.gate], lo.buffers[op.up], out, lo.n, **lo.norm(op)))
+    lo.emit(tgt.SwigluOp(lo.x(op), lo.buffers[op.gate], lo.buffers[op.up], out, lo.n, gelu=op.gelu is not None,
+                         **lo.norm(op)))
 
 
 @lowering(llm.ReshapeOp)
@@ -192,7 +194,7 @@ def _rope(lo: _Lowering, op: llm.RopeOp) -> None:
     if single_user(op.input) is not op:
         raise LlmcError(f"lower: the input of {op.name} has other users; in-place RoPE would change them")
     lo.buffers[op.result] = lo.buffers[op.input]
-    lo.emit(tgt.RopeOp(lo.buffers[op.input], lo.positions, lo.n, op.theta.value.data))
+    lo.emit(tgt.RopeOp(lo.buffers[op.input], lo.positions, lo.n, op.rope))
 
 
 @lowering(llm.AttentionOp)
@@ -202,12 +204,11 @@ def _attention(lo: _Lowering, op: llm.AttentionOp) -> None:
     k_cache, v_cache = lo.cache_layer(op.layer.value.data)
     head_dim = llm.shape_of(op.query)[2]
     out = lo.out(op.result, can_quantize=head_dim is not None and head_dim % 32 == 0)
-    rope = op.rope.value.data if op.rope is not None else None
     heads = llm.shape_of(op.query)[1]
     partials = lo.emit(tgt.AllocOp(tgt.AttentionOp.partials_type(heads, head_dim, lo.split_rows))).result
     partials.name_hint = f"l{op.layer.value.data}_partials"
     lo.emit(tgt.AttentionOp(lo.buffers[op.query], lo.buffers[op.key], lo.buffers[op.value], k_cache, v_cache, out,
-                            lo.positions, partials, lo.n, rope, slots=lo.slots))
+                            lo.positions, partials, lo.n, op.rope, slots=lo.slots, **op.options))
 
 
 @lowering(llm.LastTokenOp)
@@ -223,7 +224,8 @@ def _elementwise(kernel: type[tgt.Kernel]) -> Lowering:
     return lower
 
 
-for _llm_op, _kernel in ((llm.AddOp, tgt.AddOp), (llm.MulOp, tgt.MulOp), (llm.SiluOp, tgt.SiluOp)):
+for _llm_op, _kernel in ((llm.AddOp, tgt.AddOp), (llm.MulOp, tgt.MulOp), (llm.SiluOp, tgt.SiluOp),
+                         (llm.GeluOp, tgt.GeluOp)):
     lowering(_llm_op)(_elementwise(_kernel))
 
 

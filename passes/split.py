@@ -82,7 +82,7 @@ def _last_token_logits(function: func.FuncOp) -> None:
             last = llm.LastTokenOp(op.input)
             last.result.name_hint = "last"
             function.body.block.insert_op_before(last, op)
-            logits = llm.LogitsOp(last.result, op.weight, compute=op.mode)
+            logits = llm.LogitsOp(last.result, op.weight, compute=op.mode, softcap=op.cap)
             logits.result.name_hint = op.result.name_hint
             function.body.block.insert_op_before(logits, op)
             op.result.replace_all_uses_with(logits.result)
@@ -102,9 +102,8 @@ def _take_slots(function: func.FuncOp) -> None:
     slots.name_hint = "slots"
     for op in list(block.ops):
         if isinstance(op, llm.AttentionOp):
-            rope = op.rope.value.data if op.rope is not None else None
-            new = llm.AttentionOp(op.query, op.key, op.value, op.positions, op.kv_cache, op.layer.value.data, rope,
-                                  slots=slots)
+            new = llm.AttentionOp(op.query, op.key, op.value, op.positions, op.kv_cache, op.layer.value.data, op.rope,
+                                  slots=slots, **op.options)
             new.result.name_hint = op.result.name_hint
             block.insert_op_before(new, op)
             op.result.replace_all_uses_with(new.result)

@@ -130,7 +130,7 @@ class Chat:
             return token
 
         token = step(ids[keep:])
-        decoder = self.codec.text_stream()
+        decoder = self.codec.text_stream(ids)
         generated: list[int] = []
         while True:
             if interrupted():

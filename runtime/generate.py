@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from llmc.runtime.codec import TextCodec
 from llmc.runtime.sampling import Sampler, SamplingOptions
@@ -32,8 +32,9 @@ def generate(session: Conversation, codec: TextCodec, prompt_ids: list[int], max
         token = next_token(session, sampler, [token])
 
 
-def stream_text(codec: TextCodec, tokens: Iterator[int], write: Callable[[str], None]) -> list[int]:
-    """Write the text of `tokens` as it becomes complete UTF-8; returns the tokens."""
+def stream_text(codec: TextCodec, tokens: Iterator[int], write: Callable[[str], None],
+                prompt: Sequence[int] = ()) -> list[int]:
+    """Write the text of `tokens` (following `prompt`) as it becomes complete UTF-8; returns the tokens."""
     seen: list[int] = []
 
     def record(stream: Iterator[int]) -> Iterator[int]:
@@ -41,6 +42,6 @@ def stream_text(codec: TextCodec, tokens: Iterator[int], write: Callable[[str], 
             seen.append(token)
             yield token
 
-    for piece in codec.decode_stream(record(tokens)):
+    for piece in codec.decode_stream(record(tokens), prompt):
         write(piece)
     return seen

@@ -442,7 +442,7 @@ class Server:
 
     async def _pieces(self, job: Job, tokens: _Tokens) -> AsyncIterator[str]:
         """The completion's text, piece by piece; sets `job.finish_reason` at the end."""
-        decoder = self.codec.text_stream()
+        decoder = self.codec.text_stream(job.prompt)
         pending = ""  # text held back: it may begin a stop string
         while True:
             item = await tokens.queue.get()

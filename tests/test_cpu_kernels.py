@@ -32,7 +32,7 @@ from llmc.backends.cpu import KernelLibrary, ToolchainError, compile_to_object, 
 from llmc.backends.cpu import amx as amx_tiles
 from llmc.backends.cpu.target import CPUS, cpu_target, integer_isa, llvm_features
 from llmc.errors import LlmcError, UsageError
-from llmc.ir import tgt
+from llmc.ir import llm, tgt
 from llmc.ir.formats import FORMATS, Storage, integer_matmul, quantize_rows
 from llmc.ir.interpreter import rope_inv_freq
 from llmc.ir.layouts import Layout, QRowLayout, pack, pack_split, qrows_nbytes
@@ -155,25 +155,31 @@ def ref_rms_norm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def ref_rope(x, positions, theta):
-    d = x.shape[-1]
-    half = d // 2
-    angles = positions.astype(f32)[:, None] * rope_inv_freq(d, theta)[None, :]
-    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(f32)
+def ref_rope(x, positions, theta, dims=0, mscale=1.0, factors=()):
+    """Rotate-half RoPE of the first `dims` of each head, frequencies divided by `factors`."""
+    dims = dims or x.shape[-1]
+    half = dims // 2
+    freqs = 1.0 / theta ** (np.arange(0, dims, 2, dtype=f32) / dims) / (np.asarray(factors, f32) if factors else 1)
+    angles = positions.astype(f32)[:, None] * freqs.astype(f32)[None, :]
+    cos, sin = np.cos(angles)[:, None, :] * mscale, np.sin(angles)[:, None, :] * mscale
+    x1, x2 = x[..., :half], x[..., half:dims]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., dims:]], axis=-1).astype(f32)
 
 
-def ref_attention(q, keys, values, positions):
-    """q [T, H, D]; keys/values [KVH, S, D] (the layer cache); causal by position."""
+def ref_attention(q, keys, values, positions, window=None, softcap=None, scale=None):
+    """q [T, H, D]; keys/values [KVH, S, D] (the layer cache); causal by position (within the
+    last `window` positions), scores scaled by `scale` (1/sqrt(D)) and soft-capped."""
     t, heads, d = q.shape
     group = heads // keys.shape[0]
     out = np.zeros((t, heads, d))
     for ti, p in enumerate(positions):
+        first = 0 if window is None else max(0, p + 1 - window)
         for h in range(heads):
-            k = keys[h // group, : p + 1].astype(np.float64)
-            v = values[h // group, : p + 1].astype(np.float64)
-            s = k @ q[ti, h].astype(np.float64) / np.sqrt(d)
+            k = keys[h // group, first: p + 1].astype(np.float64)
+            v = values[h // group, first: p + 1].astype(np.float64)
+            s = k @ q[ti, h].astype(np.float64) * (1 / np.sqrt(d) if scale is None else scale)
+            if softcap is not None:
+                s = softcap * np.tanh(s / softcap)
             e = np.exp(s - s.max())
             out[ti, h] = (e / e.sum()) @ v
     return out
@@ -500,17 +506,23 @@ def test_swiglu_amx_writes_quantized_rows(tmp_path, host_amx, storage):
 
 # rope and attention ----------------------------------------------------------------
 
-@pytest.mark.parametrize("H,D,theta,start", [(4, 8, 10000.0, 0), (4, 8, 10000.0, 1000), (9, 64, 100000.0, 300),
-                                             (4, 8, 10000.0, 8000)])
-def test_rope(tmp_path, tm, H, D, theta, start):
+ROPE = llm.RopeAttr(10000.0)
+
+
+@pytest.mark.parametrize("H,D,theta,start,scaled", [
+    (4, 8, 10000.0, 0, {}), (4, 8, 10000.0, 1000, {}), (9, 64, 100000.0, 300, {}), (4, 8, 10000.0, 8000, {}),
+    (4, 8, 10000.0, 300, {"factors": (1.0, 2.5, 4.0, 8.0)}),  # scaled frequencies (llama3, linear, YaRN)
+    (3, 16, 10000.0, 300, {"dims": 8, "mscale": 1.25}),  # partial rotary, an attention factor
+])
+def test_rope(tmp_path, tm, H, D, theta, start, scaled):
     rng = np.random.default_rng(3)
     n = 7
-    k = Kernel(tmp_path, tm, lambda x, p, r: tgt.RopeOp(x, p, r, theta),
+    k = Kernel(tmp_path, tm, lambda x, p, r: tgt.RopeOp(x, p, r, llm.RopeAttr(theta, **scaled)),
                [tgt.memref(n, H, D), tgt.memref(n, element_type=i32), IDX])
     x = rand(rng, n, H, D)
     y = x.copy()
     k({"x": y, "positions": positions(start, n, n), "rows": n})
-    assert_close(y, ref_rope(x, np.arange(start, start + n), theta))
+    assert_close(y, ref_rope(x, np.arange(start, start + n), theta, **scaled))
 
 
 @pytest.mark.parametrize("D", [10, 64])
@@ -519,12 +531,12 @@ def test_rope_angles_exact(tmp_path, tm, D):
     (1, 0) pairs leaves cos in the first half and sin in the second."""
     pos = np.concatenate([np.arange(0, 64), np.geomspace(64, 2 ** 17, 64).astype(np.int64)]).astype(np.int32)
     n = len(pos)
-    k = Kernel(tmp_path, tm, lambda x, p, r: tgt.RopeOp(x, p, r, 10000.0),
+    k = Kernel(tmp_path, tm, lambda x, p, r: tgt.RopeOp(x, p, r, llm.RopeAttr(10000.0)),
                [tgt.memref(n, 1, D), tgt.memref(n, element_type=i32), IDX])
     y = np.zeros((n, 1, D), f32)
     y[..., : D // 2] = 1.0
     k({"x": y, "positions": pos, "rows": n})
-    angles = (pos.astype(f32)[:, None] * rope_inv_freq(D, 10000.0)[None, :]).astype(np.float64)
+    angles = (pos.astype(f32)[:, None] * rope_inv_freq(D, ROPE)[None, :]).astype(np.float64)
     np.testing.assert_allclose(y[:, 0, : D // 2], np.cos(angles), rtol=0, atol=1e-6)
     np.testing.assert_allclose(y[:, 0, D // 2 :], np.sin(angles), rtol=0, atol=1e-6)
 
@@ -540,7 +552,7 @@ def attention_kernel(tmp_path, tm, H, KVH, D, S, R, rope, quantized=False, cache
     out = tgt.QRowsType(R, H * D) if quantized else tgt.memref(R, H, D)
     element = F16_ATTR if cache == np.float16 else F32_ATTR
     return Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, p, s, n: tgt.AttentionOp(q, k, v, kc, vc, o, p, s, n,
-                                                                                     10000.0 if rope else None),
+                                                                                     ROPE if rope else None),
                   [tgt.memref(R, H, D), tgt.memref(R, KVH, D), tgt.memref(R, KVH, D),
                    tgt.memref(KVH, S, D, element_type=element), tgt.memref(KVH, S, D, element_type=element), out,
                    tgt.memref(R, element_type=i32), tgt.AttentionOp.partials_type(H, D), IDX])
@@ -585,6 +597,34 @@ def test_attention(tmp_path, tm, rope, H, KVH, D, S, nth, cache):
         np.testing.assert_array_equal(c[:, total:], c0[:, total:])
 
 
+@pytest.mark.parametrize("scoring", [{"window": 3}, {"window": 70}, {"softcap": 2.0}, {"scale": 0.9},
+                                     {"window": 5, "softcap": 3.0, "scale": 0.5}])
+@pytest.mark.parametrize("nth", [1, 2])
+def test_attention_scoring_options(tmp_path, tm, scoring, nth):
+    """`window` (sliding-window attention), `softcap` and `scale`: a 78-row prefill (query tiles
+    whose rows start at different window positions, over two position blocks) then 2 decode
+    rows (the window's positions split among the threads), against the float64 reference."""
+    rng = np.random.default_rng(9)
+    H, KVH, D, S, total = 4, 2, 16, 96, 80
+    k_fn = Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, p, s, n: tgt.AttentionOp(
+                      q, k, v, kc, vc, o, p, s, n, **llm.AttentionOp.scoring(**scoring)),
+                  [tgt.memref(total, H, D), tgt.memref(total, KVH, D), tgt.memref(total, KVH, D),
+                   tgt.memref(KVH, S, D), tgt.memref(KVH, S, D), tgt.memref(total, H, D),
+                   tgt.memref(total, element_type=i32), tgt.AttentionOp.partials_type(H, D), IDX])
+    q, k, v = (3 * rand(rng, total, heads, D) for heads in (H, KVH, KVH))  # scores large enough to cap
+    kc, vc = np.zeros((KVH, S, D), f32), np.zeros((KVH, S, D), f32)
+    for lo, hi in ((0, 78), (78, 79), (79, 80)):
+        out = np.zeros((total, H, D), f32)
+        rows = {"q": q[lo:hi].copy(), "k": k[lo:hi].copy(), "v": v[lo:hi].copy()}
+        rows = {n: np.concatenate([a, np.zeros((total - a.shape[0], *a.shape[1:]), f32)]) for n, a in rows.items()}
+        k_fn({**rows, "k_cache": kc, "v_cache": vc, "out": out, "positions": positions(lo, hi - lo, total),
+              "partials": partials(H, D), "rows": hi - lo}, nth)
+        expected = ref_attention(q[lo:hi], kc, vc, np.arange(lo, hi), **scoring)
+        assert_close(out[: hi - lo], expected)
+    plain = ref_attention(q[79:], kc, vc, np.arange(79, 80))
+    assert np.abs(plain - ref_attention(q[79:], kc, vc, np.arange(79, 80), **scoring)).max() > 1e-3  # not vacuous
+
+
 @pytest.mark.parametrize("nth", [1, 2])
 def test_attention_in_a_cache_of_several_sequences(tmp_path, tm, nth):
     """`slots`: each row is written to and attends within its own sequence's cache. A 13-row call
@@ -594,7 +634,7 @@ def test_attention_in_a_cache_of_several_sequences(tmp_path, tm, nth):
     H, KVH, D, S, SLOTS, R = 4, 2, 16, 24, 3, 13
     split = 4
     k_fn = Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, p, sl, s, n: tgt.AttentionOp(q, k, v, kc, vc, o, p, s, n,
-                                                                                         10000.0, slots=sl),
+                                                                                         ROPE, slots=sl),
                   [tgt.memref(R, H, D), tgt.memref(R, KVH, D), tgt.memref(R, KVH, D),
                    tgt.memref(SLOTS, KVH, S, D), tgt.memref(SLOTS, KVH, S, D), tgt.memref(R, H, D),
                    tgt.memref(R, element_type=i32), tgt.memref(R, element_type=i32),
@@ -647,7 +687,7 @@ def test_attention_with_a_q8_0_cache(tmp_path, tm, nth):
     rng = np.random.default_rng(8)
     H, KVH, D, S, total = 4, 2, 64, 80, 8
     W = tgt.kv_row_width(D, i8)
-    k_fn = Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, p, s, n: tgt.AttentionOp(q, k, v, kc, vc, o, p, s, n, 10000.0),
+    k_fn = Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, p, s, n: tgt.AttentionOp(q, k, v, kc, vc, o, p, s, n, ROPE),
                   [tgt.memref(total, H, D), tgt.memref(total, KVH, D), tgt.memref(total, KVH, D),
                    tgt.memref(KVH, S, W, element_type=i8), tgt.memref(KVH, S, W, element_type=i8),
                    tgt.memref(total, H, D), tgt.memref(total, element_type=i32), tgt.AttentionOp.partials_type(H, D), IDX])

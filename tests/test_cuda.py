@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from test_batch import assert_rows_are_each_sequence_alone
 from test_compile import QSPECS, SPECS, TOKENS, _close, _reference, _stage_logits
+from test_families import FAMILIES
 from tiny_models import TinySpec
 
 from llmc.backends.cuda import kernels as cuda_kernels
@@ -49,19 +50,20 @@ def _gpu_present() -> bool:
 
 @pytest.fixture(scope="module")
 def cuda_artifact(tiny, tmp_path_factory) -> Callable[..., tuple[Path, EmulatedDevice]]:
-    """`cuda_artifact(spec, chunk=4, group=True, **options)` → (a CUDA artifact, the emulator loaded with
-    the host build of its kernels), built once (f32 KV cache unless `kv_type` says otherwise)."""
+    """`cuda_artifact(spec, chunk=4, group=True, form="gguf", **options)` → (a CUDA artifact, the emulator
+    loaded with the host build of its kernels), built once (f32 KV cache unless `kv_type` says otherwise)."""
     root = tmp_path_factory.mktemp("cuda")
     built: dict[tuple, tuple[Path, EmulatedDevice]] = {}
 
-    def build(spec: TinySpec, chunk: int = 4, group: bool = True, **options) -> tuple[Path, EmulatedDevice]:
-        key = (spec, chunk, group, tuple(sorted(options.items())))
+    def build(spec: TinySpec, chunk: int = 4, group: bool = True, form: str = "gguf",
+              **options) -> tuple[Path, EmulatedDevice]:
+        key = (spec, chunk, group, form, tuple(sorted(options.items())))
         if key not in built:
             out = root / f"a{len(built)}"
             compile_options = CompileOptions(**{"prefill_chunk": chunk, "max_seq": 32, "group": group,
                                                 "kv_type": "f32", **options})
-            compile_model(str(tiny(spec, "gguf")), out, compile_options, CUDA, progress=lambda _: None)
-            model = load_model(str(tiny(spec, "gguf")))
+            compile_model(str(tiny(spec, form)), out, compile_options, CUDA, progress=lambda _: None)
+            model = load_model(str(tiny(spec, form)))
             module = run_phases(model, compile_options, "lower", None, lambda _: None, target_attr(CUDA))
             built[key] = out, EmulatedDevice(module, weight_layout(module).offsets, root)
         return built[key]
@@ -86,6 +88,23 @@ def _teacher_forced(session: CudaSession) -> np.ndarray:
 def test_emulated_kernels_match_the_interpreter(tiny, cuda_artifact, spec: TinySpec, group: bool) -> None:
     """Prefill, prefill_kv and decode launch plans, teacher-forced, equal the `llm` interpreter's logits."""
     _close(_teacher_forced(_session(cuda_artifact, spec, group=group)), _reference(tiny, spec, TOKENS))
+
+
+FAMILY_CHECKS = ["qwen3", "mistral-window4", "phi3-gqa-partial-longrope-window5", "gemma2", "gemma3-linear-global"]
+
+
+@pytest.mark.parametrize("chunk", [4, 16], ids=["gemv", "tensor-cores"])
+@pytest.mark.parametrize("group", [True, False], ids=["grouped", "no-group"])
+@pytest.mark.parametrize("name", FAMILY_CHECKS)
+def test_emulated_families_match_the_interpreter(tiny, cuda_artifact, name: str, group: bool, chunk: int) -> None:
+    """The families' features on the device: scaled and partial RoPE, per-head q/k norms, sliding windows
+    (13 tokens past windows of 4 and 5), Gemma's scaled embedding, GeGLU, sandwich norms and soft-capping
+    (in the GEMV and tensor-core epilogues), teacher-forced against the `llm` interpreter."""
+    spec = FAMILIES[name]
+    session = _session(cuda_artifact, spec, group=group, chunk=chunk, form="hf")
+    model = load_model(str(tiny(spec, "hf")))
+    expected = forward_logits(import_model(model), model.weights, TOKENS)
+    (_close if chunk == 4 else _close_f16)(_teacher_forced(session), expected)
 
 
 @pytest.mark.parametrize("spec", QSPECS.values(), ids=QSPECS.keys())
@@ -152,7 +171,8 @@ def test_emulated_tensor_core_prefill_matches(tiny, cuda_artifact, spec: TinySpe
 def test_every_kernel_kind_is_checked_on_the_emulator(cuda_artifact) -> None:
     """The configurations above launch a kernel of every op the CUDA backend emits: none goes unchecked."""
     launched: Counter[str] = Counter()
-    configs = [(SPECS["gqa"], {"group": False}), (SPECS["qwen2-bias-untied-odd-heads"], {"chunk": 16})]
+    configs = [(SPECS["gqa"], {"group": False}), (SPECS["qwen2-bias-untied-odd-heads"], {"chunk": 16}),
+               (FAMILIES["gemma2"], {"group": False, "form": "hf"})]
     for spec, options in configs:
         session = _session(cuda_artifact, spec, **options)
         _teacher_forced(session)

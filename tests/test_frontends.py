@@ -379,7 +379,7 @@ def _gguf_rope_scaling(tmp: Path) -> Path:
         value_type = field.types[0]
         sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), value_type, sub_type)
-    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)  # linear is supported; YaRN from GGUF is not yet
     writer.add_rope_scaling_factor(4.0)
     for t in reader.tensors:
         writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
@@ -413,7 +413,7 @@ BAD_INPUTS: dict[str, tuple[Callable[[Path], Path], str]] = {
     "hf-llama-attention-bias": (_hf_with_config(lambda c: c.update(attention_bias=True), "attn_bias"), "attention_bias"),
     "hf-llama-mlp-bias": (_hf_with_config(lambda c: c.update(mlp_bias=True), "mlp_bias"), "mlp_bias"),
     "hf-unsupported-tensor": (_hf_extra_tensor, "o_proj.bias"),
-    "gguf-rope-scaling": (_gguf_rope_scaling, "RoPE scaling"),
+    "gguf-rope-scaling": (_gguf_rope_scaling, "RoPE scaling 'yarn' in a GGUF file is not supported yet"),
 }
 
 

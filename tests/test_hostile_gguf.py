@@ -339,7 +339,7 @@ _cases({
     "context-length-0": _with(_A + "context_length", U32, 0, "context_length must be a positive integer"),
     "rms-epsilon-nan": _with(_A + "attention.layer_norm_rms_epsilon", F32, float("nan"), "RMSNorm epsilon"),
     "rope-theta-negative": _with(_A + "rope.freq_base", F32, -1.0, "rope theta must be positive"),
-    "rope-dimension-odd": _with(_A + "rope.dimension_count", U32, 7, "head dimension 7 must be even"),
+    "rope-dimension-odd": _with(_A + "rope.dimension_count", U32, 7, "7 rotary dimensions must be even"),
     "missing-architecture": lambda: Crafted(base().drop("general.architecture").raw(),
                                             ["missing metadata key 'general.architecture'"]),
     "unsupported-architecture": lambda: Crafted(base().set("general.architecture", STR, "gpt2").raw(),
@@ -380,7 +380,7 @@ _cases({
         base().set(_T + "tokens", ARR, Arr(STR, ["same"] * N_TOKENS)).drop(_T + "merges").raw(), ["duplicate tokens"]),
     "merges-are-integers": _with(_T + "merges", ARR, Arr(U32, [1, 2]), "array of strings"),
     "merge-of-unknown-tokens": _with(_T + "merges", ARR, Arr(STR, ["no such"]), "invalid entry 'no such'"),
-    "tokenizer-model-unsupported": _with(_T + "model", STR, "llama", "unsupported tokenizer model 'llama'"),
+    "tokenizer-model-unsupported": _with(_T + "model", STR, "rwkv", "unsupported tokenizer model 'rwkv'"),
     "pre-tokenizer-unsupported": _with(_T + "pre", STR, "no-such-pre", "unsupported pre-tokenizer 'no-such-pre'"),
     "chat-template-not-a-string": _with("tokenizer.chat_template", U32, 7, "should be a string, got 7"),
     # values of the wrong kind that only the tokenizer builder reads

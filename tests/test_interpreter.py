@@ -180,7 +180,7 @@ def test_rms_norm() -> None:
 def test_rope_is_identity_at_position_zero_and_rotates_half_pairs() -> None:
     rng = np.random.default_rng(1)
     x = rng.standard_normal((3, 2, 4)).astype(np.float32)  # 3 tokens, 2 heads, head_dim 4
-    line = "llm.rope %a0, %a1 theta 1.0e+02 : tensor<?x2x4xf32>, tensor<?xi32>"
+    line = "llm.rope %a0, %a1 <theta 100.0> : tensor<?x2x4xf32>, tensor<?xi32>"
     types = ["tensor<?x2x4xf32>", "tensor<?xi32>"]
 
     zeros = _run_op(line, types, "tensor<?x2x4xf32>", x, np.zeros(3, np.int32))

@@ -58,7 +58,7 @@ builtin.module {
     %k = llm.matmul %h, %wk bias %bk : (tensor<?x32xf32>, tensor<16x32xf32>, tensor<16xf32>) -> tensor<?x16xf32>
     %q3 = llm.reshape %q : tensor<?x32xf32> -> tensor<?x4x8xf32>
     %k3 = llm.reshape %k : tensor<?x16xf32> -> tensor<?x2x8xf32>
-    %qr = llm.rope %q3, %pos theta 1.000000e+04 : tensor<?x4x8xf32>, tensor<?xi32>
+    %qr = llm.rope %q3, %pos <theta 10000.0> : tensor<?x4x8xf32>, tensor<?xi32>
     %a = llm.attention %qr, %k3, %k3, %pos, %kv layer 1 : (tensor<?x4x8xf32>, tensor<?x2x8xf32>, tensor<?x2x8xf32>, tensor<?xi32>, !llm.kv_cache<2x2x16x8xf32>) -> tensor<?x4x8xf32>
     %a2 = llm.reshape %a : tensor<?x4x8xf32> -> tensor<?x32xf32>
     %s = llm.silu %a2 : tensor<?x32xf32>

@@ -23,7 +23,7 @@ from llmc.ir.formats import FORMATS, Storage
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # "llama" or "qwen2"
+    arch: str = "llama"  # a key of HF_ARCHITECTURES
     hidden: int = 32
     layers: int = 2
     heads: int = 4
@@ -37,10 +37,30 @@ class TinySpec:
     seed: int = 0
     # GGUF storage per tensor kind ("attn_q", "token_embd", ...); f32 when absent
     gguf_storage: tuple[tuple[str, str], ...] = ()
+    # the config's RoPE scaling (`rope_scaling` items, e.g. (("rope_type", "llama3"), ("factor", 8.0), ...))
+    rope_scaling: tuple[tuple[str, object], ...] = ()
+    partial_rotary: float = 1.0
+    sliding_window: int | None = None  # Mistral and Phi-3: every layer; Gemma: the `sliding_attention` layers
+    layer_types: tuple[str, ...] = ()  # Gemma: "sliding_attention" / "full_attention" per layer
+    attn_softcap: float | None = None  # Gemma 2
+    final_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    local_rope_theta: float = 10000.0  # Gemma 3's sliding layers
 
     @property
     def qkv_bias(self) -> bool:
         return self.arch == "qwen2"
+
+    @property
+    def rotary_dims(self) -> int:
+        return int(self.head_dim * self.partial_rotary)
+
+
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                    "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                    "gemma3": "Gemma3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "phi3": "phi3",
+                      "gemma2": "gemma2", "gemma3": "gemma3"}
 
 
 # ------------------------------------------------------------------ tokenizer
@@ -109,16 +129,28 @@ def random_weights(spec: TinySpec) -> dict[str, np.ndarray]:
     for i in range(spec.layers):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = norm(spec.hidden)
-        w[p + "self_attn.q_proj.weight"] = mat(q, spec.hidden)
-        w[p + "self_attn.k_proj.weight"] = mat(kv, spec.hidden)
-        w[p + "self_attn.v_proj.weight"] = mat(kv, spec.hidden)
+        if spec.arch == "phi3":
+            w[p + "self_attn.qkv_proj.weight"] = mat(q + 2 * kv, spec.hidden)
+        else:
+            w[p + "self_attn.q_proj.weight"] = mat(q, spec.hidden)
+            w[p + "self_attn.k_proj.weight"] = mat(kv, spec.hidden)
+            w[p + "self_attn.v_proj.weight"] = mat(kv, spec.hidden)
+        if spec.arch in ("qwen3", "gemma3"):
+            w[p + "self_attn.q_norm.weight"] = norm(spec.head_dim)
+            w[p + "self_attn.k_norm.weight"] = norm(spec.head_dim)
+        if spec.arch.startswith("gemma"):
+            w[p + "pre_feedforward_layernorm.weight"] = norm(spec.hidden)
+            w[p + "post_feedforward_layernorm.weight"] = norm(spec.hidden)
         if spec.qkv_bias:
             for name, n in (("q", q), ("k", kv), ("v", kv)):
                 w[p + f"self_attn.{name}_proj.bias"] = (0.1 * rng.standard_normal(n)).astype(np.float32)
         w[p + "self_attn.o_proj.weight"] = mat(spec.hidden, q)
         w[p + "post_attention_layernorm.weight"] = norm(spec.hidden)
-        w[p + "mlp.gate_proj.weight"] = mat(spec.ffn, spec.hidden)
-        w[p + "mlp.up_proj.weight"] = mat(spec.ffn, spec.hidden)
+        if spec.arch == "phi3":
+            w[p + "mlp.gate_up_proj.weight"] = mat(2 * spec.ffn, spec.hidden)
+        else:
+            w[p + "mlp.gate_proj.weight"] = mat(spec.ffn, spec.hidden)
+            w[p + "mlp.up_proj.weight"] = mat(spec.ffn, spec.hidden)
         w[p + "mlp.down_proj.weight"] = mat(spec.hidden, spec.ffn)
     w["model.norm.weight"] = norm(spec.hidden)
     if not spec.tied:
@@ -129,7 +161,7 @@ def random_weights(spec: TinySpec) -> dict[str, np.ndarray]:
 def write_hf(spec: TinySpec, weights: dict[str, np.ndarray], directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     config = {
-        "architectures": ["LlamaForCausalLM" if spec.arch == "llama" else "Qwen2ForCausalLM"],
+        "architectures": [HF_ARCHITECTURES[spec.arch]],
         "model_type": spec.arch,
         "hidden_size": spec.hidden,
         "intermediate_size": spec.ffn,
@@ -146,9 +178,30 @@ def write_hf(spec: TinySpec, weights: dict[str, np.ndarray], directory: Path) ->
         "torch_dtype": "float32",
         "bos_token_id": 0,
         "eos_token_id": 0,
+        "pad_token_id": 0,
     }
-    if spec.arch == "qwen2":
+    if spec.arch in ("qwen2", "qwen3"):
         config["use_sliding_window"] = False
+    if spec.rope_scaling:
+        config["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v for k, v in spec.rope_scaling}
+    if spec.partial_rotary != 1.0:
+        config["partial_rotary_factor"] = spec.partial_rotary
+    if spec.sliding_window is not None:
+        config["sliding_window"] = spec.sliding_window
+    if spec.arch.startswith("gemma"):
+        del config["hidden_act"]
+        config |= {"hidden_activation": "gelu_pytorch_tanh", "layer_types": list(spec.layer_types),
+                   "query_pre_attn_scalar": spec.query_pre_attn_scalar or spec.head_dim,
+                   "attn_logit_softcapping": spec.attn_softcap, "final_logit_softcapping": spec.final_softcap}
+    if spec.arch == "gemma3":
+        config["model_type"] = "gemma3_text"  # Gemma3ForCausalLM: the text-only model (as gemma-3-1b)
+        del config["rope_theta"]
+        config["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": spec.local_rope_theta},
+                                     "full_attention": {"rope_type": "default", "rope_theta": spec.rope_theta,
+                                                        **config.pop("rope_scaling", {})}}
+    if spec.arch == "phi3":
+        config["original_max_position_embeddings"] = dict(spec.rope_scaling).get("original_max_position_embeddings",
+                                                                                  spec.context_length)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     save_file(weights, str(directory / "model.safetensors"))
     (directory / "tokenizer.json").write_text(hf_tokenizer_json())
@@ -160,11 +213,26 @@ def write_hf(spec: TinySpec, weights: dict[str, np.ndarray], directory: Path) ->
 
 # ----------------------------------------------------------------------- GGUF
 
-def gguf_name(hf_name: str) -> str:
-    """GGUF tensor name (with `.weight` where GGUF has it) of a Hugging Face name."""
-    name = ir_name(hf_name)
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
+    """GGUF tensor name (with `.weight` where GGUF has it) of a Hugging Face name (Phi-3's fused
+    gate-up is llama.cpp's `ffn_up`)."""
+    name = ir_name(hf_name, arch)
     assert name is not None, hf_name
+    name = name.replace(".ffn_gate_up", ".ffn_up")
     return name if name.endswith(".bias") else name + ".weight"
+
+
+def llama3_rope_freqs(spec: TinySpec) -> np.ndarray:
+    """llama.cpp's `rope_freqs` tensor for a `llama3` scaling: each pair's frequency divisor."""
+    p = dict(spec.rope_scaling)
+    dims = spec.rotary_dims
+    freqs = 1.0 / spec.rope_theta ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
+    wavelength = 2 * np.pi / freqs
+    low, high = p["original_max_position_embeddings"] / p["low_freq_factor"], p["original_max_position_embeddings"] / p["high_freq_factor"]
+    smooth = (p["original_max_position_embeddings"] / wavelength - p["low_freq_factor"]) / (p["high_freq_factor"] - p["low_freq_factor"])
+    factors = [1.0 if wl < high else p["factor"] if wl > low else 1 / ((1 - s) / p["factor"] + s)
+               for wl, s in zip(wavelength, smooth)]
+    return np.asarray(factors, np.float32)
 
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -182,22 +250,50 @@ def _storage(spec: TinySpec, gguf_tensor: str) -> str:
 def write_gguf(spec: TinySpec, weights: dict[str, np.ndarray], path: Path, pre: str = "smollm") -> Path:
     """A GGUF file of these weights; tensors listed in `spec.gguf_storage` are quantized."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(path), spec.arch)
+    arch = GGUF_ARCHITECTURES[spec.arch]
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(spec.layers)
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.hidden)
     writer.add_feed_forward_length(spec.ffn)
     writer.add_head_count(spec.heads)
     writer.add_head_count_kv(spec.kv_heads)
-    writer.add_rope_dimension_count(spec.head_dim)
+    writer.add_rope_dimension_count(spec.rotary_dims)
+    if spec.head_dim * spec.heads != spec.hidden:
+        writer.add_key_length(spec.head_dim)
+        writer.add_value_length(spec.head_dim)
     writer.add_rope_freq_base(spec.rope_theta)
+    scaling = dict(spec.rope_scaling)
+    if scaling.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(spec))
+    elif scaling.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
+    else:
+        assert not scaling, f"the tiny GGUF writer has no {scaling.get('rope_type')} scaling"
+    if spec.sliding_window is not None:
+        writer.add_sliding_window(spec.sliding_window)
+    if spec.arch.startswith("gemma"):
+        assert spec.query_pre_attn_scalar in (None, spec.head_dim), "GGUF Gemma scales queries by head_dim"
+        pattern = spec.layer_types.index("full_attention") + 1  # one global layer after pattern - 1 sliding ones
+        assert spec.layer_types == tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                         for i in range(spec.layers)), "a regular pattern, as llama.cpp's"
+        writer.add_sliding_window_pattern(pattern)
+        if spec.attn_softcap is not None:
+            writer.add_attn_logit_softcapping(spec.attn_softcap)
+        if spec.final_softcap is not None:
+            writer.add_final_logit_softcapping(spec.final_softcap)
+        if spec.arch == "gemma3":
+            writer.add_rope_freq_base_swa(spec.local_rope_theta)
     writer.add_layer_norm_rms_eps(spec.rms_eps)
     writer.add_vocab_size(VOCAB_SIZE)
     _add_vocabulary(writer, pre)
     for hf, w in weights.items():
-        name = gguf_name(hf)
-        if spec.arch == "qwen2":
-            pass  # Qwen2 keeps Hugging Face's rotate-half RoPE: no permutation
+        name = gguf_name(hf, spec.arch)
+        if spec.arch.startswith("gemma") and hf.endswith("norm.weight"):
+            w = w + np.float32(1)  # as llama.cpp's converter stores Gemma's (1 + w) norms
+        if arch != "llama":
+            pass  # Qwen and Phi-3 keep Hugging Face's rotate-half RoPE: no permutation
         elif ".attn_q." in name:
             w = llama_cpp_permute(w, spec.heads)
         elif ".attn_k." in name:

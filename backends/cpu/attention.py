@@ -19,7 +19,7 @@ from llvmlite import ir
 from llmc.backends.builder import F32, F64, FPTR, I32, I64, KernelBuilder, _chunks
 from llmc.backends.cpu.gemm import floats
 from llmc.backends.cpu.quant import F16, I8, QRowsAccess, q8_block, vec
-from llmc.ir import tgt
+from llmc.ir import llm, tgt
 from llmc.ir.formats import ACT_BLOCK
 
 if TYPE_CHECKING:
@@ -29,13 +29,14 @@ QUERY_TILE = 8  # prefill attention: query rows per tile (they share every stage
 POS_BLOCK = 64  # attention: cache positions per online-softmax step
 
 
-def _rope_tables(lib: KernelLibrary, f: KernelBuilder, D: int, theta: float
+def _rope_tables(lib: KernelLibrary, f: KernelBuilder, D: int, rope: llm.RopeAttr
                  ) -> tuple[ir.Value, ir.Value, Callable[[ir.Value], None]]:
-    """Stack tables cos/sin[D/2] and a function that fills them for a position."""
-    half = D // 2
+    """Stack tables cos/sin[dims/2] (times `mscale`) and a function that fills them for a position."""
+    half = rope.rotary_dims(D) // 2
+    mscale = rope.mscale.data
     cos_t = f.alloca(F32, half, name="rope_cos")
     sin_t = f.alloca(F32, half, name="rope_sin")
-    table = lib.inv_freq_table(D, theta)
+    table = lib.inv_freq_table(D, rope)
 
     def fill(pos: ir.Value) -> None:
         b = f.b
@@ -44,16 +45,20 @@ def _rope_tables(lib: KernelLibrary, f: KernelBuilder, D: int, theta: float
             w = min(8, half - o)
             angle = f.fmul(f.splat(b.sitofp(pos, F32), vec(F32, w)), f.vload(freqs, f.i64(o), w), flags=())
             sin, cos = f.sincos(b.fpext(angle, vec(F64, w)))
-            f.vstore(b.fptrunc(cos, vec(F32, w)), cos_t, f.i64(o))
-            f.vstore(b.fptrunc(sin, vec(F32, w)), sin_t, f.i64(o))
+            cos, sin = b.fptrunc(cos, vec(F32, w)), b.fptrunc(sin, vec(F32, w))
+            if mscale != 1.0:
+                m = f.splat(ir.Constant(F32, mscale), vec(F32, w))
+                cos, sin = f.fmul(cos, m, flags=()), f.fmul(sin, m, flags=())
+            f.vstore(cos, cos_t, f.i64(o))
+            f.vstore(sin, sin_t, f.i64(o))
 
     return cos_t, sin_t, fill
 
 
-def _rope_apply(f: KernelBuilder, base: ir.Value, heads: int | ir.Value, D: int, cos_t: ir.Value,
-                sin_t: ir.Value) -> None:
-    """Rotate-half RoPE of `heads` rows of D floats at `base`, with filled tables."""
-    b, half = f.b, D // 2
+def _rope_apply(f: KernelBuilder, base: ir.Value, heads: int | ir.Value, D: int, rope: llm.RopeAttr,
+                cos_t: ir.Value, sin_t: ir.Value) -> None:
+    """Rotate-half RoPE of `heads` rows of D floats at `base` (their first `dims`), with filled tables."""
+    b, half = f.b, rope.rotary_dims(D) // 2
     with f.loop(0, heads, name="rh", unroll=False) as h:
         row = f.ptr(base, f.mul(h, D))
         with f.loop(0, half, name="rd", unroll=False) as i:
@@ -73,10 +78,10 @@ def rope(lib: KernelLibrary, f: KernelBuilder, op: tgt.RopeOp, a: dict) -> None:
     """Rotate-half RoPE in place on x [rows, H, D], row t at positions[t]."""
     _, H, D = tgt.dims(op.x)
     x = floats(f, a["x"])
-    cos_t, sin_t, fill = _rope_tables(lib, f, D, op.theta.value.data)
+    cos_t, sin_t, fill = _rope_tables(lib, f, D, op.rope)
     with f.loop(*f.share(a["rows"], a["tid"], a["nth"]), name="t") as t:
         fill(_position(f, a["positions"], t))
-        _rope_apply(f, f.ptr(x, f.mul(t, H * D)), H, D, cos_t, sin_t)
+        _rope_apply(f, f.ptr(x, f.mul(t, H * D)), H, D, op.rope, cos_t, sin_t)
 
 
 def _cache_element(value) -> ir.Type:
@@ -118,7 +123,9 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
     qout = QRowsAccess(f, a["out"], op.out.type) if tgt.is_quantized(op.out) else None
     out = None if qout is not None else floats(f, a["out"])
     chunks = _chunks(D)
-    scale = f.f32(1.0 / np.sqrt(np.float32(D)))
+    scale = f.f32(op.scale.value.data if op.scale is not None else 1.0 / np.sqrt(np.float32(D)))
+    window = op.window.value.data if op.window is not None else None
+    softcap = op.softcap.value.data if op.softcap is not None else None
 
     def position(t: ir.Value) -> ir.Value:
         return _position(f, a["positions"], t)
@@ -174,14 +181,14 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
 
     # 1. RoPE and the cache write
     if op.rope is not None:
-        cos_t, sin_t, fill = _rope_tables(lib, f, D, op.rope.value.data)
+        cos_t, sin_t, fill = _rope_tables(lib, f, D, op.rope)
     with f.loop(*f.share(f.mul(n, KVH), tid, nth), name="ck") as item:
         t = b.sdiv(item, f.i64(KVH))
         with f.when(inside(t)):
             pos, h = position(t), b.srem(item, f.i64(KVH))
             if op.rope is not None:
                 fill(pos)
-                _rope_apply(f, f.ptr(k, f.mul(item, D)), 1, D, cos_t, sin_t)
+                _rope_apply(f, f.ptr(k, f.mul(item, D)), 1, D, op.rope, cos_t, sin_t)
             dst = f.add(slot_base(t), f.mul(f.add(f.mul(h, S), pos), W))
             for src, cache in ((k, k_cache), (v, v_cache)):
                 store_row(cache, dst, [f.vload(src, f.add(f.mul(item, D), o), w) for o, w in chunks])
@@ -190,7 +197,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
             t = b.sdiv(item, f.i64(H))
             with f.when(inside(t)):
                 fill(position(t))
-                _rope_apply(f, f.ptr(q, f.mul(item, D)), 1, D, cos_t, sin_t)
+                _rope_apply(f, f.ptr(q, f.mul(item, D)), 1, D, op.rope, cos_t, sin_t)
     f.b.call(lib.barrier(), [a["sync"], nth])
 
     # 2. attention: per query (row r of a tile, head g of the kv head's group) a running
@@ -201,10 +208,18 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
     scores = f.alloca(F32, TQ * G * POS_BLOCK, name="scores")
     kbuf = f.alloca(F32, POS_BLOCK * D, name="k_block")  # the block's K and V rows as f32
     vbuf = f.alloca(F32, POS_BLOCK * D, name="v_block")
-    limits = f.alloca(I64, TQ, name="limits")
+    limits = f.alloca(I64, TQ, name="limits")  # per row: its positions end here …
+    starts = f.alloca(I64, TQ, name="starts")  # … and begin here (a sliding window's first)
+
+    def first_position(t: ir.Value) -> ir.Value:
+        """The first cache position row t attends to: 0, or the start of its window."""
+        return f.i64(0) if window is None else f.smax(0, f.sub(f.add(position(t), 1), window))
+
+    def capped(x: ir.Value) -> ir.Value:
+        return x if softcap is None else f.softcap(x, softcap)
 
     def attend(t0: ir.Value, tq: int, h: ir.Value, s_lo: ir.Value, s_hi: ir.Value, base: ir.Value) -> None:
-        """Queries of rows t0..t0+tq (each up to its `limits[r]`) × the G heads of kv head h,
+        """Queries of rows t0..t0+tq (each from its `starts[r]` up to its `limits[r]`) × the G heads of kv head h,
         over cache positions [s_lo, s_hi) of the sequence whose cache begins at element `base`,
         a block of `POS_BLOCK` positions at a time: the
         block's K and V rows staged as f32, 16 scores at once (`KernelBuilder.hsum16` of
@@ -237,12 +252,16 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                         krow = f.mul(f.add(s16, j), D)
                         terms = [f.fmul(x, f.vload(kbuf, f.add(krow, o), w)) for x, (o, w) in zip(qv, chunks)]
                         products.append(_sum16(f, terms))
-                    f.vstore(f.fmul(f.hsum16(products), f.splat(scale, V16)), scores, f.add(f.i64(i * POS_BLOCK), s16))
+                    f.vstore(capped(f.fmul(f.hsum16(products), f.splat(scale, V16))), scores,
+                             f.add(f.i64(i * POS_BLOCK), s16))
             with f.loop(0, nq, name="sm", unroll=False) as i:
                 row = f.ptr(scores, f.mul(i, POS_BLOCK))
-                valid = f.smax(0, f.smin(count, f.sub(f.load(limits, b.sdiv(i, f.i64(G))), s0)))
-                with b.if_then(b.icmp_signed(">", valid, f.i64(0))):
-                    inside_block = [b.icmp_signed("<", b.add(lane, f.splat_i64(c, 16)), f.splat_i64(valid, 16))
+                r = b.sdiv(i, f.i64(G))
+                valid = f.smax(0, f.smin(count, f.sub(f.load(limits, r), s0)))
+                first = f.smax(0, f.smin(valid, f.sub(f.load(starts, r), s0)))
+                with b.if_then(b.icmp_signed(">", valid, first)):
+                    inside_block = [b.and_(b.icmp_signed(">=", b.add(lane, f.splat_i64(c, 16)), f.splat_i64(first, 16)),
+                                           b.icmp_signed("<", b.add(lane, f.splat_i64(c, 16)), f.splat_i64(valid, 16)))
                                     for c in range(0, POS_BLOCK, 16)]
                     chunk_scores = [b.select(m, f.vload(row, f.i64(c)), f.const(V16, float("-inf")))
                                     for m, c in zip(inside_block, range(0, POS_BLOCK, 16))]
@@ -289,8 +308,10 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
     with b.if_else(split) as (decode, prefill):
         with decode:
             with f.loop(0, n, name="dt") as t, f.when(inside(t)):
-                s_lo, s_hi = f.share(f.add(position(t), 1), tid, nth)
+                lo = first_position(t)
+                s_lo, s_hi = (f.add(lo, s) for s in f.share(f.sub(f.add(position(t), 1), lo), tid, nth))
                 f.store(s_hi, limits, 0)
+                f.store(s_lo, starts, 0)
                 with f.loop(0, KVH, name="dh") as h:
                     attend(t, 1, h, s_lo, s_hi, slot_base(t))
                     for g in range(G):
@@ -334,16 +355,22 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                 """The tile's rows (of `sequence` only, with slots) against kv head h."""
                 s_hi = f.alloca(I64, name="s_hi")
                 b.store(f.i64(0), s_hi)
+                s_lo = f.alloca(I64, name="s_lo")
+                b.store(f.i64(S), s_lo)
                 for r in range(TQ):
                     t = f.add(t0, r)
                     present = f.alloca(I64, name=f"lim{r}")
                     b.store(f.i64(0), present)
+                    f.store(f.i64(0), starts, r)
                     with f.when(b.icmp_signed("<", t, n)), f.when(inside(t)):
                         ours = f.i64(1) if sequence is None else b.zext(b.icmp_signed("==", slot(t), sequence), I64)
                         b.store(f.mul(f.add(position(t), 1), ours), present)
+                        f.store(first_position(t), starts, r)
+                        with f.when(b.icmp_signed("==", ours, f.i64(1))):
+                            b.store(f.smin(b.load(s_lo), first_position(t)), s_lo)
                     f.store(b.load(present), limits, r)
                     b.store(f.smax(b.load(s_hi), b.load(present)), s_hi)
-                attend(t0, TQ, h, f.i64(0), b.load(s_hi), sequence_base(sequence))
+                attend(t0, TQ, h, f.smin(b.load(s_lo), b.load(s_hi)), b.load(s_hi), sequence_base(sequence))
                 for r in range(TQ):
                     t = f.add(t0, r)
                     with f.when(b.icmp_signed(">", f.load(limits, r), f.i64(0))):

@@ -38,10 +38,9 @@ from llmc.backends.cpu.quant import (
     TiledWeight,
     vec,
 )
-from llmc.backends.kernel_names import fmt_float, kernel_key, kernel_name
-from llmc.ir import tgt
+from llmc.backends.kernel_names import kernel_key, kernel_name, rope_table
+from llmc.ir import llm, tgt
 from llmc.ir.formats import ACT_BLOCK, GROUP, SLICE
-from llmc.ir.interpreter import rope_inv_freq
 from llmc.ir.layouts import STRIP, TILE_K, Layout
 
 I64PTR = I64.as_pointer()
@@ -100,8 +99,8 @@ class KernelLibrary:
         self._cache[key] = fn
         return fn, KernelBuilder(self.module, fn)
 
-    def inv_freq_table(self, D: int, theta: float) -> ir.Value:
-        return f32_table(self.module, f"rope_inv_freq_d{D}_theta{fmt_float(theta)}", rope_inv_freq(D, theta))
+    def inv_freq_table(self, head_dim: int, rope: llm.RopeAttr) -> ir.Value:
+        return f32_table(self.module, *rope_table(head_dim, rope))
 
 
 SPINS_BEFORE_YIELD = 2000
@@ -163,7 +162,7 @@ def _weight_type(value) -> tgt.WeightType:
 
 
 def _embedding(lib: KernelLibrary, f: KernelBuilder, op: tgt.EmbeddingOp, a: dict) -> None:
-    """out[t] = table[tokens[t]], dequantizing the row."""
+    """out[t] = table[tokens[t]] (times `scale`), dequantizing the row."""
     table_type = _weight_type(op.table)
     D = table_type.shape[1]
     tokens = f.b.bitcast(a["tokens"], I32.as_pointer())
@@ -187,6 +186,9 @@ def _embedding(lib: KernelLibrary, f: KernelBuilder, op: tgt.EmbeddingOp, a: dic
             src = f.mul(tok, D)
             with f.loop(0, D, name="d") as d:
                 f.store(load_weight(f, src_base, f.add(src, d), table_type.storage), dst, d)
+        if op.scale is not None:
+            scale = op.scale.value.data
+            f.vec_map(D, [dst], dst, lambda v: f.fmul(v[0], f.const(v[0].type, scale)), name="s")
 
 
 def _tiles_row(f: KernelBuilder, w: TiledWeight, j: ir.Value, D: int, dst: ir.Value) -> None:
@@ -219,26 +221,34 @@ def _tiles_row(f: KernelBuilder, w: TiledWeight, j: ir.Value, D: int, dst: ir.Va
 
 
 def _rms_norm(lib: KernelLibrary, f: KernelBuilder, op: tgt.RMSNormOp, a: dict) -> None:
-    """out[t] = x[t] / rms(x[t]) * w, into float rows or quantized rows."""
-    D = tgt.row_width(op.x)
+    """out[t] = x[t] / rms(x[t]) * w, into float rows or quantized rows; with `groups`, each
+    group of the weight's width in a row on its own (float rows)."""
+    D = tgt.row_width(op.x) // op.groups
     eps = op.eps.value.data
     x, w = floats(f, a["x"]), floats(f, a["weight"])
     quantized = tgt.is_quantized(op.out)
     q = QRowsAccess(f, a["out"], op.out.type) if quantized else None
     out = None if quantized else floats(f, a["out"])
+
+    def normalize(item: ir.Value) -> None:  # one group of D floats into float rows
+        row = f.ptr(x, f.mul(item, D))
+        inv = inv_rms(f, row, D, eps)
+        f.vec_map(D, [row, w], f.ptr(out, f.mul(item, D)),
+                  lambda v: f.fmul(f.fmul(v[0], f.splat(inv, v[0].type)), v[1]), name="k")
+
+    if q is None:
+        with f.loop(*f.share(f.mul(a["rows"], op.groups), a["tid"], a["nth"]), name="t") as item:
+            normalize(item)
+        return
     with f.loop(*f.share(a["rows"], a["tid"], a["nth"]), name="t") as t:
         row = f.ptr(x, f.mul(t, D))
         inv = inv_rms(f, row, D, eps)
-        if q is None:
-            dst = f.ptr(out, f.mul(t, D))
-            f.vec_map(D, [row, w], dst, lambda v: f.fmul(f.fmul(v[0], f.splat(inv, v[0].type)), v[1]), name="k")
-        else:
-            inv16 = f.splat(inv, vec(F32, 16))
-            with f.loop(0, D // ACT_BLOCK, name="b", unroll=False) as blk:
-                base = f.mul(blk, ACT_BLOCK)
-                v0, v1 = (f.fmul(f.fmul(f.vload(row, f.add(base, o)), inv16), f.vload(w, f.add(base, o)))
-                          for o in (0, 16))
-                q.store_block(t, blk, v0, v1)
+        inv16 = f.splat(inv, vec(F32, 16))
+        with f.loop(0, D // ACT_BLOCK, name="b", unroll=False) as blk:
+            base = f.mul(blk, ACT_BLOCK)
+            v0, v1 = (f.fmul(f.fmul(f.vload(row, f.add(base, o)), inv16), f.vload(w, f.add(base, o)))
+                      for o in (0, 16))
+            q.store_block(t, blk, v0, v1)
 
 
 def _quantize(lib: KernelLibrary, f: KernelBuilder, op: tgt.QuantizeOp, a: dict) -> None:
@@ -262,6 +272,7 @@ def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> 
     out = floats(f, a["out"])
     bias = floats(f, a["bias"]) if "bias" in a else None
     accumulate = op.accumulate is not None
+    softcap = op.softcap.value.data if op.softcap is not None else None
 
     def finish(ts: list[ir.Value], js: list[ir.Value], vals: list[list[list[ir.Value]]]) -> None:
         biases = [f.load(bias, j) for j in js] if bias is not None else None
@@ -270,6 +281,8 @@ def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> 
                 v = vals[0][ri][ci]
                 if biases is not None:
                     v = f.b.fadd(v, biases[ci])
+                if softcap is not None:
+                    v = f.softcap(v, softcap)
                 idx = f.add(f.mul(t, N), j)
                 if accumulate:
                     v = f.b.fadd(f.load(out, idx), v)
@@ -280,7 +293,7 @@ def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> 
 
 
 def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> None:
-    """out[t, j] = silu(x̂[t]·w_gate[j]) * (x̂[t]·w_up[j]), into float rows or quantized rows.
+    """out[t, j] = silu(x̂[t]·w_gate[j]) * (x̂[t]·w_up[j]) (`gelu`: gelu), into float rows or quantized rows.
 
     Quantized rows are written a block of 32 columns at a time: the thread computing
     the block keeps it in `block` (one tile of rows) and quantizes it when it is full.
@@ -298,7 +311,7 @@ def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> 
         g = ir.Constant(ir.VectorType(F32, len(cells)), None)
         for i, (ri, ci) in enumerate(cells):
             g = b.insert_element(g, vals[0][ri][ci], ir.Constant(I32, i))
-        act = f.silu(g)
+        act = f.gelu_tanh(g) if op.gelu is not None else f.silu(g)
         for i, (ri, ci) in enumerate(cells):
             y = b.fmul(b.extract_element(act, ir.Constant(I32, i)), vals[1][ri][ci])
             if block is not None:
@@ -344,5 +357,6 @@ _EMITTERS: dict[type[tgt.Kernel], Callable] = {
     tgt.AddOp: _elementwise(lambda f, v: f.b.fadd(v[0], v[1]), ("lhs", "rhs")),
     tgt.MulOp: _elementwise(lambda f, v: f.b.fmul(v[0], v[1]), ("lhs", "rhs")),
     tgt.SiluOp: _elementwise(lambda f, v: f.silu(v[0]), ("x",)),
+    tgt.GeluOp: _elementwise(lambda f, v: f.gelu_tanh(v[0]), ("x",)),
 }
 

@@ -33,10 +33,9 @@ from xdsl.dialects.builtin import MemRefType
 from llmc.backends.builder import F32, F64, FPTR, I32, I64, KernelBuilder, f32_table
 from llmc.backends.cuda.device import WARP, Emulated, Ptx
 from llmc.backends.cuda.weights import F16, I8, I8PTR, WeightRows, load_f16, typed
-from llmc.backends.kernel_names import fmt_float, kernel_key, kernel_name
+from llmc.backends.kernel_names import kernel_key, kernel_name, rope_table
 from llmc.errors import LlmcError
-from llmc.ir import tgt
-from llmc.ir.interpreter import rope_inv_freq
+from llmc.ir import llm, tgt
 
 THREADS = 128  # threads of every block
 WARPS = THREADS // WARP
@@ -191,14 +190,17 @@ def _matrices(op: tgt.Kernel) -> list:
 
 def _epilogue(f: KernelBuilder, op: tgt.Kernel, a: dict[str, ir.Value], totals: list[ir.Value], dest: ir.Value,
               feature: ir.Value) -> None:
-    """Store one output of a matmul (`+ bias`, `+=` with `accumulate`) or of SwiGLU (`silu(gate) · up`)."""
+    """Store one output of a matmul (`+ bias`, soft-capped, `+=` with `accumulate`) or of SwiGLU
+    (`silu(gate) · up`, or gelu's)."""
     out = _fptr(f, a["out"])
     if isinstance(op, tgt.SwigluOp):
-        value = f.fmul(f.silu(totals[0]), totals[1])
+        value = f.fmul(f.gelu_tanh(totals[0]) if op.gelu is not None else f.silu(totals[0]), totals[1])
     else:
         value = totals[0]
         if a.get("bias") is not None:
             value = f.fadd(value, f.load(_fptr(f, a["bias"]), feature))
+        if op.softcap is not None:
+            value = f.softcap(value, op.softcap.value.data)
         if op.accumulate is not None:
             value = f.fadd(value, f.load(out, dest))
     f.store(value, out, dest)
@@ -378,24 +380,29 @@ def _embedding(e: _Emit) -> list[Launch]:
         with f.when(_lt(f, col, width)):
             token = _index(f, a["tokens"], t)
             table = WeightRows(f, a["table"], op.table.type)
-            f.store(table.element(token, col), _fptr(f, a["out"]), f.add(f.mul(t, width), col))
+            value = table.element(token, col)
+            if op.scale is not None:
+                value = f.fmul(value, f.f32(op.scale.value.data))
+            f.store(value, _fptr(f, a["out"]), f.add(f.mul(t, width), col))
 
     return [e.kernel("", body, _elementwise_grid(width))]
 
 
 def _rms_norm(e: _Emit) -> list[Launch]:
     op, dev = e.op, e.dev
-    width = tgt.row_width(op.x)
+    width = tgt.row_width(op.x) // op.groups  # one block per row, its groups one after another
 
     def body(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
         t, tid = dev.ctaid(f, "y"), dev.tid(f)
-        x = f.b.gep(_fptr(f, a["x"]), [f.mul(t, width)])
-        out = f.b.gep(_fptr(f, a["out"]), [f.mul(t, width)])
-        inv = _inv_rms(f, dev, x, width, op.eps.value.data, tid, THREADS,
-                       lambda f, v: dev.block_sum(f, v, WARPS, "ss"))
-        w = _fptr(f, a["weight"])
-        with _strided(f, tid, width, THREADS, "c") as c:
-            f.store(f.fmul(f.fmul(f.load(x, c), inv), f.load(w, c)), out, c)
+        with f.loop(0, op.groups, name="g", unroll=False) as g:
+            item = f.add(f.mul(t, op.groups), g)
+            x = f.b.gep(_fptr(f, a["x"]), [f.mul(item, width)])
+            out = f.b.gep(_fptr(f, a["out"]), [f.mul(item, width)])
+            inv = _inv_rms(f, dev, x, width, op.eps.value.data, tid, THREADS,
+                           lambda f, v: dev.block_sum(f, v, WARPS, "ss"))
+            w = _fptr(f, a["weight"])
+            with _strided(f, tid, width, THREADS, "c") as c:
+                f.store(f.fmul(f.fmul(f.load(x, c), inv), f.load(w, c)), out, c)
 
     return [e.kernel("", body, (1, PerRows(1), 1))]
 
@@ -413,17 +420,20 @@ def _elementwise(e: _Emit, names: tuple[str, ...], fn: Callable) -> list[Launch]
     return [e.kernel("", body, _elementwise_grid(width))]
 
 
-def _rotate(f: KernelBuilder, dev, x: ir.Value, heads: int, d: int, position: ir.Value, theta: float) -> None:
-    """Rotate-half RoPE in place of the `heads` heads at `x` (one row), threads striding the pairs:
-    f32 angles as numpy computes them, sin and cos in f64 (`KernelBuilder.sincos`)."""
-    half = d // 2
-    freqs = f.b.bitcast(f32_table(f.module, f"rope_inv_freq_d{d}_theta{fmt_float(theta)}",
-                                  rope_inv_freq(d, theta)), FPTR)
+def _rotate(f: KernelBuilder, dev, x: ir.Value, heads: int, d: int, position: ir.Value, rope: llm.RopeAttr) -> None:
+    """Rotate-half RoPE in place of the `heads` heads at `x` (one row; the first `dims` of each),
+    threads striding the pairs: f32 angles as numpy computes them, sin and cos in f64
+    (`KernelBuilder.sincos`), times `mscale`."""
+    half = rope.rotary_dims(d) // 2
+    freqs = f.b.bitcast(f32_table(f.module, *rope_table(d, rope)), FPTR)
     pos = f.b.sitofp(position, F32)
     with _strided(f, dev.tid(f), heads * half, THREADS, "p") as p:
         h, i = f.b.udiv(p, f.i64(half)), f.b.urem(p, f.i64(half))
         angle = f.fmul(pos, f.load(freqs, i), flags=())
         sin, cos = (f.b.fptrunc(v, F32) for v in f.sincos(f.b.fpext(angle, F64)))
+        if rope.mscale.data != 1.0:
+            m = ir.Constant(F32, rope.mscale.data)
+            sin, cos = f.fmul(sin, m, flags=()), f.fmul(cos, m, flags=())
         lo = f.add(f.mul(h, d), i)
         hi = f.add(lo, half)
         x1, x2 = f.load(x, lo), f.load(x, hi)
@@ -438,7 +448,7 @@ def _rope(e: _Emit) -> list[Launch]:
     def body(f: KernelBuilder, a: dict[str, ir.Value]) -> None:
         t = dev.ctaid(f, "y")
         position = _index(f, a["positions"], t)
-        _rotate(f, dev, f.b.gep(_fptr(f, a["x"]), [f.mul(t, heads * d)]), heads, d, position, op.theta.value.data)
+        _rotate(f, dev, f.b.gep(_fptr(f, a["x"]), [f.mul(t, heads * d)]), heads, d, position, op.rope)
 
     return [e.kernel("", body, (1, PerRows(1), 1))]
 
@@ -506,6 +516,15 @@ def _attention(e: _Emit) -> list[Launch]:
     splits = SPLITS if e.rows <= op.split_rows else 1
     lanes = -(-d // WARP)  # head-dimension elements per lane
     stride = d + 2  # a partial result: d weighted values, the maximum, the sum
+    window = op.window.value.data if op.window is not None else None
+    softcap = op.softcap.value.data if op.softcap is not None else None
+
+    def first(f: KernelBuilder, end: ir.Value) -> ir.Value:
+        """The first position a row whose positions end at `end` attends to (a sliding window's)."""
+        return f.i64(0) if window is None else f.smax(0, f.sub(end, window))
+
+    def capped(f: KernelBuilder, x: ir.Value) -> ir.Value:
+        return x if softcap is None else f.softcap(x, softcap)
 
     def slot(f: KernelBuilder, a: dict[str, ir.Value], t: ir.Value) -> ir.Value | None:
         """Row t's sequence, in a cache of several."""
@@ -518,8 +537,8 @@ def _attention(e: _Emit) -> list[Launch]:
         k = f.b.gep(_fptr(f, a["k"]), [f.mul(t, kv_heads * d)])
         v = f.b.gep(_fptr(f, a["v"]), [f.mul(t, kv_heads * d)])
         if op.rope is not None:
-            _rotate(f, dev, q, heads, d, position, op.rope.value.data)
-            _rotate(f, dev, k, kv_heads, d, position, op.rope.value.data)
+            _rotate(f, dev, q, heads, d, position, op.rope)
+            _rotate(f, dev, k, kv_heads, d, position, op.rope)
             dev.barrier(f)
         for name, src in (("k_cache", k), ("v_cache", v)):
             cache = _Cache(f, a[name], getattr(op, name).type, d, slot(f, a, t))
@@ -538,7 +557,7 @@ def _attention(e: _Emit) -> list[Launch]:
         dims = [f.add(lane, WARP * i) for i in range(lanes)]
         valid = [_lt(f, i, d) for i in dims]
         safe = [f.smin(i, d - 1) for i in dims]
-        scale = f.f32(1.0 / np.sqrt(d))
+        scale = f.f32(op.scale.value.data if op.scale is not None else 1.0 / np.sqrt(d))
         qs = [b.select(ok, f.fmul(f.load(q, i), scale), f.f32(0.0)) for ok, i in zip(valid, safe)]
         m, l = f.alloca(F32, name="m"), f.alloca(F32, name="l")
         accs = [f.alloca(F32, name=f"o{i}") for i in range(lanes)]
@@ -550,7 +569,7 @@ def _attention(e: _Emit) -> list[Launch]:
             part = f.f32(0.0)
             for qv, i in zip(qs, safe):
                 part = f.fadd(part, f.fmul(qv, keys.load(kvh, p, i)))
-            score = dev.warp_sum(f, part)
+            score = capped(f, dev.warp_sum(f, part))
             m_old = b.load(m)
             m_new = f.intrinsic("llvm.maxnum", m_old, score)
             keep, weight = f.exp(f.fsub(m_old, m_new)), f.exp(f.fsub(score, m_new))
@@ -568,7 +587,7 @@ def _attention(e: _Emit) -> list[Launch]:
         h, t = dev.ctaid(f, "x"), f.add(f.mul(dev.ctaid(f, "y"), WARPS), warp)
         with f.when(_lt(f, t, a["rows"])):
             end = f.add(_index(f, a["positions"], t), 1)
-            _, l, accs, valid, dims = online_softmax(f, a, h, t, f.i64(0), end, 1, lane)
+            _, l, accs, valid, dims = online_softmax(f, a, h, t, first(f, end), end, 1, lane)
             out = _fptr(f, a["out"])
             for ok, i, acc in zip(valid, dims, accs):
                 with f.when(ok):
@@ -580,9 +599,11 @@ def _attention(e: _Emit) -> list[Launch]:
         b = f.b
         h, t, split = dev.ctaid(f, "x"), dev.ctaid(f, "y"), dev.ctaid(f, "z")
         tid, lane, warp = dev.lanes(f)
-        total = f.add(_index(f, a["positions"], t), 1)
-        lo = b.sdiv(f.mul(total, split), f.i64(splits))
-        hi = b.sdiv(f.mul(total, f.add(split, 1)), f.i64(splits))
+        end = f.add(_index(f, a["positions"], t), 1)
+        start = first(f, end)
+        total = f.sub(end, start)
+        lo = f.add(start, b.sdiv(f.mul(total, split), f.i64(splits)))
+        hi = f.add(start, b.sdiv(f.mul(total, f.add(split, 1)), f.i64(splits)))
         m, l, accs, valid, dims = online_softmax(f, a, h, t, f.add(lo, warp), hi, WARPS, lane)
         slots = dev.shared(f, "warps", WARPS * stride)
         mine = f.mul(warp, stride)
@@ -691,4 +712,5 @@ _EMITTERS: dict[type, Callable[[_Emit], list[Launch]]] = {
     tgt.AddOp: lambda e: _elementwise(e, ("lhs", "rhs"), lambda f, x, y: f.fadd(x, y)),
     tgt.MulOp: lambda e: _elementwise(e, ("lhs", "rhs"), lambda f, x, y: f.fmul(x, y)),
     tgt.SiluOp: lambda e: _elementwise(e, ("x",), lambda f, x: f.silu(x)),
+    tgt.GeluOp: lambda e: _elementwise(e, ("x",), lambda f, x: f.gelu_tanh(x)),
 }

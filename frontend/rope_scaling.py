@@ -1,0 +1,120 @@
+"""RoPE scaling schemes → the per-pair frequency divisors and cos/sin factor of `#llm.rope`.
+
+Every scheme a supported family uses changes only each rotating pair's frequency
+`theta^(-2i/dims)` (divided by a factor per pair) and, for YaRN and LongRoPE, scales
+cos and sin by an attention factor. So the frontends turn a config's scaling into
+`RopeScaling(factors, mscale)` here, and the IR carries those numbers:
+
+    llama3      factor 8, low 1, high 4, original 8192  →  factors [1.0, …, 1.0, 1.7, …, 8.0]
+    linear      factor 4                                →  factors [4.0, 4.0, …]
+    yarn        factor 4, original 4096                 →  factors ramping 1 → 4, mscale 1.139
+    longrope    short_factor [...], original 4096        →  factors short_factor, mscale √(1 + ln s / ln 4096)
+
+The arithmetic follows Hugging Face's `modeling_rope_utils` (float32 frequencies).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from llmc.errors import ModelFormatError
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    factors: tuple[float, ...] = ()  # empty: no scaling
+    mscale: float = 1.0
+
+
+def _base_inv_freq(theta: float, dims: int) -> np.ndarray:
+    return (1.0 / (theta ** (np.arange(0, dims, 2, dtype=np.float32) / dims))).astype(np.float32)
+
+
+def _number(source: object, params: dict, key: str, default: float | None = None) -> float:
+    value = params.get(key, default)
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise ModelFormatError(source, f"RoPE scaling: {key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _llama3(source: object, params: dict, theta: float, dims: int, max_positions: int) -> RopeScaling:
+    factor = _number(source, params, "factor")
+    low, high = _number(source, params, "low_freq_factor"), _number(source, params, "high_freq_factor")
+    original = _number(source, params, "original_max_position_embeddings")
+    if not (factor > 0 and high > low > 0 and original > 0):
+        raise ModelFormatError(source, "RoPE scaling llama3: needs factor > 0 and high_freq_factor > low_freq_factor > 0")
+    wavelength = 2 * math.pi / _base_inv_freq(theta, dims).astype(np.float64)
+    smooth = (original / wavelength - low) / (high - low)
+    medium = 1 / ((1 - smooth) / factor + smooth)
+    factors = np.where(wavelength < original / high, 1.0, np.where(wavelength > original / low, factor, medium))
+    return RopeScaling(tuple(float(f) for f in factors))
+
+
+def _linear(source: object, params: dict, theta: float, dims: int, max_positions: int) -> RopeScaling:
+    factor = _number(source, params, "factor")
+    if not factor > 0:
+        raise ModelFormatError(source, f"RoPE scaling linear: factor must be positive, got {factor}")
+    return RopeScaling((factor,) * (dims // 2))
+
+
+def _yarn(source: object, params: dict, theta: float, dims: int, max_positions: int) -> RopeScaling:
+    original = _number(source, params, "original_max_position_embeddings")
+    factor = _number(source, params, "factor", max_positions / original)
+    if not (factor > 0 and original > 0):
+        raise ModelFormatError(source, "RoPE scaling yarn: factor and original_max_position_embeddings must be positive")
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if params.get("attention_factor") is not None:
+        attention = _number(source, params, "attention_factor")
+    elif params.get("mscale") and params.get("mscale_all_dim"):
+        attention = mscale(factor, _number(source, params, "mscale")) / mscale(factor, _number(source, params, "mscale_all_dim"))
+    else:
+        attention = mscale(factor)
+    fast, slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction(rotations: float) -> float:
+        return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction(fast), correction(slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dims // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # 1: the pair keeps its frequency, 0: divided by the factor
+    factors = 1 / ((1 - extrapolation) / factor + extrapolation)
+    return RopeScaling(tuple(float(f) for f in factors), attention)
+
+
+def _longrope(source: object, params: dict, theta: float, dims: int, max_positions: int) -> RopeScaling:
+    """LongRoPE (Phi-3): the short factors, which hold up to the original context length."""
+    short = params.get("short_factor")
+    if not (isinstance(short, list) and len(short) == dims // 2 and all(type(v) in (int, float) and v > 0 for v in short)):
+        raise ModelFormatError(source, f"RoPE scaling longrope: short_factor must be {dims // 2} positive numbers")
+    original = _number(source, params, "original_max_position_embeddings", max_positions)
+    factor = _number(source, params, "factor", max_positions / original)
+    if params.get("attention_factor") is not None:
+        attention = _number(source, params, "attention_factor")
+    else:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(tuple(float(v) for v in short), attention)
+
+
+_SCHEMES = {"llama3": _llama3, "linear": _linear, "yarn": _yarn, "longrope": _longrope}
+
+
+def hf_rope_scaling(source: object, params: dict, theta: float, dims: int, max_positions: int) -> RopeScaling:
+    """The scaling a Hugging Face config's `rope_scaling` / `rope_parameters` dict asks for."""
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return RopeScaling()
+    if kind not in _SCHEMES:
+        raise ModelFormatError(source, f"RoPE scaling '{kind}' is not supported "
+                                       f"(supported: default, {', '.join(_SCHEMES)})")
+    return _SCHEMES[kind](source, params, theta, dims, max_positions)

@@ -1,0 +1,173 @@
+"""Model families beyond Llama: RoPE scaling (llama3, linear, YaRN, LongRoPE), partial rotary,
+head_dim ≠ hidden/heads, Qwen3's per-head q/k norms, sliding-window attention (Mistral,
+Phi-3), Phi-3's fused tensors, and Gemma 2/3 ((1 + w) norms, GeGLU, sandwich norms,
+soft-capping, query_pre_attn_scalar, alternating local and global layers with their own
+RoPE bases). Tiny random-weight models written with transformers'
+names, checked against transformers fp32 (interpreter and compiled artifact, through
+`llmc verify`), with the KV cache past the window, and as GGUF files against their HF twins."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_compile import TOKENS as COMPILE_TOKENS
+from test_compile import _close, artifact  # noqa: F401 (the fixture)
+from test_interpreter import TOKENS, _assert_close_to_reference, _logits
+from tiny_models import TinySpec
+
+from llmc.cli import main
+from llmc.frontend import import_model, load_model
+from llmc.ir import find_function
+from llmc.ir.interpreter import KVCache, forward_logits
+from llmc.runtime.session import Session
+from llmc.verify import teacher_forced
+
+LLAMA3 = (("rope_type", "llama3"), ("factor", 8.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
+          ("original_max_position_embeddings", 16))  # pair 0 in the smoothed band, pairs 1-3 divided by 8
+LONGROPE = (("rope_type", "longrope"), ("short_factor", (1.0, 1.5, 2.0, 4.0)), ("long_factor", (2.0, 3.0, 4.0, 8.0)),
+            ("original_max_position_embeddings", 64))  # prompts stay below 64 tokens: the short factors
+
+FAMILIES = {
+    "llama3-rope": TinySpec(rope_scaling=LLAMA3, tied=False),
+    "linear-rope": TinySpec(rope_scaling=(("rope_type", "linear"), ("factor", 4.0))),
+    "yarn-rope": TinySpec(hidden=32, heads=2, kv_heads=1, head_dim=16,
+                          rope_scaling=(("rope_type", "yarn"), ("factor", 4.0), ("original_max_position_embeddings", 16))),
+    "qwen3": TinySpec(arch="qwen3", head_dim=16, tied=False),  # head_dim 16 ≠ 32 / 4 heads
+    "qwen3-mha-odd": TinySpec(arch="qwen3", hidden=24, heads=3, kv_heads=3, head_dim=8, layers=3),
+    "mistral-window4": TinySpec(arch="mistral", sliding_window=4, tied=False),
+    "mistral-gqa1-window6": TinySpec(arch="mistral", heads=4, kv_heads=1, sliding_window=6),
+    "phi3": TinySpec(arch="phi3", heads=4, kv_heads=4, tied=False),
+    "phi3-gqa-partial-longrope-window5": TinySpec(arch="phi3", hidden=64, heads=4, kv_heads=2, head_dim=16,
+                                                  partial_rotary=0.5, rope_scaling=LONGROPE, sliding_window=5,
+                                                  context_length=128),
+    "gemma2": TinySpec(arch="gemma2", head_dim=16, tied=True, layer_types=("sliding_attention", "full_attention"),
+                       sliding_window=4, attn_softcap=5.0, final_softcap=8.0, query_pre_attn_scalar=24),
+    "gemma2-gguf": TinySpec(arch="gemma2", hidden=48, heads=3, kv_heads=1, head_dim=16, tied=True, layers=4,
+                            layer_types=("sliding_attention", "full_attention") * 2, sliding_window=4,
+                            attn_softcap=5.0, final_softcap=8.0),
+    "gemma3-linear-global": TinySpec(arch="gemma3", heads=4, kv_heads=1, head_dim=16, layers=3, rope_theta=1e6,
+                                     layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+                                     sliding_window=5, rope_scaling=(("rope_type", "linear"), ("factor", 8.0))),
+}
+WINDOWED = [k for k, spec in FAMILIES.items() if spec.sliding_window]
+# the families llama.cpp converts to GGUF whose features the tiny GGUF writer can express
+GGUF_FAMILIES = ["llama3-rope", "linear-rope", "qwen3", "qwen3-mha-odd", "mistral-window4", "phi3", "gemma2-gguf",
+                 "gemma3-linear-global"]
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("name", FAMILIES)
+def test_interpreter_matches_transformers(tiny: Callable[..., Path], name: str) -> None:
+    pytest.importorskip("transformers")
+    from llmc.frontend.reference import reference_logits
+
+    path = tiny(FAMILIES[name], "hf")
+    _assert_close_to_reference(_logits(path), reference_logits(path, TOKENS))
+
+
+@pytest.mark.parametrize("split", [3, 9])
+@pytest.mark.parametrize("name", WINDOWED + ["qwen3"])
+def test_prefill_then_decode_equals_one_forward(tiny: Callable[..., Path], name: str, split: int) -> None:
+    """prefill(n) + decode one by one = prefill(all), with the windows passed (14 tokens, windows ≤ 6)."""
+    model = load_model(str(tiny(FAMILIES[name], "hf")))
+    module = import_model(model)
+    full = forward_logits(module, model.weights, TOKENS)
+    cache = KVCache.for_type(find_function(module, "forward").function_type.inputs.data[2])
+    steps = [forward_logits(module, model.weights, TOKENS[:split], cache=cache)]
+    steps += [forward_logits(module, model.weights, [t], start=split + i, cache=cache)
+              for i, t in enumerate(TOKENS[split:])]
+    # a different token count changes numpy's summation order: a few float32 ulps of the values inside (~100)
+    np.testing.assert_allclose(np.concatenate(steps), full, rtol=1e-6, atol=max(3e-5, 1e-6 * np.abs(full).max()))
+
+
+def test_the_window_changes_the_result(tiny: Callable[..., Path]) -> None:
+    """Not vacuous: the same weights without the window give other logits once past it."""
+    spec = FAMILIES["mistral-window4"]
+    windowed = _logits(tiny(spec, "hf"))
+    unwindowed = _logits(tiny(TinySpec(arch="mistral", tied=False), "hf"))
+    np.testing.assert_allclose(windowed[:4], unwindowed[:4], rtol=1e-5, atol=1e-5)
+    assert np.abs(windowed[4:] - unwindowed[4:]).max() > 1e-2
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("name", FAMILIES)
+def test_compiled_artifact_passes_verify(tiny: Callable[..., Path], name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`llmc verify` (float weights, compute and KV cache): transformers, the `llm` and `tgt` interpreters and
+    the compiled CPU artifact on one prompt (longer than the windows), every stage at cosine ≥ 0.9999
+    and 100% top-1 — prefill then teacher-forced decode through the KV cache."""
+    pytest.importorskip("transformers")
+    path = tiny(FAMILIES[name], "hf")
+    code = main(["verify", str(path), "--quant", "f32", "--compute", "a32", "--kv-type", "f32", "--prompt",
+                 "The capital of France is Paris, and 2018 was a year."])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = [line for line in out.splitlines() if "top-1" in line or "%" in line]
+    assert any("compiled" in line or "artifact" in line for line in out.splitlines()), out
+    assert rows and all("100" in line for line in rows if "%" in line), out
+
+
+@pytest.mark.parametrize("group", [True, False], ids=["grouped", "no-group"])
+@pytest.mark.parametrize("name", ["qwen3", "phi3-gqa-partial-longrope-window5", "gemma2", "gemma3-linear-global"])
+def test_compiled_artifact_matches_the_interpreter(tiny: Callable[..., Path], artifact, name: str,  # noqa: F811
+                                                   group: bool) -> None:
+    """The compiled CPU kernels, fused (`group`) or one op at a time (`--no-group`: the standalone RoPE,
+    per-head norm, GeLU and elementwise kernels), teacher-forced in chunks of 4 then decode, against
+    the `llm` interpreter."""
+    spec = FAMILIES[name]
+    session = Session(artifact(spec, group=group, form="hf"))
+    model = load_model(str(tiny(spec, "hf")))
+    expected = forward_logits(import_model(model), model.weights, COMPILE_TOKENS)
+    _close(teacher_forced(lambda chunk, start: session.feed(chunk), COMPILE_TOKENS), expected)
+
+
+@pytest.mark.parametrize("name", GGUF_FAMILIES)
+def test_gguf_imports_like_its_hf_twin(tiny: Callable[..., Path], name: str) -> None:
+    """The same weights as a GGUF file with llama.cpp's names, metadata and tensors (`rope_freqs`,
+    fused `attn_qkv` / `ffn_up`, `attention.key_length`, `attention.sliding_window`) compute what
+    the HF directory computes."""
+    spec = FAMILIES[name]
+    g, h = load_model(str(tiny(spec, "gguf"))), load_model(str(tiny(spec, "hf")))
+    assert (g.config.qk_norm, g.config.sliding_layers, g.config.head_dim, g.config.rope_dims) == (
+        h.config.qk_norm, h.config.sliding_layers, h.config.head_dim, h.config.rope_dims)
+    np.testing.assert_allclose(g.config.rope_factors, h.config.rope_factors, rtol=1e-6)
+    np.testing.assert_allclose(forward_logits(import_model(g), g.weights, TOKENS),
+                               forward_logits(import_model(h), h.weights, TOKENS), rtol=1e-5, atol=1e-5)
+
+
+def test_ir_names_the_family_features(tiny: Callable[..., Path]) -> None:
+    from llmc.ir.text import parse_module, print_module
+
+    text = print_module(import_model(load_model(str(tiny(FAMILIES["phi3-gqa-partial-longrope-window5"], "hf")))))
+    assert "<theta 10000.0, dims 8, mscale " in text and "factors [1.0, 1.5, 2.0, 4.0]" in text
+    assert "window 5" in text
+    assert print_module(parse_module(text)) == text
+    qwen3 = print_module(import_model(load_model(str(tiny(FAMILIES["qwen3"], "hf")))))
+    assert "llm.rms_norm %l0_q_heads, %blk_0_attn_q_norm" in qwen3
+
+
+REFUSED = {
+    "dynamic-rope": ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "RoPE scaling 'dynamic' is not supported"),
+    "llama-gelu": ({"hidden_act": "gelu"}, "activation 'gelu' is not supported for llama"),
+    "partial-rotary-zero": ({"partial_rotary_factor": 0.0}, "partial_rotary_factor must be in (0, 1]"),
+    "llama3-no-factor": ({"rope_scaling": {"rope_type": "llama3", "low_freq_factor": 1.0}}, "factor must be a number"),
+    "bad-layer-types": ({"layer_types": ["sliding_attention"], "sliding_window": 4}, "layer_types must list 2"),
+    "gemma3-multimodal": ({"architectures": ["Gemma3ForConditionalGeneration"]}, "unsupported architecture"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_unsupported_configs_are_one_line(tiny: Callable[..., Path], tmp_path: Path, name: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+    import shutil
+
+    change, message = REFUSED[name]
+    directory = shutil.copytree(tiny(TinySpec(), "hf"), tmp_path / name)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | change))
+    assert main(["ir", str(directory)]) != 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err

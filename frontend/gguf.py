@@ -1,4 +1,5 @@
-"""GGUF files (architectures `llama`, `qwen2`, `qwen3`, `phi3`, `gemma2`, `gemma3`) → `Model`.
+"""GGUF files (architectures `llama` (with experts: Mixtral), `qwen2`, `qwen3`, `qwen3moe`, `phi3`,
+`gemma2`, `gemma3`) → `Model`.
 
 The file is parsed by the bounded reader in `gguf_reader`; tensors stay in the file:
 each `Weight` is a memory-mapped view in its GGUF storage type (q8_0, q4_1, … are
@@ -23,7 +24,7 @@ from llmc.ir.formats import GGUF_STORAGE, Storage
 from llmc.ir.weights import Weight, WeightStore
 from llmc.runtime.codec import TextCodec
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
 # Architectures whose converter permuted Q/K rows for llama.cpp's interleaved RoPE.
 _PERMUTED_QK = ("llama",)
 # Architectures whose `attention.sliding_window` applies to every layer.
@@ -138,6 +139,16 @@ def _rope(meta: _Metadata, weights: WeightStore, a: str, head_dim: int) -> dict:
     }
 
 
+def _experts(meta: _Metadata, a: str, ffn: int) -> dict:
+    """A mixture of experts' fields (`expert_count`, …; Mixtral is a `llama` with experts), their
+    weights renormalized as llama.cpp always does for these architectures."""
+    experts = meta.get(a + "expert_count", int, 0)
+    if not experts:
+        return {}
+    return {"experts": experts, "experts_used": meta.require(a + "expert_used_count", int),
+            "expert_ffn": meta.get(a + "expert_feed_forward_length", int, ffn), "experts_normalized": True}
+
+
 def load_gguf(path: Path) -> Model:
     """Read a GGUF file's config, weights (lazily) and tokenizer recipe."""
     gguf = read_gguf(path)
@@ -176,7 +187,7 @@ def load_gguf(path: Path) -> Model:
                 weights.add(fused.row_slice(f"blk.{i}.ffn_gate_up", 0, fused.shape[0]))
     window = meta.get(a + "attention.sliding_window", int)
     sliding = tuple(range(layers)) if window and arch in _WINDOWED_EVERYWHERE else ()
-    gemma = {}
+    gemma = _experts(meta, a, ffn)
     if arch in _GEMMA:
         pattern, default_window, layers_27b = _GEMMA[arch]
         window = window or default_window
@@ -200,7 +211,7 @@ def load_gguf(path: Path) -> Model:
         context_length=meta.require(a + "context_length", int),
         tied_embeddings="output" not in weights,
         qkv_bias="blk.0.attn_q.bias" in weights,
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
         sliding_window=window if sliding else None,
         sliding_layers=sliding,
         **rope,

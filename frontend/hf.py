@@ -29,9 +29,10 @@ from llmc.runtime.codec import TextCodec
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral",
 }
 GEMMA = ("gemma2", "gemma3")
+MOE = ("qwen3moe", "mixtral")
 
 _DTYPES = {"F32": (np.float32, Storage.F32), "F16": (np.float16, Storage.F16), "BF16": (np.uint16, Storage.BF16)}
 
@@ -68,6 +69,12 @@ _GEMMA_LAYER_NAMES = _LAYER_NAMES | {
 _GEMMA_NORMS = ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm", "output_norm", "attn_q_norm",
                 "attn_k_norm")
 _LAYER = re.compile(r"model\.layers\.(\d{1,6})\.(.+)")
+# mixture of experts: the router, and each expert's matrices (Qwen3-MoE's and Mixtral's names on the
+# Hub; transformers 5's stacked `experts.gate_up_proj` / `experts.down_proj`), stacked by `_stack_experts`
+_MOE_NAMES = {"mlp.gate.weight": "ffn_gate_inp", "block_sparse_moe.gate.weight": "ffn_gate_inp",
+              "mlp.experts.gate_up_proj": "ffn_gate_up_exps", "mlp.experts.down_proj": "ffn_down_exps"}
+_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d{1,6})\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_EXPERT_KINDS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 _MAX_HEADER = 16 * 1024 * 1024  # safetensors headers and JSON files; real ones are far smaller
 
 
@@ -75,11 +82,42 @@ def ir_name(hf_name: str, arch: str = "llama") -> str | None:
     """The IR symbol of a Hugging Face tensor name, or None for tensors the graph does not use."""
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
-    names = _GEMMA_LAYER_NAMES if arch in GEMMA else _LAYER_NAMES
+    names = _GEMMA_LAYER_NAMES if arch in GEMMA else _LAYER_NAMES | _MOE_NAMES if arch in MOE else _LAYER_NAMES
     m = _LAYER.fullmatch(hf_name)
     if m and m.group(2) in names:
         return f"blk.{int(m.group(1))}.{names[m.group(2)]}"
+    expert = _EXPERT.fullmatch(m.group(2)) if m and arch in MOE else None
+    if expert:  # one expert's matrix: `blk.3.ffn_up_exps.7`
+        return f"blk.{int(m.group(1))}.ffn_{_EXPERT_KINDS[expert.group(2)]}_exps.{int(expert.group(1))}"
     return None
+
+
+def _stack_experts(config: ModelConfig, store: WeightStore) -> None:
+    """Each layer's experts as `[experts, out, in]` tensors (`ffn_gate_exps`, …): the Hub's one
+    matrix per expert stacked (a copy), transformers 5's stacked `gate_up_proj` split into views."""
+    for i in range(config.layers):
+        b = f"blk.{i}."
+        fused = store.entries.pop(b + "ffn_gate_up_exps", None)
+        if fused is not None:
+            f = config.expert_ffn
+            if fused.shape[1:] != (2 * f, config.hidden):
+                raise ModelFormatError(store.source, f"'{b}ffn_gate_up_exps' has shape {fused.shape}, "
+                                                     f"the config implies {(config.experts, 2 * f, config.hidden)}")
+            for kind, part in (("gate", slice(0, f)), ("up", slice(f, 2 * f))):
+                data = fused.rows().reshape(fused.shape)[:, part]
+                store.add(Weight(b + f"ffn_{kind}_exps", fused.storage, data.shape, data))
+        for kind in ("gate", "up", "down"):
+            parts = [store.entries.pop(f"{b}ffn_{kind}_exps.{e}", None) for e in range(config.experts)]
+            if all(p is None for p in parts):
+                continue
+            if any(p is None for p in parts) or len({(p.storage, p.shape) for p in parts}) != 1:
+                raise ModelFormatError(store.source, f"layer {i}: the {kind} matrices of its {config.experts} "
+                                                     "experts are missing or differ in type or shape")
+            stacked = np.stack([np.asarray(p.rows()).reshape(p.shape) for p in parts])
+            store.add(Weight(b + f"ffn_{kind}_exps", parts[0].storage, stacked.shape, stacked))
+    leftover = [n for n in store if re.fullmatch(r"blk\.\d+\.ffn_\w+_exps\.\d+", n)]
+    if leftover:
+        raise ModelFormatError(store.source, f"tensor '{leftover[0]}' belongs to no expert of the config")
 
 
 def _add_one_to_norms(store: WeightStore) -> None:
@@ -200,7 +238,7 @@ def _sliding_layers(path: Path, cfg: dict, arch: str, layers: int) -> tuple[int,
         return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if cfg.get("sliding_window") is None:
         return ()
-    if arch in ("mistral", "phi3"):
+    if arch in ("mistral", "mixtral", "phi3"):
         return tuple(range(layers))
     if arch in GEMMA:  # configs from before `layer_types`: every other layer, or 5 of every 6
         pattern = _int(path, cfg, "sliding_window_pattern", 2 if arch == "gemma2" else 6)
@@ -241,6 +279,24 @@ def _rope(path: Path, cfg: dict, head_dim: int, max_positions: int) -> dict:
             "local_rope_theta": None if local is None else _float(path, {"local": local}, "local", 0.0)}
 
 
+def _moe(path: Path, cfg: dict, arch: str) -> dict:
+    """A mixture of experts' fields: Mixtral's experts are `intermediate_size` wide and always
+    renormalized; Qwen3-MoE's `moe_intermediate_size`, renormalized with `norm_topk_prob`."""
+    experts = _int(path, cfg, "num_local_experts" if "num_local_experts" in cfg else "num_experts")
+    if arch == "qwen3moe":
+        if _int(path, cfg, "decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+            raise ModelFormatError(path, "dense layers among the experts' (decoder_sparse_step, mlp_only_layers) "
+                                         "are not supported yet")
+        normalized = cfg.get("norm_topk_prob", False)
+        if not isinstance(normalized, bool):
+            raise ModelFormatError(path, f"config.json: norm_topk_prob must be true or false, got {normalized!r}")
+        width = _int(path, cfg, "moe_intermediate_size")
+    else:
+        normalized, width = True, _int(path, cfg, "intermediate_size")
+    return {"experts": experts, "experts_used": _int(path, cfg, "num_experts_per_tok"), "expert_ffn": width,
+            "experts_normalized": normalized}
+
+
 def _config(path: Path, cfg: dict) -> ModelConfig:
     archs = cfg.get("architectures")
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
@@ -264,7 +320,7 @@ def _config(path: Path, cfg: dict) -> ModelConfig:
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if arch in GEMMA else "silu")
     if act != ("gelu_pytorch_tanh" if arch in GEMMA else "silu"):
         raise ModelFormatError(path, f"config.json: activation {act!r} is not supported for {arch}")
-    gemma = {}
+    gemma = _moe(path, cfg, arch) if arch in MOE else {}
     if arch in GEMMA:
         gemma = {"embedding_scale": float(np.float32(hidden ** 0.5)), "gelu": True, "post_norms": True,
                  "attn_scale": _float(path, cfg, "query_pre_attn_scalar", head_dim) ** -0.5,
@@ -283,7 +339,7 @@ def _config(path: Path, cfg: dict) -> ModelConfig:
         context_length=context,
         tied_embeddings=tied,
         qkv_bias=arch == "qwen2",
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
         sliding_window=_int(path, cfg, "sliding_window") if sliding else None,
         sliding_layers=sliding,
         **_rope(path, cfg, head_dim, context),
@@ -394,6 +450,8 @@ def load_hf(directory: Path, allow_pickle: bool = False) -> Model:
         for file in pickles:
             _read_pickle(_inside(directory, file), store, config.arch)
     split_fused(config, store)
+    if config.experts:
+        _stack_experts(config, store)
     if config.arch in GEMMA:
         _add_one_to_norms(store)
     return Model(directory, config, store, lambda: load_hf_tokenizer(directory))

@@ -7,7 +7,8 @@ names without the `.weight` suffix (`@blk.3.attn_q`, `@blk.3.attn_q.bias`).
 One block, as the IR shows it (Qwen2 adds `bias` operands to the Q/K/V matmuls, Qwen3 an
 `llm.rms_norm` of each head of q and k before RoPE, Mistral a `window` to the attention,
 Gemma a scaled embedding, `llm.gelu`, norms after attention and after the feed-forward,
-attention `scale` and `softcap`, and a `softcap` on the logits):
+attention `scale` and `softcap`, and a `softcap` on the logits; a mixture of experts an
+`llm.moe` for the feed-forward):
 
 ```mlir
 %h = llm.rms_norm %x, %blk_0_attn_norm eps 1.000000e-05 : tensor<?x576xf32>, tensor<576xf32>
@@ -47,10 +48,14 @@ def expected_weights(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             b + "attn_v": (kv_width, c.hidden),
             b + "attn_output": (c.hidden, q_width),
             b + "ffn_norm": (c.hidden,),
-            b + "ffn_gate": (c.ffn, c.hidden),
-            b + "ffn_up": (c.ffn, c.hidden),
-            b + "ffn_down": (c.hidden, c.ffn),
         }
+        if c.experts:
+            e, f = c.experts, c.expert_ffn
+            shapes |= {b + "ffn_gate_inp": (e, c.hidden), b + "ffn_gate_exps": (e, f, c.hidden),
+                       b + "ffn_up_exps": (e, f, c.hidden), b + "ffn_down_exps": (e, c.hidden, f)}
+        else:
+            shapes |= {b + "ffn_gate": (c.ffn, c.hidden), b + "ffn_up": (c.ffn, c.hidden),
+                       b + "ffn_down": (c.hidden, c.ffn)}
         if c.qkv_bias:
             shapes |= {b + "attn_q.bias": (q_width,), b + "attn_k.bias": (kv_width,), b + "attn_v.bias": (kv_width,)}
         if c.qk_norm:
@@ -140,10 +145,14 @@ def build_module(config: ModelConfig, weights: WeightStore) -> builtin.ModuleOp:
         x = g.add(llm.AddOp(x, o), n + "x_attn")
 
         h = g.add(llm.RMSNormOp(x, g.weight(b + "ffn_norm"), c.rms_eps), n + "ffn_in")
-        gate = g.linear(h, b + "ffn_gate", False, n + "gate")
-        gate = g.add(llm.GeluOp(gate) if c.gelu else llm.SiluOp(gate), n + "gate_act")
-        up = g.linear(h, b + "ffn_up", False, n + "up")
-        down = g.linear(g.add(llm.MulOp(gate, up), n + "gated"), b + "ffn_down", False, n + "down")
+        if c.experts:
+            experts = (g.weight(b + name) for name in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+            down = g.add(llm.MoeOp(h, *experts, c.experts_used, c.experts_normalized), n + "experts")
+        else:
+            gate = g.linear(h, b + "ffn_gate", False, n + "gate")
+            gate = g.add(llm.GeluOp(gate) if c.gelu else llm.SiluOp(gate), n + "gate_act")
+            up = g.linear(h, b + "ffn_up", False, n + "up")
+            down = g.linear(g.add(llm.MulOp(gate, up), n + "gated"), b + "ffn_down", False, n + "down")
         if c.post_norms:
             down = g.add(llm.RMSNormOp(down, g.weight(b + "post_ffw_norm"), c.rms_eps), n + "down_normed")
         x = g.add(llm.AddOp(x, down), n + "x_out")

@@ -28,7 +28,9 @@ class ModelConfig:
     per-head q/k RMSNorm (`qk_norm`), sliding-window attention in `sliding_layers` (with
     their own RoPE base, `local_rope_theta`), and Gemma's: the embedding scaled, GeGLU
     (`gelu`), norms after attention and after the feed-forward (`post_norms`), attention
-    scores scaled by `attn_scale` and soft-capped, final logits soft-capped.
+    scores scaled by `attn_scale` and soft-capped, final logits soft-capped; a mixture of
+    experts' `experts`, `experts_used` per token, `expert_ffn` wide, their weights
+    `experts_normalized` or not.
     """
 
     arch: str
@@ -57,6 +59,10 @@ class ModelConfig:
     attn_scale: float | None = None
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    experts: int = 0  # mixture of experts (Mixtral, Qwen3-MoE): the feed-forward is `llm.moe`
+    experts_used: int = 0
+    expert_ffn: int = 0
+    experts_normalized: bool = False
 
     @property
     def rope(self) -> llm.RopeAttr:
@@ -96,6 +102,9 @@ class ModelConfig:
             raise ModelFormatError(source, f"RoPE attention factor must be positive, got {self.rope_mscale}")
         if self.sliding_layers and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
             raise ModelFormatError(source, f"sliding window must be a positive integer, got {self.sliding_window!r}")
+        if self.experts and not (0 < self.experts_used <= self.experts and self.expert_ffn > 0):
+            raise ModelFormatError(source, f"{self.experts_used} of {self.experts} experts, each of width "
+                                           f"{self.expert_ffn}, cannot describe a mixture of experts")
         for name in ("local_rope_theta", "embedding_scale", "attn_scale", "attn_softcap", "final_softcap"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):

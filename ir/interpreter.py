@@ -271,6 +271,35 @@ def _silu(op: llm.SiluOp, env: Env, x: np.ndarray) -> np.ndarray:
     return silu(x)
 
 
+def route(x: np.ndarray, router: np.ndarray, top_k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's `top_k` experts (most probable first; ties to the lower index) and their weights."""
+    logits = x @ router.T
+    p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    p = p / p.sum(axis=-1, keepdims=True)
+    chosen = np.argsort(-p, axis=-1, kind="stable")[:, :top_k]
+    weights = np.take_along_axis(p, chosen, axis=-1)
+    if normalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return chosen, weights.astype(np.float32)
+
+
+def moe(op: Operation, x: np.ndarray, router: np.ndarray, gate: Callable[[int], np.ndarray],
+        up: Callable[[int], np.ndarray], down: Callable[[int], np.ndarray]) -> np.ndarray:
+    """`llm.moe` / `tgt.moe` on rows `x`, an expert's matrices given by `gate(e)`, `up(e)`, `down(e)`."""
+    chosen, weights = route(x, router, op.top_k.value.data, op.normalize is not None)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for e, w in zip(chosen[t], weights[t]):
+            out[t] += w * ((silu(gate(e) @ x[t]) * (up(e) @ x[t])) @ down(e).T)
+    return out
+
+
+@semantics(llm.MoeOp)
+def _moe(op: llm.MoeOp, env: Env, x: np.ndarray, router: np.ndarray, gate: np.ndarray, up: np.ndarray,
+         down: np.ndarray) -> np.ndarray:
+    return moe(op, x, router, lambda e: gate[e], lambda e: up[e], lambda e: down[e])
+
+
 @semantics(llm.GeluOp)
 def _gelu(op: llm.GeluOp, env: Env, x: np.ndarray) -> np.ndarray:
     return gelu_tanh(x)

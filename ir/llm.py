@@ -827,8 +827,21 @@ class MulOp(_ElementwiseOp):
     name = "llm.mul"
 
 
+class _UnaryOp(IRDLOperation, _ShapeChecks):
+    """Unary elementwise ops: the result has the input's type."""
+
+    T: ClassVar = VarConstraint("T", AnyAttr())
+    input = operand_def(T)
+    result = result_def(T)
+    traits = traits_def(Pure())
+    assembly_format = "$input attr-dict `:` type($input)"
+
+    def __init__(self, x: SSAValue):
+        super().__init__(operands=[x], result_types=[x.type])
+
+
 @irdl_op_definition
-class SiluOp(IRDLOperation, _ShapeChecks):
+class SiluOp(_UnaryOp):
     """The SiLU activation, `x · sigmoid(x)`.
 
     ```mlir
@@ -837,18 +850,62 @@ class SiluOp(IRDLOperation, _ShapeChecks):
     """
 
     name = "llm.silu"
-    T: ClassVar = VarConstraint("T", AnyAttr())
-    input = operand_def(T)
-    result = result_def(T)
-    traits = traits_def(Pure())
-    assembly_format = "$input attr-dict `:` type($input)"
-
-    def __init__(self, x: SSAValue):
-        super().__init__(operands=[x], result_types=[x.type])
 
 
 @irdl_op_definition
-class GeluOp(IRDLOperation, _ShapeChecks):
+class MoeOp(IRDLOperation, _ShapeChecks):
+    """A mixture-of-experts feed-forward: each token's `top_k` experts by router score, their
+    gated feed-forwards summed, weighted by the router's probabilities.
+
+    `p = softmax(x · routerᵀ)`; the `top_k` largest `p_e` (with `normalize`, divided by their
+    sum) weigh `(silu(x · gate[e]ᵀ) * (x · up[e]ᵀ)) · down[e]ᵀ`. The experts' weights are
+    `[experts, out, in]`; only the chosen ones are read.
+    ```mlir
+    %y = llm.moe %h, %router, %gate, %up, %down top_k 2 normalize : (tensor<?x32xf32>, tensor<8x32xf32>,
+           tensor<8x24x32xf32>, tensor<8x24x32xf32>, tensor<8x32x24xf32>) -> tensor<?x32xf32>
+    ```
+    """
+
+    name = "llm.moe"
+    input = operand_def(TensorType)
+    router = operand_def(TensorType)
+    gate = operand_def(TensorType)
+    up = operand_def(TensorType)
+    down = operand_def(TensorType)
+    top_k = prop_def(IntegerAttr[I64])
+    normalize = opt_prop_def(UnitAttr)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    assembly_format = (
+        "$input `,` $router `,` $gate `,` $up `,` $down `top_k` $top_k (`normalize` $normalize^)? attr-dict `:` "
+        "`(` type($input) `,` type($router) `,` type($gate) `,` type($up) `,` type($down) `)` `->` type($result)"
+    )
+
+    def __init__(self, x: SSAValue, router: SSAValue, gate: SSAValue, up: SSAValue, down: SSAValue, top_k: int,
+                 normalize: bool):
+        props: dict[str, Attribute] = {"top_k": IntegerAttr(top_k, i64)}
+        if normalize:
+            props["normalize"] = UnitAttr()
+        super().__init__(operands=[x, router, gate, up, down], properties=props, result_types=[x.type])
+
+    def verify_(self) -> None:
+        t, d = self._rank("input", self.input, 2)
+        e, rd = self._rank("router", self.router, 2)
+        ge, f, gd = self._rank("gate", self.gate, 3)
+        self._same("gate vs up shape", (ge, f, gd), shape_of(self.up))
+        de, dd, df = self._rank("down", self.down, 3)
+        for what, a, b in (("experts (router vs gate)", e, ge), ("experts (router vs down)", e, de),
+                           ("hidden (input vs router)", d, rd), ("hidden (input vs gate)", d, gd),
+                           ("hidden (input vs down)", d, dd), ("expert width (gate vs down)", f, df)):
+            self._same(what, a, b)
+        if self.result.type != self.input.type:
+            self._fail("the result has the input's type")
+        if not 1 <= self.top_k.value.data <= (e or 0):
+            self._fail(f"top_k must be in 1..{e} experts, got {self.top_k.value.data}")
+
+
+@irdl_op_definition
+class GeluOp(_UnaryOp):
     """GELU, tanh approximation (`gelu_pytorch_tanh`): `x/2 · (1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
 
     ```mlir
@@ -857,21 +914,13 @@ class GeluOp(IRDLOperation, _ShapeChecks):
     """
 
     name = "llm.gelu"
-    T: ClassVar = VarConstraint("T", AnyAttr())
-    input = operand_def(T)
-    result = result_def(T)
-    traits = traits_def(Pure())
-    assembly_format = "$input attr-dict `:` type($input)"
-
-    def __init__(self, x: SSAValue):
-        super().__init__(operands=[x], result_types=[x.type])
 
 
 LLM = Dialect(
     "llm",
     [
         WeightOp, EmbeddingOp, RMSNormOp, MatmulOp, LogitsOp, SwigluOp, ReshapeOp, RopeOp, AttentionOp,
-        LastTokenOp, AddOp, MulOp, SiluOp, GeluOp,
+        LastTokenOp, AddOp, MulOp, SiluOp, GeluOp, MoeOp,
     ],
     [StorageAttr, ComputeAttr, KVCacheType, RopeAttr],
 )

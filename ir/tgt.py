@@ -875,38 +875,100 @@ class MulOp(_Elementwise):
     name = "tgt.mul"
 
 
+class _Unary(Kernel):
+    """Unary elementwise kernels over float rows of one type."""
+
+    T: ClassVar = VarConstraint("T", BaseAttr(MemRefType))
+    x = operand_def(T)
+    out = operand_def(T)
+    rows = operand_def(IndexType)
+    assembly_format = "$x `->` $out `rows` $rows attr-dict `:` type($out)"
+
+    def __init__(self, x: SSAValue, out: SSAValue, rows: SSAValue):
+        super().__init__(operands=[x, out, rows])
+
+
 @irdl_op_definition
-class SiluOp(Kernel):
+class SiluOp(_Unary):
     """`out = x · sigmoid(x)` on the first `rows` rows: `tgt.silu %g -> %s rows %n : memref<128x1536xf32>`."""
 
     name = "tgt.silu"
-    T: ClassVar = VarConstraint("T", BaseAttr(MemRefType))
-    x = operand_def(T)
-    out = operand_def(T)
-    rows = operand_def(IndexType)
-    assembly_format = "$x `->` $out `rows` $rows attr-dict `:` type($out)"
-
-    def __init__(self, x: SSAValue, out: SSAValue, rows: SSAValue):
-        super().__init__(operands=[x, out, rows])
 
 
 @irdl_op_definition
-class GeluOp(Kernel):
+class GeluOp(_Unary):
     """`out = gelu(x)` (tanh approximation) on the first `rows` rows: `tgt.gelu %g -> %s rows %n : memref<128x9216xf32>`."""
 
     name = "tgt.gelu"
-    T: ClassVar = VarConstraint("T", BaseAttr(MemRefType))
-    x = operand_def(T)
-    out = operand_def(T)
-    rows = operand_def(IndexType)
-    assembly_format = "$x `->` $out `rows` $rows attr-dict `:` type($out)"
 
-    def __init__(self, x: SSAValue, out: SSAValue, rows: SSAValue):
-        super().__init__(operands=[x, out, rows])
+
+@irdl_op_definition
+class MoeOp(Kernel):
+    """A mixture of experts (`llm.moe`) on float rows: route each row, then only its `top_k`
+    experts' rows of `gate`, `up` (`[experts·width, hidden]`, stacked) and `down`
+    (`[experts·hidden, width]`) are read. `scratch` holds per row and chosen expert the
+    gated activations, the weight and the expert's index (`[rows, top_k, width + 2]`).
+
+    ```mlir
+    tgt.moe %h, %router, %gate, %up, %down -> %y scratch %s rows %n top_k 2 normalize : memref<128x32xf32>, !tgt.weight<8x32, f32, stored>, !tgt.weight<192x32, q8_0, split>, !tgt.weight<192x32, q8_0, split>, !tgt.weight<256x24, q8_0, split> -> memref<128x32xf32>, memref<128x2x26xf32>
+    ```
+    """
+
+    name = "tgt.moe"
+    ROWS: ClassVar[tuple[str, ...]] = ("x", "out", "scratch")
+    WRITES: ClassVar[tuple[str, ...]] = ("out", "scratch")
+    SYNCS: ClassVar[bool] = True
+    x = operand_def(MemRefType)
+    router = operand_def(WeightType)
+    gate = operand_def(WeightType)
+    up = operand_def(WeightType)
+    down = operand_def(WeightType)
+    out = operand_def(MemRefType)
+    scratch = operand_def(MemRefType)
+    rows = operand_def(IndexType)
+    top_k = prop_def(IntegerAttr[I64])
+    normalize = opt_prop_def(UnitAttr)
+    assembly_format = (
+        "$x `,` $router `,` $gate `,` $up `,` $down `->` $out `scratch` $scratch `rows` $rows `top_k` $top_k "
+        "(`normalize` $normalize^)? attr-dict `:` type($x) `,` type($router) `,` type($gate) `,` type($up) `,` "
+        "type($down) `->` type($out) `,` type($scratch)"
+    )
+
+    def __init__(self, x: SSAValue, router: SSAValue, gate: SSAValue, up: SSAValue, down: SSAValue, out: SSAValue,
+                 scratch: SSAValue, rows: SSAValue, top_k: IntegerAttr, normalize: UnitAttr | None):
+        props: dict[str, Attribute] = {"top_k": top_k}
+        if normalize is not None:
+            props["normalize"] = normalize
+        super().__init__(operands=[x, router, gate, up, down, out, scratch, rows], properties=props)
+
+    @property
+    def experts(self) -> int:
+        return self.router.type.shape[0]
+
+    @property
+    def width(self) -> int:
+        """An expert's feed-forward width."""
+        return self.gate.type.shape[0] // self.experts
+
+    @staticmethod
+    def scratch_type(rows: int, top_k: int, width: int) -> MemRefType:
+        return memref(rows, top_k, width + 2)
+
+    def verify_(self) -> None:
+        experts, hidden = self.router.type.shape
+        self._same("router width (x vs router)", row_width(self.x), hidden)
+        self._same("gate vs up", self.gate.type.shape, self.up.type.shape)
+        self._same("gate shape", self.gate.type.shape, (experts * self.width, hidden))
+        self._same("down shape", self.down.type.shape, (experts * hidden, self.width))
+        self._same("width (x vs out)", row_width(self.x), row_width(self.out))
+        self._same("scratch", dims(self.scratch)[1:], (self.top_k.value.data, self.width + 2))
+        if not 1 <= self.top_k.value.data <= experts:
+            self._fail(f"top_k must be in 1..{experts}, got {self.top_k.value.data}")
 
 
 KERNELS: tuple[type[Kernel], ...] = (
     EmbeddingOp, RMSNormOp, QuantizeOp, MatmulOp, SwigluOp, RopeOp, AttentionOp, AddOp, MulOp, SiluOp, GeluOp,
+    MoeOp,
 )
 
 TGT = Dialect(

@@ -31,6 +31,7 @@ from llmc.ir.interpreter import (
     attention,
     attention_in_slots,
     gelu_tanh,
+    moe,
     rms_norm,
     rope,
     scoring,
@@ -196,6 +197,14 @@ def _mul(op: tgt.MulOp, get: _State) -> None:
 @kernel(tgt.SiluOp)
 def _silu(op: tgt.SiluOp, get: _State) -> None:
     get(op.out)[: get.n] = silu(get(op.x)[: get.n])
+
+
+@kernel(tgt.MoeOp)
+def _moe(op: tgt.MoeOp, get: _State) -> None:
+    gate, up, down = (get(w).reshape(op.experts, -1, get(w).shape[-1]) for w in (op.gate, op.up, op.down))
+    x = get(op.x)[: get.n]
+    _store(get, op.out, moe(op, x.reshape(x.shape[0], -1), get(op.router), lambda i: gate[i], lambda i: up[i],
+                            lambda i: down[i]))
 
 
 @kernel(tgt.GeluOp)

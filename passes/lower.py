@@ -136,6 +136,8 @@ def lowering(op_type: type[Operation]) -> Callable[[Lowering], Lowering]:
 def _weight(lo: _Lowering, op: llm.WeightOp) -> None:
     if op.sym_name not in lo.weights:
         shape = tuple(d for d in llm.shape_of(op.result) if d is not None)
+        if len(shape) > 2:  # experts' matrices: their rows stacked, `[experts·out, in]`
+            shape = (math.prod(shape[:-1]), shape[-1])
         weight_type = tgt.WeightType(shape, op.storage.data, Layout.STORED)
         lo.weights[op.sym_name] = lo.emit(tgt.WeightOp(op.sym_name, weight_type)).result
     lo.buffers[op.result] = lo.weights[op.sym_name]
@@ -209,6 +211,15 @@ def _attention(lo: _Lowering, op: llm.AttentionOp) -> None:
     partials.name_hint = f"l{op.layer.value.data}_partials"
     lo.emit(tgt.AttentionOp(lo.buffers[op.query], lo.buffers[op.key], lo.buffers[op.value], k_cache, v_cache, out,
                             lo.positions, partials, lo.n, op.rope, slots=lo.slots, **op.options))
+
+
+@lowering(llm.MoeOp)
+def _moe(lo: _Lowering, op: llm.MoeOp) -> None:
+    width = llm.shape_of(op.gate)[1]
+    scratch = lo.emit(tgt.AllocOp(tgt.MoeOp.scratch_type(lo.rows, op.top_k.value.data, width))).result
+    scratch.name_hint = f"{op.result.name_hint}_scratch" if op.result.name_hint else None
+    weights = (lo.buffers[v] for v in (op.router, op.gate, op.up, op.down))
+    lo.emit(tgt.MoeOp(lo.buffers[op.input], *weights, lo.out(op.result), scratch, lo.n, op.top_k, op.normalize))
 
 
 @lowering(llm.LastTokenOp)

@@ -45,6 +45,10 @@ FAMILIES = {
                                                   context_length=128),
     "gemma2": TinySpec(arch="gemma2", head_dim=16, tied=True, layer_types=("sliding_attention", "full_attention"),
                        sliding_window=4, attn_softcap=5.0, final_softcap=8.0, query_pre_attn_scalar=24),
+    "qwen3moe-8x2-normalized": TinySpec(arch="qwen3moe", experts=8, experts_used=2, ffn=24, head_dim=16, tied=False),
+    "qwen3moe-4x3-unnormalized": TinySpec(arch="qwen3moe", experts=4, experts_used=3, ffn=16, norm_topk=False,
+                                          heads=3, kv_heads=1, hidden=24),
+    "mixtral-4x2-window6": TinySpec(arch="mixtral", experts=4, experts_used=2, ffn=40, sliding_window=6, tied=False),
     "gemma2-gguf": TinySpec(arch="gemma2", hidden=48, heads=3, kv_heads=1, head_dim=16, tied=True, layers=4,
                             layer_types=("sliding_attention", "full_attention") * 2, sliding_window=4,
                             attn_softcap=5.0, final_softcap=8.0),
@@ -55,7 +59,7 @@ FAMILIES = {
 WINDOWED = [k for k, spec in FAMILIES.items() if spec.sliding_window]
 # the families llama.cpp converts to GGUF whose features the tiny GGUF writer can express
 GGUF_FAMILIES = ["llama3-rope", "linear-rope", "qwen3", "qwen3-mha-odd", "mistral-window4", "phi3", "gemma2-gguf",
-                 "gemma3-linear-global"]
+                 "gemma3-linear-global", "qwen3moe-8x2-normalized", "mixtral-4x2-window6"]
 
 
 @pytest.mark.reference
@@ -148,6 +152,26 @@ def test_ir_names_the_family_features(tiny: Callable[..., Path]) -> None:
     assert "llm.rms_norm %l0_q_heads, %blk_0_attn_q_norm" in qwen3
 
 
+@pytest.mark.parametrize(("name", "old", "new", "message"), [
+    ("phi3-gqa-partial-longrope-window5", "window 5 ", "window 0 ", "llm.attention: window must be positive, got 0"),
+    ("phi3-gqa-partial-longrope-window5", "factors [1.0, 1.5, 2.0, 4.0]", "factors [1.0, 1.5]",
+     "2 frequency factors for 4 rotating pairs"),
+    ("phi3-gqa-partial-longrope-window5", "dims 8,", "dims 18,", "rotary dims 18 must be even and at most"),
+    ("gemma2", "softcap 5.000000e+00", "softcap -5.000000e+00", "llm.attention: softcap must be positive"),
+    ("qwen3moe-8x2-normalized", "top_k 2", "top_k 9", "llm.moe: top_k must be in 1..8 experts, got 9"),
+], ids=["window", "factors", "rotary-dims", "softcap", "top-k"])
+def test_family_verifiers_name_the_problem(tiny: Callable[..., Path], name: str, old: str, new: str,
+                                           message: str) -> None:
+    from llmc.errors import LlmcError
+    from llmc.ir.text import parse_module, print_module, verify_module
+
+    text = print_module(import_model(load_model(str(tiny(FAMILIES[name], "hf")))))
+    assert old in text
+    with pytest.raises(LlmcError, match="does not verify") as error:
+        verify_module(parse_module(text.replace(old, new, 1)))
+    assert message in str(error.value)
+
+
 REFUSED = {
     "dynamic-rope": ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "RoPE scaling 'dynamic' is not supported"),
     "llama-gelu": ({"hidden_act": "gelu"}, "activation 'gelu' is not supported for llama"),
@@ -171,3 +195,69 @@ def test_unsupported_configs_are_one_line(tiny: Callable[..., Path], tmp_path: P
     assert main(["ir", str(directory)]) != 0
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+MOE_SPARSE = TinySpec(arch="qwen3moe", experts=16, experts_used=2, ffn=24, tied=False)  # 3 tokens use at most 6 of 16
+
+
+def test_compiled_moe_reads_only_the_chosen_experts(tiny: Callable[..., Path], artifact,  # noqa: F811
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weight rows of the experts no token is routed to are overwritten with NaN in `weights.bin`:
+    the compiled artifact's logits do not change (nothing reads them); poisoning one chosen expert does."""
+    from llmc.compile import BackendOptions, run_phases, target_attr
+    from llmc.ir import interpreter
+    from llmc.package import weight_layout
+    from llmc.passes.pipeline import CompileOptions
+
+    tokens = [5, 17, 42]
+    model = load_model(str(tiny(MOE_SPARSE, "hf")))
+    chosen: list[set[int]] = []  # per layer, in the order the interpreter routes them
+    route = interpreter.route
+    monkeypatch.setattr(interpreter, "route", lambda *a: (r := route(*a), chosen.append(set(r[0].ravel().tolist())))[0])
+    forward_logits(import_model(model), model.weights, tokens)
+    assert len(chosen) == MOE_SPARSE.layers and all(len(c) < MOE_SPARSE.experts for c in chosen)
+
+    directory = artifact(MOE_SPARSE, form="hf")
+    options = CompileOptions(prefill_chunk=4, max_seq=32, kv_type="f32")
+    layout = weight_layout(run_phases(model, options, "lower", None, lambda _: None, target_attr(BackendOptions())))
+    clean = Session(directory).feed(tokens)
+    weights = (directory / "weights.bin").read_bytes()
+
+    def poisoned(experts_of_layer: Callable[[int], set[int]]) -> np.ndarray:
+        data = np.frombuffer(weights, np.uint8).copy()
+        for layer in range(MOE_SPARSE.layers):
+            for kind in ("gate", "up", "down"):
+                offset, wtype = layout.entries[f"blk.{layer}.ffn_{kind}_exps"]
+                assert wtype.storage.value == "f32" and wtype.layout.value == "stored"
+                rows = wtype.shape[0] // MOE_SPARSE.experts
+                matrix = data[offset: offset + wtype.nbytes].view(np.float32).reshape(MOE_SPARSE.experts, rows, -1)
+                matrix[sorted(experts_of_layer(layer))] = np.nan
+        (directory / "weights.bin").write_bytes(data.tobytes())
+        try:
+            return Session(directory, check_files=False).feed(tokens)
+        finally:
+            (directory / "weights.bin").write_bytes(weights)
+
+    unused = poisoned(lambda layer: set(range(MOE_SPARSE.experts)) - chosen[layer])
+    np.testing.assert_array_equal(unused, clean)
+    assert np.isnan(poisoned(lambda layer: {min(chosen[layer])} if layer == 0 else set())).all()
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_k"])
+def test_compiled_moe_with_quantized_experts_matches_the_quantize_stage(tiny: Callable[..., Path], artifact,  # noqa: F811
+                                                                        quant: str) -> None:
+    """Experts stored as `--quant` (rows dequantized from the packed layout in the kernel) against the
+    interpreter on the same quantized weights."""
+    from test_compile import _stage_logits
+
+    spec = TinySpec(arch="mixtral", experts=4, experts_used=2, hidden=64, ffn=256, head_dim=16, tied=False)
+    session = Session(artifact(spec, form="hf", quant=quant, compute="a32"))
+    logits = teacher_forced(lambda chunk, start: session.feed(chunk), COMPILE_TOKENS)
+    _close(logits, _stage_logits(tiny, spec, COMPILE_TOKENS, form="hf", quant=quant, compute="a32"))
+
+
+def test_moe_on_cuda_is_one_line(tiny: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The CUDA backend has no mixture-of-experts kernel yet: compiling for it says so in one line."""
+    assert main(["compile", str(tiny(MOE_SPARSE, "hf")), "--target", "cuda", "-o", str(tmp_path / "a")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "llmc: error: cuda: no kernel for tgt.moe yet; --target cpu compiles it"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from test_families import FAMILIES
 from tiny_models import TinySpec
 
 from llmc.backends.cpu.target import cpu_target
@@ -19,13 +20,17 @@ SPECS = {
     "gqa": TinySpec(),
     "qwen2-bias-untied": TinySpec(arch="qwen2", heads=3, kv_heads=1, hidden=24, tied=False),
 }
+# (spec, form): the families' ops and attributes (scaled and partial RoPE, windows, soft-caps, GeGLU, MoE)
+CASES = {name: (spec, "gguf") for name, spec in SPECS.items()} | {
+    name: (FAMILIES[name], "hf") for name in ("phi3-gqa-partial-longrope-window5", "gemma2", "gemma3-linear-global",
+                                              "qwen3moe-8x2-normalized")}
 
 
 @pytest.mark.parametrize("phase", list(PHASES))
-@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
-def test_every_phase_round_trips(tiny, spec: TinySpec, phase: str) -> None:
+@pytest.mark.parametrize(("spec", "form"), CASES.values(), ids=CASES.keys())
+def test_every_phase_round_trips(tiny, spec: TinySpec, form: str, phase: str) -> None:
     """Verifies, prints, parses back and prints identically, in custom and generic form."""
-    module = import_model(load_model(str(tiny(spec, "gguf"))))
+    module = import_model(load_model(str(tiny(spec, form))))
     module.attributes[tgt.TARGET] = cpu_target("x86-64-v3")
     for p in phases_through(phase):
         run_phase(module, p)

@@ -10,6 +10,7 @@ transformers.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,9 @@ class TinySpec:
     final_softcap: float | None = None
     query_pre_attn_scalar: float | None = None
     local_rope_theta: float = 10000.0  # Gemma 3's sliding layers
+    experts: int = 0  # Qwen3-MoE, Mixtral: experts per layer, `experts_used` per token, `ffn` wide each
+    experts_used: int = 2
+    norm_topk: bool = True  # Qwen3-MoE's norm_topk_prob (Mixtral always renormalizes)
 
     @property
     def qkv_bias(self) -> bool:
@@ -58,9 +62,9 @@ class TinySpec:
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                    "gemma3": "Gemma3ForCausalLM"}
+                    "gemma3": "Gemma3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "phi3": "phi3",
-                      "gemma2": "gemma2", "gemma3": "gemma3"}
+                      "gemma2": "gemma2", "gemma3": "gemma3", "qwen3moe": "qwen3moe", "mixtral": "llama"}
 
 
 # ------------------------------------------------------------------ tokenizer
@@ -135,7 +139,7 @@ def random_weights(spec: TinySpec) -> dict[str, np.ndarray]:
             w[p + "self_attn.q_proj.weight"] = mat(q, spec.hidden)
             w[p + "self_attn.k_proj.weight"] = mat(kv, spec.hidden)
             w[p + "self_attn.v_proj.weight"] = mat(kv, spec.hidden)
-        if spec.arch in ("qwen3", "gemma3"):
+        if spec.arch in ("qwen3", "gemma3", "qwen3moe"):
             w[p + "self_attn.q_norm.weight"] = norm(spec.head_dim)
             w[p + "self_attn.k_norm.weight"] = norm(spec.head_dim)
         if spec.arch.startswith("gemma"):
@@ -148,10 +152,19 @@ def random_weights(spec: TinySpec) -> dict[str, np.ndarray]:
         w[p + "post_attention_layernorm.weight"] = norm(spec.hidden)
         if spec.arch == "phi3":
             w[p + "mlp.gate_up_proj.weight"] = mat(2 * spec.ffn, spec.hidden)
+        elif spec.experts:  # the Hub's names: one matrix per expert
+            moe, names = ("mlp", ("gate_proj", "up_proj", "down_proj")) if spec.arch == "qwen3moe" \
+                else ("block_sparse_moe", ("w1", "w3", "w2"))
+            w[p + f"{moe}.gate.weight"] = mat(spec.experts, spec.hidden)
+            for e in range(spec.experts):
+                w[p + f"{moe}.experts.{e}.{names[0]}.weight"] = mat(spec.ffn, spec.hidden)
+                w[p + f"{moe}.experts.{e}.{names[1]}.weight"] = mat(spec.ffn, spec.hidden)
+                w[p + f"{moe}.experts.{e}.{names[2]}.weight"] = mat(spec.hidden, spec.ffn)
         else:
             w[p + "mlp.gate_proj.weight"] = mat(spec.ffn, spec.hidden)
             w[p + "mlp.up_proj.weight"] = mat(spec.ffn, spec.hidden)
-        w[p + "mlp.down_proj.weight"] = mat(spec.hidden, spec.ffn)
+        if not spec.experts:
+            w[p + "mlp.down_proj.weight"] = mat(spec.hidden, spec.ffn)
     w["model.norm.weight"] = norm(spec.hidden)
     if not spec.tied:
         w["lm_head.weight"] = mat(VOCAB_SIZE, spec.hidden)
@@ -199,6 +212,12 @@ def write_hf(spec: TinySpec, weights: dict[str, np.ndarray], directory: Path) ->
         config["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": spec.local_rope_theta},
                                      "full_attention": {"rope_type": "default", "rope_theta": spec.rope_theta,
                                                         **config.pop("rope_scaling", {})}}
+    if spec.arch == "qwen3moe":
+        config |= {"model_type": "qwen3_moe", "num_experts": spec.experts, "num_experts_per_tok": spec.experts_used,
+                   "moe_intermediate_size": spec.ffn, "norm_topk_prob": spec.norm_topk, "decoder_sparse_step": 1,
+                   "mlp_only_layers": []}
+    if spec.arch == "mixtral":
+        config |= {"num_local_experts": spec.experts, "num_experts_per_tok": spec.experts_used}
     if spec.arch == "phi3":
         config["original_max_position_embeddings"] = dict(spec.rope_scaling).get("original_max_position_embeddings",
                                                                                   spec.context_length)
@@ -218,7 +237,7 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str:
     gate-up is llama.cpp's `ffn_up`)."""
     name = ir_name(hf_name, arch)
     assert name is not None, hf_name
-    name = name.replace(".ffn_gate_up", ".ffn_up")
+    name = re.sub(r"(_exps)\.0$", r"\1", name.replace(".ffn_gate_up", ".ffn_up"))  # stacked experts
     return name if name.endswith(".bias") else name + ".weight"
 
 
@@ -273,6 +292,12 @@ def write_gguf(spec: TinySpec, weights: dict[str, np.ndarray], path: Path, pre: 
         assert not scaling, f"the tiny GGUF writer has no {scaling.get('rope_type')} scaling"
     if spec.sliding_window is not None:
         writer.add_sliding_window(spec.sliding_window)
+    if spec.experts:
+        writer.add_expert_count(spec.experts)
+        writer.add_expert_used_count(spec.experts_used)
+        if spec.arch == "qwen3moe":
+            assert spec.norm_topk, "llama.cpp renormalizes Qwen3-MoE's expert weights"
+            writer.add_expert_feed_forward_length(spec.ffn)
     if spec.arch.startswith("gemma"):
         assert spec.query_pre_attn_scalar in (None, spec.head_dim), "GGUF Gemma scales queries by head_dim"
         pattern = spec.layer_types.index("full_attention") + 1  # one global layer after pattern - 1 sliding ones
@@ -288,7 +313,7 @@ def write_gguf(spec: TinySpec, weights: dict[str, np.ndarray], path: Path, pre: 
     writer.add_layer_norm_rms_eps(spec.rms_eps)
     writer.add_vocab_size(VOCAB_SIZE)
     _add_vocabulary(writer, pre)
-    for hf, w in weights.items():
+    for hf, w in _stacked_experts(spec, weights).items():
         name = gguf_name(hf, spec.arch)
         if spec.arch.startswith("gemma") and hf.endswith("norm.weight"):
             w = w + np.float32(1)  # as llama.cpp's converter stores Gemma's (1 + w) norms
@@ -310,6 +335,21 @@ def write_gguf(spec: TinySpec, weights: dict[str, np.ndarray], path: Path, pre: 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _stacked_experts(spec: TinySpec, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The weights with each layer's experts stacked into `[experts, out, in]` tensors, as llama.cpp's
+    converter writes them (`ffn_gate_exps`, …; named here by the first expert's matrix)."""
+    if not spec.experts:
+        return weights
+    out = {}
+    for hf, w in weights.items():
+        m = re.fullmatch(r"(.*\.experts\.)(\d+)(\..*)", hf)
+        if m is None:
+            out[hf] = w
+        elif m.group(2) == "0":
+            out[hf] = np.stack([weights[f"{m.group(1)}{e}{m.group(3)}"] for e in range(spec.experts)])
+    return out
 
 
 def _add_vocabulary(writer: gguf.GGUFWriter, pre: str, add_bos: bool = False) -> None:

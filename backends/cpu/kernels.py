@@ -161,6 +161,27 @@ def _weight_type(value) -> tgt.WeightType:
 # ------------------------------------------------------------------------ embedding
 
 
+def _weight_row(f: KernelBuilder, ptr: ir.Value, weight: tgt.WeightType, row: ir.Value, dst: ir.Value) -> None:
+    """Row `row` of a weight matrix (any storage, any layout), dequantized into floats at `dst`."""
+    D = weight.shape[1]
+    if weight.layout is Layout.TILES:
+        _tiles_row(f, TiledWeight(f, ptr, weight), row, D, dst)
+    elif weight.layout is Layout.SPLIT:
+        w = SplitWeight(f, ptr, weight)
+        full, half = D // GROUP, D % GROUP // 16
+        with f.loop(0, full, name="g", unroll=False) as g:
+            for s, v in enumerate(w.values(row, g)):
+                f.vstore(v, dst, f.add(f.mul(g, GROUP), 16 * s))
+        if half:
+            for s, v in enumerate(w.values(row, f.i64(full), slices=half)):
+                f.vstore(v, dst, f.i64(full * GROUP + 16 * s))
+    else:
+        src_base = weight_ptr(f, ptr, weight.storage)
+        src = f.mul(row, D)
+        with f.loop(0, D, name="d") as d:
+            f.store(load_weight(f, src_base, f.add(src, d), weight.storage), dst, d)
+
+
 def _embedding(lib: KernelLibrary, f: KernelBuilder, op: tgt.EmbeddingOp, a: dict) -> None:
     """out[t] = table[tokens[t]] (times `scale`), dequantizing the row."""
     table_type = _weight_type(op.table)
@@ -170,22 +191,7 @@ def _embedding(lib: KernelLibrary, f: KernelBuilder, op: tgt.EmbeddingOp, a: dic
     with f.loop(*f.share(a["rows"], a["tid"], a["nth"]), name="t") as t:
         tok = f.b.sext(f.load(tokens, t), I64)
         dst = f.ptr(out, f.mul(t, D))
-        if table_type.layout is Layout.TILES:
-            _tiles_row(f, TiledWeight(f, a["table"], table_type), tok, D, dst)
-        elif table_type.layout is Layout.SPLIT:
-            w = SplitWeight(f, a["table"], table_type)
-            full, half = D // GROUP, D % GROUP // 16
-            with f.loop(0, full, name="g", unroll=False) as g:
-                for s, v in enumerate(w.values(tok, g)):
-                    f.vstore(v, dst, f.add(f.mul(g, GROUP), 16 * s))
-            if half:
-                for s, v in enumerate(w.values(tok, f.i64(full), slices=half)):
-                    f.vstore(v, dst, f.i64(full * GROUP + 16 * s))
-        else:
-            src_base = weight_ptr(f, a["table"], table_type.storage)
-            src = f.mul(tok, D)
-            with f.loop(0, D, name="d") as d:
-                f.store(load_weight(f, src_base, f.add(src, d), table_type.storage), dst, d)
+        _weight_row(f, a["table"], table_type, tok, dst)
         if op.scale is not None:
             scale = op.scale.value.data
             f.vec_map(D, [dst], dst, lambda v: f.fmul(v[0], f.const(v[0].type, scale)), name="s")
@@ -332,6 +338,96 @@ def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> 
     gemm(f, rows, N, weights, finish, a["tid"], a["nth"], isa, unit=ACT_BLOCK, flush=flush)
 
 
+# ------------------------------------------------------------------------ mixture of experts
+
+
+def _moe(lib: KernelLibrary, f: KernelBuilder, op: tgt.MoeOp, a: dict) -> None:
+    """A mixture of experts in three phases, a barrier between them; only the chosen experts'
+    weight rows are read, each dequantized into a row on the stack and dotted with its input:
+
+    1. routing, threads sharing the rows: the router's scores, softmax, the `top_k` best
+       (the lower index on ties) and their weights (renormalized with `normalize`), into `scratch`;
+    2. the gated activations silu(x·gate[e][j]) · (x·up[e][j]), threads sharing (row, choice, j);
+    3. the output, threads sharing (row, d): Σ over the choices of weight · act · down[e][d].
+    """
+    b = f.b
+    E, F, K = op.experts, op.width, op.top_k.value.data
+    D = tgt.row_width(op.x)
+    S = F + 2  # scratch per (row, choice): F activations, the weight, the expert's index
+    x, out, scratch = floats(f, a["x"]), floats(f, a["out"]), floats(f, a["scratch"])
+    rows, tid, nth = a["rows"], a["tid"], a["nth"]
+    types = {name: _weight_type(getattr(op, name)) for name in ("router", "gate", "up", "down")}
+    row_buf = f.alloca(F32, max(D, F), name="weight_row")
+    scores = f.alloca(F32, E, name="scores")
+    acc = f.alloca(F32, name="acc")
+
+    def dot(weight: str, row: ir.Value, src: ir.Value, n: int) -> ir.Value:
+        """The dequantized row `row` of weight `weight` dotted with n floats at `src`."""
+        _weight_row(f, a[weight], types[weight], row, row_buf)
+        b.store(f.f32(0.0), acc)
+        with f.loop(0, n, name="k") as k:
+            b.store(f.fadd(b.load(acc), f.fmul(f.load(src, k), f.load(row_buf, k))), acc)
+        return b.load(acc)
+
+    def slot(t: ir.Value, i: int | ir.Value) -> ir.Value:
+        return f.mul(f.add(f.mul(t, K), i), S)
+
+    with f.loop(*f.share(rows, tid, nth), name="rt") as t:
+        xrow = f.ptr(x, f.mul(t, D))
+        top = f.alloca(F32, name="top")
+        b.store(f.f32(float("-inf")), top)
+        with f.loop(0, E, name="re") as e:
+            score = dot("router", e, xrow, D)
+            f.store(score, scores, e)
+            b.store(f.intrinsic("llvm.maxnum", b.load(top), score), top)
+        total = f.alloca(F32, name="total")
+        b.store(f.f32(0.0), total)
+        with f.loop(0, E, name="se") as e:
+            p = f.exp(b.fsub(f.load(scores, e), b.load(top)))
+            f.store(p, scores, e)
+            b.store(f.fadd(b.load(total), p), total)
+        chosen_sum = f.alloca(F32, name="chosen")
+        b.store(f.f32(0.0), chosen_sum)
+        best = f.alloca(I64, name="best")
+        for i in range(K):  # the best remaining expert, then marked taken (-1: below every probability)
+            b.store(f.i64(0), best)
+            with f.loop(1, E, name=f"pick{i}") as e:
+                better = b.fcmp_ordered(">", f.load(scores, e), f.load(scores, b.load(best)))
+                b.store(b.select(better, e, b.load(best)), best)
+            chosen = b.load(best)
+            p = b.fdiv(f.load(scores, chosen), b.load(total))
+            f.store(p, scratch, f.add(slot(t, i), F))
+            f.store(b.sitofp(chosen, F32), scratch, f.add(slot(t, i), F + 1))
+            b.store(f.fadd(b.load(chosen_sum), p), chosen_sum)
+            f.store(f.f32(-1.0), scores, chosen)
+        if op.normalize is not None:
+            for i in range(K):
+                at = f.add(slot(t, i), F)
+                f.store(b.fdiv(f.load(scratch, at), b.load(chosen_sum)), scratch, at)
+    f.b.call(lib.barrier(), [a["sync"], nth])
+
+    def expert(t: ir.Value, i: ir.Value) -> ir.Value:
+        return b.fptosi(f.load(scratch, f.add(slot(t, i), F + 1)), I64)
+
+    with f.loop(*f.share(f.mul(rows, K * F), tid, nth), name="ga") as item:
+        t, i, j = b.sdiv(item, f.i64(K * F)), b.srem(b.sdiv(item, f.i64(F)), f.i64(K)), b.srem(item, f.i64(F))
+        xrow = f.ptr(x, f.mul(t, D))
+        row = f.add(f.mul(expert(t, i), F), j)
+        g, u = dot("gate", row, xrow, D), dot("up", row, xrow, D)
+        f.store(f.fmul(f.silu(g), u), scratch, f.add(slot(t, i), j))
+    f.b.call(lib.barrier(), [a["sync"], nth])
+
+    total_out = f.alloca(F32, name="y")
+    with f.loop(*f.share(f.mul(rows, D), tid, nth), name="dn") as item:
+        t, d = b.sdiv(item, f.i64(D)), b.srem(item, f.i64(D))
+        b.store(f.f32(0.0), total_out)
+        for i in range(K):
+            weight = f.load(scratch, f.add(slot(t, i), F))
+            y = dot("down", f.add(f.mul(expert(t, i), D), d), f.ptr(scratch, slot(t, i)), F)
+            b.store(f.fadd(b.load(total_out), f.fmul(weight, y)), total_out)
+        f.store(b.load(total_out), out, item)
+
+
 # ------------------------------------------------------------------------ elementwise
 
 
@@ -358,5 +454,6 @@ _EMITTERS: dict[type[tgt.Kernel], Callable] = {
     tgt.MulOp: _elementwise(lambda f, v: f.b.fmul(v[0], v[1]), ("lhs", "rhs")),
     tgt.SiluOp: _elementwise(lambda f, v: f.silu(v[0]), ("x",)),
     tgt.GeluOp: _elementwise(lambda f, v: f.gelu_tanh(v[0]), ("x",)),
+    tgt.MoeOp: _moe,
 }
 

@@ -86,7 +86,7 @@ class KernelLibrary:
         if key not in self._cache:
             emitter = _EMITTERS.get(type(op))
             if emitter is None:
-                raise LlmcError(f"cuda: no kernel for {op.name}")
+                raise LlmcError(f"cuda: no kernel for {op.name} yet; --target cpu compiles it")
             quantized = [name for name, value in op.abi() if isinstance(value.type, tgt.QRowsType)]
             if quantized:
                 raise LlmcError(f"cuda: {op.name} takes quantized rows ({', '.join(quantized)}); CUDA kernels "

@@ -108,10 +108,11 @@ def _check_token_ids(meta: _Metadata, vocab: int) -> None:
             raise ModelFormatError(meta.path, f"metadata key 'tokenizer.ggml.{key}': id {value} is outside the vocabulary of {vocab}")
 
 
-def _rope(meta: _Metadata, weights: WeightStore, a: str, head_dim: int) -> dict:
+def _rope(meta: _Metadata, weights: WeightStore, a: str, head_dim: int, context: int) -> dict:
     """`ModelConfig`'s RoPE fields: `rope.dimension_count` (partial rotary), linear scaling, and the
     per-pair frequency factors llama.cpp's converters store as tensors (`rope_freqs`: Llama 3's;
-    `rope_factors_short`: Phi-3's LongRoPE, with `rope.scaling.attn_factor`)."""
+    `rope_factors_short`: Phi-3's LongRoPE, with `rope.scaling.attn_factor`, the context capped at
+    `rope.scaling.original_context_length`, where the short factors hold)."""
     path = meta.path
     dims = meta.get(a + "rope.dimension_count", int, head_dim)
     scaling = meta.get(a + "rope.scaling.type", str, "none")
@@ -131,7 +132,10 @@ def _rope(meta: _Metadata, weights: WeightStore, a: str, head_dim: int) -> dict:
         factors = (factor,) * (dims // 2)
     elif scaling not in ("none", "linear"):
         raise ModelFormatError(path, f"RoPE scaling '{scaling}' in a GGUF file is not supported yet (none, linear)")
+    if "rope_factors_short" in tables:
+        context = min(context, meta.get(a + "rope.scaling.original_context_length", int, context))
     return {
+        "context_length": context,
         "rope_theta": meta.get(a + "rope.freq_base", float, 10000.0),
         "rope_dims": 0 if dims == head_dim else dims,
         "rope_factors": factors,
@@ -177,7 +181,7 @@ def load_gguf(path: Path) -> Model:
     weights = _weights(gguf, heads, kv_heads, arch in _PERMUTED_QK)
     if "token_embd" not in weights:
         raise ModelFormatError(path, "missing tensor 'token_embd'")
-    rope = _rope(meta, weights, a, head_dim)
+    rope = _rope(meta, weights, a, head_dim, meta.require(a + "context_length", int))
     layers = meta.require(a + "block_count", int)
     ffn = meta.require(a + "feed_forward_length", int)
     if arch == "phi3":  # its `ffn_up` holds gate and up: `split_fused` takes them apart
@@ -191,13 +195,24 @@ def load_gguf(path: Path) -> Model:
     if arch in _GEMMA:
         pattern, default_window, layers_27b = _GEMMA[arch]
         window = window or default_window
-        pattern = meta.get(a + "attention.sliding_window_pattern", int, pattern)
-        sliding = tuple(i for i in range(layers) if (i + 1) % pattern) if window else ()
+        pattern = meta.values.get(a + "attention.sliding_window_pattern", pattern)
+        if isinstance(pattern, np.ndarray):  # one flag per layer
+            if pattern.shape != (layers,):
+                raise ModelFormatError(path, f"attention.sliding_window_pattern has {pattern.size} flags for {layers} layers")
+            sliding = tuple(int(i) for i in np.flatnonzero(pattern)) if window else ()
+        elif type(pattern) is int and pattern >= 0:  # N-1 sliding layers, then a global one (0: all sliding)
+            sliding = tuple(i for i in range(layers) if not pattern or (i + 1) % pattern) if window else ()
+        else:
+            raise ModelFormatError(path, f"attention.sliding_window_pattern must be a count or per-layer flags, got {pattern!r}")
         gemma = {"embedding_scale": float(np.float32(hidden ** 0.5)), "gelu": True, "post_norms": True,
                  "attn_scale": (hidden / heads if layers == layers_27b else head_dim) ** -0.5,
-                 "attn_softcap": meta.get(a + "attn_logit_softcapping", float) or None,
-                 "final_softcap": meta.get(a + "final_logit_softcapping", float) or None,
-                 "local_rope_theta": meta.get(a + "rope.freq_base_swa", float, 10000.0 if arch == "gemma3" else None)}
+                 # llama.cpp's defaults: Gemma 2 soft-caps at 50 and 30, Gemma 3 does not
+                 "attn_softcap": meta.get(a + "attn_logit_softcapping", float, 50.0) if arch == "gemma2" else None,
+                 "final_softcap": meta.get(a + "final_logit_softcapping", float, 30.0 if arch == "gemma2" else 0.0)
+                 or None,
+                 "local_rope_theta": meta.get(a + "rope.freq_base_swa", float, 10000.0) if arch == "gemma3" else None}
+        if arch == "gemma2" and meta.get(a + "rope.freq_base_swa", float, rope["rope_theta"]) != rope["rope_theta"]:
+            raise ModelFormatError(path, "Gemma 2 with its own RoPE base for the sliding layers is not supported yet")
     config = ModelConfig(
         arch=arch,
         vocab_size=weights["token_embd"].shape[0],
@@ -208,7 +223,6 @@ def load_gguf(path: Path) -> Model:
         head_dim=head_dim,
         ffn=ffn,
         rms_eps=meta.require(a + "attention.layer_norm_rms_epsilon", float),
-        context_length=meta.require(a + "context_length", int),
         tied_embeddings="output" not in weights,
         qkv_bias="blk.0.attn_q.bias" in weights,
         qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),

@@ -215,8 +215,10 @@ def _int(path: Path, cfg: dict, key: str, default: int | None = None) -> int:
     return value
 
 
-def _optional_float(path: Path, cfg: dict, key: str) -> float | None:
-    return None if cfg.get(key) is None else _float(path, cfg, key, 0.0)
+def _optional_float(path: Path, cfg: dict, key: str, default: float | None = None) -> float | None:
+    """`cfg[key]`, None where it is null, `default` where it is absent."""
+    value = cfg.get(key, default)
+    return None if value is None else _float(path, {key: value}, key, 0.0)
 
 
 def _float(path: Path, cfg: dict, key: str, default: float) -> float:
@@ -236,19 +238,24 @@ def _sliding_layers(path: Path, cfg: dict, arch: str, layers: int) -> tuple[int,
         if not (isinstance(types, list) and len(types) == layers and all(t in kinds for t in types)):
             raise ModelFormatError(path, f"config.json: layer_types must list {layers} of {', '.join(kinds)}")
         return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    if cfg.get("sliding_window") is None:
+    if _window(cfg, arch) is None:
         return ()
-    if arch in ("mistral", "mixtral", "phi3"):
+    if arch in ("mistral", "mixtral", "phi3") or (arch == "qwen3moe" and cfg.get("use_sliding_window")):
         return tuple(range(layers))
-    if arch in GEMMA:  # configs from before `layer_types`: every other layer, or 5 of every 6
+    if arch in GEMMA:  # configs from before `layer_types`: every other layer, or 5 of every 6 (0: all)
         pattern = _int(path, cfg, "sliding_window_pattern", 2 if arch == "gemma2" else 6)
-        return tuple(i for i in range(layers) if (i + 1) % pattern)
+        return tuple(i for i in range(layers) if not pattern or (i + 1) % pattern)
     if cfg.get("use_sliding_window"):
         return tuple(range(_int(path, cfg, "max_window_layers", 0), layers))
     return ()
 
 
-def _rope(path: Path, cfg: dict, head_dim: int, max_positions: int) -> dict:
+def _window(cfg: dict, arch: str) -> object:
+    """The config's sliding window; transformers' 4096 where a Gemma config leaves it out."""
+    return cfg.get("sliding_window", 4096) if arch in GEMMA else cfg.get("sliding_window")
+
+
+def _rope(path: Path, cfg: dict, head_dim: int, max_positions: int, arch: str) -> dict:
     """`ModelConfig`'s RoPE fields from `rope_parameters` (transformers 5) or `rope_theta` and
     `rope_scaling` (older configs), with `partial_rotary_factor`; Gemma 3's sliding layers'
     own base from `rope_parameters.sliding_attention` or `rope_local_base_freq`."""
@@ -256,7 +263,7 @@ def _rope(path: Path, cfg: dict, head_dim: int, max_positions: int) -> dict:
     scaling = cfg.get("rope_scaling") or {}
     if not isinstance(params, dict) or not isinstance(scaling, dict):
         raise ModelFormatError(path, "config.json: rope_parameters and rope_scaling must be objects")
-    local = cfg.get("rope_local_base_freq")
+    local = cfg.get("rope_local_base_freq", 10000.0 if arch == "gemma3" else None)  # transformers' defaults
     if params and all(isinstance(v, dict) for v in params.values()):  # per layer type
         if set(params) - {"full_attention", "sliding_attention"}:
             raise ModelFormatError(path, f"config.json: unknown layer types in rope_parameters: {sorted(params)}")
@@ -266,16 +273,16 @@ def _rope(path: Path, cfg: dict, head_dim: int, max_positions: int) -> dict:
         local = sliding.get("rope_theta", local)
         params = params.get("full_attention", {})
     params = {**scaling, **params}
-    theta = _float(path, cfg, "rope_theta", _float(path, params, "rope_theta", 10000.0))
+    theta = _float(path, cfg, "rope_theta", _float(path, params, "rope_theta", 1e6 if arch == "gemma3" else 10000.0))
     partial = _float(path, cfg, "partial_rotary_factor", _float(path, params, "partial_rotary_factor", 1.0))
     if not 0 < partial <= 1:
         raise ModelFormatError(path, f"config.json: partial_rotary_factor must be in (0, 1], got {partial}")
     dims = int(head_dim * partial)
-    if "original_max_position_embeddings" in cfg and "original_max_position_embeddings" not in params:
+    if "original_max_position_embeddings" in cfg:  # (transformers prefers the top-level key)
         params["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
     scaled = hf_rope_scaling(path, params, theta, dims, max_positions)
     return {"rope_theta": theta, "rope_dims": 0 if dims == head_dim else dims, "rope_factors": scaled.factors,
-            "rope_mscale": scaled.mscale,
+            "rope_mscale": scaled.mscale, "context_length": min(max_positions, scaled.context or max_positions),
             "local_rope_theta": None if local is None else _float(path, {"local": local}, "local", 0.0)}
 
 
@@ -323,9 +330,10 @@ def _config(path: Path, cfg: dict) -> ModelConfig:
     gemma = _moe(path, cfg, arch) if arch in MOE else {}
     if arch in GEMMA:
         gemma = {"embedding_scale": float(np.float32(hidden ** 0.5)), "gelu": True, "post_norms": True,
-                 "attn_scale": _float(path, cfg, "query_pre_attn_scalar", head_dim) ** -0.5,
-                 "attn_softcap": _optional_float(path, cfg, "attn_logit_softcapping"),
-                 "final_softcap": _optional_float(path, cfg, "final_logit_softcapping")}
+                 "attn_scale": _float(path, cfg, "query_pre_attn_scalar", 256) ** -0.5,  # transformers' defaults
+                 "attn_softcap": _optional_float(path, cfg, "attn_logit_softcapping", 50.0 if arch == "gemma2" else None),
+                 "final_softcap": _optional_float(path, cfg, "final_logit_softcapping",
+                                                  30.0 if arch == "gemma2" else None)}
     config = ModelConfig(
         arch=arch,
         vocab_size=_int(path, cfg, "vocab_size"),
@@ -336,13 +344,12 @@ def _config(path: Path, cfg: dict) -> ModelConfig:
         head_dim=head_dim,
         ffn=_int(path, cfg, "intermediate_size"),
         rms_eps=_float(path, cfg, "rms_norm_eps", 1e-6),
-        context_length=context,
         tied_embeddings=tied,
         qkv_bias=arch == "qwen2",
         qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
-        sliding_window=_int(path, cfg, "sliding_window") if sliding else None,
+        sliding_window=_int(path, {"sliding_window": _window(cfg, arch)}, "sliding_window") if sliding else None,
         sliding_layers=sliding,
-        **_rope(path, cfg, head_dim, context),
+        **_rope(path, cfg, head_dim, context, arch),
         **gemma,
     )
     config.check(path)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc.errors import UsageError
+from llmc.errors import LlmcError, UsageError
 
 INSTALL_HINT = "pip install 'llmc[reference]' (torch, transformers, accelerate)"
 
@@ -35,10 +35,15 @@ def reference_model(source: Path):
         raise UsageError(f"the transformers reference is not installed ({e.name} is missing): {INSTALL_HINT}") from e
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    if source.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    try:
+        if source.is_dir():
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    except Exception as e:  # transformers raises many types for files it cannot read
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LlmcError(f"transformers cannot load {source} as the reference ({first}); --reference DIR "
+                        "names a Hugging Face directory of the same model") from e
     return model.eval()
 
 

@@ -8,7 +8,8 @@ cos and sin by an attention factor. So the frontends turn a config's scaling int
     llama3      factor 8, low 1, high 4, original 8192  →  factors [1.0, …, 1.0, 1.7, …, 8.0]
     linear      factor 4                                →  factors [4.0, 4.0, …]
     yarn        factor 4, original 4096                 →  factors ramping 1 → 4, mscale 1.139
-    longrope    short_factor [...], original 4096        →  factors short_factor, mscale √(1 + ln s / ln 4096)
+    longrope    short_factor [...], original 4096        →  factors short_factor, mscale √(1 + ln s / ln 4096),
+                                                            the context capped at 4096
 
 The arithmetic follows Hugging Face's `modeling_rope_utils` (float32 frequencies).
 """
@@ -27,6 +28,7 @@ from llmc.errors import ModelFormatError
 class RopeScaling:
     factors: tuple[float, ...] = ()  # empty: no scaling
     mscale: float = 1.0
+    context: int | None = None  # the longest context these numbers hold for, where less than the model's
 
 
 def _base_inv_freq(theta: float, dims: int) -> np.ndarray:
@@ -93,7 +95,8 @@ def _yarn(source: object, params: dict, theta: float, dims: int, max_positions: 
 
 
 def _longrope(source: object, params: dict, theta: float, dims: int, max_positions: int) -> RopeScaling:
-    """LongRoPE (Phi-3): the short factors, which hold up to the original context length."""
+    """LongRoPE (Phi-3): the short factors, which hold up to the original context length (the artifact's
+    longest; the long factors, for contexts past it, are not supported yet)."""
     short = params.get("short_factor")
     if not (isinstance(short, list) and len(short) == dims // 2 and all(type(v) in (int, float) and v > 0 for v in short)):
         raise ModelFormatError(source, f"RoPE scaling longrope: short_factor must be {dims // 2} positive numbers")
@@ -103,7 +106,7 @@ def _longrope(source: object, params: dict, theta: float, dims: int, max_positio
         attention = _number(source, params, "attention_factor")
     else:
         attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return RopeScaling(tuple(float(v) for v in short), attention)
+    return RopeScaling(tuple(float(v) for v in short), attention, int(original))
 
 
 _SCHEMES = {"llama3": _llama3, "linear": _linear, "yarn": _yarn, "longrope": _longrope}

@@ -99,8 +99,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from llmc.verify import verify_model
 
     artifact = Path(args.artifact) if args.artifact else None
+    reference = Path(args.reference) if args.reference else None
     ok = verify_model(args.model, args.prompt, args.tolerance, artifact, print, _progress, args.allow_pickle,
-                      compile_options(args), args.cpu)
+                      compile_options(args), args.cpu, reference)
     if not ok:
         print("FAILED: a stage's cosine is below what it needs", file=sys.stderr)
     return 0 if ok else 1
@@ -513,6 +514,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--artifact", metavar="DIR",
                    help="check this compiled artifact of MODEL, with the options it was compiled with "
                         "(default: compile one to a temporary directory)")
+    p.add_argument("--reference", metavar="DIR",
+                   help="take the reference from this Hugging Face directory of the same model (the checkpoint "
+                        "a GGUF file was converted from; transformers reads few GGUF features) "
+                        "(default: MODEL itself)")
     _add_quant_options(p)
     _add_kv_option(p)
     p.set_defaults(run=cmd_verify)

@@ -143,8 +143,9 @@ def quantize_tolerance(module, model, fp32_tolerance: float) -> tuple[float, str
 
 def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None, emit: Callable[[str], None],
                  progress: Callable[[str], None], allow_pickle: bool = False, options=None,
-                 cpu: str = "native") -> bool:
-    """Print the model, the prompt and one row per stage; True when every stage passes."""
+                 cpu: str = "native", reference_source: Path | None = None) -> bool:
+    """Print the model, the prompt and one row per stage; True when every stage passes. The reference
+    is transformers on the model's own file, or on `reference_source` (an HF directory of it)."""
     from llmc.compile import BackendOptions, build_cpu_artifact, target_attr
     from llmc.errors import UsageError
     from llmc.frontend import import_model, load_model
@@ -159,6 +160,8 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
 
     if not 0.0 < tolerance <= 1.0:
         raise UsageError(f"--tolerance must be in (0, 1], got {tolerance}")
+    if reference_source is not None and not (reference_source / "config.json").is_file():
+        raise UsageError(f"--reference {reference_source}: not a Hugging Face model directory (no config.json)")
     backend = BackendOptions(cpu=cpu)
     target = target_attr(backend)
     if artifact is not None:  # rebuild the stages the artifact was compiled with, for the target it was built for
@@ -178,8 +181,10 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
     c = model.config
     emit(f"model    {model.source} ({c.arch}, {c.layers} layers, hidden {c.hidden}, vocab {c.vocab_size})")
     emit(f"prompt   {prompt!r} ({len(tokens)} tokens)")
+    if reference_source is not None:
+        emit(f"reference {reference_source}")
     start = time.perf_counter()
-    reference = reference_logits(model.source, tokens)
+    reference = reference_logits(reference_source or model.source, tokens)
     progress(f"reference computed in {time.perf_counter() - start:.1f} s")
 
     module = import_model(model)

@@ -6,7 +6,7 @@ f32, f16, bf16 — applies to quantized tensors too: dequantizing is always allo
 integer `T` requantizes them only with `--requantize`), with a per-tensor policy like
 llama.cpp's:
 
-- vectors (norms, biases) stay f32;
+- vectors (norms, biases) and the experts' routers (`ffn_gate_inp`) stay f32;
 - the token embedding and the LM head (`token_embd`, `output`) stay at q8_0 or above
   unless `--quant-output` says otherwise;
 - a tensor whose rows are not whole blocks of `T` falls back (q4_k → q5_0, q5_k → q5_1,
@@ -38,6 +38,7 @@ from llmc.ir.formats import FORMATS, Storage
 from llmc.passes.base import LlmcPass
 
 OUTPUT_TENSORS = ("token_embd", "output")
+ROUTERS = (".ffn_gate_inp",)  # a mixture of experts' router: top-k is discontinuous, so it stays f32
 FALLBACK = {
     Storage.Q4_K: Storage.Q5_0, Storage.Q5_K: Storage.Q5_1, Storage.Q6_K: Storage.Q8_0,
     Storage.INT4_G64: Storage.INT4_G32, Storage.INT4_G128: Storage.INT4_G32, Storage.INT4_G256: Storage.INT4_G32,
@@ -90,7 +91,7 @@ class QuantizePass(LlmcPass):
         """The storage a weight gets under this pass's options."""
         quant = _parse(self.quant, "--quant")
         output = _parse(self.quant_output, "--quant-output")
-        if len(shape) == 1:
+        if len(shape) == 1 or name.endswith(ROUTERS):
             return Storage.F32
         if name in OUTPUT_TENSORS:
             wanted = output or (quant if quant is None or quant.is_float or FORMATS[quant].bits == 8

@@ -141,6 +141,8 @@ class TextStream:
     def __init__(self, codec: TextCodec, context: Sequence[int] = ()):
         self.codec = codec
         self.window: list[int] = list(context[-4:])  # context tokens, then tokens not yet shown
+        if codec.decode(self.window).endswith("\ufffd"):  # a prompt ending inside a character: start fresh
+            self.window = []
         self.shown = len(self.window)  # how many of `window` are already written
 
     def push(self, token: int) -> str:

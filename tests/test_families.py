@@ -8,6 +8,7 @@ names, checked against transformers fp32 (interpreter and compiled artifact, thr
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -108,9 +109,50 @@ def test_compiled_artifact_passes_verify(tiny: Callable[..., Path], name: str, c
                  "The capital of France is Paris, and 2018 was a year."])
     out = capsys.readouterr().out
     assert code == 0, out
-    rows = [line for line in out.splitlines() if "top-1" in line or "%" in line]
-    assert any("compiled" in line or "artifact" in line for line in out.splitlines()), out
-    assert rows and all("100" in line for line in rows if "%" in line), out
+    top1 = {line.split()[0]: re.search(r"(\d+)/(\d+) \(", line).groups() for line in out.splitlines()
+            if line.startswith(("llm ", "quantize ", "tgt ", "artifact "))}
+    assert set(top1) == {"llm", "quantize", "tgt", "artifact"}, out
+    assert all(agree == total for agree, total in top1.values()), out
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("name", FAMILIES)
+def test_compiled_artifact_matches_transformers(tiny: Callable[..., Path], artifact, name: str) -> None:  # noqa: F811
+    """The compiled CPU artifact (float weights and compute), prefill in chunks of 4 then decode, against
+    transformers fp32 on the same tokens: max abs error ≤ 1e-4 of the logit scale, identical top-1."""
+    pytest.importorskip("transformers")
+    from llmc.frontend.reference import reference_logits
+
+    path = tiny(FAMILIES[name], "hf")
+    session = Session(artifact(FAMILIES[name], form="hf", compute="a32"))
+    logits = teacher_forced(lambda chunk, start: session.feed(chunk), TOKENS)
+    _assert_close_to_reference(logits, reference_logits(path, TOKENS))
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("name", GGUF_FAMILIES)
+def test_gguf_passes_verify_against_its_hf_twin(tiny: Callable[..., Path], name: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """`llmc verify FILE.gguf --reference HF_DIR`: the GGUF file, every stage down to its compiled artifact,
+    against transformers on the checkpoint it was converted from (transformers' own GGUF reading knows
+    few of these families' features)."""
+    pytest.importorskip("transformers")
+    spec = FAMILIES[name]
+    code = main(["verify", str(tiny(spec, "gguf")), "--reference", str(tiny(spec, "hf")), "--quant", "f32",
+                 "--compute", "a32", "--kv-type", "f32"])
+    out = capsys.readouterr().out
+    assert code == 0 and "reference " in out and "artifact" in out, out
+
+
+@pytest.mark.reference
+def test_a_reference_transformers_cannot_load_is_one_line(tiny: Callable[..., Path], tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    assert main(["verify", str(tiny(FAMILIES["qwen3"], "gguf"))]) != 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("llmc:")]  # (in-process: tqdm's bars too)
+    assert len(err) == 1 and "transformers cannot load" in err[0] and "--reference DIR" in err[0], err
+    assert main(["verify", str(tiny(FAMILIES["qwen3"], "gguf")), "--reference", str(tmp_path)]) != 0
+    assert "not a Hugging Face model directory" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("group", [True, False], ids=["grouped", "no-group"])
@@ -261,3 +303,48 @@ def test_moe_on_cuda_is_one_line(tiny: Callable[..., Path], tmp_path: Path, caps
     assert main(["compile", str(tiny(MOE_SPARSE, "hf")), "--target", "cuda", "-o", str(tmp_path / "a")]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == "llmc: error: cuda: no kernel for tgt.moe yet; --target cpu compiles it"
+
+
+# configs as older checkpoints or other writers leave them: what is absent takes transformers' defaults
+CONFIG_VARIANTS = {
+    "gemma3-legacy-rope": ("gemma3-linear-global", {"rope_theta": 1e6, "rope_scaling": {"rope_type": "linear",
+                                                                                        "factor": 8.0}},
+                           ["rope_parameters"]),  # the sliding layers' base: 10000 without rope_local_base_freq
+    "gemma2-defaults": ("gemma2", {}, ["attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+                                       "sliding_window", "layer_types"]),  # 50, 30, 256, 4096, alternating
+    "qwen3moe-window": ("qwen3moe-8x2-normalized", {"use_sliding_window": True, "sliding_window": 4,
+                                                    "max_window_layers": 2}, []),  # every layer's, as transformers
+}
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("name", CONFIG_VARIANTS)
+def test_config_defaults_follow_transformers(tiny: Callable[..., Path], tmp_path: Path, name: str) -> None:
+    import json
+    import shutil
+
+    pytest.importorskip("transformers")
+    from llmc.frontend.reference import reference_logits
+
+    family, change, drop = CONFIG_VARIANTS[name]
+    directory = shutil.copytree(tiny(FAMILIES[family], "hf"), tmp_path / name)
+    config = json.loads((directory / "config.json").read_text()) | change
+    (directory / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in drop}))
+    _assert_close_to_reference(_logits(directory), reference_logits(directory, TOKENS))
+
+
+def test_longrope_caps_the_context_at_the_original(tiny: Callable[..., Path]) -> None:
+    """LongRoPE's short factors hold up to `original_max_position_embeddings`: the artifact's context stops
+    there (the long factors, for longer ones, are not supported yet)."""
+    spec = FAMILIES["phi3-gqa-partial-longrope-window5"]
+    assert spec.context_length == 128
+    assert load_model(str(tiny(spec, "hf"))).config.context_length == 64
+
+
+def test_the_experts_router_stays_f32(tiny: Callable[..., Path], tmp_path: Path) -> None:
+    """As llama.cpp's quantizer: top-k routing is discontinuous, so `--quant` leaves `ffn_gate_inp` f32."""
+    out = tmp_path / "moe.mlir"
+    assert main(["compile", str(tiny(MOE_SPARSE, "hf")), "--quant", "q8_0", "--compile-to", "quantize",
+                 "-o", str(out)]) == 0
+    text = out.read_text()
+    assert "@blk.0.ffn_gate_inp f32 :" in text and "@blk.0.attn_q q8_0 :" in text

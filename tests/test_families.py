@@ -109,8 +109,8 @@ def test_compiled_artifact_passes_verify(tiny: Callable[..., Path], name: str, c
                  "The capital of France is Paris, and 2018 was a year."])
     out = capsys.readouterr().out
     assert code == 0, out
-    top1 = {line.split()[0]: re.search(r"(\d+)/(\d+) \(", line).groups() for line in out.splitlines()
-            if line.startswith(("llm ", "quantize ", "tgt ", "artifact "))}
+    rows = [re.match(r"(llm|quantize|tgt|artifact) +[0-9.]+ .* (\d+)/(\d+) \(", line) for line in out.splitlines()]
+    top1 = {m.group(1): (m.group(2), m.group(3)) for m in rows if m}
     assert set(top1) == {"llm", "quantize", "tgt", "artifact"}, out
     assert all(agree == total for agree, total in top1.values()), out
 

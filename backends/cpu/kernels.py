@@ -342,13 +342,16 @@ def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> 
 
 
 def _moe(lib: KernelLibrary, f: KernelBuilder, op: tgt.MoeOp, a: dict) -> None:
-    """A mixture of experts in three phases, a barrier between them; only the chosen experts'
-    weight rows are read, each dequantized into a row on the stack and dotted with its input:
+    """A mixture of experts in three phases, a barrier between them. Only the chosen experts'
+    weight rows are read, each dequantized once per call into a row on the stack and dotted
+    with the input of every row routed to that expert:
 
     1. routing, threads sharing the rows: the router's scores, softmax, the `top_k` best
        (the lower index on ties) and their weights (renormalized with `normalize`), into `scratch`;
-    2. the gated activations silu(x·gate[e][j]) · (x·up[e][j]), threads sharing (row, choice, j);
-    3. the output, threads sharing (row, d): Σ over the choices of weight · act · down[e][d].
+    2. the gated activations silu(x·gate[e][j]) · (x·up[e][j]), threads sharing the (expert, j)
+       pairs, experts interleaved (a decode's few chosen experts spread over the threads);
+    3. the output, threads sharing the columns d: Σ over the experts, over their rows, of
+       weight · act · down[e][d].
     """
     b = f.b
     E, F, K = op.experts, op.width, op.top_k.value.data
@@ -357,17 +360,20 @@ def _moe(lib: KernelLibrary, f: KernelBuilder, op: tgt.MoeOp, a: dict) -> None:
     x, out, scratch = floats(f, a["x"]), floats(f, a["out"]), floats(f, a["scratch"])
     rows, tid, nth = a["rows"], a["tid"], a["nth"]
     types = {name: _weight_type(getattr(op, name)) for name in ("router", "gate", "up", "down")}
-    row_buf = f.alloca(F32, max(D, F), name="weight_row")
+    row_buf, up_buf = f.alloca(F32, max(D, F), name="weight_row"), f.alloca(F32, D, name="up_row")
     scores = f.alloca(F32, E, name="scores")
     acc = f.alloca(F32, name="acc")
 
-    def dot(weight: str, row: ir.Value, src: ir.Value, n: int) -> ir.Value:
-        """The dequantized row `row` of weight `weight` dotted with n floats at `src`."""
-        _weight_row(f, a[weight], types[weight], row, row_buf)
+    def dot(src: ir.Value, buf: ir.Value, n: int) -> ir.Value:
+        """n floats at `src` dotted with a dequantized weight row at `buf`."""
         b.store(f.f32(0.0), acc)
         with f.loop(0, n, name="k") as k:
-            b.store(f.fadd(b.load(acc), f.fmul(f.load(src, k), f.load(row_buf, k))), acc)
+            b.store(f.fadd(b.load(acc), f.fmul(f.load(src, k), f.load(buf, k))), acc)
         return b.load(acc)
+
+    def row_dot(weight: str, row: ir.Value, src: ir.Value, n: int) -> ir.Value:
+        _weight_row(f, a[weight], types[weight], row, row_buf)
+        return dot(src, row_buf, n)
 
     def slot(t: ir.Value, i: int | ir.Value) -> ir.Value:
         return f.mul(f.add(f.mul(t, K), i), S)
@@ -377,7 +383,7 @@ def _moe(lib: KernelLibrary, f: KernelBuilder, op: tgt.MoeOp, a: dict) -> None:
         top = f.alloca(F32, name="top")
         b.store(f.f32(float("-inf")), top)
         with f.loop(0, E, name="re") as e:
-            score = dot("router", e, xrow, D)
+            score = row_dot("router", e, xrow, D)
             f.store(score, scores, e)
             b.store(f.intrinsic("llvm.maxnum", b.load(top), score), top)
         total = f.alloca(F32, name="total")
@@ -406,26 +412,54 @@ def _moe(lib: KernelLibrary, f: KernelBuilder, op: tgt.MoeOp, a: dict) -> None:
                 f.store(b.fdiv(f.load(scratch, at), b.load(chosen_sum)), scratch, at)
     f.b.call(lib.barrier(), [a["sync"], nth])
 
-    def expert(t: ir.Value, i: ir.Value) -> ir.Value:
+    def expert(t: ir.Value, i: int) -> ir.Value:
         return b.fptosi(f.load(scratch, f.add(slot(t, i), F + 1)), I64)
 
-    with f.loop(*f.share(f.mul(rows, K * F), tid, nth), name="ga") as item:
-        t, i, j = b.sdiv(item, f.i64(K * F)), b.srem(b.sdiv(item, f.i64(F)), f.i64(K)), b.srem(item, f.i64(F))
-        xrow = f.ptr(x, f.mul(t, D))
-        row = f.add(f.mul(expert(t, i), F), j)
-        g, u = dot("gate", row, xrow, D), dot("up", row, xrow, D)
-        f.store(f.fmul(f.silu(g), u), scratch, f.add(slot(t, i), j))
+    routed = f.alloca(I64, name="routed")
+
+    def for_rows_of(e: ir.Value, body: Callable[[ir.Value, int], None]) -> None:
+        """body(t, i) for each row t whose choice i is expert `e`."""
+        with f.loop(0, rows, name="rt_e") as t:
+            for i in range(K):
+                with f.when(b.icmp_signed("==", expert(t, i), e)):
+                    body(t, i)
+
+    def if_routed(e: ir.Value) -> ir.Value:
+        """Whether any row chose expert `e`."""
+        b.store(f.i64(0), routed)
+        with f.loop(0, rows, name="any") as t:
+            for i in range(K):
+                b.store(b.or_(b.load(routed), b.zext(b.icmp_signed("==", expert(t, i), e), I64)), routed)
+        return b.icmp_signed("!=", b.load(routed), f.i64(0))
+
+    with f.loop(*f.share(E * F, tid, nth), name="ga") as item:
+        e, j = b.srem(item, f.i64(E)), b.sdiv(item, f.i64(E))
+        with f.when(if_routed(e)):
+            row = f.add(f.mul(e, F), j)
+            _weight_row(f, a["gate"], types["gate"], row, row_buf)
+            _weight_row(f, a["up"], types["up"], row, up_buf)
+
+            def gated(t: ir.Value, i: int) -> None:
+                xrow = f.ptr(x, f.mul(t, D))
+                g = dot(xrow, row_buf, D)
+                f.store(f.fmul(f.silu(g), dot(xrow, up_buf, D)), scratch, f.add(slot(t, i), j))
+
+            for_rows_of(e, gated)
     f.b.call(lib.barrier(), [a["sync"], nth])
 
-    total_out = f.alloca(F32, name="y")
-    with f.loop(*f.share(f.mul(rows, D), tid, nth), name="dn") as item:
-        t, d = b.sdiv(item, f.i64(D)), b.srem(item, f.i64(D))
-        b.store(f.f32(0.0), total_out)
-        for i in range(K):
-            weight = f.load(scratch, f.add(slot(t, i), F))
-            y = dot("down", f.add(f.mul(expert(t, i), D), d), f.ptr(scratch, slot(t, i)), F)
-            b.store(f.fadd(b.load(total_out), f.fmul(weight, y)), total_out)
-        f.store(b.load(total_out), out, item)
+    with f.loop(*f.share(D, tid, nth), name="dn") as d:
+        with f.loop(0, rows, name="z") as t:
+            f.store(f.f32(0.0), out, f.add(f.mul(t, D), d))
+        with f.loop(0, E, name="de") as e:
+            with f.when(if_routed(e)):
+                _weight_row(f, a["down"], types["down"], f.add(f.mul(e, D), d), row_buf)
+
+                def output(t: ir.Value, i: int) -> None:
+                    at = f.add(f.mul(t, D), d)
+                    y = dot(f.ptr(scratch, slot(t, i)), row_buf, F)
+                    f.store(f.fadd(f.load(out, at), f.fmul(f.load(scratch, f.add(slot(t, i), F)), y)), out, at)
+
+                for_rows_of(e, output)
 
 
 # ------------------------------------------------------------------------ elementwise

@@ -11,6 +11,7 @@ order so the graph uses the rotate-half RoPE that Hugging Face models use.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -187,11 +188,10 @@ def load_gguf(path: Path) -> Model:
     if arch == "phi3":  # its `ffn_up` holds gate and up: `split_fused` takes them apart
         for i in range(layers):
             if f"blk.{i}.ffn_up" in weights and f"blk.{i}.ffn_gate" not in weights:
-                fused = weights.entries.pop(f"blk.{i}.ffn_up")
-                weights.add(fused.row_slice(f"blk.{i}.ffn_gate_up", 0, fused.shape[0]))
+                weights.add(replace(weights.entries.pop(f"blk.{i}.ffn_up"), name=f"blk.{i}.ffn_gate_up"))
     window = meta.get(a + "attention.sliding_window", int)
     sliding = tuple(range(layers)) if window and arch in _WINDOWED_EVERYWHERE else ()
-    gemma = _experts(meta, a, ffn)
+    family = _experts(meta, a, ffn)  # what a family adds to ModelConfig's Llama fields
     if arch in _GEMMA:
         pattern, default_window, layers_27b = _GEMMA[arch]
         window = window or default_window
@@ -204,7 +204,7 @@ def load_gguf(path: Path) -> Model:
             sliding = tuple(i for i in range(layers) if not pattern or (i + 1) % pattern) if window else ()
         else:
             raise ModelFormatError(path, f"attention.sliding_window_pattern must be a count or per-layer flags, got {pattern!r}")
-        gemma = {"embedding_scale": float(np.float32(hidden ** 0.5)), "gelu": True, "post_norms": True,
+        family = {"embedding_scale": float(np.float32(hidden ** 0.5)), "gelu": True, "post_norms": True,
                  "attn_scale": (hidden / heads if layers == layers_27b else head_dim) ** -0.5,
                  # llama.cpp's defaults: Gemma 2 soft-caps at 50 and 30, Gemma 3 does not
                  "attn_softcap": meta.get(a + "attn_logit_softcapping", float, 50.0) if arch == "gemma2" else None,
@@ -229,7 +229,7 @@ def load_gguf(path: Path) -> Model:
         sliding_window=window if sliding else None,
         sliding_layers=sliding,
         **rope,
-        **gemma,
+        **family,
     )
     config.check(path)
     split_fused(config, weights)

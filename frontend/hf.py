@@ -238,7 +238,7 @@ def _sliding_layers(path: Path, cfg: dict, arch: str, layers: int) -> tuple[int,
         if not (isinstance(types, list) and len(types) == layers and all(t in kinds for t in types)):
             raise ModelFormatError(path, f"config.json: layer_types must list {layers} of {', '.join(kinds)}")
         return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    if _window(cfg, arch) is None:
+    if _window(path, cfg, arch) is None:
         return ()
     if arch in ("mistral", "mixtral", "phi3") or (arch == "qwen3moe" and cfg.get("use_sliding_window")):
         return tuple(range(layers))
@@ -250,9 +250,11 @@ def _sliding_layers(path: Path, cfg: dict, arch: str, layers: int) -> tuple[int,
     return ()
 
 
-def _window(cfg: dict, arch: str) -> object:
-    """The config's sliding window; transformers' 4096 where a Gemma config leaves it out."""
-    return cfg.get("sliding_window", 4096) if arch in GEMMA else cfg.get("sliding_window")
+def _window(path: Path, cfg: dict, arch: str) -> int | None:
+    """The config's sliding window, or None; transformers' 4096 where a Gemma config leaves it out."""
+    if arch in GEMMA:
+        return _int(path, cfg, "sliding_window", 4096)
+    return None if cfg.get("sliding_window") is None else _int(path, cfg, "sliding_window")
 
 
 def _rope(path: Path, cfg: dict, head_dim: int, max_positions: int, arch: str) -> dict:
@@ -263,14 +265,15 @@ def _rope(path: Path, cfg: dict, head_dim: int, max_positions: int, arch: str) -
     scaling = cfg.get("rope_scaling") or {}
     if not isinstance(params, dict) or not isinstance(scaling, dict):
         raise ModelFormatError(path, "config.json: rope_parameters and rope_scaling must be objects")
-    local = cfg.get("rope_local_base_freq", 10000.0 if arch == "gemma3" else None)  # transformers' defaults
+    local = _float(path, cfg, "rope_local_base_freq", 10000.0) if arch == "gemma3" else None  # transformers' default
     if params and all(isinstance(v, dict) for v in params.values()):  # per layer type
         if set(params) - {"full_attention", "sliding_attention"}:
             raise ModelFormatError(path, f"config.json: unknown layer types in rope_parameters: {sorted(params)}")
         sliding = params.get("sliding_attention", {})
         if sliding.get("rope_type", "default") != "default":
             raise ModelFormatError(path, "RoPE scaling of the sliding-window layers is not supported yet")
-        local = sliding.get("rope_theta", local)
+        if "rope_theta" in sliding:
+            local = _float(path, sliding, "rope_theta", 0.0)
         params = params.get("full_attention", {})
     params = {**scaling, **params}
     theta = _float(path, cfg, "rope_theta", _float(path, params, "rope_theta", 1e6 if arch == "gemma3" else 10000.0))
@@ -283,7 +286,7 @@ def _rope(path: Path, cfg: dict, head_dim: int, max_positions: int, arch: str) -
     scaled = hf_rope_scaling(path, params, theta, dims, max_positions)
     return {"rope_theta": theta, "rope_dims": 0 if dims == head_dim else dims, "rope_factors": scaled.factors,
             "rope_mscale": scaled.mscale, "context_length": min(max_positions, scaled.context or max_positions),
-            "local_rope_theta": None if local is None else _float(path, {"local": local}, "local", 0.0)}
+            "local_rope_theta": local}
 
 
 def _moe(path: Path, cfg: dict, arch: str) -> dict:
@@ -327,9 +330,9 @@ def _config(path: Path, cfg: dict) -> ModelConfig:
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if arch in GEMMA else "silu")
     if act != ("gelu_pytorch_tanh" if arch in GEMMA else "silu"):
         raise ModelFormatError(path, f"config.json: activation {act!r} is not supported for {arch}")
-    gemma = _moe(path, cfg, arch) if arch in MOE else {}
+    family = _moe(path, cfg, arch) if arch in MOE else {}  # what a family adds to ModelConfig's Llama fields
     if arch in GEMMA:
-        gemma = {"embedding_scale": float(np.float32(hidden ** 0.5)), "gelu": True, "post_norms": True,
+        family = {"embedding_scale": float(np.float32(hidden ** 0.5)), "gelu": True, "post_norms": True,
                  "attn_scale": _float(path, cfg, "query_pre_attn_scalar", 256) ** -0.5,  # transformers' defaults
                  "attn_softcap": _optional_float(path, cfg, "attn_logit_softcapping", 50.0 if arch == "gemma2" else None),
                  "final_softcap": _optional_float(path, cfg, "final_logit_softcapping",
@@ -347,10 +350,10 @@ def _config(path: Path, cfg: dict) -> ModelConfig:
         tied_embeddings=tied,
         qkv_bias=arch == "qwen2",
         qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
-        sliding_window=_int(path, {"sliding_window": _window(cfg, arch)}, "sliding_window") if sliding else None,
+        sliding_window=_window(path, cfg, arch) if sliding else None,
         sliding_layers=sliding,
         **_rope(path, cfg, head_dim, context, arch),
-        **gemma,
+        **family,
     )
     config.check(path)
     return config

@@ -136,7 +136,7 @@ def build_module(config: ModelConfig, weights: WeightStore) -> builtin.ModuleOp:
             k = g.add(llm.RMSNormOp(k, g.weight(b + "attn_k_norm"), c.rms_eps), n + "k_normed")
         q = g.add(llm.RopeOp(q, pos, c.rope_for(i)), n + "q_rot")
         k = g.add(llm.RopeOp(k, pos, c.rope_for(i)), n + "k_rot")
-        scoring = llm.AttentionOp.scoring(window=c.window(i), softcap=c.attn_softcap, scale=c.attn_scale)
+        scoring = llm.AttentionOp.scoring_properties(window=c.window(i), softcap=c.attn_softcap, scale=c.attn_scale)
         a = g.add(llm.AttentionOp(q, k, v, pos, kv, i, **scoring), n + "attn")
         a = g.add(llm.ReshapeOp(a, [None, c.heads * c.head_dim]), n + "attn_flat")
         o = g.linear(a, b + "attn_output", False, n + "attn_out")

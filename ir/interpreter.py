@@ -192,12 +192,6 @@ def _rope(op: llm.RopeOp, env: Env, x: np.ndarray, positions: np.ndarray) -> np.
     return rope(x, positions, op.rope)
 
 
-def scoring(op: Operation) -> dict[str, float | int | None]:
-    """The scoring options of an `llm.attention` or `tgt.attention`, for `attention`."""
-    return {name: (None if (attr := op.properties.get(name)) is None else attr.value.data)
-            for name in ("window", "softcap", "scale")}
-
-
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, cache: KVCache,
               layer: int, window: int | None = None, softcap: float | None = None,
               scale: float | None = None) -> np.ndarray:
@@ -247,8 +241,8 @@ def _attention(op: llm.AttentionOp, env: Env, q: np.ndarray, k: np.ndarray, v: n
     if op.rope is not None:
         q, k = rope(q, positions, op.rope), rope(k, positions, op.rope)
     if slots:
-        return attention_in_slots(q, k, v, positions, slots[0], cache, op.layer.value.data, **scoring(op))
-    return attention(q, k, v, positions, cache, op.layer.value.data, **scoring(op))
+        return attention_in_slots(q, k, v, positions, slots[0], cache, op.layer.value.data, **llm.scoring(op))
+    return attention(q, k, v, positions, cache, op.layer.value.data, **llm.scoring(op))
 
 
 @semantics(llm.LastTokenOp)

@@ -54,6 +54,7 @@ from xdsl.dialects.utils.enum_attribute import EnumAttribute
 from xdsl.ir import (
     Attribute,
     Dialect,
+    Operation,
     ParametrizedAttribute,
     SpacedOpaqueSyntaxAttribute,
     SSAValue,
@@ -317,6 +318,20 @@ class _ShapeChecks:
             self._fail(f"{what} mismatch: {'?' if a is None else a} vs {'?' if b is None else b}")
 
 
+def optional_value(op: Operation, name: str) -> int | float | None:
+    """The value of `op`'s optional integer or float property `name`, or None where it is absent."""
+    attr = op.properties.get(name)
+    return None if attr is None else attr.value.data
+
+
+SCORING = ("window", "softcap", "scale")  # the optional properties that change attention's scores
+
+
+def scoring(op: Operation) -> dict[str, int | float | None]:
+    """`window`, `softcap` and `scale` of an `llm.attention` or a `tgt.attention` (None where absent)."""
+    return {name: optional_value(op, name) for name in SCORING}
+
+
 # ------------------------------------------------------------------------ ops
 
 
@@ -542,7 +557,7 @@ class LogitsOp(Projection):
     @property
     def cap(self) -> float | None:
         """The soft-capping constant, or None."""
-        return self.softcap.value.data if self.softcap is not None else None
+        return optional_value(self, "softcap")
 
     def verify_(self) -> None:
         t, k = self._rank("input", self.input, 2)
@@ -714,8 +729,8 @@ class AttentionOp(IRDLOperation, _ShapeChecks):
                          properties=props, result_types=[q.type])
 
     @staticmethod
-    def scoring(window: int | None = None, softcap: float | None = None, scale: float | None = None
-                ) -> dict[str, Attribute]:
+    def scoring_properties(window: int | None = None, softcap: float | None = None, scale: float | None = None
+                           ) -> dict[str, Attribute]:
         """The optional properties that change the scores, for `__init__`'s `options`."""
         found = {"window": None if window is None else IntegerAttr(window, i64),
                  "softcap": None if softcap is None else FloatAttr(softcap, f32),
@@ -725,7 +740,7 @@ class AttentionOp(IRDLOperation, _ShapeChecks):
     @property
     def options(self) -> dict[str, Attribute]:
         """This op's scoring properties, to build a rewritten attention with."""
-        return {k: v for k in ("window", "softcap", "scale") if (v := self.properties.get(k)) is not None}
+        return {k: v for k in SCORING if (v := self.properties.get(k)) is not None}
 
     def verify_(self) -> None:
         t, h, d = self._rank("query", self.query, 3)

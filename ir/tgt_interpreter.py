@@ -34,7 +34,6 @@ from llmc.ir.interpreter import (
     moe,
     rms_norm,
     rope,
-    scoring,
     silu,
     soft_capped,
 )
@@ -154,7 +153,7 @@ def _matmul(op: tgt.MatmulOp, get: _State) -> None:
     y = _project(get, op, op.weight, get.n, last_row=op.last_row is not None)
     if op.bias is not None:
         y = y + get(op.bias)
-    y = soft_capped(y, op.softcap.value.data if op.softcap is not None else None)
+    y = soft_capped(y, llm.optional_value(op, "softcap"))
     out = get(op.out)[: y.shape[0]]
     out[...] = out + y if op.accumulate is not None else y
 
@@ -179,9 +178,9 @@ def _attention(op: tgt.AttentionOp, get: _State) -> None:
         k[...] = rope(k, positions, op.rope)
     cache = KVCache(get(op.k_cache)[None], get(op.v_cache)[None], cache_element(op.k_cache.type))  # one layer
     if op.slots is not None:
-        _store(get, op.out, attention_in_slots(q, k, v, positions, get(op.slots)[: get.n], cache, 0, **scoring(op)))
+        _store(get, op.out, attention_in_slots(q, k, v, positions, get(op.slots)[: get.n], cache, 0, **llm.scoring(op)))
     else:
-        _store(get, op.out, attention(q, k, v, positions, cache, 0, **scoring(op)))
+        _store(get, op.out, attention(q, k, v, positions, cache, 0, **llm.scoring(op)))
 
 
 @kernel(tgt.AddOp)

@@ -607,7 +607,7 @@ def test_attention_scoring_options(tmp_path, tm, scoring, nth):
     rng = np.random.default_rng(9)
     H, KVH, D, S, total = 4, 2, 16, 96, 80
     k_fn = Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, p, s, n: tgt.AttentionOp(
-                      q, k, v, kc, vc, o, p, s, n, **llm.AttentionOp.scoring(**scoring)),
+                      q, k, v, kc, vc, o, p, s, n, **llm.AttentionOp.scoring_properties(**scoring)),
                   [tgt.memref(total, H, D), tgt.memref(total, KVH, D), tgt.memref(total, KVH, D),
                    tgt.memref(KVH, S, D), tgt.memref(KVH, S, D), tgt.memref(total, H, D),
                    tgt.memref(total, element_type=i32), tgt.AttentionOp.partials_type(H, D), IDX])

@@ -123,9 +123,8 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
     qout = QRowsAccess(f, a["out"], op.out.type) if tgt.is_quantized(op.out) else None
     out = None if qout is not None else floats(f, a["out"])
     chunks = _chunks(D)
-    scale = f.f32(op.scale.value.data if op.scale is not None else 1.0 / np.sqrt(np.float32(D)))
-    window = op.window.value.data if op.window is not None else None
-    softcap = op.softcap.value.data if op.softcap is not None else None
+    window, softcap, scale = llm.scoring(op).values()
+    scale = f.f32(scale if scale is not None else 1.0 / np.sqrt(np.float32(D)))
 
     def position(t: ir.Value) -> ir.Value:
         return _position(f, a["positions"], t)

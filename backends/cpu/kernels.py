@@ -278,7 +278,7 @@ def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> 
     out = floats(f, a["out"])
     bias = floats(f, a["bias"]) if "bias" in a else None
     accumulate = op.accumulate is not None
-    softcap = op.softcap.value.data if op.softcap is not None else None
+    softcap = llm.optional_value(op, "softcap")
 
     def finish(ts: list[ir.Value], js: list[ir.Value], vals: list[list[list[ir.Value]]]) -> None:
         biases = [f.load(bias, j) for j in js] if bias is not None else None
@@ -371,10 +371,6 @@ def _moe(lib: KernelLibrary, f: KernelBuilder, op: tgt.MoeOp, a: dict) -> None:
             b.store(f.fadd(b.load(acc), f.fmul(f.load(src, k), f.load(buf, k))), acc)
         return b.load(acc)
 
-    def row_dot(weight: str, row: ir.Value, src: ir.Value, n: int) -> ir.Value:
-        _weight_row(f, a[weight], types[weight], row, row_buf)
-        return dot(src, row_buf, n)
-
     def slot(t: ir.Value, i: int | ir.Value) -> ir.Value:
         return f.mul(f.add(f.mul(t, K), i), S)
 
@@ -383,7 +379,8 @@ def _moe(lib: KernelLibrary, f: KernelBuilder, op: tgt.MoeOp, a: dict) -> None:
         top = f.alloca(F32, name="top")
         b.store(f.f32(float("-inf")), top)
         with f.loop(0, E, name="re") as e:
-            score = row_dot("router", e, xrow, D)
+            _weight_row(f, a["router"], types["router"], e, row_buf)
+            score = dot(xrow, row_buf, D)
             f.store(score, scores, e)
             b.store(f.intrinsic("llvm.maxnum", b.load(top), score), top)
         total = f.alloca(F32, name="total")
@@ -415,7 +412,15 @@ def _moe(lib: KernelLibrary, f: KernelBuilder, op: tgt.MoeOp, a: dict) -> None:
     def expert(t: ir.Value, i: int) -> ir.Value:
         return b.fptosi(f.load(scratch, f.add(slot(t, i), F + 1)), I64)
 
-    routed = f.alloca(I64, name="routed")
+    routed = f.alloca(I64, E, name="routed")  # per expert: whether any row chose it (each thread its own copy)
+    with f.loop(0, E, name="rz") as e:
+        f.store(f.i64(0), routed, e)
+    with f.loop(0, rows, name="rf") as t:
+        for i in range(K):
+            f.store(f.i64(1), routed, expert(t, i))
+
+    def if_routed(e: ir.Value) -> ir.Value:
+        return b.icmp_signed("!=", f.load(routed, e), f.i64(0))
 
     def for_rows_of(e: ir.Value, body: Callable[[ir.Value, int], None]) -> None:
         """body(t, i) for each row t whose choice i is expert `e`."""
@@ -423,14 +428,6 @@ def _moe(lib: KernelLibrary, f: KernelBuilder, op: tgt.MoeOp, a: dict) -> None:
             for i in range(K):
                 with f.when(b.icmp_signed("==", expert(t, i), e)):
                     body(t, i)
-
-    def if_routed(e: ir.Value) -> ir.Value:
-        """Whether any row chose expert `e`."""
-        b.store(f.i64(0), routed)
-        with f.loop(0, rows, name="any") as t:
-            for i in range(K):
-                b.store(b.or_(b.load(routed), b.zext(b.icmp_signed("==", expert(t, i), e), I64)), routed)
-        return b.icmp_signed("!=", b.load(routed), f.i64(0))
 
     with f.loop(*f.share(E * F, tid, nth), name="ga") as item:
         e, j = b.srem(item, f.i64(E)), b.sdiv(item, f.i64(E))

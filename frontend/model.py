@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from xdsl.dialects.builtin import ModuleOp
+
 from llmc.errors import ModelFormatError
 from llmc.ir import llm
 from llmc.ir.weights import WeightStore
@@ -116,13 +118,15 @@ class Model:
     """An imported model: where it came from, its config, its weights and its tokenizer.
 
     The tokenizer is built on first use (`tokenizer`), so that `llmc ir` on a model whose
-    tokenizer llmc cannot build still works.
+    tokenizer llmc cannot build still works. A graph frontend's model carries its imported
+    `graph`; its `config` is known once `optimize` has raised it (`frontend.graph.graph_config`).
     """
 
     source: Path
-    config: ModelConfig
+    config: ModelConfig  # of a graph (`graph`), set by `optimize` from the raised IR
     weights: WeightStore
     make_tokenizer: Callable[[], TextCodec]
+    graph: ModuleOp | None = None  # an exported graph's `llm` import (torch.export, ONNX), where there is one
 
     @cached_property
     def tokenizer(self) -> TextCodec:

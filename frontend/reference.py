@@ -9,6 +9,7 @@ transformers' GGUF tokenizer conversion drops SmolLM2's digit splitting.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -55,3 +56,66 @@ def reference_logits(source: Path, tokens: list[int]) -> np.ndarray:
     with torch.no_grad():
         out = model(torch.tensor([tokens], dtype=torch.long)).logits[0]
     return out.float().numpy()
+
+
+def torch_program_logits(path: Path, tokens: Sequence[int], allow_pickle: bool) -> np.ndarray:
+    """Logits `[T, vocab]` of `tokens` from a saved torch.export program (`.pt2`), run eagerly: all-ones
+    `attention_mask`, `position_ids` 0.., empty past keys and values where the program takes them."""
+    import torch
+
+    from llmc.frontend.torch_export import load_pt2
+
+    exported = load_pt2(path, allow_pickle)
+    ids = torch.tensor([list(tokens)], dtype=torch.long)
+    args = []
+    for node in exported.graph.nodes:  # the user inputs, in order: fed as `onnx_logits` feeds an ONNX graph
+        if node.op != "placeholder" or node.name not in exported.graph_signature.user_inputs:
+            continue
+        if node.name == "input_ids":
+            args.append(ids)
+        elif node.name == "attention_mask":
+            args.append(torch.ones_like(ids))
+        elif node.name == "position_ids":
+            args.append(torch.arange(ids.shape[1])[None])
+        elif node.name.startswith("past"):
+            _, heads, _, head_dim = node.meta["val"].shape
+            args.append(torch.zeros(1, int(heads), 0, int(head_dim), dtype=node.meta["val"].dtype))
+        else:
+            raise LlmcError(f"{path}: the torch reference cannot feed the input '{node.name}'")
+    try:
+        with torch.no_grad():
+            out = exported.module()(*args)
+    except (AssertionError, RuntimeError) as e:  # the program's guards on its input sizes
+        raise LlmcError(f"torch cannot run {path} on {len(tokens)} tokens as the reference ({e})") from e
+    return (out[0] if isinstance(out, tuple | list) else out)[0].float().numpy()
+
+
+def onnx_logits(path: Path, tokens: Sequence[int]) -> np.ndarray:
+    """Logits `[T, vocab]` of `tokens` from an ONNX model on onnxruntime's CPU provider: all-ones
+    `attention_mask`, `position_ids` 0.., empty `past_key_values.*` where the graph takes them."""
+    try:
+        import onnxruntime
+    except ImportError as e:
+        raise UsageError(f"the ONNX reference needs onnxruntime ({e.name} is missing): pip install onnxruntime") from e
+    try:
+        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own types for files it cannot load
+        raise LlmcError(f"onnxruntime cannot load {path} as the reference ({str(e).strip().splitlines()[0]})") from e
+    ids = np.asarray([list(tokens)], dtype=np.int64)
+    feeds: dict[str, np.ndarray] = {}
+    for arg in session.get_inputs():
+        if arg.name == "input_ids":
+            feeds[arg.name] = ids
+        elif arg.name == "attention_mask":
+            feeds[arg.name] = np.ones_like(ids)
+        elif arg.name == "position_ids":
+            feeds[arg.name] = np.arange(ids.shape[1], dtype=np.int64)[None]
+        elif arg.name.startswith("past_key_values"):
+            _, heads, _, head_dim = arg.shape
+            dtype = np.float16 if arg.type == "tensor(float16)" else np.float32
+            feeds[arg.name] = np.zeros((1, heads, 0, head_dim), dtype)
+        else:
+            raise LlmcError(f"{path}: the ONNX reference cannot feed the input '{arg.name}'")
+    names = [o.name for o in session.get_outputs()]
+    out = session.run(["logits" if "logits" in names else names[0]], feeds)[0]
+    return out[0].astype(np.float32)

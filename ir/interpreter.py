@@ -9,13 +9,14 @@ against (`llmc verify`), so it favours plain float32 numpy over speed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from xdsl.dialects import func
-from xdsl.dialects.builtin import ModuleOp
-from xdsl.ir import Operation, SSAValue
+from xdsl.dialects import builtin, func
+from xdsl.dialects.builtin import DenseIntOrFPElementsAttr, IntegerType, ModuleOp, Signedness, TensorType, i32, i64
+from xdsl.ir import Attribute, Operation, SSAValue
 
 from llmc.ir import find_function, llm, named_operands
 from llmc.ir.formats import SLICE, integer_matmul, quantize_rows
@@ -164,8 +165,10 @@ def _swiglu(op: llm.SwigluOp, env: Env, *values: np.ndarray) -> np.ndarray:
 
 
 @semantics(llm.ReshapeOp)
-def _reshape(op: llm.ReshapeOp, env: Env, x: np.ndarray) -> np.ndarray:
-    return x.reshape(x.shape[0], *llm.shape_of(op.result)[1:])
+def _reshape(op: llm.ReshapeOp, env: Env, x: np.ndarray, *shape: np.ndarray) -> np.ndarray:
+    if shape:
+        return x.reshape(tuple(shape[0].tolist()))
+    return x.reshape([-1 if d is None else d for d in llm.shape_of(op.result)])
 
 
 def rope_inv_freq(head_dim: int, rope: llm.RopeAttr) -> np.ndarray:
@@ -250,16 +253,6 @@ def _last_token(op: llm.LastTokenOp, env: Env, x: np.ndarray) -> np.ndarray:
     return x[-1:]
 
 
-@semantics(llm.AddOp)
-def _add(op: llm.AddOp, env: Env, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return a + b
-
-
-@semantics(llm.MulOp)
-def _mul(op: llm.MulOp, env: Env, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return a * b
-
-
 @semantics(llm.SiluOp)
 def _silu(op: llm.SiluOp, env: Env, x: np.ndarray) -> np.ndarray:
     return silu(x)
@@ -299,6 +292,230 @@ def _gelu(op: llm.GeluOp, env: Env, x: np.ndarray) -> np.ndarray:
     return gelu_tanh(x)
 
 
+# ------------------------------------------------------------ primitive ops' numpy meaning
+
+
+def numpy_dtype(element: Attribute) -> np.dtype:
+    """The numpy dtype of a tensor element type (i1 is bool)."""
+    if isinstance(element, IntegerType):
+        if element.width.data == 1:
+            return np.dtype(np.bool_)
+        unsigned = element.signedness.data == Signedness.UNSIGNED
+        return np.dtype(f"{'u' if unsigned else ''}int{element.width.data}")
+    return np.dtype({16: np.float16, 32: np.float32, 64: np.float64}[element.bitwidth])
+
+
+_ELEMENTS = {
+    np.dtype(np.float32): llm.f32, np.dtype(np.float16): builtin.f16, np.dtype(np.float64): builtin.f64,
+    np.dtype(np.int64): i64, np.dtype(np.int32): i32, np.dtype(np.int8): builtin.i8,
+    np.dtype(np.uint8): builtin.IntegerType(8, builtin.Signedness.UNSIGNED), np.dtype(np.int16): builtin.i16,
+    np.dtype(np.bool_): builtin.i1,
+}
+
+
+def element_of(dtype: np.dtype) -> Attribute:
+    """The `llm` element type of a numpy dtype."""
+    found = _ELEMENTS.get(np.dtype(dtype))
+    if found is None:
+        raise ValueError(f"no llm element type for {np.dtype(dtype)}")
+    return found
+
+
+def tensor_type(shape: Sequence[int | None], dtype: np.dtype) -> TensorType:
+    return llm.tensor(*shape, element_type=element_of(dtype))
+
+
+def dense(array: np.ndarray) -> DenseIntOrFPElementsAttr:
+    """`array` as a `dense<…>` attribute of its own tensor type."""
+    t = tensor_type(array.shape, array.dtype)
+    values = array.reshape(-1).tolist()
+    if array.size and all(v == values[0] for v in values):
+        values = values[:1]  # a splat
+    return DenseIntOrFPElementsAttr.from_list(t, [int(v) for v in values] if array.dtype == np.bool_ else values)
+
+def _typed(op: Operation, x: np.ndarray) -> np.ndarray:
+    """`x` as an array of `op`'s result element type."""
+    return np.asarray(x).astype(numpy_dtype(llm.element_type(op.results[0])), copy=False)
+
+
+def _divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    if np.issubdtype(a.dtype, np.integer):
+        return np.trunc(a / b).astype(a.dtype)
+    return a / b
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    return np.vectorize(math.erf, otypes=[np.float64])(x)
+
+
+_BINARY: dict[type[Operation], Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    llm.AddOp: np.add, llm.SubOp: np.subtract, llm.MulOp: np.multiply, llm.DivOp: _divide, llm.PowOp: np.power,
+    llm.MaximumOp: np.maximum, llm.MinimumOp: np.minimum, llm.ModOp: np.mod, llm.EqualOp: np.equal,
+    llm.LessOp: np.less, llm.LessEqualOp: np.less_equal, llm.GreaterOp: np.greater,
+    llm.GreaterEqualOp: np.greater_equal, llm.AndOp: np.logical_and, llm.OrOp: np.logical_or,
+    llm.XorOp: np.logical_xor,
+}
+_UNARY: dict[type[Operation], Callable[[np.ndarray], np.ndarray]] = {
+    llm.NegOp: np.negative, llm.AbsOp: np.abs, llm.SqrtOp: np.sqrt, llm.RsqrtOp: lambda x: 1 / np.sqrt(x),
+    llm.ReciprocalOp: lambda x: 1 / x, llm.ExpOp: np.exp, llm.LogOp: np.log, llm.TanhOp: np.tanh, llm.CosOp: np.cos,
+    llm.SinOp: np.sin, llm.ErfOp: _erf, llm.SigmoidOp: lambda x: 1 / (1 + np.exp(-x)),
+    llm.ReluOp: lambda x: np.maximum(x, 0), llm.FloorOp: np.floor, llm.CeilOp: np.ceil, llm.NotOp: np.logical_not,
+    llm.IsNanOp: np.isnan,
+}
+_REDUCE: dict[type[Operation], Callable[..., np.ndarray]] = {
+    llm.ReduceSumOp: np.sum, llm.ReduceMeanOp: np.mean, llm.ReduceMaxOp: np.max, llm.ReduceMinOp: np.min,
+    llm.ReduceProdOp: np.prod,
+}
+
+
+def by_kind(table: dict[type[Operation], Callable[..., np.ndarray]]) -> dict[str, Callable[..., np.ndarray]]:
+    """A table of numpy meanings keyed by op name without `llm.` (`sub`): the `kind` of `tgt`'s
+    generic kernels (`tgt.binary "sub"`, `tgt.reduce "mean"`)."""
+    return {op_type.name.removeprefix("llm.").removeprefix("reduce_"): fn for op_type, fn in table.items()}
+
+
+BINARY, UNARY, REDUCE = by_kind(_BINARY), by_kind(_UNARY), by_kind(_REDUCE)
+
+
+def _elementwise(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+    def run(op: Operation, env: Env, *values: np.ndarray) -> np.ndarray:
+        with np.errstate(all="ignore"):
+            return _typed(op, fn(*values))
+
+    return run
+
+
+def _reduction(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+    def run(op: Operation, env: Env, x: np.ndarray) -> np.ndarray:
+        axes = tuple(int(a) for a in op.axes.get_values())  # type: ignore[attr-defined]
+        return _typed(op, fn(x, axis=axes, keepdims=op.properties.get("keepdims") is not None))
+
+    return run
+
+
+for _op_type, _fn in _BINARY.items():
+    semantics(_op_type)(_elementwise(_fn))
+for _op_type, _fn in _UNARY.items():
+    semantics(_op_type)(_elementwise(_fn))
+for _op_type, _fn in _REDUCE.items():
+    semantics(_op_type)(_reduction(_fn))
+semantics(llm.CastOp)(_elementwise(lambda x: x))
+semantics(llm.WhereOp)(_elementwise(np.where))
+semantics(llm.BatchMatmulOp)(_elementwise(np.matmul))
+
+
+@semantics(llm.ConstantOp)
+def _constant(op: llm.ConstantOp, env: Env) -> np.ndarray:
+    return constant_array(op)
+
+
+def constant_array(op: llm.ConstantOp) -> np.ndarray:
+    """The value of an `llm.constant` as a numpy array."""
+    shape = llm.shape_of(op.result)
+    values = np.asarray(op.value.get_values(), dtype=numpy_dtype(llm.element_type(op.result)))
+    if values.size == 1:
+        return np.full(shape, values.reshape(()))
+    return values.reshape(shape)
+
+
+@semantics(llm.SoftmaxOp)
+def _softmax(op: llm.SoftmaxOp, env: Env, x: np.ndarray) -> np.ndarray:
+    axis = op.axis_index
+    with np.errstate(invalid="ignore"):
+        e = np.exp(x - x.max(axis=axis, keepdims=True))
+        return _typed(op, e / e.sum(axis=axis, keepdims=True))
+
+
+@semantics(llm.CumsumOp)
+def _cumsum(op: llm.CumsumOp, env: Env, x: np.ndarray) -> np.ndarray:
+    axis = op.axis_index
+    if op.reverse is not None:
+        x = np.flip(x, axis)
+    out = np.cumsum(x, axis=axis, dtype=x.dtype)
+    if op.exclusive is not None:
+        out = out - x
+    return _typed(op, np.flip(out, axis) if op.reverse is not None else out)
+
+
+@semantics(llm.ConcatOp)
+def _concat(op: llm.ConcatOp, env: Env, *xs: np.ndarray) -> np.ndarray:
+    return _typed(op, np.concatenate(xs, axis=op.axis_index))
+
+
+@semantics(llm.GatherOp)
+def _gather(op: llm.GatherOp, env: Env, x: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    size = x.shape[op.axis_index]
+    if indices.size and (indices.min() < -size or indices.max() >= size):
+        raise ValueError(f"{op.name}: index outside the {size} elements of axis {op.axis_index}")
+    return np.take(x, np.where(indices < 0, indices + size, indices), axis=op.axis_index)
+
+
+@semantics(llm.GatherNdOp)
+def _gather_nd(op: llm.GatherNdOp, env: Env, x: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    b = op.batch_dims.value.data
+    batch = x.shape[:b]
+    depth = indices.shape[-1]
+    out_rows = []
+    flat_x = x.reshape(-1, *x.shape[b:]) if b else x[None]
+    flat_i = indices.reshape(-1, *indices.shape[b:]) if b else indices[None]
+    for xs, ids in zip(flat_x, flat_i):
+        idx = ids.reshape(-1, depth)
+        idx = np.where(idx < 0, idx + np.array(xs.shape[:depth]), idx)
+        out_rows.append(xs[tuple(idx.T)].reshape(*ids.shape[:-1], *xs.shape[depth:]))
+    out = np.stack(out_rows)
+    return out.reshape(*batch, *out.shape[1:]) if b else out[0]
+
+
+@semantics(llm.TransposeOp)
+def _transpose(op: llm.TransposeOp, env: Env, x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.transpose(op.axis_list))
+
+
+@semantics(llm.UnsqueezeOp)
+@semantics(llm.SqueezeOp)
+def _reshape_like(op: Operation, env: Env, x: np.ndarray) -> np.ndarray:
+    return x.reshape(op.reshaped(x.shape, op.axis_list))  # type: ignore[attr-defined]
+
+
+@semantics(llm.SliceOp)
+def _slice(op: llm.SliceOp, env: Env, x: np.ndarray, starts: np.ndarray, ends: np.ndarray, axes: np.ndarray,
+           steps: np.ndarray) -> np.ndarray:
+    index = [slice(None)] * x.ndim
+    for start, end, axis, step in zip(starts.tolist(), ends.tolist(), axes.tolist(), steps.tolist(), strict=True):
+        if step == 0:
+            raise ValueError(f"{op.name}: a step of 0")
+        index[axis % x.ndim] = slice(start, None if step < 0 and end < -x.shape[axis % x.ndim] else end, step)
+    return x[tuple(index)].copy()
+
+
+@semantics(llm.ShapeOfOp)
+def _shape_of(op: llm.ShapeOfOp, env: Env, x: np.ndarray) -> np.ndarray:
+    return np.array(x.shape, dtype=np.int64)
+
+
+@semantics(llm.ExpandOp)
+def _expand(op: llm.ExpandOp, env: Env, x: np.ndarray, shape: np.ndarray) -> np.ndarray:
+    return np.broadcast_to(x, np.broadcast_shapes(x.shape, tuple(shape.tolist()))).copy()
+
+
+@semantics(llm.FillOp)
+def _fill(op: llm.FillOp, env: Env, shape: np.ndarray, value: np.ndarray) -> np.ndarray:
+    return _typed(op, np.full(tuple(shape.tolist()), value.reshape(())))
+
+
+@semantics(llm.RangeOp)
+def _range(op: llm.RangeOp, env: Env, start: np.ndarray, limit: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    s, lim, d = (v.reshape(()).item() for v in (start, limit, delta))
+    count = max(math.ceil((lim - s) / d), 0)
+    return _typed(op, s + np.arange(count) * d)
+
+
+@semantics(llm.TriluOp)
+def _trilu(op: llm.TriluOp, env: Env, x: np.ndarray, k: np.ndarray) -> np.ndarray:
+    diagonal = int(k.reshape(()))
+    return np.triu(x, diagonal) if op.upper is not None else np.tril(x, diagonal)
+
+
 def run(function: func.FuncOp, weights: WeightStore, *args: object) -> list[np.ndarray]:
     """Execute `function` on numpy arguments (and a `KVCache`); returns its results."""
     env = Env(weights)
@@ -312,6 +529,26 @@ def run(function: func.FuncOp, weights: WeightStore, *args: object) -> list[np.n
         result = impl(op, env, *(values[v] for v in op.operands))
         values[op.results[0]] = result
     raise ValueError(f"@{function.sym_name.data} has no func.return")
+
+
+def evaluate(targets: list[SSAValue], known: dict[SSAValue, object], weights: WeightStore) -> list[np.ndarray]:
+    """The values of `targets`, computing only the ops they depend on, from the `known` values
+    (block arguments, usually) and the weights."""
+    env = Env(weights)
+    values = dict(known)
+
+    def value(v: SSAValue) -> object:
+        if v not in values:
+            op = v.owner
+            if not isinstance(op, Operation):
+                raise ValueError(f"no value given for argument %{v.name_hint}")
+            impl = _SEMANTICS.get(type(op))
+            if impl is None:
+                raise NotImplementedError(f"no numpy semantics for {op.name}")
+            values[v] = impl(op, env, *(value(o) for o in op.operands))
+        return values[v]
+
+    return [value(t) for t in targets]  # type: ignore[misc]
 
 
 def forward_logits(module: ModuleOp, weights: WeightStore, tokens: np.ndarray, start: int = 0,

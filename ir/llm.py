@@ -29,6 +29,7 @@ permutation of Q and K so that both frontends meet here).
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from enum import StrEnum
 from typing import ClassVar
@@ -37,6 +38,8 @@ from xdsl.dialects.builtin import (
     DYNAMIC_INDEX,
     I64,
     ArrayAttr,
+    DenseArrayBase,
+    DenseIntOrFPElementsAttr,
     Float32Type,
     FloatAttr,
     FloatData,
@@ -46,6 +49,7 @@ from xdsl.dialects.builtin import (
     TensorType,
     UnitAttr,
     f16,
+    i1,
     i8,
     i32,
     i64,
@@ -74,6 +78,7 @@ from xdsl.irdl import (
     prop_def,
     result_def,
     traits_def,
+    var_operand_def,
 )
 from xdsl.parser import AttrParser
 from xdsl.printer import Printer
@@ -357,7 +362,8 @@ class WeightOp(IRDLOperation, _ShapeChecks):
             properties={"sym": SymbolRefAttr(sym), "storage": StorageAttr(storage)},
             result_types=[tensor(*shape)],
         )
-        self.result.name_hint = sym.replace(".", "_")
+        hint = "".join(c if c.isalnum() or c == "_" else "_" for c in sym)
+        self.result.name_hint = hint if hint[:1].isalpha() or hint[:1] == "_" else f"w{hint}"
 
     @property
     def sym_name(self) -> str:
@@ -615,32 +621,46 @@ class SwigluOp(Projection):
 
 @irdl_op_definition
 class ReshapeOp(IRDLOperation, _ShapeChecks):
-    """The same elements in another shape; the token dimension stays first.
+    """The same elements in another shape. At most one result dimension may be dynamic (it
+    takes the elements left), unless the shape is given at run time by a 1-D i64 operand
+    (`to %shape`, numpy's reshape: -1 takes the rest).
 
     ```mlir
     %q3 = llm.reshape %q : tensor<?x576xf32> -> tensor<?x9x64xf32>
+    %v = llm.reshape %x to %s : tensor<1x?x?xf32> to tensor<2xi64> -> tensor<?x?xf32>
     ```
     """
 
     name = "llm.reshape"
     input = operand_def(TensorType)
+    shape = opt_operand_def(TensorType)
     result = result_def(TensorType)
     traits = traits_def(Pure())
-    assembly_format = "$input attr-dict `:` type($input) `->` type($result)"
+    assembly_format = "$input (`to` $shape^)? attr-dict `:` type($input) (`to` type($shape)^)? `->` type($result)"
 
-    def __init__(self, x: SSAValue, shape: Sequence[int | None]):
-        super().__init__(operands=[x], result_types=[tensor(*shape)])
+    def __init__(self, x: SSAValue, shape: Sequence[int | None], runtime_shape: SSAValue | None = None):
+        super().__init__(operands=[x, [runtime_shape] if runtime_shape is not None else []],
+                         result_types=[tensor(*shape, element_type=element_type(x))])
 
     def verify_(self) -> None:
         src, dst = shape_of(self.input), shape_of(self.result)
-        if not src or not dst:
-            self._fail("input and result must have rank >= 1")
-        self._same("leading (token) dimension", src[0], dst[0])
-        inner_src, inner_dst = src[1:], dst[1:]
-        if None in inner_src or None in inner_dst:
-            self._fail(f"only the leading dimension may be dynamic: tensor<{_dims(src)}> -> tensor<{_dims(dst)}>")
-        if math.prod(inner_src) != math.prod(inner_dst):
+        if element_type(self.input) != element_type(self.result):
+            self._fail("the result has the input's element type")
+        if self.shape is not None:
+            if shape_of(self.shape) != (len(dst),):
+                self._fail(f"the shape operand must be tensor<{len(dst)}xi64>")
+            return
+        if dst.count(None) > 1:
+            self._fail(f"at most one dynamic result dimension without a shape operand: tensor<{_dims(dst)}>")
+        if None not in src and None not in dst and math.prod(src) != math.prod(dst):
             self._fail(f"element count differs: tensor<{_dims(src)}> -> tensor<{_dims(dst)}>")
+        if (None in src) != (None in dst) and 0 not in src and 0 not in dst:
+            self._fail(f"a dynamic dimension cannot appear or vanish: tensor<{_dims(src)}> -> tensor<{_dims(dst)}>")
+        if None in src and None in dst and src.count(None) == 1:
+            rest_src = math.prod(d for d in src if d is not None)
+            rest_dst = math.prod(d for d in dst if d is not None)
+            if rest_src % rest_dst and rest_dst % rest_src:
+                self._fail(f"element count differs: tensor<{_dims(src)}> -> tensor<{_dims(dst)}>")
 
 
 @irdl_op_definition
@@ -804,44 +824,6 @@ class LastTokenOp(IRDLOperation, _ShapeChecks):
             self._fail(f"result must be tensor<1x...> of the input's row: tensor<{_dims(src)}> -> tensor<{_dims(dst)}>")
 
 
-class _ElementwiseOp(IRDLOperation, _ShapeChecks):
-    """Binary elementwise ops on tensors of one type."""
-
-    T: ClassVar = VarConstraint("T", AnyAttr())
-    lhs = operand_def(T)
-    rhs = operand_def(T)
-    result = result_def(T)
-    traits = traits_def(Pure())
-    assembly_format = "$lhs `,` $rhs attr-dict `:` type($result)"
-
-    def __init__(self, lhs: SSAValue, rhs: SSAValue):
-        super().__init__(operands=[lhs, rhs], result_types=[lhs.type])
-
-
-@irdl_op_definition
-class AddOp(_ElementwiseOp):
-    """Elementwise sum, e.g. a residual connection.
-
-    ```mlir
-    %x1 = llm.add %x0, %attn_out : tensor<?x576xf32>
-    ```
-    """
-
-    name = "llm.add"
-
-
-@irdl_op_definition
-class MulOp(_ElementwiseOp):
-    """Elementwise product, e.g. the gate of a SwiGLU feed-forward.
-
-    ```mlir
-    %gu = llm.mul %g, %u : tensor<?x1536xf32>
-    ```
-    """
-
-    name = "llm.mul"
-
-
 class _UnaryOp(IRDLOperation, _ShapeChecks):
     """Unary elementwise ops: the result has the input's type."""
 
@@ -931,11 +913,816 @@ class GeluOp(_UnaryOp):
     name = "llm.gelu"
 
 
+# ----------------------------------------------------------------- primitive ops
+#
+# What a graph frontend (torch.export, ONNX) imports before `optimize` raises the subgraphs
+# it knows into the ops above: numpy semantics on tensors of any rank and element type
+# (f32, f16, f64, i64, i32, i8, u8, i1), with numpy / ONNX broadcasting. Dimensions the
+# source leaves symbolic are `?`; where an op's result shape depends on data (a reshape to
+# a computed shape, a range), the data is an operand, as in ONNX.
+
+
+def broadcast(*shapes: Sequence[int | None]) -> tuple[int | None, ...]:
+    """The numpy broadcast of shapes with `None` for a dynamic dimension (None with n > 1 is n)."""
+    rank = max((len(s) for s in shapes), default=0)
+    out: list[int | None] = []
+    for i in range(rank):
+        dims = {s[len(s) - rank + i] for s in shapes if len(s) - rank + i >= 0}
+        known = {d for d in dims if d not in (None, 1)}
+        if len(known) > 1:
+            raise VerifyException(f"shapes {', '.join('<' + _dims(s) + '>' for s in shapes)} do not broadcast")
+        out.append(known.pop() if known else (None if None in dims else 1))
+    return tuple(out)
+
+
+def element_type(value: SSAValue | Attribute) -> Attribute:
+    t = value.type if isinstance(value, SSAValue) else value
+    assert isinstance(t, TensorType)
+    return t.element_type
+
+
+def _normalized_axis(axis: int, rank: int) -> int:
+    if not -max(rank, 1) <= axis < max(rank, 1):
+        raise VerifyException(f"axis {axis} is outside a tensor of rank {rank}")
+    return axis % max(rank, 1)
+
+
+class _TypedOp(IRDLOperation, _ShapeChecks):
+    """Ops printed `%r = llm.op %a, %b props : (type(a), type(b)) -> type(r)`, or `: type` when
+    every operand and the result have one type."""
+
+    def print(self, printer: Printer) -> None:
+        printer.print_string(" ")
+        printer.print_list(self.operands, printer.print_operand)
+        self._print_props(printer)
+        printer.print_op_attributes(self.attributes)
+        printer.print_string(" : ")
+        types = [v.type for v in self.operands]
+        if types and all(t == self.results[0].type for t in types):
+            printer.print_attribute(types[0])
+            return
+        printer.print_string("(")
+        printer.print_list(types, printer.print_attribute)
+        printer.print_string(") -> ")
+        printer.print_attribute(self.results[0].type)
+
+    def _print_props(self, printer: Printer) -> None:
+        pass
+
+    @classmethod
+    def parse(cls, parser):  # noqa: ANN001, ANN206
+        operands = parser.parse_comma_separated_list(parser.Delimiter.NONE, parser.parse_unresolved_operand)
+        properties = cls._parse_props(parser)
+        attributes = parser.parse_optional_attr_dict()
+        parser.parse_punctuation(":")
+        if parser.parse_optional_punctuation("(") is not None:
+            types = parser.parse_comma_separated_list(parser.Delimiter.NONE, parser.parse_type) \
+                if parser.parse_optional_punctuation(")") is None else []
+            if types:
+                parser.parse_punctuation(")")
+            parser.parse_punctuation("->")
+            result = parser.parse_type()
+        else:
+            result = parser.parse_type()
+            types = [result] * len(operands)
+        values = parser.resolve_operands(operands, types, parser.pos)
+        return cls.create(operands=values, result_types=[result], properties=properties, attributes=attributes)
+
+    @classmethod
+    def _parse_props(cls, parser) -> dict[str, Attribute]:  # noqa: ANN001
+        return {}
+
+
+class _BinaryOp(_TypedOp):
+    """Elementwise ops of two tensors with numpy broadcasting; the result has `lhs`'s element type
+    (i1 for comparisons and logic)."""
+
+    lhs = operand_def(TensorType)
+    rhs = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    BOOLEAN: ClassVar[bool] = False  # the result is i1
+
+    def __init__(self, lhs: SSAValue, rhs: SSAValue, result_type: Attribute | None = None):
+        if result_type is None:
+            element = i1 if self.BOOLEAN else element_type(lhs)
+            result_type = tensor(*broadcast(shape_of(lhs), shape_of(rhs)), element_type=element)
+        super().__init__(operands=[lhs, rhs], result_types=[result_type])
+
+    def verify_(self) -> None:
+        shape = broadcast(shape_of(self.lhs), shape_of(self.rhs))
+        result = shape_of(self.result)
+        if len(result) != len(shape) or any(a is not None and b is not None and a != b for a, b in zip(shape, result)):
+            self._fail(f"result tensor<{_dims(result)}> is not the broadcast shape <{_dims(shape)}>")
+        if element_type(self.lhs) != element_type(self.rhs):
+            self._fail(f"operand element types differ: {element_type(self.lhs)} vs {element_type(self.rhs)}")
+        expected = i1 if self.BOOLEAN else element_type(self.lhs)
+        if element_type(self.result) != expected:
+            self._fail(f"result element type must be {expected}")
+
+
+class _PredicateOp(_BinaryOp):
+    """Comparisons and logic: binary ops with an i1 result."""
+
+    BOOLEAN: ClassVar[bool] = True
+
+
+def _named_op(base: type[IRDLOperation], op_name: str, doc: str) -> type[IRDLOperation]:
+    """A subclass of `base` named after `op_name` (`llm.less_equal`: `LessEqualOp`) with `doc`;
+    its numpy meaning is in `llmc.ir.interpreter`."""
+    cls = type(op_name.split(".")[1].title().replace("_", "") + "Op", (base,),
+               {"name": op_name, "__doc__": doc, "__module__": __name__})
+    return irdl_op_definition(cls)
+
+
+def _binary(op_name: str, doc: str, boolean: bool = False) -> type[IRDLOperation]:
+    return _named_op(_PredicateOp if boolean else _BinaryOp, op_name, doc)
+
+
+SubOp = _binary("llm.sub", """Elementwise difference, broadcast: `%d = llm.sub %a, %b : (tensor<?x1xf32>, tensor<f32>) -> tensor<?x1xf32>`.""")
+DivOp = _binary("llm.div", """Elementwise quotient (integers truncate toward zero): `%q = llm.div %a, %b : tensor<?x8xf32>`.""")
+PowOp = _binary("llm.pow", """Elementwise power: `%sq = llm.pow %x, %two : (tensor<1x?x32xf32>, tensor<f32>) -> tensor<1x?x32xf32>`.""")
+MaximumOp = _binary("llm.maximum", """Elementwise maximum: `%m = llm.maximum %a, %b : tensor<4xi64>`.""")
+MinimumOp = _binary("llm.minimum", """Elementwise minimum: `%m = llm.minimum %a, %b : tensor<4xi64>`.""")
+ModOp = _binary("llm.mod", """Elementwise remainder with the sign of the divisor (numpy's, ONNX `fmod=0`):
+`%r = llm.mod %a, %b : tensor<4xi64>`.""")
+EqualOp = _binary("llm.equal", """Elementwise `a == b` as i1: `%e = llm.equal %a, %b : (tensor<?xi64>, tensor<i64>) -> tensor<?xi1>`.""", True)
+LessOp = _binary("llm.less", """Elementwise `a < b` as i1: `%l = llm.less %a, %b : (tensor<?xi64>, tensor<?x1xi64>) -> tensor<?x?xi1>`.""", True)
+LessEqualOp = _binary("llm.less_equal", """Elementwise `a <= b` as i1: `%l = llm.less_equal %a, %b : (tensor<3xf32>, tensor<3xf32>) -> tensor<3xi1>`.""", True)
+GreaterOp = _binary("llm.greater", """Elementwise `a > b` as i1: `%g = llm.greater %a, %b : (tensor<3xf32>, tensor<3xf32>) -> tensor<3xi1>`.""", True)
+GreaterEqualOp = _binary("llm.greater_equal", """Elementwise `a >= b` as i1: `%g = llm.greater_equal %a, %b : (tensor<3xf32>, tensor<3xf32>) -> tensor<3xi1>`.""", True)
+AndOp = _binary("llm.and", """Elementwise logical and of i1 tensors: `%m = llm.and %a, %b : tensor<1x1x?x?xi1>`.""", True)
+OrOp = _binary("llm.or", """Elementwise logical or of i1 tensors: `%m = llm.or %a, %b : tensor<3xi1>`.""", True)
+XorOp = _binary("llm.xor", """Elementwise logical exclusive or of i1 tensors: `%m = llm.xor %a, %b : tensor<3xi1>`.""", True)
+
+
+class _ConvertOp(_TypedOp):
+    """Elementwise ops of one tensor whose result may have another element type."""
+
+    input = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, x: SSAValue, result_type: Attribute):
+        super().__init__(operands=[x], result_types=[result_type])
+
+    def verify_(self) -> None:
+        if shape_of(self.input) != shape_of(self.result) and len(shape_of(self.input)) != len(shape_of(self.result)):
+            self._fail("the result has the input's shape")
+
+
+@irdl_op_definition
+class CastOp(_ConvertOp):
+    """Elementwise conversion to the result's element type (floats to integers truncate; to i1: `x != 0`).
+
+    ```mlir
+    %f = llm.cast %ids : (tensor<1x?xi64>) -> tensor<1x?xf32>
+    ```
+    """
+
+    name = "llm.cast"
+
+
+@irdl_op_definition
+class IsNanOp(_ConvertOp):
+    """Elementwise `isnan` as i1: `%n = llm.isnan %x : (tensor<1x4x?x?xf32>) -> tensor<1x4x?x?xi1>`."""
+
+    name = "llm.isnan"
+
+
+def _unary(op_name: str, doc: str) -> type[IRDLOperation]:
+    return _named_op(_UnaryOp, op_name, doc)
+
+
+NegOp = _unary("llm.neg", """Elementwise negation: `%n = llm.neg %x : tensor<1x4x?x4xf32>`.""")
+AbsOp = _unary("llm.abs", """Elementwise absolute value: `%a = llm.abs %x : tensor<3xf32>`.""")
+SqrtOp = _unary("llm.sqrt", """Elementwise square root: `%s = llm.sqrt %x : tensor<1x?x1xf32>`.""")
+RsqrtOp = _unary("llm.rsqrt", """Elementwise `1/sqrt(x)`: `%r = llm.rsqrt %x : tensor<1x?x1xf32>`.""")
+ReciprocalOp = _unary("llm.reciprocal", """Elementwise `1/x`: `%r = llm.reciprocal %x : tensor<1x?x1xf32>`.""")
+ExpOp = _unary("llm.exp", """Elementwise `e^x`: `%e = llm.exp %x : tensor<3xf32>`.""")
+LogOp = _unary("llm.log", """Elementwise natural logarithm: `%l = llm.log %x : tensor<3xf32>`.""")
+TanhOp = _unary("llm.tanh", """Elementwise hyperbolic tangent: `%t = llm.tanh %x : tensor<?x8xf32>`.""")
+CosOp = _unary("llm.cos", """Elementwise cosine: `%c = llm.cos %angles : tensor<1x?x64xf32>`.""")
+SinOp = _unary("llm.sin", """Elementwise sine: `%s = llm.sin %angles : tensor<1x?x64xf32>`.""")
+ErfOp = _unary("llm.erf", """Elementwise error function (exact GELU uses it): `%e = llm.erf %x : tensor<?x8xf32>`.""")
+SigmoidOp = _unary("llm.sigmoid", """Elementwise `1/(1 + e^-x)`: `%s = llm.sigmoid %x : tensor<1x?x48xf32>`.""")
+ReluOp = _unary("llm.relu", """Elementwise `max(x, 0)`: `%r = llm.relu %x : tensor<3xf32>`.""")
+FloorOp = _unary("llm.floor", """Elementwise floor: `%f = llm.floor %x : tensor<3xf32>`.""")
+CeilOp = _unary("llm.ceil", """Elementwise ceiling: `%c = llm.ceil %x : tensor<3xf32>`.""")
+NotOp = _unary("llm.not", """Elementwise logical not of an i1 tensor: `%n = llm.not %m : tensor<1x?xi1>`.""")
+
+
+@irdl_op_definition
+class ConstantOp(IRDLOperation, _ShapeChecks):
+    """A small tensor given in the IR (shapes, indices, scalars; weights stay in the weight store).
+
+    ```mlir
+    %two = llm.constant dense<2.000000e+00> : tensor<f32>
+    %perm = llm.constant dense<[1, -1, 4, 8]> : tensor<4xi64>
+    ```
+    """
+
+    name = "llm.constant"
+    value = prop_def(DenseIntOrFPElementsAttr)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    LIMIT: ClassVar[int] = 4096  # the most elements a constant may have; frontends keep bigger ones as weights
+
+    def __init__(self, value: DenseIntOrFPElementsAttr):
+        super().__init__(properties={"value": value}, result_types=[value.type])
+
+    def print(self, printer: Printer) -> None:
+        printer.print_string(" ")
+        values = self.value.get_values()
+        if isinstance(self.value.get_element_type(), Float32Type) and not all(math.isfinite(v) for v in values):
+            # xDSL parses ±inf and NaN back wrongly from `dense<[0xff800000, …]>`; raw bytes round-trip
+            raw = struct.pack(f"<{len(values)}f", *values)
+            printer.print_string(f'dense<"0x{raw.hex().upper()}"> : ')
+            printer.print_attribute(self.value.type)
+        else:
+            printer.print_attribute(self.value)
+        printer.print_op_attributes(self.attributes)
+
+    @classmethod
+    def parse(cls, parser):  # noqa: ANN001, ANN206
+        value = parser.parse_attribute()
+        attributes = parser.parse_optional_attr_dict()
+        if not isinstance(value, DenseIntOrFPElementsAttr):
+            parser.raise_error("llm.constant takes a dense<...> : tensor<...> value")
+        return cls.create(properties={"value": value}, result_types=[value.type], attributes=attributes)
+
+    def verify_(self) -> None:
+        if self.value.type != self.result.type:
+            self._fail("the result type is the value's type")
+
+
+def _axes_prop(axes: Sequence[int]) -> DenseArrayBase:
+    return DenseArrayBase.from_list(i64, list(axes))
+
+
+class _AxesOp(_TypedOp):
+    """Ops with an `axes [..]` list (printed after the operands)."""
+
+    axes = prop_def(DenseArrayBase)
+
+    @property
+    def axis_list(self) -> tuple[int, ...]:
+        return tuple(int(a) for a in self.axes.get_values())
+
+    def _print_props(self, printer: Printer) -> None:
+        printer.print_string(" axes [" + ", ".join(str(a) for a in self.axis_list) + "]")
+        if self.properties.get("keepdims") is not None:
+            printer.print_string(" keepdims")
+
+    @classmethod
+    def _parse_props(cls, parser) -> dict[str, Attribute]:  # noqa: ANN001
+        parser.parse_keyword("axes")
+        axes = parser.parse_comma_separated_list(parser.Delimiter.SQUARE, lambda: parser.parse_integer(False))
+        props: dict[str, Attribute] = {"axes": _axes_prop(axes)}
+        if parser.parse_optional_keyword("keepdims") is not None:
+            props["keepdims"] = UnitAttr()
+        return props
+
+
+class _ReduceOp(_AxesOp):
+    """Reductions over `axes` (sorted, non-negative), keeping them as 1s with `keepdims`."""
+
+    input = operand_def(TensorType)
+    keepdims = opt_prop_def(UnitAttr)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, x: SSAValue, axes: Sequence[int], keepdims: bool, result_type: Attribute | None = None):
+        shape = shape_of(x)
+        axes = sorted({_normalized_axis(a, len(shape)) for a in axes})
+        if result_type is None:
+            kept = [1 if i in axes else d for i, d in enumerate(shape)] if keepdims else \
+                [d for i, d in enumerate(shape) if i not in axes]
+            result_type = tensor(*kept, element_type=element_type(x))
+        props: dict[str, Attribute] = {"axes": _axes_prop(axes)}
+        if keepdims:
+            props["keepdims"] = UnitAttr()
+        super().__init__(operands=[x], properties=props, result_types=[result_type])
+
+    def verify_(self) -> None:
+        rank = len(shape_of(self.input))
+        axes = self.axis_list
+        if list(axes) != sorted(set(axes)) or any(not 0 <= a < max(rank, 1) for a in axes):
+            self._fail(f"axes {list(axes)} must be sorted, distinct and inside rank {rank}")
+        expected = rank if self.keepdims is not None else rank - len(axes)
+        if len(shape_of(self.result)) != max(expected, 0):
+            self._fail(f"the result must have rank {expected}")
+
+
+def _reduce(op_name: str, doc: str) -> type[IRDLOperation]:
+    return _named_op(_ReduceOp, op_name, doc)
+
+
+ReduceSumOp = _reduce("llm.reduce_sum", """Sum over `axes`: `%s = llm.reduce_sum %x axes [2] keepdims : (tensor<1x?x32xf32>) -> tensor<1x?x1xf32>`.""")
+ReduceMeanOp = _reduce("llm.reduce_mean", """Mean over `axes`: `%m = llm.reduce_mean %sq axes [2] keepdims : (tensor<1x?x32xf32>) -> tensor<1x?x1xf32>`.""")
+ReduceMaxOp = _reduce("llm.reduce_max", """Maximum over `axes`: `%m = llm.reduce_max %x axes [0, 1] : (tensor<3x4xf32>) -> tensor<f32>`.""")
+ReduceMinOp = _reduce("llm.reduce_min", """Minimum over `axes`: `%m = llm.reduce_min %x axes [1] : (tensor<3x4xf32>) -> tensor<3xf32>`.""")
+ReduceProdOp = _reduce("llm.reduce_prod", """Product over `axes`: `%p = llm.reduce_prod %x axes [1] : (tensor<3x4xf32>) -> tensor<3xf32>`.""")
+
+
+class _AxisOp(_TypedOp):
+    """Ops with one `axis N` (non-negative)."""
+
+    axis = prop_def(IntegerAttr[I64])
+
+    @property
+    def axis_index(self) -> int:
+        return self.axis.value.data
+
+    def _print_props(self, printer: Printer) -> None:
+        printer.print_string(f" axis {self.axis_index}")
+        for flag in self.FLAGS:
+            if self.properties.get(flag) is not None:
+                printer.print_string(f" {flag}")
+
+    FLAGS: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def _parse_props(cls, parser) -> dict[str, Attribute]:  # noqa: ANN001
+        parser.parse_keyword("axis")
+        props: dict[str, Attribute] = {"axis": IntegerAttr(parser.parse_integer(False), i64)}
+        for flag in cls.FLAGS:
+            if parser.parse_optional_keyword(flag) is not None:
+                props[flag] = UnitAttr()
+        return props
+
+    def _check_axis(self, rank: int) -> None:
+        if not 0 <= self.axis_index < max(rank, 1):
+            self._fail(f"axis {self.axis_index} is outside rank {rank}")
+
+
+@irdl_op_definition
+class SoftmaxOp(_AxisOp):
+    """`exp(x - max) / sum(exp(x - max))` along `axis`.
+
+    ```mlir
+    %p = llm.softmax %scores axis 3 : tensor<1x4x?x?xf32>
+    ```
+    """
+
+    name = "llm.softmax"
+    input = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, x: SSAValue, axis: int):
+        super().__init__(operands=[x], properties={"axis": IntegerAttr(_normalized_axis(axis, len(shape_of(x))), i64)},
+                         result_types=[x.type])
+
+    def verify_(self) -> None:
+        self._check_axis(len(shape_of(self.input)))
+
+
+@irdl_op_definition
+class CumsumOp(_AxisOp):
+    """Running sum along `axis`; `exclusive` leaves out each element itself, `reverse` runs from the end.
+
+    ```mlir
+    %c = llm.cumsum %x axis 1 : tensor<1x?xi64>
+    ```
+    """
+
+    name = "llm.cumsum"
+    input = operand_def(TensorType)
+    exclusive = opt_prop_def(UnitAttr)
+    reverse = opt_prop_def(UnitAttr)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    FLAGS: ClassVar[tuple[str, ...]] = ("exclusive", "reverse")
+
+    def __init__(self, x: SSAValue, axis: int, exclusive: bool = False, reverse: bool = False):
+        props: dict[str, Attribute] = {"axis": IntegerAttr(_normalized_axis(axis, len(shape_of(x))), i64)}
+        props |= {k: UnitAttr() for k, on in (("exclusive", exclusive), ("reverse", reverse)) if on}
+        super().__init__(operands=[x], properties=props, result_types=[x.type])
+
+    def verify_(self) -> None:
+        self._check_axis(len(shape_of(self.input)))
+
+
+@irdl_op_definition
+class ConcatOp(_AxisOp):
+    """Tensors joined along `axis`.
+
+    ```mlir
+    %c = llm.concat %neg, %lo axis 3 : (tensor<1x4x?x4xf32>, tensor<1x4x?x4xf32>) -> tensor<1x4x?x8xf32>
+    ```
+    """
+
+    name = "llm.concat"
+    inputs = var_operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, inputs: Sequence[SSAValue], axis: int, result_type: Attribute | None = None):
+        shape = list(shape_of(inputs[0]))
+        axis = _normalized_axis(axis, len(shape))
+        if result_type is None:
+            sizes = [shape_of(v)[axis] for v in inputs]
+            shape[axis] = None if None in sizes else sum(sizes)  # type: ignore[arg-type]
+            result_type = tensor(*shape, element_type=element_type(inputs[0]))
+        super().__init__(operands=[list(inputs)], properties={"axis": IntegerAttr(axis, i64)},
+                         result_types=[result_type])
+
+    def verify_(self) -> None:
+        if not self.inputs:
+            self._fail("needs at least one input")
+        rank = len(shape_of(self.result))
+        self._check_axis(rank)
+        for v in self.inputs:
+            if len(shape_of(v)) != rank or element_type(v) != element_type(self.result):
+                self._fail("inputs must have the result's rank and element type")
+
+
+@irdl_op_definition
+class GatherOp(_AxisOp):
+    """Slices of `input` along `axis` at `indices` (negative indices count from the end):
+    `result[i..., j..., k...] = input[i..., indices[j...], k...]`.
+
+    ```mlir
+    %rows = llm.gather %table, %ids axis 0 : (tensor<64x32xf32>, tensor<1x?xi64>) -> tensor<1x?x32xf32>
+    ```
+    """
+
+    name = "llm.gather"
+    input = operand_def(TensorType)
+    indices = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, x: SSAValue, indices: SSAValue, axis: int, result_type: Attribute | None = None):
+        shape = shape_of(x)
+        axis = _normalized_axis(axis, len(shape))
+        if result_type is None:
+            result_type = tensor(*shape[:axis], *shape_of(indices), *shape[axis + 1:], element_type=element_type(x))
+        super().__init__(operands=[x, indices], properties={"axis": IntegerAttr(axis, i64)},
+                         result_types=[result_type])
+
+    def verify_(self) -> None:
+        rank = len(shape_of(self.input))
+        self._check_axis(rank)
+        if len(shape_of(self.result)) != rank - 1 + len(shape_of(self.indices)):
+            self._fail("the result's rank is input rank - 1 + indices rank")
+
+
+@irdl_op_definition
+class GatherNdOp(_TypedOp):
+    """ONNX GatherND: `indices`' last dimension indexes the leading dimensions of `input`,
+    after `batch_dims` shared leading dimensions.
+
+    ```mlir
+    %g = llm.gather_nd %x, %idx batch_dims 0 : (tensor<1x?xi64>, tensor<1x1x?x1x2xi64>) -> tensor<1x1x?x1xi64>
+    ```
+    """
+
+    name = "llm.gather_nd"
+    input = operand_def(TensorType)
+    indices = operand_def(TensorType)
+    batch_dims = prop_def(IntegerAttr[I64])
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, x: SSAValue, indices: SSAValue, batch_dims: int, result_type: Attribute):
+        super().__init__(operands=[x, indices], properties={"batch_dims": IntegerAttr(batch_dims, i64)},
+                         result_types=[result_type])
+
+    def _print_props(self, printer: Printer) -> None:
+        printer.print_string(f" batch_dims {self.batch_dims.value.data}")
+
+    @classmethod
+    def _parse_props(cls, parser) -> dict[str, Attribute]:  # noqa: ANN001
+        parser.parse_keyword("batch_dims")
+        return {"batch_dims": IntegerAttr(parser.parse_integer(False), i64)}
+
+
+@irdl_op_definition
+class TransposeOp(_AxesOp):
+    """Dimensions permuted: result dimension `i` is input dimension `axes[i]`.
+
+    ```mlir
+    %t = llm.transpose %q axes [0, 2, 1, 3] : (tensor<1x?x4x8xf32>) -> tensor<1x4x?x8xf32>
+    ```
+    """
+
+    name = "llm.transpose"
+    input = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, x: SSAValue, perm: Sequence[int]):
+        shape = shape_of(x)
+        super().__init__(operands=[x], properties={"axes": _axes_prop(perm)},
+                         result_types=[tensor(*(shape[p] for p in perm), element_type=element_type(x))])
+
+    def verify_(self) -> None:
+        shape, perm = shape_of(self.input), self.axis_list
+        if sorted(perm) != list(range(len(shape))):
+            self._fail(f"axes {list(perm)} is not a permutation of rank {len(shape)}")
+        if shape_of(self.result) != tuple(shape[p] for p in perm):
+            self._fail("the result shape is the permuted input shape")
+
+
+class _ReshapeLikeOp(_AxesOp):
+    """Unsqueeze and squeeze: the same elements with size-1 dimensions added or removed at `axes`."""
+
+    input = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, x: SSAValue, axes: Sequence[int]):
+        super().__init__(operands=[x], properties={"axes": _axes_prop(sorted(axes))},
+                         result_types=[tensor(*self.reshaped(shape_of(x), sorted(axes)), element_type=element_type(x))])
+
+    def verify_(self) -> None:
+        try:
+            expected = self.reshaped(shape_of(self.input), self.axis_list)
+        except (ValueError, IndexError) as e:
+            self._fail(str(e))
+        if shape_of(self.result) != expected:
+            self._fail(f"the result must be tensor<{_dims(expected)}>")
+
+
+@irdl_op_definition
+class UnsqueezeOp(_ReshapeLikeOp):
+    """Size-1 dimensions inserted so that they are at `axes` of the result.
+
+    ```mlir
+    %u = llm.unsqueeze %cos axes [1] : (tensor<1x?x8xf32>) -> tensor<1x1x?x8xf32>
+    ```
+    """
+
+    name = "llm.unsqueeze"
+
+    @staticmethod
+    def reshaped(shape: Sequence[int | None], axes: Sequence[int]) -> tuple[int | None, ...]:
+        out = list(shape)
+        rank = len(shape) + len(axes)
+        for a in sorted(a % rank for a in axes):
+            out.insert(a, 1)
+        return tuple(out)
+
+
+@irdl_op_definition
+class SqueezeOp(_ReshapeLikeOp):
+    """Size-1 dimensions at `axes` removed.
+
+    ```mlir
+    %s = llm.squeeze %x axes [0] : (tensor<1xi64>) -> tensor<i64>
+    ```
+    """
+
+    name = "llm.squeeze"
+
+    @staticmethod
+    def reshaped(shape: Sequence[int | None], axes: Sequence[int]) -> tuple[int | None, ...]:
+        axes = [a % max(len(shape), 1) for a in axes]
+        if any(shape[a] not in (1, None) for a in axes):
+            raise ValueError(f"squeezed axes {axes} must have size 1 in tensor<{_dims(shape)}>")
+        return tuple(d for i, d in enumerate(shape) if i not in axes)
+
+
+@irdl_op_definition
+class SliceOp(_TypedOp):
+    """ONNX Slice: along each of `axes`, elements `starts:ends:steps` (negative values count from
+    the end; bounds are clamped). The four lists are 1-D i64 operands, usually constants.
+
+    ```mlir
+    %lo = llm.slice %q, %c0, %c4, %c3, %c1 : (tensor<1x4x?x8xf32>, tensor<1xi64>, tensor<1xi64>, tensor<1xi64>,
+            tensor<1xi64>) -> tensor<1x4x?x4xf32>
+    ```
+    """
+
+    name = "llm.slice"
+    input = operand_def(TensorType)
+    starts = operand_def(TensorType)
+    ends = operand_def(TensorType)
+    slice_axes = operand_def(TensorType)
+    steps = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, x: SSAValue, starts: SSAValue, ends: SSAValue, axes: SSAValue, steps: SSAValue,
+                 result_type: Attribute):
+        super().__init__(operands=[x, starts, ends, axes, steps], result_types=[result_type])
+
+    def verify_(self) -> None:
+        if len(shape_of(self.result)) != len(shape_of(self.input)):
+            self._fail("the result has the input's rank")
+
+
+@irdl_op_definition
+class ShapeOfOp(_ConvertOp):
+    """The dimensions of a tensor as a 1-D i64 tensor (ONNX Shape).
+
+    ```mlir
+    %s = llm.shape_of %ids : (tensor<1x?xi64>) -> tensor<2xi64>
+    ```
+    """
+
+    name = "llm.shape_of"
+
+    def verify_(self) -> None:
+        if shape_of(self.result) != (len(shape_of(self.input)),) or element_type(self.result) != i64:
+            self._fail(f"the result must be tensor<{len(shape_of(self.input))}xi64>")
+
+
+@irdl_op_definition
+class ExpandOp(_TypedOp):
+    """`input` broadcast with a tensor of the 1-D i64 `shape` (ONNX Expand: both ways).
+
+    ```mlir
+    %e = llm.expand %k, %shape : (tensor<1x2x1x?x8xf32>, tensor<5xi64>) -> tensor<1x2x2x?x8xf32>
+    ```
+    """
+
+    name = "llm.expand"
+    input = operand_def(TensorType)
+    shape = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, x: SSAValue, shape: SSAValue, result_type: Attribute):
+        super().__init__(operands=[x, shape], result_types=[result_type])
+
+
+@irdl_op_definition
+class FillOp(_TypedOp):
+    """A tensor of the 1-D i64 `shape`, every element the scalar `value` (ONNX ConstantOfShape).
+
+    ```mlir
+    %ones = llm.fill %shape, %one : (tensor<2xi64>, tensor<i64>) -> tensor<1x?xi64>
+    ```
+    """
+
+    name = "llm.fill"
+    shape = operand_def(TensorType)
+    value = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, shape: SSAValue, value: SSAValue, result_type: Attribute):
+        super().__init__(operands=[shape, value], result_types=[result_type])
+
+
+@irdl_op_definition
+class RangeOp(_TypedOp):
+    """`start, start + delta, …` below `limit` (scalar operands), as ONNX Range and `torch.arange`.
+
+    ```mlir
+    %p = llm.range %c0, %t, %c1 : (tensor<i64>, tensor<i64>, tensor<i64>) -> tensor<?xi64>
+    ```
+    """
+
+    name = "llm.range"
+    start = operand_def(TensorType)
+    limit = operand_def(TensorType)
+    delta = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, start: SSAValue, limit: SSAValue, delta: SSAValue, result_type: Attribute):
+        super().__init__(operands=[start, limit, delta], result_types=[result_type])
+
+    def verify_(self) -> None:
+        if len(shape_of(self.result)) != 1:
+            self._fail("the result is 1-D")
+
+
+@irdl_op_definition
+class TriluOp(_TypedOp):
+    """The upper (`upper`) or lower triangle of the last two dimensions, from diagonal `k` (a scalar).
+
+    ```mlir
+    %m = llm.trilu %x, %k upper : (tensor<?x?xf32>, tensor<i64>) -> tensor<?x?xf32>
+    ```
+    """
+
+    name = "llm.trilu"
+    input = operand_def(TensorType)
+    k = operand_def(TensorType)
+    upper = opt_prop_def(UnitAttr)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, x: SSAValue, k: SSAValue, upper: bool):
+        super().__init__(operands=[x, k], properties={"upper": UnitAttr()} if upper else {}, result_types=[x.type])
+
+    def _print_props(self, printer: Printer) -> None:
+        if self.upper is not None:
+            printer.print_string(" upper")
+
+    @classmethod
+    def _parse_props(cls, parser) -> dict[str, Attribute]:  # noqa: ANN001
+        return {"upper": UnitAttr()} if parser.parse_optional_keyword("upper") is not None else {}
+
+    def verify_(self) -> None:
+        if len(shape_of(self.input)) < 2:
+            self._fail("the input must have rank >= 2")
+
+
+@irdl_op_definition
+class WhereOp(_TypedOp):
+    """`a` where `condition` (i1) holds, else `b`, broadcast.
+
+    ```mlir
+    %m = llm.where %causal, %zero, %ninf : (tensor<1x1x?x?xi1>, tensor<f32>, tensor<f32>) -> tensor<1x1x?x?xf32>
+    ```
+    """
+
+    name = "llm.where"
+    condition = operand_def(TensorType)
+    lhs = operand_def(TensorType)
+    rhs = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, condition: SSAValue, a: SSAValue, b: SSAValue, result_type: Attribute | None = None):
+        if result_type is None:
+            shape = broadcast(shape_of(condition), shape_of(a), shape_of(b))
+            result_type = tensor(*shape, element_type=element_type(a))
+        super().__init__(operands=[condition, a, b], result_types=[result_type])
+
+    def verify_(self) -> None:
+        if element_type(self.condition) != i1:
+            self._fail("the condition must be i1")
+        if element_type(self.lhs) != element_type(self.rhs) or element_type(self.lhs) != element_type(self.result):
+            self._fail("both branches and the result have one element type")
+        broadcast(shape_of(self.condition), shape_of(self.lhs), shape_of(self.rhs))
+
+
+@irdl_op_definition
+class BatchMatmulOp(_TypedOp):
+    """numpy's `matmul`: the last two dimensions multiply, the leading ones broadcast (1-D
+    operands are vectors). Unlike `llm.matmul`, both operands are activations or constants.
+
+    ```mlir
+    %s = llm.batch_matmul %q, %kt : (tensor<1x4x?x8xf32>, tensor<1x4x8x?xf32>) -> tensor<1x4x?x?xf32>
+    ```
+    """
+
+    name = "llm.batch_matmul"
+    lhs = operand_def(TensorType)
+    rhs = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    def __init__(self, lhs: SSAValue, rhs: SSAValue, result_type: Attribute | None = None):
+        if result_type is None:
+            a, b = shape_of(lhs), shape_of(rhs)
+            if len(a) < 2 or len(b) < 2:
+                raise VerifyException("llm.batch_matmul: give 1-D operands their result type")
+            result_type = tensor(*broadcast(a[:-2], b[:-2]), a[-2], b[-1], element_type=element_type(lhs))
+        super().__init__(operands=[lhs, rhs], result_types=[result_type])
+
+    def verify_(self) -> None:
+        a, b = shape_of(self.lhs), shape_of(self.rhs)
+        if not a or not b:
+            self._fail("operands must have rank >= 1")
+        k1, k2 = a[-1], (b[-2] if len(b) > 1 else b[0])
+        if k1 is not None and k2 is not None and k1 != k2:
+            self._fail(f"reduction dimension mismatch: {k1} vs {k2}")
+
+
+@irdl_op_definition
+class AddOp(_BinaryOp):
+    """Elementwise sum, broadcast; e.g. a residual connection.
+
+    ```mlir
+    %x1 = llm.add %x0, %attn_out : tensor<?x576xf32>
+    ```
+    """
+
+    name = "llm.add"
+
+
+@irdl_op_definition
+class MulOp(_BinaryOp):
+    """Elementwise product, broadcast; e.g. the gate of a SwiGLU feed-forward.
+
+    ```mlir
+    %gu = llm.mul %g, %u : tensor<?x1536xf32>
+    ```
+    """
+
+    name = "llm.mul"
+
+
 LLM = Dialect(
     "llm",
     [
         WeightOp, EmbeddingOp, RMSNormOp, MatmulOp, LogitsOp, SwigluOp, ReshapeOp, RopeOp, AttentionOp,
         LastTokenOp, AddOp, MulOp, SiluOp, GeluOp, MoeOp,
+        # primitive ops
+        SubOp, DivOp, PowOp, MaximumOp, MinimumOp, ModOp, EqualOp, LessOp, LessEqualOp, GreaterOp, GreaterEqualOp,
+        AndOp, OrOp, XorOp, CastOp, IsNanOp, NegOp, AbsOp, SqrtOp, RsqrtOp, ReciprocalOp, ExpOp, LogOp, TanhOp, CosOp,
+        SinOp, ErfOp, SigmoidOp, ReluOp, FloorOp, CeilOp, NotOp, ConstantOp, ReduceSumOp, ReduceMeanOp, ReduceMaxOp,
+        ReduceMinOp, ReduceProdOp, SoftmaxOp, CumsumOp, ConcatOp, GatherOp, GatherNdOp, TransposeOp, UnsqueezeOp,
+        SqueezeOp, SliceOp, ShapeOfOp, ExpandOp, FillOp, RangeOp, TriluOp, WhereOp, BatchMatmulOp,
     ],
     [StorageAttr, ComputeAttr, KVCacheType, RopeAttr],
 )

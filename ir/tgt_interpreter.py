@@ -25,6 +25,9 @@ from xdsl.ir import SSAValue
 from llmc.ir import llm, tgt
 from llmc.ir.formats import QuantizedTensor, integer_matmul, quantize_rows
 from llmc.ir.interpreter import (
+    BINARY,
+    REDUCE,
+    UNARY,
     KVCache,
     OpTable,
     activation,
@@ -191,6 +194,33 @@ def _add(op: tgt.AddOp, get: _State) -> None:
 @kernel(tgt.MulOp)
 def _mul(op: tgt.MulOp, get: _State) -> None:
     get(op.out)[: get.n] = get(op.lhs)[: get.n] * get(op.rhs)[: get.n]
+
+
+def _broadcast(get: _State, value: SSAValue) -> np.ndarray:
+    """A generic kernel's input: its first `n` rows, or a weight's one value per column."""
+    array = get(value)
+    return array if isinstance(value.type, tgt.WeightType) else array[: get.n]
+
+
+@kernel(tgt.BinaryOp)
+def _binary(op: tgt.BinaryOp, get: _State) -> None:
+    _store(get, op.out, BINARY[op.kind.data](_broadcast(get, op.lhs), _broadcast(get, op.rhs)).astype(np.float32))
+
+
+@kernel(tgt.ScalarOp)
+def _scalar(op: tgt.ScalarOp, get: _State) -> None:
+    x, s = get(op.x)[: get.n], np.float32(op.value.value.data)
+    _store(get, op.out, BINARY[op.kind.data](*((s, x) if op.reversed is not None else (x, s))).astype(np.float32))
+
+
+@kernel(tgt.UnaryOp)
+def _unary(op: tgt.UnaryOp, get: _State) -> None:
+    _store(get, op.out, UNARY[op.kind.data](get(op.x)[: get.n]).astype(np.float32))
+
+
+@kernel(tgt.ReduceOp)
+def _reduce(op: tgt.ReduceOp, get: _State) -> None:
+    _store(get, op.out, REDUCE[op.kind.data](get(op.x)[: get.n], axis=1, keepdims=True).astype(np.float32))
 
 
 @kernel(tgt.SiluOp)

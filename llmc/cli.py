@@ -58,17 +58,18 @@ def _add_dump_options(p: argparse.ArgumentParser, to_directory: bool = True) -> 
 
 
 def cmd_ir(args: argparse.Namespace) -> int:
-    from llmc.compile import BackendOptions, target_attr
+    from llmc.driver import BackendOptions, target_attr
     from llmc.frontend import import_model, load_model
     from llmc.ir import tgt
     from llmc.ir.text import print_module
     from llmc.passes.pipeline import phases_through, run_phase
 
     dump = _dumper(args)
-    module = import_model(load_model(args.model, args.allow_pickle))
+    model = load_model(args.model, args.allow_pickle, args.tokenizer)
+    module = import_model(model)
     module.attributes[tgt.TARGET] = target_attr(BackendOptions(cpu=args.cpu))
     for phase in phases_through(args.phase):
-        run_phase(module, phase, dump)
+        run_phase(module, phase, dump, weights=model.weights)
     _out(print_module(module, generic=args.generic), args.output)
     return 0
 
@@ -101,7 +102,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     artifact = Path(args.artifact) if args.artifact else None
     reference = Path(args.reference) if args.reference else None
     ok = verify_model(args.model, args.prompt, args.tolerance, artifact, print, _progress, args.allow_pickle,
-                      compile_options(args), args.cpu, reference)
+                      compile_options(args), args.cpu, reference, args.tokenizer)
     if not ok:
         print("FAILED: a stage's cosine is below what it needs", file=sys.stderr)
     return 0 if ok else 1
@@ -134,7 +135,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
                     _progress(f"note: {spec} is an artifact; the compile options do not apply to it")
             else:
                 try:
-                    from llmc.compile import BackendOptions, compile_model
+                    from llmc.driver import BackendOptions, compile_model
                 except ImportError as e:
                     raise UsageError(f"{spec} is not an artifact directory, and compiling it needs the compiler "
                                      f"({e.name} is not installed)") from e
@@ -142,7 +143,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
                 options = replace(compile_options(args), max_seq=max(args.ctx, args.max_seq or 0),
                                   prefill_chunk=args.prefill_chunk or min(128, args.ctx))
                 path = compile_model(spec, Path(tmp) / name, options, BackendOptions(cpu=args.cpu),
-                                     progress=_progress, allow_pickle=args.allow_pickle)
+                                     progress=_progress, allow_pickle=args.allow_pickle, tokenizer=args.tokenizer)
             return open_session(path, threads=args.threads)
 
         session = session_of(args.model, "model")
@@ -236,6 +237,14 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                    help="sequences decoded together: the KV cache holds B of them (each --max-seq tokens) and "
                         "one decode call takes a token of each, reading the weights once (`llmc serve`; "
                         "default 1)")
+    _add_raise_option(p)
+
+
+def _add_raise_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-raise", action="append", metavar="NAME",
+                   help="for a .pt2/.onnx graph: leave this pattern unraised, its primitive ops compiled by "
+                        "generic kernels (to compare; repeatable; one of embedding, linear, rms-norm, swiglu, "
+                        "rope, attention, lm-head)")
 
 
 def _default_output(model: str) -> Path:
@@ -256,18 +265,19 @@ def compile_options(args: argparse.Namespace):
                           max_seq=getattr(args, "max_seq", None) or 0, group=not getattr(args, "no_group", False),
                           quant=args.quant or "", quant_output=args.quant_output or "", requantize=args.requantize,
                           compute=args.compute, kv_type=getattr(args, "kv_type", None) or "f16",
-                          max_batch=getattr(args, "max_batch", None) or 1)
+                          max_batch=getattr(args, "max_batch", None) or 1,
+                          no_raise=tuple(getattr(args, "no_raise", None) or ()))
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from llmc.compile import BackendOptions, compile_model
+    from llmc.driver import BackendOptions, compile_model
 
     options = compile_options(args)
     dump = _dumper(args)
     out = Path(args.output) if args.output else (None if args.compile_to else _default_output(args.model))
     backend = BackendOptions(args.target, args.cpu, args.gpu)
     result = compile_model(args.model, out, options, backend, args.compile_to, dump,
-                           progress=_progress, allow_pickle=args.allow_pickle)
+                           progress=_progress, allow_pickle=args.allow_pickle, tokenizer=args.tokenizer)
     if isinstance(result, str):
         _out(result, args.output)
     return 0
@@ -466,12 +476,16 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show the full traceback on errors")
-    model_help = "a .gguf file, a Hugging Face model directory, or a known model name (smollm2-135m)"
+    model_help = ("a .gguf file, a Hugging Face model directory, an exported graph (.pt2 from torch.export.save, "
+                  ".onnx), or a known model name (smollm2-135m)")
     model_args = argparse.ArgumentParser(add_help=False)
     model_args.add_argument("model", metavar="MODEL", help=model_help)
     model_args.add_argument("--allow-pickle", action="store_true",
                             help="load pickle checkpoints (*.bin, *.pt) of a Hugging Face directory, through "
                                  "torch's weights-only loader; without it they are refused")
+    model_args.add_argument("--tokenizer", metavar="PATH",
+                            help="for a .pt2/.onnx graph: its tokenizer (a tokenizer.json, its directory, a .gguf "
+                                 "file or a known model name; default: the tokenizer.json beside the graph)")
 
     parser = _Parser(
         prog="llmc",
@@ -520,6 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: MODEL itself)")
     _add_quant_options(p)
     _add_kv_option(p)
+    _add_raise_option(p)
     p.set_defaults(run=cmd_verify)
 
     p = sub.add_parser("compile", parents=[common, model_args], help="compile a model to an artifact",

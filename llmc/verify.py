@@ -141,12 +141,26 @@ def quantize_tolerance(module, model, fp32_tolerance: float) -> tuple[float, str
     return tolerance, ", ".join(why)
 
 
+def graph_reference(source: Path, tokens: list[int], allow_pickle: bool) -> tuple[np.ndarray, str]:
+    """An exported graph's own reference logits, and its name: onnxruntime for `.onnx`, torch eager for `.pt2`."""
+    from llmc.frontend.reference import onnx_logits, torch_program_logits
+
+    if source.suffix == ".onnx":
+        import onnxruntime
+
+        return onnx_logits(source, tokens), f"onnxruntime {onnxruntime.__version__}"
+    import torch
+
+    return torch_program_logits(source, tokens, allow_pickle), f"torch {torch.__version__.split('+')[0]} eager"
+
+
 def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None, emit: Callable[[str], None],
                  progress: Callable[[str], None], allow_pickle: bool = False, options=None,
-                 cpu: str = "native", reference_source: Path | None = None) -> bool:
+                 cpu: str = "native", reference_source: Path | None = None, tokenizer: str | None = None) -> bool:
     """Print the model, the prompt and one row per stage; True when every stage passes. The reference
-    is transformers on the model's own file, or on `reference_source` (an HF directory of it)."""
-    from llmc.compile import BackendOptions, build_cpu_artifact, target_attr
+    is transformers on the model's own file, or on `reference_source` (an HF directory of it); for
+    an exported graph, torch eager (`.pt2`) or onnxruntime (`.onnx`) on the graph."""
+    from llmc.driver import BackendOptions, build_cpu_artifact, describe_graph, target_attr
     from llmc.errors import UsageError
     from llmc.frontend import import_model, load_model
     from llmc.frontend.reference import reference_logits, reference_name
@@ -174,25 +188,30 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
             target = tgt.TargetAttr("cuda", ARCH, manifest["gpu"]["arch"], manifest["gpu"]["features"])
         else:
             target = tgt.TargetAttr("cpu", target.arch.data, manifest["cpu"]["name"], manifest["cpu"]["features"])
-    model = load_model(spec, allow_pickle)
+    model = load_model(spec, allow_pickle, tokenizer)
     tokens = model.tokenizer.encode(prompt)
     if not tokens:
         raise UsageError("--prompt gives no tokens")
+    module = import_model(model)
+    module.attributes[tgt.TARGET] = target
+    options = options or CompileOptions()
+    for phase in ("import", "optimize"):
+        run_phase(module, phase, options=options, weights=model.weights)
+    graph_note = f"; {describe_graph(model, module)}" if model.graph is not None else ""
     c = model.config
-    emit(f"model    {model.source} ({c.arch}, {c.layers} layers, hidden {c.hidden}, vocab {c.vocab_size})")
+    emit(f"model    {model.source} ({c.arch}, {c.layers} layers, hidden {c.hidden}, vocab {c.vocab_size}{graph_note})")
     emit(f"prompt   {prompt!r} ({len(tokens)} tokens)")
     if reference_source is not None:
         emit(f"reference {reference_source}")
     start = time.perf_counter()
-    reference = reference_logits(reference_source or model.source, tokens)
+    if model.graph is not None:
+        reference, name = graph_reference(model.source, tokens, allow_pickle)
+    else:
+        reference, name = reference_logits(reference_source or model.source, tokens), reference_name()
     progress(f"reference computed in {time.perf_counter() - start:.1f} s")
 
-    module = import_model(model)
-    module.attributes[tgt.TARGET] = target
     max_seq = min(c.context_length, max(64, len(tokens)))
-    options = replace(options or CompileOptions(), prefill_chunk=min(128, max_seq), max_seq=max_seq)
-    for phase in ("import", "optimize"):
-        run_phase(module, phase, options=options)
+    options = replace(options, prefill_chunk=min(128, max_seq), max_seq=max_seq)
     llm_logits = forward_logits(module, model.weights, tokens)
     run_phase(module, "quantize", options=options)
     emit(f"quantize {summary(module)}")
@@ -226,6 +245,6 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
         stages.append(Stage("artifact", q_tolerance, tolerance if exact else None, why,
                             lambda: teacher_forced(lambda chunk, start: session.feed(chunk), tokens)))
         try:
-            return verify_stages(reference, stages, reference_name(), emit)
+            return verify_stages(reference, stages, name, emit)
         finally:
             session.close()

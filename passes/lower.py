@@ -34,6 +34,7 @@ from llmc.ir import llm, tgt
 from llmc.ir.layouts import Layout
 from llmc.passes.base import LlmcPass
 from llmc.passes.group import single_user, users
+from llmc.passes.raising import scalar
 
 
 def _reads_quantized(value: SSAValue) -> bool:
@@ -235,9 +236,94 @@ def _elementwise(kernel: type[tgt.Kernel]) -> Lowering:
     return lower
 
 
-for _llm_op, _kernel in ((llm.AddOp, tgt.AddOp), (llm.MulOp, tgt.MulOp), (llm.SiluOp, tgt.SiluOp),
-                         (llm.GeluOp, tgt.GeluOp)):
+for _llm_op, _kernel in ((llm.SiluOp, tgt.SiluOp), (llm.GeluOp, tgt.GeluOp)):
     lowering(_llm_op)(_elementwise(_kernel))
+
+
+# ---------------------------------------------------- primitive ops left unraised: generic kernels
+POWERS = (2.0, 3.0, 1.0, 0.5, -1.0, -0.5)  # the exponents `tgt.scalar "pow"` computes
+
+
+def _unsupported(op: Operation, why: str) -> LlmcError:
+    types = ", ".join(str(v.type) for v in op.operands)
+    return LlmcError(f"lower: no generic kernel for {op.name} ({types}): {why}; it was not raised to an llm op "
+                     "with a kernel of its own (see --compile-to optimize)")
+
+
+def _rows_value(op: Operation, value: SSAValue) -> None:
+    shape = llm.shape_of(value)
+    if len(shape) != 2 or llm.element_type(value) != llm.f32:
+        raise _unsupported(op, "generic kernels take f32 [tokens, width] values")
+
+
+@lowering(llm.ConstantOp)
+def _constant(lo: _Lowering, op: llm.ConstantOp) -> None:
+    """No buffer: the generic kernels take a constant's single value as an immediate (`tgt.scalar`)."""
+
+
+def _broadcast_input(lo: _Lowering, op: Operation, value: SSAValue, width: int) -> SSAValue:
+    shape = llm.shape_of(value)
+    if isinstance(value.owner, llm.WeightOp) and shape == (width,):
+        return lo.buffers[value]
+    _rows_value(op, value)
+    if shape[1] not in (width, 1) or value not in lo.buffers:
+        raise _unsupported(op, "its inputs must be rows of its width, one value per row, or a weight")
+    return lo.buffers[value]
+
+
+def _binary(lo: _Lowering, op: llm._BinaryOp) -> None:
+    if isinstance(op, (llm.AddOp, llm.MulOp)) and op.lhs.type == op.rhs.type == op.result.type:
+        kernel = tgt.AddOp if isinstance(op, llm.AddOp) else tgt.MulOp
+        lo.emit(kernel(lo.buffers[op.lhs], lo.buffers[op.rhs], lo.out(op.result), lo.n))
+        return
+    kind = op.name.removeprefix("llm.")
+    _rows_value(op, op.result)
+    if kind not in tgt.BINARY_KINDS:
+        raise _unsupported(op, f"generic kernels compute {', '.join(tgt.BINARY_KINDS)}")
+    for x, other, swapped in ((op.lhs, op.rhs, False), (op.rhs, op.lhs, True)):
+        value = scalar(other)
+        if value is not None and x.type == op.result.type:
+            if kind == "pow" and (swapped or value not in POWERS):
+                raise _unsupported(op, f"pow has a generic kernel for the exponents {POWERS} only")
+            lo.emit(tgt.ScalarOp(kind, lo.buffers[x], value, lo.out(op.result), lo.n, reversed=swapped))
+            return
+    if kind == "pow":
+        raise _unsupported(op, "pow has a generic kernel for a constant exponent only")
+    width = llm.shape_of(op.result)[1]
+    ins = [_broadcast_input(lo, op, v, width) for v in (op.lhs, op.rhs)]
+    lo.emit(tgt.BinaryOp(kind, *ins, lo.out(op.result), lo.n))
+
+
+def _unary(lo: _Lowering, op: Operation) -> None:
+    kind = op.name.removeprefix("llm.")
+    _rows_value(op, op.results[0])
+    if kind not in tgt.UNARY_KINDS:
+        raise _unsupported(op, f"generic kernels compute {', '.join(tgt.UNARY_KINDS)}")
+    lo.emit(tgt.UnaryOp(kind, lo.buffers[op.operands[0]], lo.out(op.results[0]), lo.n))
+
+
+def _reduce(lo: _Lowering, op: llm._ReduceOp) -> None:
+    kind = op.name.removeprefix("llm.reduce_")
+    _rows_value(op, op.input)
+    if kind not in tgt.REDUCE_KINDS or op.axis_list != (1,) or op.keepdims is None:
+        raise _unsupported(op, f"generic kernels reduce each row ({', '.join(tgt.REDUCE_KINDS)}, keepdims)")
+    lo.emit(tgt.ReduceOp(kind, lo.buffers[op.input], lo.out(op.result), lo.n))
+
+
+@lowering(llm.CastOp)
+def _cast(lo: _Lowering, op: llm.CastOp) -> None:
+    if op.input.type != op.result.type:
+        raise _unsupported(op, "only a cast to the same type has no kernel")
+    lo.alias(op.result, op.input)
+
+
+for _op_type in llm.LLM.operations:
+    if issubclass(_op_type, llm._BinaryOp):
+        lowering(_op_type)(_binary)
+    elif issubclass(_op_type, llm._UnaryOp) and _op_type not in _LOWERINGS:
+        lowering(_op_type)(_unary)
+    elif issubclass(_op_type, llm._ReduceOp):
+        lowering(_op_type)(_reduce)
 
 
 @lowering(func.ReturnOp)

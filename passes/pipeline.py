@@ -3,7 +3,7 @@
 | phase    | passes                            | IR after it                                  |
 |----------|-----------------------------------|----------------------------------------------|
 | import   | (the frontend builds it)          | `llm`, `@forward`                            |
-| optimize | verify, canonicalize, dce, verify | `llm`                                        |
+| optimize | verify, canonicalize, raise-*, dce, verify | `llm`, exported graphs raised       |
 | quantize | quantize, verify                  | `llm`, storage and compute mode chosen       |
 | split    | split                             | `llm`, prefill/prefill_kv/decode/score       |
 | group    | group (none with `--no-group`)    | `llm` with fused ops                         |
@@ -24,8 +24,9 @@ from xdsl.passes import ModulePass
 
 from llmc.errors import UsageError
 from llmc.ir.text import context, print_module
+from llmc.ir.weights import WeightStore
 from llmc.passes.base import PHASE_ORDER
-from llmc.passes.registry import get_pass
+from llmc.passes.registry import get_pass, pass_class
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,17 @@ class CompileOptions:
     compute: str = "auto"  # a32, a8, or the fastest on the target
     kv_type: str = "f16"  # element type of the KV cache: f32 or f16
     max_batch: int = 1  # sequences the cache holds (decode's rows)
+    no_raise: tuple[str, ...] = ()  # raising passes turned off (`--no-raise rms-norm`: the pass raise-rms-norm)
+
+
+# the raising passes of `optimize`, in order (an exported graph's primitive subgraphs → `llm` ops)
+RAISINGS = ("embedding", "linear", "rms-norm", "swiglu", "rope", "attention", "lm-head")
 
 
 PHASES: dict[str, tuple[str, ...]] = {
     "import": (),
-    "optimize": ("verify", "canonicalize", "dce", "verify"),
+    "optimize": ("verify", "refine-shapes", "canonicalize", "raise-embedding", "raise-linear", "canonicalize", "raise-rms-norm",
+                 "raise-swiglu", "raise-rope", "raise-attention", "canonicalize", "raise-lm-head", "dce", "verify"),
     "quantize": ("quantize", "verify"),
     "split": ("split",),
     "group": ("group",),
@@ -54,10 +61,17 @@ PHASES: dict[str, tuple[str, ...]] = {
 assert tuple(PHASES) == PHASE_ORDER
 
 
-def phase_passes(phase: str, options: CompileOptions) -> list[ModulePass]:
-    passes = []
+def phase_passes(phase: str, options: CompileOptions, weights: WeightStore | None = None) -> list[ModulePass]:
+    """The passes of `phase`; `weights` lets the raising passes evaluate subgraphs that read weights."""
+    unknown = sorted(set(options.no_raise) - set(RAISINGS))
+    if unknown:
+        raise UsageError(f"--no-raise {unknown[0]}: no such raising (raisings: {', '.join(RAISINGS)})")
+    passes: list[ModulePass] = []
     for name in PHASES[phase]:
-        if name == "split":
+        if name == "refine-shapes" or name.startswith("raise-"):
+            if name.removeprefix("raise-") not in options.no_raise:
+                passes.append(pass_class(name)(weights=weights))  # type: ignore[call-arg]
+        elif name == "split":
             from llmc.passes.split import SplitPass
 
             passes.append(SplitPass(prefill_chunk=options.prefill_chunk, max_seq=options.max_seq,
@@ -112,9 +126,9 @@ def run_passes(module: ModuleOp, passes: Sequence[ModulePass], dump: IRDumper | 
 
 
 def run_phase(module: ModuleOp, phase: str, dump: IRDumper | None = None,
-              options: CompileOptions = CompileOptions()) -> None:
+              options: CompileOptions = CompileOptions(), weights: WeightStore | None = None) -> None:
     """Apply one phase's passes in place, record the phase on the module, dump its IR."""
-    run_passes(module, phase_passes(phase, options), dump)
+    run_passes(module, phase_passes(phase, options, weights), dump)
     module.attributes["llm.phase"] = StringAttr(phase)
     if dump:
         dump(f"phase-{phase}", module)

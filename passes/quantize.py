@@ -31,13 +31,23 @@ from dataclasses import dataclass
 
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
+from xdsl.ir import Operation
 
 from llmc.errors import LlmcError, UsageError
 from llmc.ir import llm, tgt
 from llmc.ir.formats import FORMATS, Storage
 from llmc.passes.base import LlmcPass
 
-OUTPUT_TENSORS = ("token_embd", "output")
+
+def output_tensors(function: Operation) -> set[str]:
+    """The weights the token embedding and the LM head read (`token_embd`, `output` from GGUF),
+    found by the ops that read them, so that every frontend's names are alike."""
+    found = set()
+    for op in function.walk():
+        weight = op.table if isinstance(op, llm.EmbeddingOp) else op.weight if isinstance(op, llm.LogitsOp) else None
+        if weight is not None and isinstance(weight.owner, llm.WeightOp):
+            found.add(weight.owner.sym_name)
+    return found
 ROUTERS = (".ffn_gate_inp",)  # a mixture of experts' router: top-k is discontinuous, so it stays f32
 FALLBACK = {
     Storage.Q4_K: Storage.Q5_0, Storage.Q5_K: Storage.Q5_1, Storage.Q6_K: Storage.Q8_0,
@@ -87,14 +97,14 @@ class QuantizePass(LlmcPass):
     requantize: bool = False  # also convert tensors that are already quantized
     compute: str = "auto"
 
-    def storage_for(self, name: str, source: Storage, shape: tuple[int, ...]) -> Storage:
-        """The storage a weight gets under this pass's options."""
+    def storage_for(self, name: str, source: Storage, shape: tuple[int, ...], output: bool = False) -> Storage:
+        """The storage a weight gets under this pass's options (`output`: the embedding or LM head's)."""
         quant = _parse(self.quant, "--quant")
-        output = _parse(self.quant_output, "--quant-output")
+        quant_output = _parse(self.quant_output, "--quant-output")
         if len(shape) == 1 or name.endswith(ROUTERS):
             return Storage.F32
-        if name in OUTPUT_TENSORS:
-            wanted = output or (quant if quant is None or quant.is_float or FORMATS[quant].bits == 8
+        if output:
+            wanted = quant_output or (quant if quant is None or quant.is_float or FORMATS[quant].bits == 8
                                 else Storage.Q8_0)
         else:
             wanted = quant
@@ -114,10 +124,12 @@ class QuantizePass(LlmcPass):
         check_compute(self.compute, target)
         integer_dot = has_integer_dot(target)
         for function in self.functions(module):
+            outputs = output_tensors(function)
             for op in function.walk():
                 if isinstance(op, llm.WeightOp):
                     shape = tuple(d for d in llm.shape_of(op.result) if d is not None)
-                    op.storage = llm.StorageAttr(self.storage_for(op.sym_name, op.storage.data, shape))
+                    op.storage = llm.StorageAttr(self.storage_for(op.sym_name, op.storage.data, shape,
+                                                                  op.sym_name in outputs))
             for op in function.walk():
                 if isinstance(op, llm.Projection):
                     op.compute = llm.ComputeAttr(self.mode_for(op, integer_dot))

@@ -7,6 +7,12 @@ would drop SmolLM2's digit splitting), so both forms give the same token ids. Th
 the float source for `--quant` measurements:
 
     python tests/real_models.py smollm2-hf /tmp/smollm2-hf
+
+`write_smollm2_graph(directory, "onnx" | "pt2")` exports that transformers model as a graph
+(`torch.onnx.export(..., dynamo=True)` or `torch.export.save`), with the GGUF's tokenizer as
+`tokenizer.json` beside it:
+
+    python tests/real_models.py smollm2-onnx /tmp/smollm2-onnx
 """
 
 from __future__ import annotations
@@ -15,6 +21,44 @@ import json
 import os
 import sys
 from pathlib import Path
+
+
+def export_graph(model, path: Path, vocab_size: int) -> Path:
+    """`model` (a transformers causal LM) exported to `path`: `.onnx` (dynamo, opset 18) or `.pt2`."""
+    import torch
+
+    from llmc.frontend.torch_export import export_decoder
+
+    example = (torch.arange(7, dtype=torch.long)[None] % vocab_size,)
+    program = export_decoder(model.eval(), example)
+    if path.suffix == ".pt2":
+        torch.export.save(program, path)
+    else:
+        torch.onnx.export(program, example, dynamo=True, opset_version=18, verbose=False).save(str(path))
+    return path
+
+
+def write_tokenizer(codec, directory: Path) -> None:
+    """`tokenizer.json` and `tokenizer_config.json` of a `TextCodec`."""
+    (directory / "tokenizer.json").write_text(codec.tokenizer.to_str())
+    vocab = codec.tokenizer
+    settings = {"chat_template": codec.chat_template, "add_bos_token": codec.add_bos,
+                "bos_token": vocab.id_to_token(codec.bos_id) if codec.bos_id is not None else None,
+                "eos_token": vocab.id_to_token(codec.eos_id) if codec.eos_id is not None else None}
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
+
+
+def write_smollm2_graph(directory: Path, kind: str) -> Path:
+    """SmolLM2 from its GGUF through transformers, exported as `directory/smollm2.{kind}`."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    from llmc.frontend import load_model, resolve
+    from llmc.frontend.reference import reference_model
+
+    gguf = resolve("smollm2-135m")
+    model = reference_model(gguf)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(load_model(str(gguf)).tokenizer, directory)
+    return export_graph(model, directory / f"smollm2.{kind}", model.config.vocab_size)
 
 
 def write_smollm2_hf(directory: Path) -> Path:
@@ -35,17 +79,12 @@ def write_smollm2_hf(directory: Path) -> Path:
     config["architectures"] = [type(model).__name__]
     config["torch_dtype"] = "float32"
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    codec = load_model(str(gguf)).tokenizer
-    (directory / "tokenizer.json").write_text(codec.tokenizer.to_str())
-    vocab = codec.tokenizer
-    settings = {"chat_template": codec.chat_template, "add_bos_token": codec.add_bos,
-                "bos_token": vocab.id_to_token(codec.bos_id) if codec.bos_id is not None else None,
-                "eos_token": vocab.id_to_token(codec.eos_id) if codec.eos_id is not None else None}
-    (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
+    write_tokenizer(load_model(str(gguf)).tokenizer, directory)
     return directory
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "smollm2-hf":
-        sys.exit("usage: python tests/real_models.py smollm2-hf DIRECTORY")
-    print(write_smollm2_hf(Path(sys.argv[2])))
+    if len(sys.argv) != 3 or sys.argv[1] not in ("smollm2-hf", "smollm2-onnx", "smollm2-pt2"):
+        sys.exit("usage: python tests/real_models.py smollm2-hf|smollm2-onnx|smollm2-pt2 DIRECTORY")
+    kind = sys.argv[1].removeprefix("smollm2-")
+    print(write_smollm2_hf(Path(sys.argv[2])) if kind == "hf" else write_smollm2_graph(Path(sys.argv[2]), kind))

@@ -17,7 +17,7 @@ _SCRIPT = textwrap.dedent(
     from importlib.abc import MetaPathFinder
 
     BLOCKED = ("xdsl", "llvmlite", "torch", "transformers", "gguf",
-               "llmc.frontend", "llmc.ir", "llmc.passes", "llmc.backends", "llmc.compile") + tuple(sys.argv[1].split(","))
+               "llmc.frontend", "llmc.ir", "llmc.passes", "llmc.backends", "llmc.driver") + tuple(sys.argv[1].split(","))
 
     class Block(MetaPathFinder):
         def find_spec(self, name, path=None, target=None):

@@ -15,7 +15,7 @@ import pytest
 from tiny_models import TinySpec
 
 from llmc.cli import main
-from llmc.compile import BackendOptions, compile_model, run_phases, target_attr
+from llmc.driver import BackendOptions, compile_model, run_phases, target_attr
 from llmc.errors import LlmcError
 from llmc.frontend import load_model
 from llmc.ir import find_function, llm

@@ -16,7 +16,7 @@ import pytest
 from tiny_models import TinySpec
 
 from llmc.cli import main
-from llmc.compile import BackendOptions, compile_model
+from llmc.driver import BackendOptions, compile_model
 from llmc.passes.pipeline import CompileOptions
 from llmc.runtime.artifact import Manifest
 from llmc.runtime.bench import EngineSpeeds, benchmark, decode_weight_bytes, fit_defaults, table

@@ -22,7 +22,7 @@ import pytest
 from runtime_only import runtime_only
 from tiny_models import TinySpec
 
-from llmc.compile import BackendOptions, compile_model
+from llmc.driver import BackendOptions, compile_model
 from llmc.passes.pipeline import CompileOptions
 from llmc.runtime.chat import Chat
 from llmc.runtime.codec import TextCodec

@@ -16,7 +16,7 @@ from runtime_only import runtime_only
 from tiny_models import TinySpec
 
 from llmc.cli import main
-from llmc.compile import BackendOptions, compile_model
+from llmc.driver import BackendOptions, compile_model
 from llmc.errors import LlmcError
 from llmc.frontend import import_model, load_model
 from llmc.ir import find_function

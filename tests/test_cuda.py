@@ -25,7 +25,7 @@ from llmc.backends.cuda import kernels as cuda_kernels
 from llmc.backends.cuda.emulator import EmulatedDevice
 from llmc.backends.cuda.toolchain import parse_report
 from llmc.cli import main
-from llmc.compile import BackendOptions, compile_model, run_phases, target_attr
+from llmc.driver import BackendOptions, compile_model, run_phases, target_attr
 from llmc.errors import LlmcError
 from llmc.frontend import import_model, load_model
 from llmc.ir import find_function

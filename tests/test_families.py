@@ -246,7 +246,7 @@ def test_compiled_moe_reads_only_the_chosen_experts(tiny: Callable[..., Path], a
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The weight rows of the experts no token is routed to are overwritten with NaN in `weights.bin`:
     the compiled artifact's logits do not change (nothing reads them); poisoning one chosen expert does."""
-    from llmc.compile import BackendOptions, run_phases, target_attr
+    from llmc.driver import BackendOptions, run_phases, target_attr
     from llmc.ir import interpreter
     from llmc.package import weight_layout
     from llmc.passes.pipeline import CompileOptions

@@ -113,7 +113,7 @@ def test_storage_for_is_the_policy() -> None:
     p = QuantizePass(quant="int4-g128")
     assert p.storage_for("blk.0.attn_q", Storage.F32, (576, 576)) is Storage.INT4_G32  # 576 % 128 != 0
     assert p.storage_for("blk.0.ffn_down", Storage.F32, (576, 1536)) is Storage.INT4_G128
-    assert p.storage_for("output", Storage.BF16, (49152, 576)) is Storage.Q8_0
+    assert p.storage_for("output", Storage.BF16, (49152, 576), output=True) is Storage.Q8_0
     assert p.storage_for("blk.0.attn_norm", Storage.F16, (576,)) is Storage.F32
     with pytest.raises(UsageError, match="--quant: unknown storage type 'q3'"):
         QuantizePass(quant="q3").storage_for("x", Storage.F32, (32, 32))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from llmc.cli import main
-from llmc.compile import BackendOptions, compile_model
+from llmc.driver import BackendOptions, compile_model
 from llmc.frontend import load_model
 from llmc.passes.pipeline import CompileOptions
 from llmc.runtime.codec import TextCodec
@@ -185,7 +185,7 @@ def test_cuda_artifact_on_the_emulator_matches_the_cpu_artifact(smollm2_path, co
     the logits of the CPU artifact with the same arithmetic (a32; the sums in other orders), and the
     same greedy tokens."""
     from llmc.backends.cuda.emulator import EmulatedDevice
-    from llmc.compile import run_phases, target_attr
+    from llmc.driver import run_phases, target_attr
     from llmc.package import weight_layout
     from llmc.runtime.artifact import load_manifest
     from llmc.runtime.cuda import CudaSession

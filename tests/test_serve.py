@@ -28,7 +28,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from llmc.compile import BackendOptions, compile_model  # noqa: E402
+from llmc.driver import BackendOptions, compile_model  # noqa: E402
 from llmc.passes.pipeline import CompileOptions  # noqa: E402
 from llmc.runtime.artifact import load_manifest  # noqa: E402
 from llmc.runtime.codec import TextCodec  # noqa: E402

@@ -473,6 +473,95 @@ def _elementwise(op_fn: Callable[[KernelBuilder, list[ir.Value]], ir.Value], nam
     return emit
 
 
+# generic kernels (`tgt.binary`, `tgt.scalar`, `tgt.unary`, `tgt.reduce`): one element at a time
+def _binary_kind(f: KernelBuilder, kind: str) -> Callable[[ir.Value, ir.Value], ir.Value]:
+    b = f.b
+    return {
+        "add": lambda x, y: b.fadd(x, y), "sub": lambda x, y: b.fsub(x, y), "mul": lambda x, y: b.fmul(x, y),
+        "div": lambda x, y: b.fdiv(x, y), "maximum": lambda x, y: f.intrinsic("llvm.maxnum", x, y),
+        "minimum": lambda x, y: f.intrinsic("llvm.minnum", x, y),
+    }[kind]
+
+
+def _unary_kind(f: KernelBuilder, kind: str) -> Callable[[ir.Value], ir.Value]:
+    b, one = f.b, f.f32(1.0)
+    sqrt = lambda x: f.intrinsic("llvm.sqrt", x)  # noqa: E731
+    sin_cos = lambda x, i: b.fptrunc(f.sincos(b.fpext(x, ir.DoubleType()))[i], F32)  # noqa: E731
+    return {
+        "neg": b.fneg, "abs": lambda x: f.intrinsic("llvm.fabs", x), "sqrt": sqrt,
+        "rsqrt": lambda x: b.fdiv(one, sqrt(x)), "reciprocal": lambda x: b.fdiv(one, x), "exp": f.exp,
+        "tanh": f.tanh, "sigmoid": lambda x: b.fdiv(one, b.fadd(one, f.exp(b.fneg(x)))),
+        "relu": lambda x: f.intrinsic("llvm.maxnum", x, f.f32(0.0)), "sin": lambda x: sin_cos(x, 0),
+        "cos": lambda x: sin_cos(x, 1),
+    }[kind]
+
+
+def _power(f: KernelBuilder, x: ir.Value, exponent: float) -> ir.Value:
+    """x ** exponent for the exponents `lower` gives `tgt.scalar "pow"` (POWERS)."""
+    b = f.b
+    results = {2.0: lambda: b.fmul(x, x), 3.0: lambda: b.fmul(x, b.fmul(x, x)), 1.0: lambda: x,
+               0.5: lambda: f.intrinsic("llvm.sqrt", x), -1.0: lambda: b.fdiv(f.f32(1.0), x),
+               -0.5: lambda: b.fdiv(f.f32(1.0), f.intrinsic("llvm.sqrt", x))}
+    return results[exponent]()
+
+
+def _element(f: KernelBuilder, op: tgt.Kernel, a: dict, name: str, t: ir.Value, c: ir.Value) -> ir.Value:
+    """Element (row t, column c) of a generic kernel's input: a row's, a row's single value, or a column's."""
+    value = getattr(op, name)
+    base = floats(f, a[name])
+    if isinstance(value.type, tgt.WeightType):
+        return f.load(base, c)
+    width = tgt.dims(value)[1]
+    return f.load(base, t if width == 1 else f.add(f.mul(t, width), c))
+
+
+def _each_element(f: KernelBuilder, op: tgt.Kernel, a: dict, compute: Callable[[ir.Value, ir.Value], ir.Value]) -> None:
+    W = tgt.row_width(op.out)
+    out = floats(f, a["out"])
+    with f.loop(*f.share(a["rows"], a["tid"], a["nth"]), name="t") as t:
+        with f.loop(0, W, name="c", unroll=False) as c:
+            f.store(compute(t, c), out, f.add(f.mul(t, W), c))
+
+
+def _binary(lib: KernelLibrary, f: KernelBuilder, op: tgt.BinaryOp, a: dict) -> None:
+    fn = _binary_kind(f, op.kind.data)
+    _each_element(f, op, a, lambda t, c: fn(_element(f, op, a, "lhs", t, c), _element(f, op, a, "rhs", t, c)))
+
+
+def _scalar(lib: KernelLibrary, f: KernelBuilder, op: tgt.ScalarOp, a: dict) -> None:
+    value = op.value.value.data
+    if op.kind.data == "pow":
+        _each_element(f, op, a, lambda t, c: _power(f, _element(f, op, a, "x", t, c), value))
+        return
+    fn, s = _binary_kind(f, op.kind.data), f.f32(value)
+    swap = op.reversed is not None
+    _each_element(f, op, a, lambda t, c: fn(s, _element(f, op, a, "x", t, c)) if swap
+                  else fn(_element(f, op, a, "x", t, c), s))
+
+
+def _unary(lib: KernelLibrary, f: KernelBuilder, op: tgt.UnaryOp, a: dict) -> None:
+    fn = _unary_kind(f, op.kind.data)
+    _each_element(f, op, a, lambda t, c: fn(_element(f, op, a, "x", t, c)))
+
+
+def _reduce(lib: KernelLibrary, f: KernelBuilder, op: tgt.ReduceOp, a: dict) -> None:
+    W, kind, b = tgt.row_width(op.x), op.kind.data, f.b
+    x, out = floats(f, a["x"]), floats(f, a["out"])
+    with f.loop(*f.share(a["rows"], a["tid"], a["nth"]), name="t") as t:
+        row = f.ptr(x, f.mul(t, W))
+        if kind == "max":
+            acc = f.alloca(F32, name="m")
+            b.store(f.load(row, 0), acc)
+            with f.loop(1, W, name="c", unroll=False) as c:
+                b.store(f.intrinsic("llvm.maxnum", b.load(acc), f.load(row, c)), acc)
+            result = b.load(acc)
+        else:
+            result = f.reduce_sum(W, lambda c: f.load(row, c), name="c")
+            if kind == "mean":
+                result = b.fmul(result, f.f32(1.0 / W))
+        f.store(result, out, t)
+
+
 _EMITTERS: dict[type[tgt.Kernel], Callable] = {
     tgt.EmbeddingOp: _embedding,
     tgt.RMSNormOp: _rms_norm,
@@ -486,5 +575,9 @@ _EMITTERS: dict[type[tgt.Kernel], Callable] = {
     tgt.SiluOp: _elementwise(lambda f, v: f.silu(v[0]), ("x",)),
     tgt.GeluOp: _elementwise(lambda f, v: f.gelu_tanh(v[0]), ("x",)),
     tgt.MoeOp: _moe,
+    tgt.BinaryOp: _binary,
+    tgt.ScalarOp: _scalar,
+    tgt.UnaryOp: _unary,
+    tgt.ReduceOp: _reduce,
 }
 

@@ -86,9 +86,11 @@ def run_phases(model: Model, options: CompileOptions, last: str, dump: IRDumper 
     progress(f"{'import':<10} {time.perf_counter() - start:6.2f} s")
     for phase in list(PHASES)[1:]:
         start = time.perf_counter()
-        run_phase(module, phase, dump, options)
+        run_phase(module, phase, dump, options, model.weights)
         note = ""
-        if phase == "quantize":
+        if phase == "optimize" and model.graph is not None:
+            note = describe_graph(model, module, needed=last != "optimize")
+        elif phase == "quantize":
             note = summary(module)
         elif phase == "split":
             note = _split_report(module)
@@ -179,10 +181,35 @@ def _isa_note(module: ModuleOp) -> str:
     return ""
 
 
-def compile_model(spec: str, out: Path | None, options: CompileOptions, backend: BackendOptions,
-                  compile_to: str | None = None, dump: IRDumper | None = None,
-                  progress: Callable[[str], None] = print, allow_pickle: bool = False) -> Path | str:
-    """Compile `spec` to an artifact in `out`; with `compile_to`, return that phase's IR text instead."""
+def describe_graph(model: Model, module: ModuleOp, needed: bool = True) -> str:
+    """Set an imported graph's config from its raised IR (`graph_config`; an error where it cannot
+    be compiled further, if that is `needed`); what was raised, in words."""
+    from collections import Counter
+
+    from llmc.errors import ModelFormatError
+    from llmc.frontend.graph import graph_config
+
+    try:
+        model.config = graph_config(module, model.source)
+    except ModelFormatError as e:
+        if needed:
+            raise
+        return e.problem
+    counts = Counter(op.name for op in module.walk() if op.name.startswith("llm."))
+    raised = ", ".join(f"{counts[name]} {name[4:]}" for name in ("llm.attention", "llm.rope", "llm.rms_norm",
+                                                                  "llm.matmul") if counts[name])
+    left = sum(n for name, n in counts.items() if name not in RAISED_OPS)
+    return f"raised {raised}" + (f"; {left} primitive ops left" if left else "")
+
+
+# what the graph frontends' primitive ops are raised to (the ops the GGUF path builds)
+RAISED_OPS = {"llm.weight", "llm.embedding", "llm.rms_norm", "llm.matmul", "llm.logits", "llm.reshape", "llm.rope",
+              "llm.attention", "llm.add", "llm.mul", "llm.silu", "llm.gelu", "llm.swiglu", "llm.last_token"}
+
+
+def check_backend(options: CompileOptions, backend: BackendOptions, compile_to: str | None,
+                  out: Path | None) -> tgt.TargetAttr:
+    """The target of `backend`, after checking the options that need no model."""
     if backend.target not in TARGETS:
         raise UsageError(f"unknown target '{backend.target}' (targets: {', '.join(TARGETS)})")
     target = target_attr(backend)
@@ -191,7 +218,23 @@ def compile_model(spec: str, out: Path | None, options: CompileOptions, backend:
         raise UsageError(f"unknown phase '{compile_to}' (phases: {', '.join(PHASES)})")
     if out is not None and compile_to is None:
         check_output_directory(out)
-    model = load_model(spec, allow_pickle)
+    return target
+
+
+def compile_model(spec: str, out: Path | None, options: CompileOptions, backend: BackendOptions,
+                  compile_to: str | None = None, dump: IRDumper | None = None,
+                  progress: Callable[[str], None] = print, allow_pickle: bool = False,
+                  tokenizer: str | None = None) -> Path | str:
+    """Compile `spec` to an artifact in `out`; with `compile_to`, return that phase's IR text instead."""
+    target = check_backend(options, backend, compile_to, out)
+    return compile_loaded(load_model(spec, allow_pickle, tokenizer), out, options, backend, target, compile_to,
+                          dump, progress)
+
+
+def compile_loaded(model: Model, out: Path | None, options: CompileOptions, backend: BackendOptions,
+                   target: tgt.TargetAttr, compile_to: str | None = None, dump: IRDumper | None = None,
+                   progress: Callable[[str], None] = print) -> Path | str:
+    """`compile_model` of a model already loaded."""
     if compile_to is None:
         model.tokenizer  # the artifact needs it: a broken tokenizer fails now, not after codegen
     module = run_phases(model, options, compile_to or "lower", dump, progress, target)
@@ -202,3 +245,20 @@ def compile_model(spec: str, out: Path | None, options: CompileOptions, backend:
     if backend.target == "cuda":
         return build_cuda_artifact(module, model, out, backend, compile_options, progress)
     return build_cpu_artifact(module, model, out, backend, compile_options, progress)
+
+
+def compile_torch(module, example_inputs: tuple, out: Path, tokenizer: str, options: CompileOptions,
+                  backend: BackendOptions, progress: Callable[[str], None] = print) -> Path:
+    """`llmc.compile`: a torch module exported with torch.export, then compiled as a `.pt2` file is."""
+    from llmc.frontend.graph import graph_model
+    from llmc.frontend.torch_export import export_decoder, import_program
+
+    target = check_backend(options, backend, None, out)
+    start = time.perf_counter()
+    source = Path(f"{type(module).__name__}.pt2")  # what the manifest names as the source
+    graph, weights = import_program(export_decoder(module, example_inputs), source)
+    progress(f"{'export':<10} {time.perf_counter() - start:6.2f} s   torch.export")
+    result = compile_loaded(graph_model(source, graph, weights, tokenizer), out, options, backend, target,
+                            progress=progress)
+    assert isinstance(result, Path)
+    return result

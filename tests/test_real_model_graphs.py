@@ -1,0 +1,65 @@
+"""The real model through the graph frontends: SmolLM2 (transformers, from the GGUF) exported with
+`torch.onnx.export(dynamo=True)` and `torch.export`, compiled like the GGUF file.
+
+Both are raised to the GGUF path's ops: compiled with that path's storage (`--quant q4_1
+--quant-output q8_0`, the file's own types, which requantizing the dequantized weights
+reproduces) they generate the GGUF artifact's 32 greedy tokens, and `llmc verify` holds
+every stage to onnxruntime / torch eager.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmc.cli import main
+from llmc.driver import BackendOptions, compile_model
+from llmc.passes.pipeline import CompileOptions
+from llmc.runtime.codec import TextCodec
+from llmc.runtime.generate import generate
+from llmc.runtime.sampling import SamplingOptions
+from llmc.runtime.session import Session
+
+pytestmark = [pytest.mark.real_model, pytest.mark.filterwarnings("ignore")]
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module", params=["onnx", "pt2"])
+def graph(request, smollm2_path, tmp_path_factory) -> Path:
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxruntime")
+    from real_models import write_smollm2_graph
+
+    return write_smollm2_graph(tmp_path_factory.mktemp(f"smollm2-{request.param}"), request.param)
+
+
+def _greedy(artifact: Path) -> list[int]:
+    session = Session(artifact)
+    codec = TextCodec.from_artifact(session.manifest)
+    tokens = list(generate(session, codec, codec.encode(PROMPT), 32, SamplingOptions()))
+    session.close()
+    return tokens
+
+
+def test_graph_artifact_generates_the_gguf_artifacts_tokens(graph, smollm2_path, tmp_path) -> None:
+    options = CompileOptions(max_seq=256)
+    gguf = compile_model(str(smollm2_path), tmp_path / "gguf", options, BackendOptions(), progress=lambda _: None)
+    ours = compile_model(str(graph), tmp_path / "graph", CompileOptions(max_seq=256, quant="q4_1", quant_output="q8_0"),
+                         BackendOptions(), progress=lambda _: None)
+    assert isinstance(gguf, Path) and isinstance(ours, Path)
+    expected = _greedy(gguf)
+    assert len(expected) == 32
+    assert _greedy(ours) == expected
+    if graph.suffix == ".onnx":  # the same weights, packed the same way
+        assert (ours / "weights.bin").read_bytes() == (gguf / "weights.bin").read_bytes()
+
+
+def test_verify_holds_every_stage_to_the_graph_runtime(graph, capsys) -> None:
+    assert main(["verify", str(graph), "--compute", "a32", "--kv-type", "f32"]) == 0
+    out = capsys.readouterr().out
+    assert ("(onnxruntime " if graph.suffix == ".onnx" else "(torch ") in out
+    assert "raised 30 attention, 60 rope, 61 rms_norm, 210 matmul" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
+    for stage in ("llm", "quantize", "tgt", "artifact"):
+        assert float(rows[stage][1]) >= 0.9999 and "(100%)" in rows[stage][5], rows[stage]

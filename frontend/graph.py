@@ -113,9 +113,11 @@ class GraphBuilder:
         return self.add(llm.ConstantOp(dense(array)), name)
 
     def weight(self, name: str, array: np.ndarray, transposed: bool = False) -> SSAValue:
-        """A float parameter as `llm.weight @name` (f32, kept in the store as f16 if it is); with `transposed`, the store keeps the matrix's
-        transpose (`[out, in]`, as llmc's matmuls read weights) and the graph reads it through
-        `llm.transpose`, so `x · W` of an exported `MatMul` is `x · (Wᵀ)ᵀ`."""
+        """A float parameter as `llm.weight @name`: f32 in the graph (the store keeps f16 data as f16).
+
+        With `transposed`, the store keeps the matrix's transpose (`[out, in]`, as llmc's matmuls
+        read weights) and the graph reads it through `llm.transpose`, so `x · W` of an exported
+        `MatMul` is `x · (Wᵀ)ᵀ`."""
         if name in self.weights:
             raise ModelFormatError(self.source, f"two parameters are named '{name}'")
         storage = _FLOAT_STORAGE.get(array.dtype)
@@ -160,10 +162,13 @@ def graph_tokenizer(source: Path, tokenizer: str | None) -> TextCodec:
     """A graph file's tokenizer: `tokenizer` (anything `llmc tokenize` takes: a tokenizer.json's
     directory, a .gguf file, a known model name), else the `tokenizer.json` beside the file
     (with `tokenizer_config.json`'s chat template)."""
-    from llmc.frontend import load_tokenizer
+    from llmc.frontend import KNOWN_MODELS, load_tokenizer
     from llmc.frontend.hf import load_hf_tokenizer
 
     if tokenizer is not None:
+        if not Path(tokenizer).exists() and tokenizer not in KNOWN_MODELS:
+            raise UsageError(f"--tokenizer {tokenizer}: no such file or directory (give a tokenizer.json, its "
+                             "directory, a .gguf file or a known model name)")
         spec = str(Path(tokenizer).parent) if Path(tokenizer).name == "tokenizer.json" else tokenizer
         return load_tokenizer(spec)
     if not (source.parent / "tokenizer.json").is_file():
@@ -190,6 +195,11 @@ def graph_config(module: ModuleOp, source: Path) -> ModelConfig:
         missing = "attention" if not attention else "token embedding" if embedding is None else "LM head"
         raise ModelFormatError(source, f"optimize found no {missing} it could raise, so llmc cannot cache this "
                                        "graph's keys and values (see the IR with --compile-to optimize)")
+    counted = sorted({op.name for op in ops if isinstance(op, (llm.ShapeOfOp, llm.RangeOp))})
+    if counted:
+        raise ModelFormatError(source, f"ops that count the tokens ({', '.join(counted)}) are left after optimize: "
+                                       "positions computed inside the graph would restart at 0 in every decode step "
+                                       "(its RoPE or a mask was not raised; see --compile-to optimize)")
     _, heads, head_dim = llm.shape_of(attention[0].query)
     kv_heads = llm.shape_of(attention[0].key)[1]
     rope = next((op.rope for op in ops if isinstance(op, llm.RopeOp)), None)

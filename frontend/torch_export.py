@@ -218,6 +218,7 @@ class _Importer:
         found = self.ep.state_dict.get(key, self.ep.constants.get(key))
         if not isinstance(found, torch.Tensor):
             raise self.fail(node, f"names '{key}', which the program has no tensor for")
+        self.dtype(node)  # a dtype llmc reads (one line for bf16 and the like), before numpy must convert it
         array = found.detach().cpu().contiguous().numpy()
         if not np.issubdtype(array.dtype, np.floating):
             return self.b.constant(array, key)
@@ -884,9 +885,19 @@ def _read_json(path: Path, archive: zipfile.ZipFile, name: str) -> dict:
     return value
 
 
+# the members of an archive `torch.export.save` writes for one program (below its root folder);
+# anything else (an AOTInductor package's shared library, a second program) torch may load as code
+_PLAIN_MEMBERS = re.compile(r"(\.data/(serialization_id|version)|archive_format|archive_version|byteorder"
+                            r"|models/model\.json|data/sample_inputs/model\.pt"
+                            r"|data/weights/(model_weights_config\.json|weight_\d+)"
+                            r"|data/constants/(model_constants_config\.json|tensor_\d+))")
+
+
 def _code_risks(path: Path, archive: zipfile.ZipFile, root: str) -> list[str]:
     """What in the archive `torch.export.load` or `.module()` would run as code."""
-    risks = []
+    risks = [f"an archive member '{name}' that torch may load as code (only the members torch.export.save "
+             "writes are read)" for name in archive.namelist()
+             if not name.endswith("/") and not _PLAIN_MEMBERS.fullmatch(name.removeprefix(f"{root}/"))][:1]
     program = _read_json(path, archive, f"{root}/models/model.json")
     if any(not _safe_expression(e) for e in _expressions(program)):
         risks.append("a symbolic shape expression that is not plain arithmetic (torch evaluates it)")
@@ -914,8 +925,10 @@ def load_pt2(path: Path, allow_pickle: bool) -> ExportedProgram:
     torch 2.13 keeps the graph as JSON and plain tensors as raw bytes, but would run code
     for: pickled payloads (tensor subclasses, custom objects: full `torch.load`/`pickle`),
     sample inputs that fail `weights_only` loading (it retries without), symbolic shapes
-    (parsed with sympy's `eval`), guard code (compiled by `.module()`) and call targets
-    (any `torch.*` attribute). Without `allow_pickle` each is checked first and refused."""
+    (parsed with sympy's `eval`), guard code (compiled by `.module()`), call targets (any
+    `torch.*` attribute) and members beyond what `torch.export.save` writes (an AOTInductor
+    package's shared library, which it `dlopen`s). Without `allow_pickle` each is checked
+    first and refused."""
     try:
         data = path.read_bytes()
     except OSError as e:

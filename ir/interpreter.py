@@ -418,6 +418,15 @@ def constant_array(op: llm.ConstantOp) -> np.ndarray:
     return values.reshape(shape)
 
 
+def scalar(value: SSAValue) -> float | None:
+    """The number a single-element `llm.constant` (through casts and reshapes) holds, or None."""
+    op = value.owner
+    while isinstance(op, (llm.CastOp, llm.ReshapeOp, llm.UnsqueezeOp, llm.SqueezeOp)):
+        op = op.operands[0].owner
+    if isinstance(op, llm.ConstantOp) and int(np.prod(llm.shape_of(op.result))) == 1:
+        return float(constant_array(op).reshape(()))
+    return None
+
 @semantics(llm.SoftmaxOp)
 def _softmax(op: llm.SoftmaxOp, env: Env, x: np.ndarray) -> np.ndarray:
     axis = op.axis_index

@@ -45,6 +45,7 @@ from xdsl.dialects.builtin import (
     FloatData,
     IntAttr,
     IntegerAttr,
+    IntegerType,
     SymbolRefAttr,
     TensorType,
     UnitAttr,
@@ -656,11 +657,9 @@ class ReshapeOp(IRDLOperation, _ShapeChecks):
             self._fail(f"element count differs: tensor<{_dims(src)}> -> tensor<{_dims(dst)}>")
         if (None in src) != (None in dst) and 0 not in src and 0 not in dst:
             self._fail(f"a dynamic dimension cannot appear or vanish: tensor<{_dims(src)}> -> tensor<{_dims(dst)}>")
-        if None in src and None in dst and src.count(None) == 1:
-            rest_src = math.prod(d for d in src if d is not None)
-            rest_dst = math.prod(d for d in dst if d is not None)
-            if rest_src % rest_dst and rest_dst % rest_src:
-                self._fail(f"element count differs: tensor<{_dims(src)}> -> tensor<{_dims(dst)}>")
+        if src[:1] == dst[:1] == (None,) and None not in src[1:] + dst[1:] and math.prod(src[1:]) != math.prod(dst[1:]):
+            self._fail(f"element count differs: tensor<{_dims(src)}> -> tensor<{_dims(dst)}>")  # rows keep their size
+
 
 
 @irdl_op_definition
@@ -1027,6 +1026,15 @@ class _PredicateOp(_BinaryOp):
     BOOLEAN: ClassVar[bool] = True
 
 
+class _LogicOp(_PredicateOp):
+    """Logic: binary ops of i1 tensors."""
+
+    def verify_(self) -> None:
+        super().verify_()
+        if element_type(self.lhs) != i1:
+            self._fail(f"operands must be i1, not {element_type(self.lhs)}")
+
+
 def _named_op(base: type[IRDLOperation], op_name: str, doc: str) -> type[IRDLOperation]:
     """A subclass of `base` named after `op_name` (`llm.less_equal`: `LessEqualOp`) with `doc`;
     its numpy meaning is in `llmc.ir.interpreter`."""
@@ -1036,7 +1044,8 @@ def _named_op(base: type[IRDLOperation], op_name: str, doc: str) -> type[IRDLOpe
 
 
 def _binary(op_name: str, doc: str, boolean: bool = False) -> type[IRDLOperation]:
-    return _named_op(_PredicateOp if boolean else _BinaryOp, op_name, doc)
+    base = (_LogicOp if op_name in ("llm.and", "llm.or", "llm.xor") else _PredicateOp) if boolean else _BinaryOp
+    return _named_op(base, op_name, doc)
 
 
 SubOp = _binary("llm.sub", """Elementwise difference, broadcast: `%d = llm.sub %a, %b : (tensor<?x1xf32>, tensor<f32>) -> tensor<?x1xf32>`.""")
@@ -1067,8 +1076,9 @@ class _ConvertOp(_TypedOp):
         super().__init__(operands=[x], result_types=[result_type])
 
     def verify_(self) -> None:
-        if shape_of(self.input) != shape_of(self.result) and len(shape_of(self.input)) != len(shape_of(self.result)):
-            self._fail("the result has the input's shape")
+        a, b = shape_of(self.input), shape_of(self.result)
+        if len(a) != len(b) or any(x is not None and y is not None and x != y for x, y in zip(a, b)):
+            self._fail(f"the result has the input's shape, tensor<{_dims(a)}>, not tensor<{_dims(b)}>")
 
 
 @irdl_op_definition
@@ -1109,7 +1119,13 @@ SigmoidOp = _unary("llm.sigmoid", """Elementwise `1/(1 + e^-x)`: `%s = llm.sigmo
 ReluOp = _unary("llm.relu", """Elementwise `max(x, 0)`: `%r = llm.relu %x : tensor<3xf32>`.""")
 FloorOp = _unary("llm.floor", """Elementwise floor: `%f = llm.floor %x : tensor<3xf32>`.""")
 CeilOp = _unary("llm.ceil", """Elementwise ceiling: `%c = llm.ceil %x : tensor<3xf32>`.""")
-NotOp = _unary("llm.not", """Elementwise logical not of an i1 tensor: `%n = llm.not %m : tensor<1x?xi1>`.""")
+class _NotOp(_UnaryOp):
+    def verify_(self) -> None:
+        if element_type(self.input) != i1:
+            self._fail(f"the operand must be i1, not {element_type(self.input)}")
+
+
+NotOp = _named_op(_NotOp, "llm.not", """Elementwise logical not of an i1 tensor: `%n = llm.not %m : tensor<1x?xi1>`.""")
 
 
 @irdl_op_definition
@@ -1332,11 +1348,18 @@ class ConcatOp(_AxisOp):
     def verify_(self) -> None:
         if not self.inputs:
             self._fail("needs at least one input")
-        rank = len(shape_of(self.result))
+        result = shape_of(self.result)
+        rank, axis = len(result), self.axis_index
         self._check_axis(rank)
         for v in self.inputs:
-            if len(shape_of(v)) != rank or element_type(v) != element_type(self.result):
+            shape = shape_of(v)
+            if len(shape) != rank or element_type(v) != element_type(self.result):
                 self._fail("inputs must have the result's rank and element type")
+            if any(a is not None and b is not None and a != b for i, (a, b) in enumerate(zip(shape, result)) if i != axis):
+                self._fail(f"input tensor<{_dims(shape)}> differs from the result tensor<{_dims(result)}> off axis {axis}")
+        sizes = [shape_of(v)[axis] for v in self.inputs]
+        if None not in sizes and result[axis] is not None and sum(sizes) != result[axis]:  # type: ignore[arg-type]
+            self._fail(f"the inputs' sizes along axis {axis} sum to {sum(sizes)}, not {result[axis]}")  # type: ignore[arg-type]
 
 
 @irdl_op_definition
@@ -1368,6 +1391,10 @@ class GatherOp(_AxisOp):
         self._check_axis(rank)
         if len(shape_of(self.result)) != rank - 1 + len(shape_of(self.indices)):
             self._fail("the result's rank is input rank - 1 + indices rank")
+        if not isinstance(element_type(self.indices), IntegerType) or element_type(self.indices) == i1:
+            self._fail(f"indices must be integers, not {element_type(self.indices)}")
+        if element_type(self.result) != element_type(self.input):
+            self._fail("the result has the input's element type")
 
 
 @irdl_op_definition
@@ -1390,6 +1417,16 @@ class GatherNdOp(_TypedOp):
     def __init__(self, x: SSAValue, indices: SSAValue, batch_dims: int, result_type: Attribute):
         super().__init__(operands=[x, indices], properties={"batch_dims": IntegerAttr(batch_dims, i64)},
                          result_types=[result_type])
+
+    def verify_(self) -> None:
+        x, idx, b = shape_of(self.input), shape_of(self.indices), self.batch_dims.value.data
+        if not idx or not isinstance(element_type(self.indices), IntegerType):
+            self._fail("indices must be an integer tensor of rank >= 1")
+        depth = idx[-1]
+        if not 0 <= b < len(idx) or (depth is not None and b + depth > len(x)):
+            self._fail(f"indices of depth {depth} after {b} batch dimensions do not fit tensor<{_dims(x)}>")
+        if depth is not None and len(shape_of(self.result)) != len(idx) - 1 + len(x) - b - depth:
+            self._fail("the result's rank is indices' rank - 1 + the input's rank - batch_dims - depth")
 
     def _print_props(self, printer: Printer) -> None:
         printer.print_string(f" batch_dims {self.batch_dims.value.data}")
@@ -1511,8 +1548,17 @@ class SliceOp(_TypedOp):
         super().__init__(operands=[x, starts, ends, axes, steps], result_types=[result_type])
 
     def verify_(self) -> None:
-        if len(shape_of(self.result)) != len(shape_of(self.input)):
-            self._fail("the result has the input's rank")
+        if len(shape_of(self.result)) != len(shape_of(self.input)) or element_type(self.result) != element_type(
+                self.input):
+            self._fail("the result has the input's rank and element type")
+        counts = set()
+        for what in ("starts", "ends", "slice_axes", "steps"):
+            value = getattr(self, what)
+            if len(shape_of(value)) != 1 or element_type(value) not in (i64, i32):
+                self._fail(f"{what} must be a 1-D i64 or i32 tensor, got {value.type}")
+            counts.add(shape_of(value)[0])
+        if len(counts - {None}) > 1:
+            self._fail("starts, ends, axes and steps must have one length")
 
 
 @irdl_op_definition
@@ -1549,6 +1595,14 @@ class ExpandOp(_TypedOp):
     def __init__(self, x: SSAValue, shape: SSAValue, result_type: Attribute):
         super().__init__(operands=[x, shape], result_types=[result_type])
 
+    def verify_(self) -> None:
+        (n,) = self._rank("shape", self.shape, 1)
+        self._element("shape", self.shape, i64)
+        if n is not None and len(shape_of(self.result)) != max(n, len(shape_of(self.input))):
+            self._fail("the result's rank is the larger of the input's and the shape's length")
+        if element_type(self.input) != element_type(self.result):
+            self._fail("the result has the input's element type")
+
 
 @irdl_op_definition
 class FillOp(_TypedOp):
@@ -1567,6 +1621,15 @@ class FillOp(_TypedOp):
 
     def __init__(self, shape: SSAValue, value: SSAValue, result_type: Attribute):
         super().__init__(operands=[shape, value], result_types=[result_type])
+
+    def verify_(self) -> None:
+        (n,) = self._rank("shape", self.shape, 1)
+        self._element("shape", self.shape, i64)
+        if n is not None and len(shape_of(self.result)) != n:
+            self._fail(f"the result's rank must be the shape's length {n}")
+        if int(math.prod(d or 1 for d in shape_of(self.value))) != 1 or element_type(self.value) != element_type(
+                self.result):
+            self._fail("the value is one element of the result's element type")
 
 
 @irdl_op_definition

@@ -979,15 +979,23 @@ def _check_kind(op: Kernel, kinds: tuple[str, ...]) -> None:
         op._fail(f"kind must be one of {', '.join(kinds)}, got {op.kind.data!r}")
 
 
-def broadcast_operand(op: Kernel, what: str, value: SSAValue, width: int) -> None:
-    """A generic kernel's input: float rows `[rows, width]` or `[rows, 1]`, or an f32 weight `[width]`."""
+def broadcast_operand(op: Kernel, what: str, value: SSAValue, out: SSAValue) -> None:
+    """A generic kernel's input: float rows `[rows, width]` or `[rows, 1]` (as many rows as
+    `out`), or an f32 weight `[width]`."""
     t = value.type
+    rows, width = dims(out)
     if isinstance(t, WeightType):
         if t.storage is not Storage.F32 or t.shape != (width,):
             op._fail(f"{what} must be !tgt.weight<{width}, f32, stored>, got {t}")
-    elif not (isinstance(t, MemRefType) and len(dims(value)) == 2 and dims(value)[1] in (width, 1)
-              and t.element_type == f32):
-        op._fail(f"{what} must be f32 rows of width {width} or 1, or a weight, got {t}")
+    elif not (isinstance(t, MemRefType) and len(dims(value)) == 2 and dims(value)[0] == rows
+              and dims(value)[1] in (width, 1) and t.element_type == f32):
+        op._fail(f"{what} must be f32 rows memref<{rows}x{width}xf32> or memref<{rows}x1xf32>, or a weight, got {t}")
+
+
+def _float_rows(op: Kernel, *values: SSAValue) -> None:
+    for value in values:
+        if len(dims(value)) != 2 or value.type.element_type != f32:
+            op._fail(f"generic kernels read and write f32 rows [rows, width], not {value.type}")
 
 
 @irdl_op_definition
@@ -1015,9 +1023,9 @@ class BinaryOp(Kernel):
 
     def verify_(self) -> None:
         _check_kind(self, BINARY_KINDS)
-        width = dims(self.out)[1] if len(dims(self.out)) == 2 else 0
+        _float_rows(self, self.out)
         for what in ("lhs", "rhs"):
-            broadcast_operand(self, what, getattr(self, what), width)
+            broadcast_operand(self, what, getattr(self, what), self.out)
 
 
 @irdl_op_definition
@@ -1047,6 +1055,7 @@ class ScalarOp(Kernel):
 
     def verify_(self) -> None:
         _check_kind(self, BINARY_KINDS)
+        _float_rows(self, self.out)
 
 
 @irdl_op_definition
@@ -1071,6 +1080,7 @@ class UnaryOp(Kernel):
 
     def verify_(self) -> None:
         _check_kind(self, UNARY_KINDS)
+        _float_rows(self, self.out)
 
 
 @irdl_op_definition
@@ -1094,6 +1104,7 @@ class ReduceOp(Kernel):
 
     def verify_(self) -> None:
         _check_kind(self, REDUCE_KINDS)
+        _float_rows(self, self.x, self.out)
         if len(dims(self.out)) != 2 or dims(self.out)[1] != 1 or dims(self.out)[0] != dims(self.x)[0]:
             self._fail(f"out must be memref<{dims(self.x)[0]}x1xf32>, got {self.out.type}")
 

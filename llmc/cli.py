@@ -482,7 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_args.add_argument("model", metavar="MODEL", help=model_help)
     model_args.add_argument("--allow-pickle", action="store_true",
                             help="load pickle checkpoints (*.bin, *.pt) of a Hugging Face directory, through "
-                                 "torch's weights-only loader; without it they are refused")
+                                 "torch's weights-only loader, and .pt2 files whose loading can run code "
+                                 "(pickled parts, guard code, compiled packages); without it they are refused")
     model_args.add_argument("--tokenizer", metavar="PATH",
                             help="for a .pt2/.onnx graph: its tokenizer (a tokenizer.json, its directory, a .gguf "
                                  "file or a known model name; default: the tokenizer.json beside the graph)")

@@ -30,7 +30,7 @@ from llmc.frontend.model import Model
 from llmc.ir import llm, tgt
 from llmc.ir.text import print_module
 from llmc.package import check_output_directory
-from llmc.passes.pipeline import PHASES, CompileOptions, IRDumper, run_phase
+from llmc.passes.pipeline import PHASES, CompileOptions, IRDumper, check_raisings, run_phase
 from llmc.passes.quantize import check_compute, module_target
 
 TARGETS = ("cpu", "cuda")
@@ -214,6 +214,7 @@ def check_backend(options: CompileOptions, backend: BackendOptions, compile_to: 
         raise UsageError(f"unknown target '{backend.target}' (targets: {', '.join(TARGETS)})")
     target = target_attr(backend)
     check_compute(options.compute, target)  # before the model loads, not after the first phases
+    check_raisings(options)
     if compile_to is not None and compile_to not in PHASES:
         raise UsageError(f"unknown phase '{compile_to}' (phases: {', '.join(PHASES)})")
     if out is not None and compile_to is None:

@@ -1,7 +1,8 @@
 """`canonicalize`: local simplifications that leave one canonical spelling of a graph.
 
-- a reshape of a reshape is one reshape, and a reshape, cast or transpose to its own type
-  is its input:
+- a reshape to a run-time shape that its result type spells (at most one `?`) is a plain
+  reshape; a reshape of a reshape is one reshape, and a reshape, cast or transpose to its
+  own type is its input:
   `%b = llm.reshape %a : tensor<?x576xf32> -> tensor<?x9x64xf32>` of
   `%a = llm.reshape %x : tensor<?x9x64xf32> -> tensor<?x576xf32>` becomes a reshape of `%x`;
 - a transpose of a transpose is one transpose (none when they cancel);
@@ -57,6 +58,15 @@ def _reshaped(value: SSAValue, like: SSAValue) -> llm.ReshapeOp:
     return llm.ReshapeOp(value, llm.shape_of(like))
 
 
+class StaticReshape(RewritePattern):
+    """reshape(x) to a run-time shape whose result type says it (at most one `?`) → a reshape to that type."""
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: llm.ReshapeOp, rewriter: PatternRewriter) -> None:
+        if op.shape is not None and llm.shape_of(op.result).count(None) <= 1:
+            rewriter.replace(op, llm.ReshapeOp(op.input, llm.shape_of(op.result)))
+
+
 class FoldReshapeChain(RewritePattern):
     """reshape(reshape(x)) → reshape(x)."""
 
@@ -71,7 +81,10 @@ class EraseIdentity(RewritePattern):
     """reshape, cast or transpose of x to x's own type → x (a transpose only when it permutes nothing)."""
 
     def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if isinstance(op, (llm.ReshapeOp, llm.CastOp)) and op.input.type == op.result.type:
+        if isinstance(op, llm.CastOp) and op.input.type == op.result.type:
+            rewriter.replace(op, [], [op.input])
+        elif isinstance(op, llm.ReshapeOp) and op.shape is None and op.input.type == op.result.type \
+                and llm.shape_of(op.result).count(None) <= 1:  # two `?`s of one type may still trade places
             rewriter.replace(op, [], [op.input])
         elif isinstance(op, llm.TransposeOp) and op.axis_list == tuple(range(len(op.axis_list))):
             rewriter.replace(op, [], [op.input])
@@ -163,26 +176,42 @@ def _ones_before(reshape: llm.ReshapeOp) -> bool:
 
 
 class TransposeThroughReshape(RewritePattern):
-    """reshape(x: [..., a, b] → [p, a, b]) → transpose [0, 2, 1] → reshape back to [..., b, a]
-    is `llm.transpose x` swapping its last two dimensions."""
+    """reshape(x: [..., a, b] → [p, a, b]) → transpose [0, 2, 1] → (times constants) → reshape to
+    [..., b, a] is `llm.transpose` of x (reshaped to the result's leading dimensions) swapping its
+    last two dimensions, times the constants."""
 
     @op_type_rewrite_pattern
     def match_and_rewrite(self, op: llm.ReshapeOp, rewriter: PatternRewriter) -> None:
-        t = op.input.owner
-        if not (isinstance(t, llm.TransposeOp) and t.axis_list == (0, 2, 1)):
+        value, factors = op.input, []
+        while isinstance(value.owner, llm.MulOp) and _rank0(value.owner.rhs) is not None:
+            factors.append(value.owner.rhs)
+            value = value.owner.lhs
+        t = value.owner
+        if not (isinstance(t, llm.TransposeOp) and t.axis_list == (0, 2, 1)) or op.shape is not None:
             return
         inner = t.input.owner
-        if not isinstance(inner, llm.ReshapeOp):
+        if not isinstance(inner, llm.ReshapeOp) or inner.shape is not None:
             return
-        x, out = llm.shape_of(inner.input), llm.shape_of(op.result)
-        if len(x) < 3 or len(out) != len(x) or not _matches(out[:-2], x[:-2]) or not _matches(out[-2:], x[:-3:-1]):
+        x, middle, out = llm.shape_of(inner.input), llm.shape_of(inner.result), llm.shape_of(op.result)
+        if len(x) < 2 or len(out) < 3 or not _matches(middle[1:], x[-2:]) or not _matches(out[-2:], x[:-3:-1]):
             return
-        middle = llm.shape_of(inner.result)
-        if not (_matches(middle[1:], x[-2:]) and _matches(middle[:1], (None,) if None in x[:-2] else
-                                                         (int(np.prod([d for d in x[:-2]])),))):
+        lead, out_lead = x[:-2], out[:-2]  # flattened into middle[0], then unflattened: the same elements
+        if not _matches(middle[:1], (None,) if None in lead else (int(np.prod(lead)),)) or \
+                (None not in lead and None not in out_lead and np.prod(lead) != np.prod(out_lead)) or \
+                (None in lead) != (None in out_lead) or out_lead.count(None) > 1:
             return
-        rank = len(x)
-        rewriter.replace(op, llm.TransposeOp(inner.input, [*range(rank - 2), rank - 1, rank - 2]))
+        new: list[Operation] = []
+        source = inner.input
+        if lead != out_lead:
+            new.append(llm.ReshapeOp(source, (*out_lead, *x[-2:])))
+            source = new[-1].results[0]
+        rank = len(out)
+        new.append(llm.TransposeOp(source, [*range(rank - 2), rank - 1, rank - 2]))
+        for factor in reversed(factors):
+            scalar = _rank0(factor)
+            assert scalar is not None
+            new += [scalar.owner, llm.MulOp(new[-1].results[0], scalar)]  # type: ignore[list-item]
+        rewriter.replace(op, new)
 
 
 def _matches(a: tuple[int | None, ...], b: tuple[int | None, ...]) -> bool:
@@ -204,7 +233,7 @@ class DropEmptyConcat(RewritePattern):
             rewriter.replace(op, llm.ConcatOp(kept, op.axis_index, op.result.type))
 
 
-PATTERNS = (EraseIdentity(), FoldReshapeChain(), FoldTransposeChain(), UnsqueezeAsReshape(), SinkReshape(),
+PATTERNS = (EraseIdentity(), StaticReshape(), FoldReshapeChain(), FoldTransposeChain(), UnsqueezeAsReshape(), SinkReshape(),
             TransposeThroughReshape(), DropEmptyConcat())
 
 

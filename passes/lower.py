@@ -31,10 +31,10 @@ from xdsl.ir import Attribute, Block, Operation, Region, SSAValue
 
 from llmc.errors import LlmcError
 from llmc.ir import llm, tgt
+from llmc.ir.interpreter import scalar
 from llmc.ir.layouts import Layout
 from llmc.passes.base import LlmcPass
 from llmc.passes.group import single_user, users
-from llmc.passes.raising import scalar
 
 
 def _reads_quantized(value: SSAValue) -> bool:
@@ -261,20 +261,29 @@ def _constant(lo: _Lowering, op: llm.ConstantOp) -> None:
     """No buffer: the generic kernels take a constant's single value as an immediate (`tgt.scalar`)."""
 
 
+def _rows_buffer(lo: _Lowering, op: Operation, value: SSAValue) -> SSAValue:
+    """The float rows of a generic kernel's input: an activation's buffer with the result's rows."""
+    buffer = lo.buffers.get(value)
+    if buffer is None or isinstance(buffer.type, tgt.WeightType) or \
+            llm.shape_of(value)[0] != llm.shape_of(op.results[0])[0]:
+        raise _unsupported(op, "its inputs must be activations of its rows, one value per row, or a weight")
+    return buffer
+
+
 def _broadcast_input(lo: _Lowering, op: Operation, value: SSAValue, width: int) -> SSAValue:
     shape = llm.shape_of(value)
     if isinstance(value.owner, llm.WeightOp) and shape == (width,):
         return lo.buffers[value]
     _rows_value(op, value)
-    if shape[1] not in (width, 1) or value not in lo.buffers:
+    if shape[1] not in (width, 1):
         raise _unsupported(op, "its inputs must be rows of its width, one value per row, or a weight")
-    return lo.buffers[value]
+    return _rows_buffer(lo, op, value)
 
 
 def _binary(lo: _Lowering, op: llm._BinaryOp) -> None:
     if isinstance(op, (llm.AddOp, llm.MulOp)) and op.lhs.type == op.rhs.type == op.result.type:
         kernel = tgt.AddOp if isinstance(op, llm.AddOp) else tgt.MulOp
-        lo.emit(kernel(lo.buffers[op.lhs], lo.buffers[op.rhs], lo.out(op.result), lo.n))
+        lo.emit(kernel(_rows_buffer(lo, op, op.lhs), _rows_buffer(lo, op, op.rhs), lo.out(op.result), lo.n))
         return
     kind = op.name.removeprefix("llm.")
     _rows_value(op, op.result)
@@ -285,7 +294,7 @@ def _binary(lo: _Lowering, op: llm._BinaryOp) -> None:
         if value is not None and x.type == op.result.type:
             if kind == "pow" and (swapped or value not in POWERS):
                 raise _unsupported(op, f"pow has a generic kernel for the exponents {POWERS} only")
-            lo.emit(tgt.ScalarOp(kind, lo.buffers[x], value, lo.out(op.result), lo.n, reversed=swapped))
+            lo.emit(tgt.ScalarOp(kind, _rows_buffer(lo, op, x), value, lo.out(op.result), lo.n, reversed=swapped))
             return
     if kind == "pow":
         raise _unsupported(op, "pow has a generic kernel for a constant exponent only")
@@ -299,7 +308,7 @@ def _unary(lo: _Lowering, op: Operation) -> None:
     _rows_value(op, op.results[0])
     if kind not in tgt.UNARY_KINDS:
         raise _unsupported(op, f"generic kernels compute {', '.join(tgt.UNARY_KINDS)}")
-    lo.emit(tgt.UnaryOp(kind, lo.buffers[op.operands[0]], lo.out(op.results[0]), lo.n))
+    lo.emit(tgt.UnaryOp(kind, _rows_buffer(lo, op, op.operands[0]), lo.out(op.results[0]), lo.n))
 
 
 def _reduce(lo: _Lowering, op: llm._ReduceOp) -> None:
@@ -307,7 +316,7 @@ def _reduce(lo: _Lowering, op: llm._ReduceOp) -> None:
     _rows_value(op, op.input)
     if kind not in tgt.REDUCE_KINDS or op.axis_list != (1,) or op.keepdims is None:
         raise _unsupported(op, f"generic kernels reduce each row ({', '.join(tgt.REDUCE_KINDS)}, keepdims)")
-    lo.emit(tgt.ReduceOp(kind, lo.buffers[op.input], lo.out(op.result), lo.n))
+    lo.emit(tgt.ReduceOp(kind, _rows_buffer(lo, op, op.input), lo.out(op.result), lo.n))
 
 
 @lowering(llm.CastOp)

@@ -61,11 +61,15 @@ PHASES: dict[str, tuple[str, ...]] = {
 assert tuple(PHASES) == PHASE_ORDER
 
 
-def phase_passes(phase: str, options: CompileOptions, weights: WeightStore | None = None) -> list[ModulePass]:
-    """The passes of `phase`; `weights` lets the raising passes evaluate subgraphs that read weights."""
+def check_raisings(options: CompileOptions) -> None:
     unknown = sorted(set(options.no_raise) - set(RAISINGS))
     if unknown:
         raise UsageError(f"--no-raise {unknown[0]}: no such raising (raisings: {', '.join(RAISINGS)})")
+
+
+def phase_passes(phase: str, options: CompileOptions, weights: WeightStore | None = None) -> list[ModulePass]:
+    """The passes of `phase`; `weights` lets the raising passes evaluate subgraphs that read weights."""
+    check_raisings(options)
     passes: list[ModulePass] = []
     for name in PHASES[phase]:
         if name == "refine-shapes" or name.startswith("raise-"):

@@ -12,8 +12,8 @@ which reads and writes the KV cache; the entry point gains the cache argument `%
 %a = llm.attention %q3, %k3, %v3, %pos, %kv layer 0 : (...) -> tensor<?x4x8xf32>
 ```
 Matched: the scale on the scores or on q and k (any product of constants; `scale` is set
-where it is not `1/sqrt(head_dim)`), the mask added (0 / -inf) or chosen with `llm.where`,
-NaN rows of the softmax zeroed, and grouped-query keys and values repeated by
+where it is not `1/sqrt(head_dim)`), the mask added (0 / -inf) or chosen with `llm.where` (a band
+of the last W positions becomes `window W`, for W below 1024), NaN rows of the softmax zeroed, and grouped-query keys and values repeated by
 unsqueeze → expand → reshape (their shared KV heads are what is cached). The mask must
 depend on the positions only, and is computed for a few token counts and checked to be
 causal. Layers are numbered in order; all must share KV heads and head dimension.
@@ -30,6 +30,7 @@ from xdsl.ir import Block, SSAValue
 
 from llmc.errors import LlmcError
 from llmc.ir import llm
+from llmc.ir.interpreter import scalar
 from llmc.passes.raising import (
     RaisePass,
     evaluate_at,
@@ -41,11 +42,10 @@ from llmc.passes.raising import (
     producer,
     replace_value,
     rows_of_heads,
-    scalar,
 )
 
 CACHE_CAPACITY = 4096  # positions of the imported cache; `split` sizes it to --max-seq
-MASK_TOKEN_COUNTS = (1, 3, 9)
+MASK_TOKEN_COUNTS = (1, 3, 9, 1024)  # a sliding window narrower than the largest is found
 
 
 @dataclass
@@ -55,6 +55,7 @@ class _Match:
     k: SSAValue
     v: SSAValue
     scale: float
+    window: int | None
 
 
 def _kv_heads(value: SSAValue) -> SSAValue | None:
@@ -93,45 +94,67 @@ def _scaled(value: SSAValue) -> tuple[SSAValue, float]:
             return value, factor
 
 
-def _causal(block: Block, mask: SSAValue, weights, additive: bool) -> bool:  # noqa: ANN001
-    """Whether `mask` (added to the scores, or true where attending) is causal for every count tried."""
+def _window(block: Block, mask: SSAValue, weights, additive: bool, seen: dict) -> tuple[bool, int | None]:  # noqa: ANN001
+    """Whether `mask` (added to the scores, or true where attending) is causal for every token
+    count tried, and the sliding window it keeps to (None: every earlier position)."""
+    if mask in seen:
+        return seen[mask]
+    seen[mask] = found = _band(block, mask, weights, additive)
+    return found
+
+
+def _band(block: Block, mask: SSAValue, weights, additive: bool) -> tuple[bool, int | None]:  # noqa: ANN001
     if not position_only(mask, block.args[0]):
-        return False
+        return False, None
+    windows = set()
     for n in MASK_TOKEN_COUNTS:
         found = evaluate_at([mask], block, n, weights)
         if found is None or found[0].ndim < 2 or found[0].shape[-2:] not in ((n, n), (1, n)):
-            return False
+            return False, None
         table = found[0].reshape(-1, *found[0].shape[-2:])
         if not np.array_equal(table, np.broadcast_to(table[:1], table.shape)):
-            return False
+            return False, None
         m = np.broadcast_to(table[0], (n, n))
-        allowed = np.tril(np.ones((n, n), bool))
-        ok = (np.all(m[allowed] == 0) and np.all(m[~allowed] <= -1e30)) if additive else \
-            np.array_equal(m.astype(bool), allowed)
-        if not ok:
-            return False
-    return True
+        if additive:
+            if not np.all((m == 0) | (m <= -1e30)):
+                return False, None
+            allowed = m == 0
+        else:
+            allowed = m.astype(bool)
+        width = int(allowed[-1].sum())  # the last row sees the window, or every position
+        rows, cols = np.indices((n, n))
+        if not np.array_equal(allowed, (cols <= rows) & (cols > rows - width)):
+            return False, None
+        if width < n:
+            windows.add(width)
+    if len(windows) > 1:
+        return False, None
+    return True, windows.pop() if windows else None
 
 
-def _match(block: Block, root: llm.BatchMatmulOp, weights) -> _Match | None:  # noqa: ANN001
+def _match(block: Block, root: llm.BatchMatmulOp, weights, seen: dict) -> _Match | None:  # noqa: ANN001
     v = _kv_heads(root.rhs)
     probs = root.lhs
     where = producer(probs, llm.WhereOp)  # NaN rows (fully masked) to 0
-    if where is not None and producer(where.condition, llm.IsNanOp) is not None and scalar(where.lhs) == 0:
+    isnan = producer(where.condition, llm.IsNanOp) if where is not None else None
+    if isnan is not None and isnan.input is where.rhs and scalar(where.lhs) == 0:
         probs = where.rhs
     softmax = producer(probs, llm.SoftmaxOp)
     if v is None or softmax is None or softmax.axis_index != len(llm.shape_of(probs)) - 1:
         return None
     scores = softmax.input
     add, choose = producer(scores, llm.AddOp), producer(scores, llm.WhereOp)
+    window: tuple[bool, int | None] = (False, None)
     if add is not None:
         for s, mask in operand_pairs(add):
-            if producer(s, llm.BatchMatmulOp, llm.MulOp, llm.DivOp) is not None and _causal(block, mask, weights, True):
+            if producer(s, llm.BatchMatmulOp, llm.MulOp, llm.DivOp) is not None and \
+                    (window := _window(block, mask, weights, True, seen))[0]:
                 scores = s
                 break
         else:
             return None
-    elif choose is not None and (scalar(choose.rhs) or 0) <= -1e30 and _causal(block, choose.condition, weights, False):
+    elif choose is not None and (scalar(choose.rhs) or 0) <= -1e30 and \
+            (window := _window(block, choose.condition, weights, False, seen))[0]:
         scores = choose.lhs
     else:
         return None
@@ -147,7 +170,7 @@ def _match(block: Block, root: llm.BatchMatmulOp, weights) -> _Match | None:  # 
         return None
     if heads_first(q)[0] % heads_first(k)[0]:
         return None
-    return _Match(root, q, k, v, factor * q_factor * k_factor)
+    return _Match(root, q, k, v, factor * q_factor * k_factor, window[1])
 
 
 @dataclass(frozen=True)
@@ -158,8 +181,9 @@ class RaiseAttentionPass(RaisePass):
         block = function.body.block
         if any(isinstance(a.type, llm.KVCacheType) for a in block.args):
             return  # built with its cache already
+        seen: dict = {}  # each mask's verdict, computed once for all the layers that add it
         matches = [m for op in list(block.ops) if isinstance(op, llm.BatchMatmulOp)
-                   if (m := _match(block, op, self.weights)) is not None]
+                   if (m := _match(block, op, self.weights, seen)) is not None]
         if not matches:
             return
         shapes = {heads_first(m.k) for m in matches}
@@ -170,8 +194,8 @@ class RaiseAttentionPass(RaisePass):
         kv.name_hint = "kv"
         function.function_type = builtin.FunctionType.from_lists(block.arg_types, function.function_type.outputs.data)
         for layer, m in enumerate(matches):
-            options = {} if math.isclose(m.scale * math.sqrt(head_dim), 1.0, rel_tol=1e-5) else \
-                llm.AttentionOp.scoring_properties(scale=m.scale)
+            scale = None if math.isclose(m.scale * math.sqrt(head_dim), 1.0, rel_tol=1e-5) else m.scale
+            options = llm.AttentionOp.scoring_properties(window=m.window, scale=scale)
             rows = [rows_of_heads(x, m.root) for x in (m.q, m.k, m.v)]
             attention = llm.AttentionOp(*rows, block.args[1], kv, layer, **options)
             replace_value(m.root.result, heads_back(insert_before(m.root, attention), m.q, m.root))

@@ -20,13 +20,13 @@ from xdsl.dialects import func
 from xdsl.ir import SSAValue
 
 from llmc.ir import llm
+from llmc.ir.interpreter import scalar
 from llmc.passes.raising import (
     RaisePass,
     insert_before,
     operand_pairs,
     producer,
     replace_value,
-    scalar,
     strip_casts,
     weight,
 )

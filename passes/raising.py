@@ -49,16 +49,6 @@ def strip_casts(value: SSAValue) -> SSAValue:
     return value
 
 
-def scalar(value: SSAValue) -> float | None:
-    """The number a single-element `llm.constant` (through casts and reshapes) holds, or None."""
-    op = value.owner
-    while isinstance(op, (llm.CastOp, llm.ReshapeOp, llm.UnsqueezeOp, llm.SqueezeOp)):
-        op = op.operands[0].owner
-    if isinstance(op, llm.ConstantOp) and int(np.prod(llm.shape_of(op.result))) == 1:
-        return float(constant_array(op).reshape(()))
-    return None
-
-
 def constant_ints(value: SSAValue) -> list[int] | None:
     """The integers of an `llm.constant`, or None."""
     op = value.owner
@@ -90,15 +80,16 @@ def position_only(value: SSAValue, tokens: BlockArgument) -> bool:
     return True
 
 
-def evaluate_at(values: list[SSAValue], block: Block, count: int, weights: WeightStore | None
+def evaluate_at(values: list[SSAValue], block: Block, count: int, weights: WeightStore | None, start: int = 0
                 ) -> list[np.ndarray] | None:
-    """`values` for `count` tokens at positions 0..count-1 (tokens all 0), or None where they
+    """`values` for `count` tokens at positions start.. (tokens all 0), or None where they
     cannot be computed (a weight without the store, an op without semantics)."""
     tokens, positions = block.args[0], block.args[1]
-    known = {tokens: np.zeros(count, np.int32), positions: np.arange(count, dtype=np.int32)}
+    known = {tokens: np.zeros(count, np.int32), positions: np.arange(start, start + count, dtype=np.int32)}
     try:
-        return evaluate(values, known, weights or WeightStore(source=None))  # type: ignore[arg-type]
-    except (KeyError, ValueError, NotImplementedError, IndexError):
+        with np.errstate(all="ignore"):
+            return evaluate(values, known, weights or WeightStore(source=None))  # type: ignore[arg-type]
+    except (KeyError, ValueError, NotImplementedError, IndexError, TypeError, ArithmeticError):
         return None
 
 

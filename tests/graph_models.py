@@ -25,6 +25,7 @@ SHAPES = {  # (config class, overrides of the common config)
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16}}),
     "qwen2-bias": ("Qwen2Config", {"hidden_size": 48, "num_attention_heads": 6, "tie_word_embeddings": True}),
+    "mistral-window": ("MistralConfig", {"sliding_window": 4}),
 }
 FORMS = ("onnx", "kv.onnx", "pt2", "kv.pt2")
 

@@ -185,6 +185,16 @@ def _zip_of(members: dict[str, bytes]) -> bytes:
     return out.getvalue()
 
 
+def with_member(data: bytes, member: str, body: bytes) -> bytes:
+    """The archive with one more member under its root folder."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info, src.read(info))
+        dst.writestr(f"{src.namelist()[0].split('/', 1)[0]}/{member}", body)
+    return out.getvalue()
+
+
 def pickled_weight(tree: dict) -> None:
     next(iter(tree["config"].values()))["use_pickle"] = True
 
@@ -208,7 +218,10 @@ def guard_code(tree: dict) -> None:
      r"symbolic shape expression .* can run code when loaded; llmc loads it only with --allow-pickle$"),
     (lambda data: rewritten(data, "models/model.json", guard_code),
      r"guard code .* can run code when loaded; llmc loads it only with --allow-pickle$"),
-], ids=["truncated", "random", "not-pt2", "pickled-weight", "evaluated-shape", "guard-code"])
+    # an AOTInductor package: torch dlopens its shared library (its constructor runs) at load
+    (lambda data: with_member(data, "data/aotinductor/x/x.wrapper.so", b"\x7fELF"),
+     r"archive member '.*data/aotinductor/x/x\.wrapper\.so' that torch may load as code .* --allow-pickle$"),
+], ids=["truncated", "random", "not-pt2", "pickled-weight", "evaluated-shape", "guard-code", "aotinductor"])
 def test_bad_pt2_files_are_one_line_errors(saved, tmp_path, make, message):
     path = tmp_path / "bad.pt2"
     path.write_bytes(make(saved))

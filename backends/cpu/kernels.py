@@ -478,8 +478,8 @@ def _binary_kind(f: KernelBuilder, kind: str) -> Callable[[ir.Value, ir.Value], 
     b = f.b
     return {
         "add": lambda x, y: b.fadd(x, y), "sub": lambda x, y: b.fsub(x, y), "mul": lambda x, y: b.fmul(x, y),
-        "div": lambda x, y: b.fdiv(x, y), "maximum": lambda x, y: f.intrinsic("llvm.maxnum", x, y),
-        "minimum": lambda x, y: f.intrinsic("llvm.minnum", x, y),
+        "div": lambda x, y: b.fdiv(x, y), "maximum": lambda x, y: f.intrinsic("llvm.maximum", x, y),
+        "minimum": lambda x, y: f.intrinsic("llvm.minimum", x, y),
     }[kind]
 
 
@@ -491,7 +491,7 @@ def _unary_kind(f: KernelBuilder, kind: str) -> Callable[[ir.Value], ir.Value]:
         "neg": b.fneg, "abs": lambda x: f.intrinsic("llvm.fabs", x), "sqrt": sqrt,
         "rsqrt": lambda x: b.fdiv(one, sqrt(x)), "reciprocal": lambda x: b.fdiv(one, x), "exp": f.exp,
         "tanh": f.tanh, "sigmoid": lambda x: b.fdiv(one, b.fadd(one, f.exp(b.fneg(x)))),
-        "relu": lambda x: f.intrinsic("llvm.maxnum", x, f.f32(0.0)), "sin": lambda x: sin_cos(x, 0),
+        "relu": lambda x: f.intrinsic("llvm.maximum", x, f.f32(0.0)), "sin": lambda x: sin_cos(x, 0),
         "cos": lambda x: sin_cos(x, 1),
     }[kind]
 
@@ -553,7 +553,7 @@ def _reduce(lib: KernelLibrary, f: KernelBuilder, op: tgt.ReduceOp, a: dict) -> 
             acc = f.alloca(F32, name="m")
             b.store(f.load(row, 0), acc)
             with f.loop(1, W, name="c", unroll=False) as c:
-                b.store(f.intrinsic("llvm.maxnum", b.load(acc), f.load(row, c)), acc)
+                b.store(f.intrinsic("llvm.maximum", b.load(acc), f.load(row, c)), acc)
             result = b.load(acc)
         else:
             result = f.reduce_sum(W, lambda c: f.load(row, c), name="c")

@@ -1,5 +1,6 @@
 """`canonicalize`: local simplifications that leave one canonical spelling of a graph.
 
+- an elementwise op of small constants is the constant it computes;
 - a reshape to a run-time shape that its result type spells (at most one `?`) is a plain
   reshape; a reshape of a reshape is one reshape, and a reshape, cast or transpose to its
   own type is its input:
@@ -37,7 +38,7 @@ from xdsl.pattern_rewriter import (
 )
 
 from llmc.ir import llm
-from llmc.ir.interpreter import constant_array
+from llmc.ir.interpreter import constant_array, dense, evaluate
 
 # elementwise ops a reshape may move below (any element type, one result of the operands' shape)
 _UNARY = (llm._UnaryOp, llm.CastOp, llm.IsNanOp)
@@ -56,6 +57,23 @@ def _same_last(a: SSAValue, b: SSAValue) -> bool:
 
 def _reshaped(value: SSAValue, like: SSAValue) -> llm.ReshapeOp:
     return llm.ReshapeOp(value, llm.shape_of(like))
+
+
+class FoldConstants(RewritePattern):
+    """An elementwise op of constants (at most `FOLDED` elements) → the constant it computes:
+    `llm.sqrt` of `dense<1.250000e-01>` becomes `dense<0.353553385>`."""
+
+    FOLDED = 64
+
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
+        if not isinstance(op, (*_UNARY, llm._BinaryOp)) or not op.operands or \
+                not all(isinstance(v.owner, llm.ConstantOp) for v in op.operands):
+            return
+        shape = llm.shape_of(op.results[0])
+        if None in shape or int(np.prod(shape)) > self.FOLDED:
+            return
+        (value,) = evaluate([op.results[0]], {}, None)  # type: ignore[arg-type]
+        rewriter.replace(op, llm.ConstantOp(dense(np.asarray(value))))
 
 
 class StaticReshape(RewritePattern):
@@ -233,7 +251,7 @@ class DropEmptyConcat(RewritePattern):
             rewriter.replace(op, llm.ConcatOp(kept, op.axis_index, op.result.type))
 
 
-PATTERNS = (EraseIdentity(), StaticReshape(), FoldReshapeChain(), FoldTransposeChain(), UnsqueezeAsReshape(), SinkReshape(),
+PATTERNS = (EraseIdentity(), FoldConstants(), StaticReshape(), FoldReshapeChain(), FoldTransposeChain(), UnsqueezeAsReshape(), SinkReshape(),
             TransposeThroughReshape(), DropEmptyConcat())
 
 

@@ -8,7 +8,7 @@ the float source for `--quant` measurements:
 
     python tests/real_models.py smollm2-hf /tmp/smollm2-hf
 
-`write_smollm2_graph(directory, "onnx" | "pt2")` exports that transformers model as a graph
+`write_smollm2_graphs(directory, "onnx", "pt2")` exports that transformers model as graphs
 (`torch.onnx.export(..., dynamo=True)` or `torch.export.save`), with the GGUF's tokenizer as
 `tokenizer.json` beside it:
 
@@ -23,19 +23,23 @@ import sys
 from pathlib import Path
 
 
-def export_graph(model, path: Path, vocab_size: int) -> Path:
-    """`model` (a transformers causal LM) exported to `path`: `.onnx` (dynamo, opset 18) or `.pt2`."""
+def export_graphs(model, paths: list[Path], vocab_size: int, onnx_optimize: bool = True) -> list[Path]:
+    """`model` (a transformers causal LM) exported once, written to each of `paths`: `.onnx`
+    (dynamo, opset 18; `onnx_optimize=False` skips onnxscript's graph optimizer, a third of the
+    time, and leaves transposes and constant arithmetic for llmc to fold) or `.pt2`."""
     import torch
 
     from llmc.frontend.torch_export import export_decoder
 
     example = (torch.arange(7, dtype=torch.long)[None] % vocab_size,)
     program = export_decoder(model.eval(), example)
-    if path.suffix == ".pt2":
-        torch.export.save(program, path)
-    else:
-        torch.onnx.export(program, example, dynamo=True, opset_version=18, verbose=False).save(str(path))
-    return path
+    for path in paths:
+        if path.suffix == ".pt2":
+            torch.export.save(program, path)
+        else:
+            torch.onnx.export(program, example, dynamo=True, opset_version=18, verbose=False,
+                              optimize=onnx_optimize).save(str(path))
+    return paths
 
 
 def write_tokenizer(codec, directory: Path) -> None:
@@ -48,8 +52,9 @@ def write_tokenizer(codec, directory: Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
 
 
-def write_smollm2_graph(directory: Path, kind: str) -> Path:
-    """SmolLM2 from its GGUF through transformers, exported as `directory/smollm2.{kind}`."""
+def write_smollm2_graphs(directory: Path, *kinds: str, onnx_optimize: bool = True) -> list[Path]:
+    """SmolLM2 from its GGUF through transformers, exported as `directory/smollm2.{kind}` for
+    each kind (`onnx`, `pt2`), with the GGUF's tokenizer beside them."""
     os.environ.setdefault("TQDM_DISABLE", "1")
     from llmc.frontend import load_model, resolve
     from llmc.frontend.reference import reference_model
@@ -58,7 +63,8 @@ def write_smollm2_graph(directory: Path, kind: str) -> Path:
     model = reference_model(gguf)
     directory.mkdir(parents=True, exist_ok=True)
     write_tokenizer(load_model(str(gguf)).tokenizer, directory)
-    return export_graph(model, directory / f"smollm2.{kind}", model.config.vocab_size)
+    return export_graphs(model, [directory / f"smollm2.{kind}" for kind in kinds], model.config.vocab_size,
+                         onnx_optimize)
 
 
 def write_smollm2_hf(directory: Path) -> Path:
@@ -87,4 +93,4 @@ if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] not in ("smollm2-hf", "smollm2-onnx", "smollm2-pt2"):
         sys.exit("usage: python tests/real_models.py smollm2-hf|smollm2-onnx|smollm2-pt2 DIRECTORY")
     kind = sys.argv[1].removeprefix("smollm2-")
-    print(write_smollm2_hf(Path(sys.argv[2])) if kind == "hf" else write_smollm2_graph(Path(sys.argv[2]), kind))
+    print(write_smollm2_hf(Path(sys.argv[2])) if kind == "hf" else write_smollm2_graphs(Path(sys.argv[2]), kind)[0])

@@ -25,13 +25,30 @@ pytestmark = [pytest.mark.real_model, pytest.mark.filterwarnings("ignore")]
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module", params=["onnx", "pt2"])
-def graph(request, smollm2_path, tmp_path_factory) -> Path:
+@pytest.fixture(scope="module")
+def graphs(smollm2_path, tmp_path_factory) -> dict[str, Path]:
+    """SmolLM2 exported once, saved as `.onnx` (without onnxscript's optimizer, for time: the tiny
+    models' tests cover the optimized form) and `.pt2`."""
     pytest.importorskip("torch")
     pytest.importorskip("onnxruntime")
-    from real_models import write_smollm2_graph
+    from real_models import write_smollm2_graphs
 
-    return write_smollm2_graph(tmp_path_factory.mktemp(f"smollm2-{request.param}"), request.param)
+    paths = write_smollm2_graphs(tmp_path_factory.mktemp("smollm2-graphs"), "onnx", "pt2", onnx_optimize=False)
+    return {path.suffix[1:]: path for path in paths}
+
+
+@pytest.fixture(params=["onnx", "pt2"])
+def graph(request, graphs) -> Path:
+    return graphs[request.param]
+
+
+@pytest.fixture(scope="module")
+def gguf_tokens(smollm2_path, tmp_path_factory) -> tuple[list[int], Path]:
+    """The GGUF artifact's 32 greedy tokens, and the artifact."""
+    out = compile_model(str(smollm2_path), tmp_path_factory.mktemp("smollm2-gguf") / "a", CompileOptions(max_seq=256),
+                        BackendOptions(), progress=lambda _: None)
+    assert isinstance(out, Path)
+    return _greedy(out), out
 
 
 def _greedy(artifact: Path) -> list[int]:
@@ -42,13 +59,11 @@ def _greedy(artifact: Path) -> list[int]:
     return tokens
 
 
-def test_graph_artifact_generates_the_gguf_artifacts_tokens(graph, smollm2_path, tmp_path) -> None:
-    options = CompileOptions(max_seq=256)
-    gguf = compile_model(str(smollm2_path), tmp_path / "gguf", options, BackendOptions(), progress=lambda _: None)
+def test_graph_artifact_generates_the_gguf_artifacts_tokens(graph, gguf_tokens, tmp_path) -> None:
+    expected, gguf = gguf_tokens
     ours = compile_model(str(graph), tmp_path / "graph", CompileOptions(max_seq=256, quant="q4_1", quant_output="q8_0"),
                          BackendOptions(), progress=lambda _: None)
-    assert isinstance(gguf, Path) and isinstance(ours, Path)
-    expected = _greedy(gguf)
+    assert isinstance(ours, Path)
     assert len(expected) == 32
     assert _greedy(ours) == expected
     if graph.suffix == ".onnx":  # the same weights, packed the same way

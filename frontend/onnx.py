@@ -474,8 +474,12 @@ def _binary(g: _Graph, node: onnx.NodeProto) -> list[SSAValue]:
 
 @_maps("Pow")
 def _pow(g: _Graph, node: onnx.NodeProto) -> list[SSAValue]:
-    x = g.input(node, 0)
-    return [_binary_op(g, node, llm.PowOp, x, g.cast(g.input(node, 1), _dtype_of(x)))]
+    """`X ** Y` in X's type; an integer X with a float Y is raised in Y's type, then cast back."""
+    x, y = g.input(node, 0), g.input(node, 1)
+    if np.issubdtype(_dtype_of(x), np.integer) and np.issubdtype(_dtype_of(y), np.floating):
+        power = g.emit(llm.PowOp(g.cast(x, _dtype_of(y)), y))
+        return [g.cast(power, _dtype_of(x))]
+    return [_binary_op(g, node, llm.PowOp, x, g.cast(y, _dtype_of(x)))]
 
 
 @_maps("Mod")

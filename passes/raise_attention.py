@@ -14,7 +14,7 @@ which reads and writes the KV cache; the entry point gains the cache argument `%
 Matched: the scale on the scores or on q and k (any product of constants; `scale` is set
 where it is not `1/sqrt(head_dim)`), the mask added (0 / -inf) or chosen with `llm.where` (a band
 of the last W positions becomes `window W`, for W below 1024), NaN rows of the softmax zeroed, and grouped-query keys and values repeated by
-unsqueeze → expand → reshape (their shared KV heads are what is cached). The mask must
+unsqueeze → expand → reshape or by a gather of heads (their shared KV heads are what is cached). The mask must
 depend on the positions only, and is computed for a few token counts and checked to be
 causal. Layers are numbered in order; all must share KV heads and head dimension.
 """
@@ -33,6 +33,7 @@ from llmc.ir import llm
 from llmc.ir.interpreter import scalar
 from llmc.passes.raising import (
     RaisePass,
+    constant_ints,
     evaluate_at,
     heads_back,
     heads_first,
@@ -60,7 +61,13 @@ class _Match:
 
 def _kv_heads(value: SSAValue) -> SSAValue | None:
     """The `[1, kv_heads, ?, head_dim]` keys or values that `value` repeats per query head
-    (reshape(expand(unsqueeze(kv)))), or `value` itself."""
+    (reshape(expand(unsqueeze(kv))), or a gather of heads `[0, 0, 1, 1, …]`), or `value` itself."""
+    g = producer(value, llm.GatherOp)
+    if g is not None and g.axis_index == 1 and heads_first(g.input) and heads_first(value):
+        index, kv_heads = constant_ints(g.indices), heads_first(g.input)[0]  # type: ignore[index]
+        heads = heads_first(value)[0]  # type: ignore[index]
+        if heads % kv_heads == 0 and index == [h // (heads // kv_heads) for h in range(heads)]:
+            return g.input
     r = producer(value, llm.ReshapeOp)
     e = producer(r.input, llm.ExpandOp) if r is not None else None
     u = producer(e.input, llm.ReshapeOp, llm.UnsqueezeOp) if e is not None else None

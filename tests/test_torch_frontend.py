@@ -140,6 +140,17 @@ def test_plain_module_with_causal_gqa_attention():
         assert_close(interpreted(module, weights, tokens), eager(model, tokens))
 
 
+def test_sdpa_with_gqa_is_raised_to_attention_over_the_kv_heads():
+    """sdpa's `enable_gqa` repeats the 2 KV heads by a gather of heads; the cache holds the 2."""
+    from llmc.passes.pipeline import run_phase
+
+    model = PlainDecoder().eval()
+    module, weights = import_program(export_decoder(model, (example_ids(4),), max_tokens=64), Path("plain.pt2"))
+    run_phase(module, "optimize", weights=weights)
+    (attention,) = [op for op in module.walk() if isinstance(op, llm.AttentionOp)]
+    assert attention.kv_cache.type.shape[1] == 2
+
+
 def test_plain_module_with_position_ids():
     model = PlainDecoder().eval()
     ep = export_decoder(model, (example_ids(4), torch.arange(4)[None]), max_tokens=64)

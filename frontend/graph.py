@@ -54,7 +54,7 @@ class GraphBuilder:
         self.weights = WeightStore(source)
         self.block = Block(arg_types=list(arg_types))
         for arg, name in zip(self.block.args, arg_names):
-            arg.name_hint = _hint(name)
+            arg.name_hint = llm.ssa_name(name)
         self._input_ids: SSAValue | None = None
         self._positions: SSAValue | None = None
 
@@ -71,7 +71,7 @@ class GraphBuilder:
         """Append `op`; its (first) result, named `name` in the printed IR where given."""
         self.block.add_op(op)
         if name is not None and op.results:
-            op.results[0].name_hint = _hint(name)
+            op.results[0].name_hint = llm.ssa_name(name)
         return op.results[0]
 
     def _batch_of_one(self, arg: SSAValue, name: str) -> SSAValue:
@@ -148,11 +148,6 @@ class GraphBuilder:
             logits = self.add(llm.CastOp(logits, llm.tensor(*shape)))
         return self.finish([self.add(llm.ReshapeOp(logits, (None, shape[2])), "logits")])
 
-
-def _hint(name: str) -> str:
-    """An SSA name from a source name (letters, digits, `_`)."""
-    text = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
-    return text if text and not text[0].isdigit() else f"v{text}"
 
 
 GRAPH_SUFFIXES = {".onnx": "onnx", ".pt2": "torch.export"}

@@ -192,6 +192,12 @@ class KVCacheType(ParametrizedAttribute, TypeAttribute):
                                   f"{self.slots} slots")
 
 
+def ssa_name(text: str) -> str:
+    """A valid SSA name hint from a source name (`blk.0.attn_q` → `blk_0_attn_q`, `onnx::W_7` → `onnx__W_7`)."""
+    name = "".join(c if c.isalnum() or c == "_" else "_" for c in text)
+    return name if name[:1].isalpha() or name[:1] == "_" else f"v{name}"
+
+
 def float_text(x: float) -> str:
     """`x` as an MLIR float literal that parses back to the same double (`1.0e-05`, `500000.0`)."""
     text = repr(float(x))
@@ -363,8 +369,7 @@ class WeightOp(IRDLOperation, _ShapeChecks):
             properties={"sym": SymbolRefAttr(sym), "storage": StorageAttr(storage)},
             result_types=[tensor(*shape)],
         )
-        hint = "".join(c if c.isalnum() or c == "_" else "_" for c in sym)
-        self.result.name_hint = hint if hint[:1].isalpha() or hint[:1] == "_" else f"w{hint}"
+        self.result.name_hint = ssa_name(sym)
 
     @property
     def sym_name(self) -> str:

@@ -276,6 +276,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
     dump = _dumper(args)
     out = Path(args.output) if args.output else (None if args.compile_to else _default_output(args.model))
     backend = BackendOptions(args.target, args.cpu, args.gpu)
+    if args.no_cache:
+        from llmc.backends import kernel_cache
+
+        kernel_cache.disable()
     result = compile_model(args.model, out, options, backend, args.compile_to, dump,
                            progress=_progress, allow_pickle=args.allow_pickle, tokenizer=args.tokenizer)
     if isinstance(result, str):
@@ -551,6 +555,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile_options(p)
     p.add_argument("--compile-to", metavar="PHASE", choices=["import", "optimize", "quantize", "split", "group", "lower"],
                    help="stop after PHASE and print its IR (to -o FILE if given)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="compile every kernel with LLVM, neither reading nor writing the kernel cache "
+                        "($LLMC_CACHE_DIR, else ~/.cache/llmc; LLMC_CACHE_DIR=off turns it off for good)")
     _add_dump_options(p)
     p.set_defaults(run=cmd_compile)
 

@@ -106,20 +106,21 @@ def run_phases(model: Model, options: CompileOptions, last: str, dump: IRDumper 
 
 def build_cpu_artifact(module: ModuleOp, model: Model, out: Path, backend: BackendOptions, compile_options: dict,
                        progress: Callable[[str], None]) -> Path:
-    from llmc.backends.cpu.codegen import emit_module
+    from llmc.backends.cpu.codegen import ENTRY_PREFIX, emit_module
     from llmc.backends.cpu.target import target_machine_for
-    from llmc.backends.cpu.toolchain import compile_to_object, link_shared
+    from llmc.backends.cpu.toolchain import compile_objects, link_shared
     from llmc.package import clear_directory, content_name, cpu_manifest, weight_layout
 
     start = time.perf_counter()
     target = module_target(module)
     layout = weight_layout(module)
-    llvm_module, barriers = emit_module(module, layout.offsets)
-    obj = compile_to_object(llvm_module, target_machine_for(target))
+    llvm_modules, barriers = emit_module(module, layout.offsets)
+    objects, cached = compile_objects(llvm_modules, target_machine_for(target))
     clear_directory(out)
-    kernels = link_shared([obj], out / content_name("kernels", obj, ".so"))
+    kernels = link_shared(objects, out / content_name("kernels", b"".join(objects), ".so"), exports=ENTRY_PREFIX)
     progress(f"{'codegen':<10} {time.perf_counter() - start:6.2f} s   {kernels.name} (cpu {target.cpu.data}"
-             f"{_isa_note(module)}; barriers per call: decode {barriers.get('decode', 0)})")
+             f"{_isa_note(module)}; {len(objects) - 1} kernels, {cached} of {len(objects)} modules from the cache; "
+             f"barriers per call: decode {barriers.get('decode', 0)})")
     return _package(out, module, model, layout, *cpu_manifest(module, kernels), compile_options, progress)
 
 

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -236,12 +237,14 @@ def host_cpu_flags() -> set[str] | None:
     return set(flags) if flags is not None else None
 
 
-def missing_cpu_features(manifest: Manifest) -> list[str]:
-    """The CPU features the kernels were built for that this machine lacks (none known: none)."""
+def missing_cpu_features(features: Iterable[str]) -> list[str]:
+    """Those of `features` (LLVM's names, as a manifest's `cpu.features` lists them) this machine
+    lacks (none known: none). The one answer to "can this host run that code", for the runtime and
+    the tests that choose which instruction-set paths to execute."""
     have = host_cpu_flags()
     if have is None:
         return []
-    return [feat for feat in manifest.data["cpu"]["features"] if _CPU_FLAGS.get(feat, feat) not in have]
+    return [feat for feat in features if _CPU_FLAGS.get(feat, feat) not in have]
 
 
 def verified_bytes(manifest: Manifest, role: str) -> bytes:

@@ -221,7 +221,7 @@ class Session(Conversation):
         directory = manifest.directory
         if self.manifest.target != "cpu":
             raise ArtifactError(f"{directory}: a '{self.manifest.target}' artifact; this runtime runs 'cpu' artifacts")
-        missing = missing_cpu_features(self.manifest)
+        missing = missing_cpu_features(self.manifest.data["cpu"]["features"])
         if missing:
             raise ArtifactError(f"{directory}: compiled for CPU features this machine lacks ({', '.join(missing)}); "
                                 f"recompile on this machine, or with --cpu x86-64-v3")

@@ -1,13 +1,32 @@
-"""Shared fixtures: tiny generated models, written once per test session."""
+"""Shared fixtures: tiny generated models and their artifacts, made once per test session; one
+kernel cache for the run."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from tiny_models import TinySpec, dequantized_like_gguf, random_weights, write_gguf, write_hf
+
+_WORKER = "PYTEST_XDIST_WORKER"  # set in the processes of `-n N`
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One kernel cache for the whole run, new each run: artifacts compiled again by another module
+    or another worker skip LLVM, and no run is faster for what an earlier one left behind."""
+    if _WORKER not in os.environ:
+        config._llmc_cache = tempfile.mkdtemp(prefix="llmc-test-cache-")
+        os.environ["LLMC_CACHE_DIR"] = config._llmc_cache  # (inherited by the workers)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if hasattr(config, "_llmc_cache"):
+        shutil.rmtree(config._llmc_cache, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +55,32 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def artifact(tiny, tmp_path_factory) -> Callable[..., Path]:
+    """`artifact(spec, chunk=4, group=True, cpu="native", form="gguf", **options)` → a tiny model's artifact,
+    built once per test run for every module that asks (with an f32 KV cache unless `kv_type` says
+    otherwise: the interpreter's reference keeps f32)."""
+    root = tmp_path_factory.mktemp("artifacts")
+    built: dict[tuple, Path] = {}
+
+    def build(spec: TinySpec, chunk: int = 4, group: bool = True, cpu: str = "native", form: str = "gguf",
+              **options) -> Path:
+        from llmc.driver import BackendOptions, compile_model
+        from llmc.passes.pipeline import CompileOptions
+
+        compile_options = CompileOptions(**{"prefill_chunk": chunk, "max_seq": 32, "group": group, "kv_type": "f32",
+                                            **options})
+        key = (spec, form, cpu, compile_options)
+        if key not in built:
+            out = root / f"a{len(built)}"
+            compile_model(str(tiny(spec, form)), out, compile_options, BackendOptions(cpu=cpu),
+                          progress=lambda _: None)
+            built[key] = out
+        return built[key]
+
+    return build
 
 
 @pytest.fixture(scope="session")

@@ -7,15 +7,13 @@ batched `decode` must be what that sequence alone gives.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
 from tiny_models import TinySpec
 
 from llmc.cli import main
-from llmc.driver import BackendOptions, compile_model, run_phases, target_attr
+from llmc.driver import BackendOptions, run_phases, target_attr
 from llmc.errors import LlmcError
 from llmc.frontend import load_model
 from llmc.ir import find_function, llm
@@ -34,25 +32,6 @@ QSPEC = TinySpec(hidden=64, heads=4, kv_heads=2, head_dim=32, ffn=128, context_l
                                                       "ffn_up", "ffn_down"))))
 PROMPTS = [[5, 17, 42], [100, 150, 7, 9, 11, 200, 3], [4], [66, 250, 31, 8, 19], [12, 13], [200, 201, 202, 203],
            [7, 7, 7, 7, 7, 7, 7, 7, 7], [90, 1]]
-
-
-@pytest.fixture(scope="module")
-def artifact(tiny, tmp_path_factory) -> Callable[..., Path]:
-    root = tmp_path_factory.mktemp("batched")
-    built: dict[tuple, Path] = {}
-
-    def build(spec: TinySpec, max_batch: int, **options) -> Path:
-        key = (spec, max_batch, tuple(sorted(options.items())))
-        if key not in built:
-            out = root / f"a{len(built)}"
-            compile_model(str(tiny(spec, "gguf")), out,
-                          CompileOptions(**{"prefill_chunk": 4, "max_seq": 32, "kv_type": "f32",
-                                            "max_batch": max_batch, **options}),
-                          BackendOptions(), progress=lambda _: None)
-            built[key] = out
-        return built[key]
-
-    return build
 
 
 def _split(tiny, spec: TinySpec, phase: str = "split", **options):
@@ -168,15 +147,15 @@ def assert_rows_are_each_sequence_alone(batched: Conversation, alone: Conversati
 @pytest.mark.parametrize("threads", [1, 2])
 def test_each_row_of_a_batched_decode_is_its_sequence_alone(artifact, spec: TinySpec, batch: int,
                                                             threads: int) -> None:
-    batched = Session(artifact(spec, batch), threads=threads)
-    alone = Session(artifact(spec, batch), threads=threads)
+    batched = Session(artifact(spec, max_batch=batch), threads=threads)
+    alone = Session(artifact(spec, max_batch=batch), threads=threads)
     assert_rows_are_each_sequence_alone(batched, alone, PROMPTS[:batch])
     batched.close()
     alone.close()
 
 
 def test_one_sequence_artifacts_keep_the_one_row_decode(artifact) -> None:
-    session = Session(artifact(SPEC, 1))
+    session = Session(artifact(SPEC, max_batch=1))
     assert session.slot_count == 1 and session.batch == 1
     assert "slots" not in session.manifest.entry_points["decode"]["arguments"]
     assert session.manifest.kv_cache["shape"] == [2, 2, 32, 8]
@@ -198,7 +177,7 @@ def test_the_engine_gives_every_request_its_text_alone(artifact) -> None:
     stream is what its prompt gives alone; fewer decode calls than tokens. Sampled with a seed per
     request (tiny random models repeat their last token greedily; sampling reads the whole
     distribution)."""
-    session = Session(artifact(QSPEC, 4))
+    session = Session(artifact(QSPEC, max_batch=4))
     sampling = [SamplingOptions(temperature=8.0, seed=i) for i in range(len(PROMPTS))]
     expected = [_alone_stream(session, p, 6, o) for p, o in zip(PROMPTS, sampling)]
     assert len({t for stream in expected for t in stream}) > 20
@@ -217,7 +196,7 @@ def test_the_engine_gives_every_request_its_text_alone(artifact) -> None:
 
 
 def test_the_engine_ends_at_eos_capacity_and_cancel_and_refuses_beyond_its_queue(artifact) -> None:
-    session = Session(artifact(QSPEC, 2))
+    session = Session(artifact(QSPEC, max_batch=2))
     stream = _alone_stream(session, PROMPTS[4], 8)
     eos = next(t for t in stream if t != stream[0])
     engine = Engine(session, eos_id=eos, queue_size=1)
@@ -256,7 +235,7 @@ def test_the_engine_ends_at_eos_capacity_and_cancel_and_refuses_beyond_its_queue
 
 
 def test_the_engine_admits_free_slots_without_a_queue_and_isolates_failing_receivers(artifact) -> None:
-    session = Session(artifact(SPEC, 2))
+    session = Session(artifact(SPEC, max_batch=2))
     engine = Engine(session, eos_id=None, queue_size=0)
     reasons: dict[str, str] = {}
     got: list[int] = []
@@ -288,7 +267,7 @@ def test_the_engine_admits_free_slots_without_a_queue_and_isolates_failing_recei
 
 
 def test_the_engine_thread_serves_requests_submitted_from_other_threads(artifact) -> None:
-    session = Session(artifact(QSPEC, 4))
+    session = Session(artifact(QSPEC, max_batch=4))
     expected = [_alone_stream(session, p, 5) for p in PROMPTS[:4]]
     engine = Engine(session, eos_id=None)
     engine.start()

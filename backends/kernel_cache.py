@@ -20,6 +20,8 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import llvmlite
@@ -39,9 +41,18 @@ def cache_dir() -> Path | None:
     return Path(base) / "llmc" / "kernels"
 
 
-def disable() -> None:
-    """Turn the cache off for this process (`--no-cache`)."""
+@contextmanager
+def disabled() -> Iterator[None]:
+    """The cache off inside the block (`llmc compile --no-cache`), as it was after it."""
+    before = os.environ.get("LLMC_CACHE_DIR")
     os.environ["LLMC_CACHE_DIR"] = OFF
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["LLMC_CACHE_DIR"]
+        else:
+            os.environ["LLMC_CACHE_DIR"] = before
 
 
 def cache_key(text: str, *target: str) -> str:

@@ -19,6 +19,7 @@ the traceback instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -276,12 +277,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
     dump = _dumper(args)
     out = Path(args.output) if args.output else (None if args.compile_to else _default_output(args.model))
     backend = BackendOptions(args.target, args.cpu, args.gpu)
-    if args.no_cache:
-        from llmc.backends import kernel_cache
+    from llmc.backends import kernel_cache
 
-        kernel_cache.disable()
-    result = compile_model(args.model, out, options, backend, args.compile_to, dump,
-                           progress=_progress, allow_pickle=args.allow_pickle, tokenizer=args.tokenizer)
+    with kernel_cache.disabled() if args.no_cache else contextlib.nullcontext():
+        result = compile_model(args.model, out, options, backend, args.compile_to, dump,
+                               progress=_progress, allow_pickle=args.allow_pickle, tokenizer=args.tokenizer)
     if isinstance(result, str):
         _out(result, args.output)
     return 0

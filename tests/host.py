@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from functools import cache
 
+import pytest
+
 from llmc.backends.cpu.target import cpu_target, integer_isa
 from llmc.ir.tgt import Isa
 from llmc.runtime import amx
@@ -43,13 +45,11 @@ def why_not(cpu: str) -> str:
     return f"this host lacks {', '.join(missing(cpu))}: {cpu} code is compiled and checked, not run"
 
 
-
 def skip_unless_another_path(cpu: str) -> None:
     """Skip a test of `cpu`'s code (beside the same test of `native` code) where the host cannot run
     it, or where it takes the host's own integer path: that one is tested as `native` already."""
-    import pytest
-
     if not runs(cpu):
         pytest.skip(why_not(cpu))
-    if integer_isa(cpu_target(cpu)) is integer_isa(cpu_target("native")):
-        pytest.skip(f"the host's own integer path is {cpu}'s ({integer_isa(cpu_target(cpu))}): run once, as native")
+    isa = integer_isa(cpu_target(cpu))
+    if isa is integer_isa(cpu_target("native")):
+        pytest.skip(f"the host's own integer path is {cpu}'s ({isa}): run once, as native")

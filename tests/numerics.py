@@ -38,17 +38,13 @@ def reorder_bound(expected: np.ndarray, terms: int, depth: int) -> float:
     return depth * math.sqrt(terms) * U * float(np.abs(expected).max())
 
 
-def assert_reordered(actual: np.ndarray, expected: np.ndarray, *, terms: int, depth: int) -> None:
-    """`actual` equals `expected` up to summation order (`reorder_bound`), in the same shape."""
+def assert_model_reordered(actual: np.ndarray, expected: np.ndarray, spec) -> None:
+    """`actual` equals `expected` up to summation order (`reorder_bound`), for the logits of a tiny
+    model (`tiny_models.TinySpec`): its widest sum (hidden, FFN or attention width; the tests feed
+    fewer positions than that) and its depth."""
     actual, expected = np.asarray(actual), np.asarray(expected)
     assert actual.shape == expected.shape, f"shape {actual.shape} != {expected.shape}"
+    terms, depth = max(spec.hidden, spec.ffn, spec.heads * spec.head_dim), model_depth(spec.layers)
     bound = reorder_bound(expected, terms, depth)
     err = float(np.abs(actual.astype(np.float64) - expected).max()) if expected.size else 0.0
     assert err <= bound, f"max abs error {err:.3g} > {bound:.3g} (sums of {terms} terms, {depth} deep, reordered)"
-
-
-def assert_model_reordered(actual: np.ndarray, expected: np.ndarray, spec) -> None:
-    """`assert_reordered` for the logits of a tiny model (`tiny_models.TinySpec`): its widest sum
-    (hidden, FFN or attention width; the tests feed fewer positions than that) and its depth."""
-    terms = max(spec.hidden, spec.ffn, spec.heads * spec.head_dim)
-    assert_reordered(actual, expected, terms=terms, depth=model_depth(spec.layers))

@@ -229,6 +229,8 @@ def test_a_second_compile_takes_the_kernels_from_the_cache(tiny, tmp_path, monke
         entry.unlink()
     compiled("d", "--no-cache")
     assert not list((tmp_path / "cache" / "kernels").iterdir())
+    compiled("e")  # the cache is back once that compile is done
+    assert list((tmp_path / "cache" / "kernels").iterdir())
 
 
 def test_runtime_runs_without_the_compiler_stack(artifact) -> None:

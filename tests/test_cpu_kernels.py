@@ -73,14 +73,20 @@ def tm(request) -> Machine:
     return Machine(request.param, target_machine(request.param))
 
 
+def kernel_op(make: Callable[..., tgt.Kernel], types: list[Attribute]) -> tgt.Kernel:
+    """The op `make` builds over block arguments of `types`, verified."""
+    block = Block(arg_types=types)
+    op = make(*block.args)
+    block.add_op(op)
+    op.verify()
+    return op
+
+
 class Kernel:
     """One kernel op compiled alone; `kernel(values, nth)` calls it with operands by name."""
 
     def __init__(self, tmp_path: Path, tm: Machine, make: Callable[..., tgt.Kernel], types: list[Attribute]):
-        block = Block(arg_types=types)
-        self.op = make(*block.args)
-        block.add_op(self.op)
-        self.op.verify()
+        self.op = kernel_op(make, types)
         module = ir.Module(name="kernels")
         self.fn = KernelLibrary(module).kernel(self.op)
         path = link_shared([compile_to_object(module, tm.tm)], tmp_path / f"k_{uuid.uuid4().hex}.so")
@@ -417,11 +423,7 @@ def test_every_integer_path_compiles(isa):
     module = ir.Module(name="kernels")
     library = KernelLibrary(module)
     for make, types in kernels:
-        block = Block(arg_types=types)
-        op = make(*block.args)
-        block.add_op(op)
-        op.verify()
-        library.kernel(op)
+        library.kernel(kernel_op(make, types))
     asm = compile_to_assembly(module, target_machine_for(cpu_target(host.ISA_CPUS[isa])))
     used, unused = ISA_INSTRUCTIONS[isa]
     assert all(mark in asm for mark in used), [mark for mark in used if mark not in asm]

@@ -551,7 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --target cuda: GPU architectures (sm_80, sm_86, sm_89, sm_90); PTX for the oldest, "
                         "a cubin for each when ptxas is on PATH (default: %(default)s)")
     p.add_argument("-o", "--output", metavar="DIR",
-                   help="artifact directory (default: MODEL's name + .llmc); with --compile-to, the IR file")
+                   help="artifact directory (default: MODEL's name + .llmc): a new or empty folder, or an artifact, "
+                        "replaced once the compile succeeds; with --compile-to, the IR file")
     _add_compile_options(p)
     p.add_argument("--compile-to", metavar="PHASE", choices=["import", "optimize", "quantize", "split", "group", "lower"],
                    help="stop after PHASE and print its IR (to -o FILE if given)")
@@ -564,7 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
     # what every command that runs an artifact takes, and what those that sample take
     artifact_args = argparse.ArgumentParser(add_help=False)
     artifact_args.add_argument("artifact", metavar="DIR", help="an artifact directory from 'llmc compile'")
-    artifact_args.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact's files")
+    artifact_args.add_argument("--no-verify", action="store_true",
+                               help="skip the sha256 check of the artifact's files (their sizes and places, and "
+                                    "the manifest against its kernels, are checked still)")
     artifact_args.add_argument("--threads", type=_positive, metavar="N",
                                help="threads to run on (default: every CPU available)")
     sampling_args = argparse.ArgumentParser(add_help=False)

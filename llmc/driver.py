@@ -109,70 +109,72 @@ def build_cpu_artifact(module: ModuleOp, model: Model, out: Path, backend: Backe
     from llmc.backends.cpu.codegen import ENTRY_PREFIX, emit_module
     from llmc.backends.cpu.target import target_machine_for
     from llmc.backends.cpu.toolchain import compile_objects, link_shared
-    from llmc.package import clear_directory, content_name, cpu_manifest, weight_layout
+    from llmc.package import content_name, cpu_facts, describe, staged_directory, weight_layout
 
     start = time.perf_counter()
     target = module_target(module)
     layout = weight_layout(module)
-    llvm_modules, barriers = emit_module(module, layout.offsets)
+    description = describe(module, layout, *cpu_facts(module))
+    llvm_modules, barriers = emit_module(module, layout.offsets, description)
     objects, cached = compile_objects(llvm_modules, target_machine_for(target))
-    clear_directory(out)
-    kernels = link_shared(objects, out / content_name("kernels", b"".join(objects), ".so"), exports=ENTRY_PREFIX)
-    progress(f"{'codegen':<10} {time.perf_counter() - start:6.2f} s   {kernels.name} (cpu {target.cpu.data}"
-             f"{_isa_note(module)}; {len(objects) - 1} kernels, {cached} of {len(objects)} modules from the cache; "
-             f"barriers per call: decode {barriers.get('decode', 0)})")
-    return _package(out, module, model, layout, *cpu_manifest(module, kernels), compile_options, progress)
+    with staged_directory(out) as stage:
+        kernels = link_shared(objects, stage / content_name("kernels", b"".join(objects), ".so"), exports=ENTRY_PREFIX)
+        progress(f"{'codegen':<10} {time.perf_counter() - start:6.2f} s   {kernels.name} (cpu {target.cpu.data}"
+                 f"{_isa_note(module)}; {len(objects) - 1} kernels, {cached} of {len(objects)} modules from the cache; "
+                 f"barriers per call: decode {barriers.get('decode', 0)})")
+        _package(stage, out, model, layout, description, {"kernels": kernels}, compile_options, progress)
+    return out
 
 
-def _package(out: Path, module: ModuleOp, model: Model, layout, facts: dict, entries: dict, compile_options: dict,
-             progress: Callable[[str], None]) -> Path:
-    """The weights, tokenizer and manifest beside the kernels already in `out`."""
+def _package(stage: Path, out: Path, model: Model, layout, description: dict, kernel_files: dict[str, Path],
+             compile_options: dict, progress: Callable[[str], None]) -> None:
+    """The weights, tokenizer and manifest beside the kernels already in `stage` (which becomes `out`)."""
     from llmc.package import write_artifact, write_weights
 
     start = time.perf_counter()
-    write_weights(model, layout, out / "weights.bin")
-    write_artifact(out, module, model, facts, entries, layout, compile_options)
-    total = sum(p.stat().st_size for p in out.iterdir() if p.name != "tokenizer.json")
+    write_weights(model, layout, stage / "weights.bin")
+    write_artifact(stage, description, model, kernel_files, layout, compile_options)
+    total = sum(p.stat().st_size for p in stage.iterdir() if p.name != "tokenizer.json")
     progress(f"{'package':<10} {time.perf_counter() - start:6.2f} s   {out} (weights.bin {layout.size / 1e6:.1f} MB, "
              f"{total / 1e6:.1f} MB with kernels and manifest)")
-    return out
 
 
 def build_cuda_artifact(module: ModuleOp, model: Model, out: Path, backend: BackendOptions, compile_options: dict,
                         progress: Callable[[str], None]) -> Path:
     """PTX for the oldest `--gpu` architecture and, with ptxas on PATH, a cubin for each."""
-    from llmc.backends.cuda.codegen import emit_module
+    from llmc.backends.cuda.codegen import described, emit_module
     from llmc.backends.cuda.target import parse_gpus
     from llmc.backends.cuda.toolchain import assemble, have_ptxas, ptx
-    from llmc.package import clear_directory, content_name, weight_layout
+    from llmc.package import content_name, describe, staged_directory, weight_layout
 
     start = time.perf_counter()
     target = module_target(module)
     layout = weight_layout(module)
     llvm_module, plans, argmax = emit_module(module, layout.offsets)
-    text = ptx(llvm_module, target).encode()
-    clear_directory(out)
-    kernels = out / content_name("kernels", text, ".ptx")
-    kernels.write_bytes(text)
-    files, cubins, notes = {"kernels": kernels}, {}, []
-    if have_ptxas():
-        for arch in parse_gpus(backend.gpu):
-            cubin = out / f"{kernels.stem}.{arch}.cubin"
-            report = assemble(kernels, arch, cubin)
-            files[f"cubin_{arch}"] = cubin
-            cubins[arch] = f"cubin_{arch}"
-            most = max(r.registers for r in report.values())
-            spills = sum(r.spill_bytes for r in report.values())
-            notes.append(f"{arch}: ≤{most} registers, {spills} spill bytes")
-    else:
-        notes.append("no ptxas on PATH: PTX only, the driver compiles it at load")
-    kernel_count = sum(not fn.is_declaration for fn in llvm_module.functions)
-    progress(f"{'codegen':<10} {time.perf_counter() - start:6.2f} s   {kernels.name} (cuda {target.cpu.data}, "
-             f"{kernel_count} kernels; {'; '.join(notes)}; launches per decode: {len(plans['decode'])})")
-    facts = {"target": "cuda", "gpu": {"arch": target.cpu.data, "features": sorted(target.features),
-                                       "cubins": cubins, "argmax": argmax}, "files": files}
-    entries = {stage: {"launches": plan} for stage, plan in plans.items()}
-    return _package(out, module, model, layout, facts, entries, compile_options, progress)
+    facts = {"target": "cuda", "gpu": {"arch": target.cpu.data, "features": sorted(target.features), "argmax": argmax}}
+    description = describe(module, layout, facts, {stage: {"launches": plan} for stage, plan in plans.items()})
+    text = described(ptx(llvm_module, target), description).encode()
+    with staged_directory(out) as stage:
+        kernels = stage / content_name("kernels", text, ".ptx")
+        kernels.write_bytes(text)
+        files, cubins, notes = {"kernels": kernels}, {}, []
+        if have_ptxas():
+            for arch in parse_gpus(backend.gpu):
+                cubin = stage / f"{kernels.stem}.{arch}.cubin"
+                report = assemble(kernels, arch, cubin)
+                files[f"cubin_{arch}"] = cubin
+                cubins[arch] = f"cubin_{arch}"
+                most = max(r.registers for r in report.values())
+                spills = sum(r.spill_bytes for r in report.values())
+                notes.append(f"{arch}: ≤{most} registers, {spills} spill bytes")
+        else:
+            notes.append("no ptxas on PATH: PTX only, the driver compiles it at load")
+        kernel_count = sum(not fn.is_declaration for fn in llvm_module.functions)
+        progress(f"{'codegen':<10} {time.perf_counter() - start:6.2f} s   {kernels.name} (cuda {target.cpu.data}, "
+                 f"{kernel_count} kernels; {'; '.join(notes)}; launches per decode: {len(plans['decode'])})")
+        manifest_facts = {**description, "gpu": {**description["gpu"], "cubins": cubins}}
+        _package(stage, out, model, layout, manifest_facts, files, compile_options, progress)
+    return out
 
 
 def _isa_note(module: ModuleOp) -> str:

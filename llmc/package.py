@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +26,7 @@ from xdsl.dialects.builtin import IntegerAttr, ModuleOp
 
 from llmc import __version__
 from llmc.backends.cpu.codegen import READ_PROBE, entry_arguments, entry_symbol
-from llmc.errors import UsageError
+from llmc.errors import UsageError, printable
 from llmc.frontend.model import Model
 from llmc.ir import entry_functions, llm, tgt
 from llmc.ir.formats import QuantizedTensor
@@ -85,26 +90,23 @@ def _int(attr: object) -> int:
     return attr.value.data
 
 
-def cpu_manifest(module: ModuleOp, kernels: Path) -> tuple[dict, dict[str, dict]]:
-    """The CPU parts of a manifest: the target facts, and each entry point's exported symbol."""
+def cpu_facts(module: ModuleOp) -> tuple[dict, dict[str, dict]]:
+    """The CPU parts of a manifest: the target facts, and each entry point's exported symbol and arguments."""
     target = module.attributes[tgt.TARGET]
     assert isinstance(target, tgt.TargetAttr)
     entries = {stage: {"symbol": entry_symbol(stage), "arguments": entry_arguments(function)}
                for stage, function in entry_functions(module).items()}
     facts = {"target": "cpu", "cpu": {"name": target.cpu.data, "features": sorted(target.features)},
-             "max_threads": tgt.MAX_THREADS, "read_probe": READ_PROBE, "files": {"kernels": kernels}}
+             "max_threads": tgt.MAX_THREADS, "read_probe": READ_PROBE}
     return facts, entries
 
 
-def write_artifact(directory: Path, module: ModuleOp, model: Model, target_facts: dict, entries: dict[str, dict],
-                   layout: WeightLayout, compile_options: dict) -> Path:
-    """Complete `directory` (which already holds the kernels and `weights.bin`) with tokenizer and manifest.
-
-    `target_facts` is the target's part of the manifest (`cpu_manifest`, or the CUDA
-    backend's), with `files`: the kernel files by role; `entries` each entry point's
-    target part (a symbol, or a launch plan)."""
-    tokenizer = model.tokenizer
-    (directory / "tokenizer.json").write_text(tokenizer.tokenizer.to_str())
+def describe(module: ModuleOp, layout: WeightLayout, target_facts: dict, entries: dict[str, dict]) -> dict:
+    """What the kernels are compiled for, in the manifest's own fields: the target's facts
+    (`cpu_facts`, or the CUDA backend's), each entry point (its target part from `entries`: a
+    symbol and arguments, or a launch plan; rows, arena bytes, logits), the KV cache and the size
+    of `weights.bin`. The kernels embed it and the runtime checks the manifest against it
+    (`llmc.runtime.artifact.check_description`)."""
     entry_points = {}
     kv: dict = {}
     for stage, function in entry_functions(module).items():
@@ -120,9 +122,19 @@ def write_artifact(directory: Path, module: ModuleOp, model: Model, target_facts
             "arena_bytes": _int(function.attributes["tgt.arena_bytes"]),
             "logits": list(tgt.dims(logits)),
         }
+    return {**target_facts, "entry_points": entry_points, "kv_cache": kv, "files": {"weights": {"bytes": layout.size}}}
+
+
+def write_artifact(directory: Path, description: dict, model: Model, kernel_files: dict[str, Path],
+                   layout: WeightLayout, compile_options: dict) -> Path:
+    """Complete `directory` (which already holds the kernels and `weights.bin`) with tokenizer and manifest.
+
+    `description` is what the kernels were compiled for (`describe`, with any further facts of
+    the target); `kernel_files` the kernel files by role."""
+    tokenizer = model.tokenizer
+    (directory / "tokenizer.json").write_text(tokenizer.tokenizer.to_str())
     c = model.config
-    facts = dict(target_facts)
-    kernel_files = facts.pop("files")
+    facts = {key: value for key, value in description.items() if key not in ("entry_points", "kv_cache", "files")}
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "llmc_version": __version__,
@@ -133,8 +145,8 @@ def write_artifact(directory: Path, module: ModuleOp, model: Model, target_facts
             "head_dim": c.head_dim, "vocab_size": c.vocab_size, "context_length": c.context_length,
         },
         "compile_options": compile_options,
-        "entry_points": entry_points,
-        "kv_cache": kv,
+        "entry_points": description["entry_points"],
+        "kv_cache": description["kv_cache"],
         "weights": {
             name: {"offset": o, "bytes": t.nbytes, "shape": list(t.shape), "storage": t.storage.value,
                    "layout": t.layout.value}
@@ -159,19 +171,92 @@ def content_name(stem: str, data: bytes, suffix: str) -> str:
     return f"{stem}-{hashlib.sha256(data).hexdigest()[:16]}{suffix}"
 
 
+_MAX_MANIFEST_BYTES = 1 << 28
+
+
+def _foreign(directory: Path) -> str | None:
+    """Why `directory` (an existing, non-empty folder) is not an llmc artifact alone, or None: an
+    artifact has a manifest that says so (a schema version, llmc's version, its files by name)
+    and holds nothing but the files it lists."""
+    manifest = directory / MANIFEST
+    if not manifest.is_file() or manifest.is_symlink():
+        return "is not empty and holds no llmc artifact"
+    try:
+        if manifest.stat().st_size > _MAX_MANIFEST_BYTES:
+            raise ValueError("too large")
+        data = json.loads(manifest.read_text(encoding="utf-8"))
+        files = {entry["path"] for entry in data["files"].values()}
+        if not (type(data["schema_version"]) is int and isinstance(data["llmc_version"], str)
+                and all(isinstance(name, str) for name in files)):
+            raise ValueError("not llmc's schema")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return f"holds a {MANIFEST} that is not an llmc artifact's"
+    for entry in directory.iterdir():
+        if entry.name != MANIFEST and (entry.name not in files or entry.is_symlink() or not entry.is_file()):
+            return f"holds '{printable(entry.name)}' besides its llmc artifact"
+    return None
+
+
 def check_output_directory(directory: Path) -> None:
-    """Refuse an output path that is a file, or a non-empty directory that is not an artifact."""
-    if directory.exists():
-        if not directory.is_dir():
-            raise UsageError(f"{directory} exists and is not a directory; choose another -o")
-        if any(directory.iterdir()) and not (directory / MANIFEST).exists():
-            raise UsageError(f"{directory} is not empty and holds no llmc artifact; choose another -o")
+    """Refuse, before anything is compiled, an `-o` that compiling must not replace (anything but
+    an empty folder or an llmc artifact alone) or could not write."""
+    real = Path(os.path.realpath(directory))
+    try:
+        if real.exists():
+            if not real.is_dir():
+                raise UsageError(f"{directory} exists and is not a directory; choose another -o")
+            if any(real.iterdir()):
+                why = _foreign(real)
+                if why is not None:
+                    raise UsageError(f"{directory} {why}; llmc compile replaces only an artifact or an empty "
+                                     f"folder: choose another -o")
+                if not os.access(real, os.W_OK | os.X_OK):
+                    raise UsageError(f"cannot replace the artifact in {directory}: permission denied")
+        ancestor = real.parent
+        while not ancestor.exists() and ancestor != ancestor.parent:
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            raise UsageError(f"cannot write {directory}: {ancestor} is not a directory")
+        with tempfile.TemporaryDirectory(prefix=".llmc-probe-", dir=ancestor):
+            pass
+    except OSError as e:
+        raise UsageError(f"cannot write {directory}: {e.strerror or e}") from None
 
 
-def clear_directory(directory: Path) -> None:
-    """Make `directory` empty; only a previous artifact is ever deleted."""
+@contextmanager
+def staged_directory(directory: Path) -> Iterator[Path]:
+    """An empty folder beside `directory` to write an artifact into. When the body completes it
+    takes `directory`'s place (the artifact there, if any, is deleted); when the body fails or is
+    interrupted it is deleted, and `directory` is left as it was."""
+    directory = Path(os.path.realpath(directory))
     check_output_directory(directory)
-    if directory.exists():
-        for entry in directory.iterdir():
-            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        stage = directory.with_name(f".{directory.name}.{uuid.uuid4().hex[:12]}.partial")
+        stage.mkdir()
+    except OSError as e:
+        raise UsageError(f"cannot write {directory}: {e.strerror or e}") from None
+    try:
+        yield stage
+        _replace(directory, stage)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)  # (gone already once renamed)
+
+
+def _replace(directory: Path, stage: Path) -> None:
+    """Put `stage` in `directory`'s place: a rename, or two with the old artifact put back if the second fails."""
+    check_output_directory(directory)  # (nothing of the user's appeared there meanwhile)
+    try:
+        if directory.is_dir() and any(directory.iterdir()):
+            old = directory.with_name(f".{directory.name}.{uuid.uuid4().hex[:12]}.old")
+            os.rename(directory, old)
+            try:
+                os.rename(stage, directory)
+            except BaseException:
+                os.rename(old, directory)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(stage, directory)  # (over an empty folder, or none)
+    except OSError as e:
+        raise UsageError(f"cannot write {directory}: {e.strerror or e}") from None

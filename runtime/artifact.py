@@ -4,9 +4,11 @@
 manifest.json    schema version, model facts, entry points, KV layout, weights table,
                  tokenizer facts, sha256 of every file
 weights.bin      packed weights, each aligned to 64 bytes, mmap-able
-kernels.so       the CPU code: one exported function per entry point
+kernels.so       the CPU code: one exported function per entry point, and `llmc_description`
 tokenizer.json   for the `tokenizers` library
 ```
+The kernels describe themselves (what they were compiled for, in the manifest's own fields);
+the runtime checks the manifest against that description before any call (`check_description`).
 Only numpy and the standard library here: the runtime must work where the compiler
 stack is not installed.
 """
@@ -21,10 +23,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmc.errors import LlmcError
+from llmc.errors import LlmcError, printable
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 MANIFEST = "manifest.json"
+DESCRIPTION = "llmc_description"  # the kernels library's own description, a NUL-terminated JSON string
+PTX_DESCRIPTION = f"// {DESCRIPTION} "  # the start of the PTX's last line, which holds the same
 ENTRY_POINTS = ("prefill", "prefill_kv", "decode", "score")
 KV_LAYOUT = "layer,kv_head,position,dim"  # the KV cache's dimensions (as `tgt.KV_LAYOUT`)
 KV_LAYOUT_SLOTS = "layer,slot,kv_head,position,dim"  # a cache of several sequences (`tgt.KV_LAYOUT_SLOTS`)
@@ -202,29 +206,71 @@ def _check_launches(name: str, launches: object) -> None:
 
 
 def load_manifest(directory: Path, check_files: bool = True) -> Manifest:
-    """Read and check `manifest.json`; with `check_files`, every file's size and sha256 too."""
+    """Read and check `manifest.json`: its schema, and every file inside the directory with the size
+    the manifest gives; with `check_files`, every file's sha256 too."""
     path = directory / MANIFEST
     if not path.is_file():
         raise ArtifactError(f"{directory}: not an llmc artifact (no {MANIFEST}); build one with 'llmc compile'")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ArtifactError(f"{path}: unreadable manifest: {e}") from e
     if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
         version = data.get("schema_version") if isinstance(data, dict) else None
         raise ArtifactError(f"{path}: schema version {version!r} is not {SCHEMA_VERSION}; recompile with this llmc")
     _check_schema(path, data)
     manifest = Manifest(directory, data)
-    if check_files:
-        for role, entry in data["files"].items():
-            file = directory / entry["path"]
-            if file.resolve().parent != directory.resolve():
-                raise ArtifactError(f"{path}: file '{entry['path']}' is outside the artifact directory")
-            if not file.is_file():
-                raise ArtifactError(f"{directory}: {role} file '{entry['path']}' is missing")
-            if file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]:
-                raise ArtifactError(f"{file}: contents do not match the manifest (modified or truncated); recompile")
+    for role, entry in data["files"].items():
+        file = directory / entry["path"]
+        try:
+            inside = file.resolve().parent == directory.resolve()
+        except (OSError, ValueError, RuntimeError):  # (a NUL in the name, a symlink loop)
+            inside = False
+        if not inside:
+            raise ArtifactError(f"{path}: file {entry['path']!r} is outside the artifact directory")
+        if not file.is_file():
+            raise ArtifactError(f"{directory}: {role} file {entry['path']!r} is missing")
+        if file.stat().st_size != entry["bytes"]:
+            raise ArtifactError(f"{file}: {file.stat().st_size} bytes, not the {entry['bytes']} the manifest says "
+                                f"(truncated or modified); recompile")
+        if check_files and sha256_file(file) != entry["sha256"]:
+            raise ArtifactError(f"{file}: contents do not match the manifest (modified or truncated); recompile")
     return manifest
+
+
+def check_description(manifest: Manifest, description: object, kernels: Path) -> None:
+    """The manifest says what its kernels say of themselves: `description` holds fields of a
+    manifest (what the kernels were compiled for: entry points, sizes, KV cache, threads,
+    symbols); each must be the manifest's own. The first that is not is one ArtifactError."""
+
+    def difference(want: object, got: object, field: str) -> str | None:
+        if isinstance(want, dict):
+            if not isinstance(got, dict):
+                return field or "(all)"
+            for key, value in want.items():
+                inner = f"{field}.{key}" if field else str(key)
+                if key not in got:
+                    return inner
+                found = difference(value, got[key], inner)
+                if found is not None:
+                    return found
+            return None
+        return None if json.dumps(want, sort_keys=True) == json.dumps(got, sort_keys=True) else field
+
+    if not isinstance(description, dict) or not description:
+        raise ArtifactError(f"{kernels}: the kernels carry no description of themselves; recompile with this llmc")
+    field = difference(description, manifest.data, "")
+    if field is not None:
+        raise ArtifactError(f"{manifest.directory / MANIFEST}: manifest does not match its kernels: "
+                            f"{printable(field, 200)}; recompile")
+
+
+def parse_description(text: bytes, kernels: Path) -> object:
+    """The JSON of a kernels file's description (`DESCRIPTION`), or an ArtifactError."""
+    try:
+        return json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ArtifactError(f"{kernels}: unreadable description of the kernels ({e}); recompile") from None
 
 
 def host_cpu_flags() -> set[str] | None:
@@ -274,3 +320,14 @@ def load_verified_library(manifest: Manifest, check: bool = True):
         with open(copy, "wb") as f:
             f.write(data)
         return ctypes.CDLL(copy)  # the mapping outlives the file
+
+
+def library_description(library, kernels: Path) -> object:
+    """The description a loaded kernels library carries (`DESCRIPTION`), or None if it has none."""
+    import ctypes
+
+    try:
+        start = ctypes.c_char.in_dll(library, DESCRIPTION)
+    except ValueError:
+        return None
+    return parse_description(ctypes.string_at(ctypes.addressof(start)), kernels)

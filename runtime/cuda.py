@@ -20,13 +20,22 @@ emulator of `llmc.backends.cuda.emulator`. No torch, no compiler stack.
 from __future__ import annotations
 
 import ctypes
+import re
 import time
 from typing import Protocol
 
 import numpy as np
 
-from llmc.errors import LlmcError
-from llmc.runtime.artifact import KV_DTYPES, ArtifactError, Manifest, verified_bytes
+from llmc.errors import LlmcError, printable
+from llmc.runtime.artifact import (
+    KV_DTYPES,
+    PTX_DESCRIPTION,
+    ArtifactError,
+    Manifest,
+    check_description,
+    parse_description,
+    verified_bytes,
+)
 from llmc.runtime.session import Conversation
 
 
@@ -181,13 +190,35 @@ def _grid(dims: list, n: int) -> tuple[int, int, int]:
     return tuple(-(-n // d["rows_per"]) if isinstance(d, dict) else d for d in dims)  # type: ignore[return-value]
 
 
+_PTX_ENTRY = re.compile(rb"\.entry\s+([\w$]+)\s*\(([^)]*)\)")
+
+
+def check_kernels(manifest: Manifest, ptx: bytes) -> None:
+    """The manifest says what its PTX says of itself (the description on its last line: launch
+    plans, sizes, KV cache), and each launch names a kernel of the PTX with as many parameters as
+    it passes arguments."""
+    path = manifest.file("kernels")
+    marker = b"\n" + PTX_DESCRIPTION.encode()
+    at = ptx.rfind(marker)
+    description = parse_description(ptx[at + len(marker):].split(b"\n", 1)[0], path) if at >= 0 else None
+    check_description(manifest, description, path)
+    parameters = {m.group(1).decode(): m.group(2).count(b".param") for m in _PTX_ENTRY.finditer(ptx)}
+    for launch in [*(launch for entry in manifest.entry_points.values() for launch in entry["launches"]),
+                   manifest.data["gpu"]["argmax"]]:
+        if parameters.get(launch["kernel"]) != len(launch["args"]):
+            raise ArtifactError(f"{path}: the PTX has no kernel {printable(launch['kernel'], 200)} of "
+                                f"{len(launch['args'])} parameters, which the manifest launches; recompile")
+
+
 class CudaSession(Conversation):
     """One conversation's state on a CUDA artifact, on `device` (the GPU's driver by default)."""
 
     def __init__(self, manifest: Manifest, check_files: bool = True, device: Device | None = None):
-        super().__init__(manifest)
         if manifest.target != "cuda":
             raise ArtifactError(f"{manifest.directory}: a '{manifest.target}' artifact, not a CUDA one")
+        check_kernels(manifest, verified_bytes(manifest, "kernels") if check_files else
+                      manifest.file("kernels").read_bytes())  # before any allocation or launch
+        super().__init__(manifest)
         self.device = dev = device if device is not None else Driver()
         self.threads = 1  # (the host's part is one thread: what `llmc bench` gives transformers)
         self.weights = weights = np.memmap(manifest.file("weights"), dtype=np.uint8, mode="r")

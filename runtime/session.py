@@ -28,6 +28,8 @@ from llmc.runtime.artifact import (
     KV_DTYPES,
     ArtifactError,
     Manifest,
+    check_description,
+    library_description,
     load_manifest,
     load_verified_library,
     missing_cpu_features,
@@ -217,19 +219,20 @@ class Session(Conversation):
     def __init__(self, manifest: Manifest | Path, check_files: bool = True, threads: int | None = None):
         if not isinstance(manifest, Manifest):
             manifest = load_manifest(manifest, check_files)
-        super().__init__(manifest)
-        directory = manifest.directory
-        if self.manifest.target != "cpu":
-            raise ArtifactError(f"{directory}: a '{self.manifest.target}' artifact; this runtime runs 'cpu' artifacts")
-        missing = missing_cpu_features(self.manifest.data["cpu"]["features"])
+        directory, kernels = manifest.directory, manifest.file("kernels")
+        if manifest.target != "cpu":
+            raise ArtifactError(f"{directory}: a '{manifest.target}' artifact; this runtime runs 'cpu' artifacts")
+        missing = missing_cpu_features(manifest.data["cpu"]["features"])
         if missing:
             raise ArtifactError(f"{directory}: compiled for CPU features this machine lacks ({', '.join(missing)}); "
                                 f"recompile on this machine, or with --cpu x86-64-v3")
-        self.weights = np.memmap(self.manifest.file("weights"), dtype=np.uint8, mode="r")
         try:
-            self.library = load_verified_library(self.manifest, check_files)
+            self.library = load_verified_library(manifest, check_files)
         except OSError as e:
-            raise ArtifactError(f"{self.manifest.file('kernels')}: cannot load: {e}") from e
+            raise ArtifactError(f"{kernels}: cannot load: {e}") from e
+        check_description(manifest, library_description(self.library, kernels), kernels)  # before any allocation
+        super().__init__(manifest)
+        self.weights = np.memmap(self.manifest.file("weights"), dtype=np.uint8, mode="r")
         self.amx, why = amx.enable(self.library)
         if not self.amx and "failed" in why:
             print(f"llmc: AMX tiles unavailable ({why}): prefill runs on VNNI", file=sys.stderr)

@@ -18,11 +18,13 @@ that a kernel since the last barrier wrote, or writes bytes one of them read
 (`tgt.Kernel.WRITES`; arena regions from plan-memory, cache regions from subviews):
 the q, k and v projections of a layer read the same rows and write disjoint buffers,
 so no barrier separates them. One native call per chunk or token per thread; no per-op
-calls from Python.
+calls from Python. The library also exports `llmc_description` (`describe`): what it was
+compiled for, which the runtime checks the manifest against before any call.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 from llvmlite import ir
@@ -36,6 +38,7 @@ from llmc.backends.cpu.quant import I8PTR, prefetch
 from llmc.errors import LlmcError
 from llmc.ir import entry_functions, tgt
 from llmc.ir.layouts import Layout
+from llmc.runtime.artifact import DESCRIPTION
 
 # after the function's own arguments: what every entry point also takes
 IMPLICIT_ARGUMENTS = (("arena", I8PTR), ("weights", I8PTR), ("tid", I64), ("nth", I64), ("sync", I64PTR))
@@ -52,7 +55,7 @@ def entry_arguments(function: func.FuncOp) -> list[str]:
     return [name for name, _ in _entry_parameters(function)]
 
 
-ENTRY_PREFIX = "llmc_"  # what a kernels library exports: entry points, the read probe, the AMX flag
+ENTRY_PREFIX = "llmc_"  # what a kernels library exports: entry points, the read probe, the AMX flag, its description
 
 
 def entry_symbol(stage: str) -> str:
@@ -173,10 +176,24 @@ def read_probe(module: ir.Module) -> ir.Function:
     return fn
 
 
-def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int]) -> tuple[list[ir.Module], dict[str, int]]:
+def describe(module: ir.Module, description: dict) -> ir.GlobalVariable:
+    """`const char llmc_description[]`: what the library's code was compiled for (the manifest's own
+    fields, `llmc.package.describe`), as NUL-terminated JSON, for the runtime to check the manifest
+    against before any call."""
+    data = bytearray(json.dumps(description, sort_keys=True).encode() + b"\0")
+    array = ir.ArrayType(ir.IntType(8), len(data))
+    variable = ir.GlobalVariable(module, array, name=DESCRIPTION)
+    variable.initializer = ir.Constant(array, data)
+    variable.global_constant = True
+    return variable
+
+
+def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int], description: dict
+                ) -> tuple[list[ir.Module], dict[str, int]]:
     """The LLVM modules of an artifact: the first holds every entry point (`entry_symbol(stage)`
-    each) and the read probe (`READ_PROBE`), the others one kernel each (compiled and cached alone);
-    also the number of barriers each entry point's threads pass."""
+    each), the read probe (`READ_PROBE`) and the `description` (`DESCRIPTION`), the others one
+    kernel each (compiled and cached alone); also the number of barriers each entry point's
+    threads pass."""
     llvm_module = ir.Module("llmc")
     lib = KernelLibrary(llvm_module, separate=True)
     barriers: dict[str, int] = {}
@@ -190,4 +207,5 @@ def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int]) -> tuple[li
             emitter.emit(op)
         barriers[stage] = emitter.barriers
     read_probe(llvm_module)
+    describe(llvm_module, description)
     return [llvm_module, *lib.modules], barriers

@@ -18,6 +18,7 @@ there knows a kernel's signature.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 from llvmlite import ir
@@ -29,6 +30,7 @@ from llmc.backends.cuda.device import Emulated, Ptx
 from llmc.backends.cuda.kernels import KernelLibrary, Launch, PerRows, argmax_kernel
 from llmc.errors import LlmcError
 from llmc.ir import entry_functions, tgt
+from llmc.runtime.artifact import PTX_DESCRIPTION
 
 
 def _dim(d: int | PerRows) -> int | dict:
@@ -91,3 +93,10 @@ def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int], emulated: b
     vocab = tgt.dims(function.body.block.args[-1])[1]  # the logits of any entry point
     args = [{"argument": "logits", "offset": 0}, {"argument": "token", "offset": 0}, {"count": vocab}]
     return llvm_module, plans, _launch_entry(argmax_kernel(llvm_module, device), args)
+
+
+def described(ptx: str, description: dict) -> str:
+    """The PTX with its `description` (what its kernels and launch plans were compiled for: the
+    manifest's own fields, `llmc.package.describe`) as a last comment line, for the runtime to check
+    the manifest against before any launch (`llmc.runtime.cuda.check_kernels`)."""
+    return f"{ptx.rstrip()}\n{PTX_DESCRIPTION}{json.dumps(description, sort_keys=True)}\n"

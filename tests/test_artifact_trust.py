@@ -1,0 +1,351 @@
+"""Artifacts and output folders, tried as an attacker and as a careless user would.
+
+An artifact is a program, but its manifest must not turn the kernels against the user: every
+crafted manifest below ends in one `ArtifactError` line (`llmc run`: exit 2), quickly, with or
+without `--no-verify` (which skips hashing only). `llmc compile -o` replaces only an artifact or
+an empty folder, refuses anything else (or an unwritable place) before compiling, and writes
+beside the old artifact so that a failed compile leaves it as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from hostile import MAX_SECONDS, assert_one_clean_line, hang_guard
+from test_compile import SPECS
+
+from llmc.cli import main
+from llmc.driver import BackendOptions, compile_model
+from llmc.passes.pipeline import CompileOptions
+from llmc.runtime.artifact import MANIFEST, ArtifactError, load_manifest
+from llmc.runtime.cuda import check_kernels
+from llmc.runtime.session import Session, open_session
+
+SPEC = SPECS["gqa"]  # (the artifact test_compile.py builds too: one compile for both)
+
+
+def _copy(source: Path, to: Path) -> Path:
+    shutil.copytree(source, to)
+    return to
+
+
+def _edit_manifest(directory: Path, edit: Callable[[dict], object]) -> None:
+    path = directory / MANIFEST
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file under `directory` (names relative to it) with its bytes."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str], *details: str) -> str:
+    """`llmc argv` ends in exit 2 and one clean `llmc: error:` line holding each detail, within the time bound."""
+    capsys.readouterr()
+    start = time.process_time()
+    with hang_guard():
+        code = main(argv)
+    seconds = time.process_time() - start
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("llmc: error:"), err
+    assert_one_clean_line(lines[0])
+    for detail in details:
+        assert detail in lines[0], lines[0]
+    assert seconds < MAX_SECONDS, f"refused after {seconds:.2f} s: {lines[0]}"
+    return lines[0]
+
+
+# crafted manifests of a CPU artifact ---------------------------------------------------------
+
+
+def _every_entry(**fields) -> Callable[[dict], None]:
+    return lambda m: [entry.update(fields) for entry in m["entry_points"].values()]
+
+
+def _swap_first_arguments(m: dict) -> None:
+    arguments = m["entry_points"]["decode"]["arguments"]
+    arguments[0], arguments[1] = arguments[1], arguments[0]
+
+
+def _longer_chunk(m: dict) -> None:
+    for name in ("prefill", "prefill_kv", "score"):
+        m["entry_points"][name]["max_tokens"] = 8
+    m["entry_points"]["score"]["logits"][0] = 8
+
+
+def _longer_cache(m: dict) -> None:
+    m["kv_cache"]["capacity"] = m["kv_cache"]["shape"][-2] = 64
+
+
+def _larger_vocabulary(m: dict) -> None:
+    m["model"]["vocab_size"] += 1
+    for entry in m["entry_points"].values():
+        entry["logits"][1] += 1
+
+
+def _truncated_weights(consistent: bool) -> Callable[[Path, dict], None]:
+    """weights.bin cut in half; `consistent`: the manifest's size of it too."""
+
+    def edit(directory: Path, m: dict) -> None:
+        weights = directory / "weights.bin"
+        half = weights.stat().st_size // 2
+        os.truncate(weights, half)
+        if consistent:
+            m["files"]["weights"]["bytes"] = half
+
+    return edit
+
+
+def _kernels_elsewhere(how: str) -> Callable[[Path, dict], None]:
+    """The kernels entry names a library outside the folder: by absolute path, by `../`, by a symlink."""
+
+    def edit(directory: Path, m: dict) -> None:
+        inside = directory / m["files"]["kernels"]["path"]
+        outside = directory.parent / f"outside-{inside.name}"
+        shutil.copy(inside, outside)
+        if how == "absolute":
+            m["files"]["kernels"]["path"] = str(outside)
+        elif how == "parent":
+            m["files"]["kernels"]["path"] = f"../{outside.name}"
+        else:
+            inside.unlink()
+            inside.symlink_to(outside)
+
+    return edit
+
+
+def _on_manifest(edit: Callable[[dict], object]) -> Callable[[Path, dict], None]:
+    return lambda directory, m: edit(m)
+
+
+MATCHES = "manifest does not match its kernels: "
+CPU_CASES = {
+    "arena-0": (_on_manifest(_every_entry(arena_bytes=0)), MATCHES + "entry_points.decode.arena_bytes", []),
+    "swapped-arguments": (_on_manifest(_swap_first_arguments), MATCHES + "entry_points.decode.arguments", []),
+    "kv-dtype": (_on_manifest(lambda m: m["kv_cache"].update(dtype="f16")), MATCHES + "kv_cache.dtype", []),
+    "max-threads": (_on_manifest(lambda m: m.update(max_threads=1000)), MATCHES + "max_threads", ["--threads", "100"]),
+    "read-probe": (_on_manifest(lambda m: m.update(read_probe="abort")), MATCHES + "read_probe", []),
+    "cpu-features": (_on_manifest(lambda m: m["cpu"].update(features=[])), MATCHES + "cpu.features", []),
+    "chunk": (_on_manifest(_longer_chunk), MATCHES + "entry_points.prefill.max_tokens", []),
+    "kv-capacity": (_on_manifest(_longer_cache), MATCHES + "kv_cache.capacity", []),
+    "vocabulary": (_on_manifest(_larger_vocabulary), MATCHES + "entry_points.decode.logits", []),
+    "weights-truncated": (_truncated_weights(consistent=False), "not the", []),
+    "weights-truncated-manifest-too": (_truncated_weights(consistent=True), MATCHES + "files.weights.bytes", [],
+                                       "contents do not match the manifest"),
+    "kernels-absolute": (_kernels_elsewhere("absolute"), "outside the artifact directory", []),
+    "kernels-parent": (_kernels_elsewhere("parent"), "outside the artifact directory", []),
+    "kernels-symlink": (_kernels_elsewhere("symlink"), "outside the artifact directory", []),
+}
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
+@pytest.mark.parametrize("case", CPU_CASES, ids=CPU_CASES.keys())
+def test_crafted_cpu_manifest_is_one_line(artifact, tmp_path, capsys, case: str, verify: bool) -> None:
+    """Each of these crashed the runtime or loaded code from elsewhere: now one ArtifactError line, before
+    any kernel runs; `--no-verify` changes nothing (sizes, places and the kernels' description are
+    checked still)."""
+    edit, message, options, *hashed = CPU_CASES[case]
+    message = hashed[0] if hashed and verify else message  # (hashing finds a changed file first)
+    copy = _copy(artifact(SPEC), tmp_path / "copy")
+    _edit_manifest(copy, lambda m: edit(copy, m))
+    threads = int(options[1]) if options else None
+    with pytest.raises(ArtifactError, match=message.replace(".", r"\.")):
+        open_session(copy, check_files=verify, threads=threads)
+    _refused(["run", str(copy), "-p", "x", "-n", "1", *options, *([] if verify else ["--no-verify"])], capsys,
+             message)
+
+
+def test_untouched_copy_runs_with_and_without_hashing(artifact, tmp_path, capsys) -> None:
+    """The control of the cases above: the same copy, not crafted, runs."""
+    copy = _copy(artifact(SPEC), tmp_path / "copy")
+    for extra in ([], ["--no-verify"]):
+        assert main(["run", str(copy), "-p", "x", "-n", "1", *extra]) == 0, capsys.readouterr().err
+
+
+def test_kernels_without_a_description_are_refused(artifact, tmp_path, capsys) -> None:
+    """A library that does not describe itself (another llmc's, or not llmc's) is not called."""
+    import ctypes.util
+
+    libm = ctypes.util.find_library("m")
+    found = next((Path(d) / libm for d in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64")
+                  if libm and (Path(d) / libm).is_file()), None)
+    if found is None:
+        pytest.skip("no libm found to stand in for the kernels")
+    copy = _copy(artifact(SPEC), tmp_path / "copy")
+    shutil.copy(found, copy / "libm.so")
+    _edit_manifest(copy, lambda m: m["files"]["kernels"].update(path="libm.so", bytes=found.stat().st_size))
+    _refused(["run", str(copy), "-p", "x", "-n", "1", "--no-verify"], capsys, "carry no description")
+
+
+# crafted manifests of a CUDA artifact (checked before any device is opened) -----------------
+
+
+@pytest.fixture(scope="module")
+def cuda_artifact(tiny, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cuda") / "a"
+    compile_model(str(tiny(SPEC, "gguf")), out, CompileOptions(prefill_chunk=4, max_seq=32, kv_type="f32"),
+                  BackendOptions(target="cuda", gpu="sm_80"), progress=lambda _: None)
+    return out
+
+
+def _ptx(directory: Path, m: dict) -> Path:
+    return directory / m["files"]["kernels"]["path"]
+
+
+def _edit_ptx(change: Callable[[bytes], bytes]) -> Callable[[Path, dict], None]:
+    """The PTX changed (and its size in the manifest: only `--no-verify` then skips the hash)."""
+
+    def edit(directory: Path, m: dict) -> None:
+        ptx = _ptx(directory, m)
+        ptx.write_bytes(change(ptx.read_bytes()))
+        m["files"]["kernels"]["bytes"] = ptx.stat().st_size
+
+    return edit
+
+
+def _rename_first_kernel(ptx: bytes) -> bytes:
+    at = ptx.index(b".entry ") + len(b".entry ")
+    return ptx[:at] + b"x" + ptx[at:]
+
+
+def _wider_block(m: dict) -> None:
+    m["entry_points"]["decode"]["launches"][0]["block"][0] //= 2
+
+
+CUDA_CASES = {
+    "launch-plan": (_on_manifest(_wider_block), MATCHES + "entry_points.decode.launches"),
+    "arena-0": (_on_manifest(_every_entry(arena_bytes=0)), MATCHES + "entry_points.decode.arena_bytes"),
+    "kv-dtype": (_on_manifest(lambda m: m["kv_cache"].update(dtype="f16")), MATCHES + "kv_cache.dtype"),
+    "argmax": (_on_manifest(lambda m: m["gpu"]["argmax"]["args"].pop()), MATCHES + "gpu.argmax"),
+    "weights-truncated-manifest-too": (_truncated_weights(consistent=True), MATCHES + "files.weights.bytes"),
+    "no-description": (_edit_ptx(lambda ptx: ptx[: ptx.rindex(b"\n// llmc_description")] + b"\n"),
+                       "carry no description"),
+    "kernel-renamed": (_edit_ptx(_rename_first_kernel), "the PTX has no kernel"),
+    "ptx-absolute": (_kernels_elsewhere("absolute"), "outside the artifact directory"),
+}
+
+
+@pytest.mark.parametrize("case", CUDA_CASES, ids=CUDA_CASES.keys())
+def test_crafted_cuda_manifest_is_one_line(cuda_artifact, tmp_path, capsys, case: str) -> None:
+    """The launch plans, sizes and KV cache are checked against the description at the PTX's end, and each
+    launch against the PTX's `.entry` kernels and their parameter counts, before a device is opened."""
+    edit, message = CUDA_CASES[case]
+    copy = _copy(cuda_artifact, tmp_path / "copy")
+    _edit_manifest(copy, lambda m: edit(copy, m))
+    _refused(["run", str(copy), "-p", "x", "-n", "1", "--no-verify"], capsys, message)
+
+
+def test_the_cuda_kernels_match_their_own_manifest(cuda_artifact) -> None:
+    manifest = load_manifest(cuda_artifact)
+    check_kernels(manifest, manifest.file("kernels").read_bytes())
+
+
+# -o: what compile may replace, and how ---------------------------------------------------------
+
+
+def _compile_argv(tiny, out: Path) -> list[str]:
+    return ["compile", str(tiny(SPEC, "gguf")), "--max-seq", "32", "-o", str(out)]
+
+
+def _foreign_manifest(folder: Path, artifact) -> None:
+    (folder / MANIFEST).write_text('{"name": "my web app", "version": "1.0"}')
+    (folder / "index.html").write_text("mine")
+
+
+def _artifact_and_notes(folder: Path, artifact) -> None:
+    shutil.copytree(artifact(SPEC), folder, dirs_exist_ok=True)
+    (folder / "notes.txt").write_text("mine")
+
+
+def _artifact_and_a_folder(folder: Path, artifact) -> None:
+    shutil.copytree(artifact(SPEC), folder, dirs_exist_ok=True)
+    (folder / "ir").mkdir()
+    (folder / "ir" / "00.mlir").write_text("mine")
+
+
+def _unreadable_manifest(folder: Path, artifact) -> None:
+    (folder / MANIFEST).write_bytes(b"\xff not json")
+
+
+def _no_manifest(folder: Path, artifact) -> None:
+    (folder / "notes.txt").write_text("mine")
+
+
+FOLDERS = {
+    "foreign-manifest": (_foreign_manifest, "is not an llmc artifact's"),
+    "artifact-and-notes": (_artifact_and_notes, "holds 'notes.txt' besides its llmc artifact"),
+    "artifact-and-a-folder": (_artifact_and_a_folder, "holds 'ir' besides its llmc artifact"),
+    "unreadable-manifest": (_unreadable_manifest, "is not an llmc artifact's"),
+    "no-manifest": (_no_manifest, "holds no llmc artifact"),
+}
+
+
+@pytest.mark.parametrize("case", FOLDERS, ids=FOLDERS.keys())
+def test_a_folder_that_is_not_an_artifact_alone_is_refused_untouched(tiny, artifact, tmp_path, capsys,
+                                                                       case: str) -> None:
+    """One line before anything is compiled (no progress line), and not one byte of the folder changed."""
+    fill, message = FOLDERS[case]
+    folder = tmp_path / "out"
+    folder.mkdir()
+    fill(folder, artifact)
+    before, around = _snapshot(folder), sorted(os.listdir(tmp_path))
+    _refused(_compile_argv(tiny, folder), capsys, str(folder), message)
+    assert _snapshot(folder) == before
+    assert sorted(os.listdir(tmp_path)) == around
+
+
+@pytest.mark.parametrize("where", ["a-file", "below-a-file"])
+def test_an_unwritable_output_is_one_line_before_compiling(tiny, tmp_path, capsys, where: str) -> None:
+    (tmp_path / "file").write_text("mine")
+    out = tmp_path / "file" if where == "a-file" else tmp_path / "file" / "sub" / "out"
+    _refused(_compile_argv(tiny, out), capsys, "not a directory")
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_an_output_in_a_read_only_folder_is_one_line_before_compiling(tiny, tmp_path, capsys) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        _refused(_compile_argv(tiny, locked / "out"), capsys, "cannot write", "ermission denied")
+        assert not (locked / "out").exists()
+    finally:
+        locked.chmod(0o755)
+
+
+def test_a_failed_compile_leaves_the_old_artifact_and_a_finished_one_replaces_it(tiny, artifact, tmp_path) -> None:
+    """The compile is interrupted once its kernels are written (Ctrl-C at the codegen line): the old
+    artifact is as it was and nothing is left beside it. Run to the end, the compile replaces it: the folder
+    holds the new artifact's files only, and it runs."""
+    out = _copy(artifact(SPEC), tmp_path / "out")
+    before = _snapshot(out)
+    options = CompileOptions(prefill_chunk=8, max_seq=32, kv_type="f32")  # (the old one's chunk is 4)
+
+    def interrupt(line: str) -> None:
+        if line.startswith("codegen"):
+            assert any(p.name.endswith(".partial") for p in tmp_path.iterdir())  # (writing had begun)
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        compile_model(str(tiny(SPEC, "gguf")), out, options, BackendOptions(), progress=interrupt)
+    assert _snapshot(out) == before
+    assert os.listdir(tmp_path) == ["out"]
+    compile_model(str(tiny(SPEC, "gguf")), out, options, BackendOptions(), progress=lambda _: None)
+    assert os.listdir(tmp_path) == ["out"]
+    manifest = load_manifest(out)
+    assert manifest.entry_points["prefill"]["max_tokens"] == 8
+    assert sorted(os.listdir(out)) == sorted([MANIFEST, *(f["path"] for f in manifest.data["files"].values())])
+    session = Session(out)
+    assert session.feed([1, 2, 3]).shape == (session.vocab_size,)
+    session.close()

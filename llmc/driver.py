@@ -133,7 +133,7 @@ def _package(stage: Path, out: Path, model: Model, layout, description: dict, ke
 
     start = time.perf_counter()
     write_weights(model, layout, stage / "weights.bin")
-    write_artifact(stage, description, model, kernel_files, layout, compile_options)
+    write_artifact(stage, description, model, kernel_files, compile_options)
     total = sum(p.stat().st_size for p in stage.iterdir() if p.name != "tokenizer.json")
     progress(f"{'package':<10} {time.perf_counter() - start:6.2f} s   {out} (weights.bin {layout.size / 1e6:.1f} MB, "
              f"{total / 1e6:.1f} MB with kernels and manifest)")

@@ -104,8 +104,8 @@ def cpu_facts(module: ModuleOp) -> tuple[dict, dict[str, dict]]:
 def describe(module: ModuleOp, layout: WeightLayout, target_facts: dict, entries: dict[str, dict]) -> dict:
     """What the kernels are compiled for, in the manifest's own fields: the target's facts
     (`cpu_facts`, or the CUDA backend's), each entry point (its target part from `entries`: a
-    symbol and arguments, or a launch plan; rows, arena bytes, logits), the KV cache and the size
-    of `weights.bin`. The kernels embed it and the runtime checks the manifest against it
+    symbol and arguments, or a launch plan; rows, arena bytes, logits), the KV cache, where each
+    weight is and the size of `weights.bin`. The kernels embed it and the runtime checks the manifest against it
     (`llmc.runtime.artifact.check_description`)."""
     entry_points = {}
     kv: dict = {}
@@ -122,11 +122,15 @@ def describe(module: ModuleOp, layout: WeightLayout, target_facts: dict, entries
             "arena_bytes": _int(function.attributes["tgt.arena_bytes"]),
             "logits": list(tgt.dims(logits)),
         }
-    return {**target_facts, "entry_points": entry_points, "kv_cache": kv, "files": {"weights": {"bytes": layout.size}}}
+    weights = {name: {"offset": o, "bytes": t.nbytes, "shape": list(t.shape), "storage": t.storage.value,
+                      "layout": t.layout.value}
+               for name, (o, t) in layout.entries.items()}
+    return {**target_facts, "entry_points": entry_points, "kv_cache": kv, "weights": weights,
+            "files": {"weights": {"bytes": layout.size}}}
 
 
 def write_artifact(directory: Path, description: dict, model: Model, kernel_files: dict[str, Path],
-                   layout: WeightLayout, compile_options: dict) -> Path:
+                   compile_options: dict) -> Path:
     """Complete `directory` (which already holds the kernels and `weights.bin`) with tokenizer and manifest.
 
     `description` is what the kernels were compiled for (`describe`, with any further facts of
@@ -134,7 +138,8 @@ def write_artifact(directory: Path, description: dict, model: Model, kernel_file
     tokenizer = model.tokenizer
     (directory / "tokenizer.json").write_text(tokenizer.tokenizer.to_str())
     c = model.config
-    facts = {key: value for key, value in description.items() if key not in ("entry_points", "kv_cache", "files")}
+    facts = {key: value for key, value in description.items()
+             if key not in ("entry_points", "kv_cache", "weights", "files")}
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "llmc_version": __version__,
@@ -147,11 +152,7 @@ def write_artifact(directory: Path, description: dict, model: Model, kernel_file
         "compile_options": compile_options,
         "entry_points": description["entry_points"],
         "kv_cache": description["kv_cache"],
-        "weights": {
-            name: {"offset": o, "bytes": t.nbytes, "shape": list(t.shape), "storage": t.storage.value,
-                   "layout": t.layout.value}
-            for name, (o, t) in layout.entries.items()
-        },
+        "weights": description["weights"],
         "tokenizer": {
             "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id, "add_bos": tokenizer.add_bos,
             "chat_template": tokenizer.chat_template,
@@ -201,6 +202,8 @@ def check_output_directory(directory: Path) -> None:
     """Refuse, before anything is compiled, an `-o` that compiling must not replace (anything but
     an empty folder or an llmc artifact alone) or could not write."""
     real = Path(os.path.realpath(directory))
+    if not real.name:
+        raise UsageError(f"-o {directory}: name a folder for the artifact, not the file system's root")
     try:
         if real.exists():
             if not real.is_dir():

@@ -146,8 +146,17 @@ def _check_schema(path: Path, data: dict) -> None:
             raise ValueError(f"kv_cache.dtype must be one of {', '.join(KV_DTYPES)}")
         if not positive_ints([data["model"]["vocab_size"]]):
             raise ValueError("model.vocab_size must be a positive integer")
-        if not isinstance(data["tokenizer"], dict):
-            raise ValueError("tokenizer must be an object")
+        if not (isinstance(data["weights"], dict) and all(
+                isinstance(w, dict) and positive_ints(w["shape"]) and w["shape"]
+                and all(type(w[key]) is int and 0 <= w[key] < _MAX_BYTES for key in ("offset", "bytes"))
+                for w in data["weights"].values())):
+            raise ValueError("weights must map names to an offset, bytes and a shape each")
+        tokenizer = data["tokenizer"]
+        if not (isinstance(tokenizer, dict) and type(tokenizer["add_bos"]) is bool
+                and all(tokenizer[key] is None or type(tokenizer[key]) is int for key in ("bos_id", "eos_id"))
+                and (tokenizer["chat_template"] is None or isinstance(tokenizer["chat_template"], str))):
+            raise ValueError("tokenizer must hold bos_id and eos_id (integers or null), add_bos (a boolean) and "
+                             "chat_template (a string or null)")
         if cpu and not (isinstance(data["cpu"]["features"], list)
                         and all(isinstance(f, str) for f in data["cpu"]["features"])):
             raise ValueError("cpu.features must be a list of strings")

@@ -88,6 +88,11 @@ class CapacityError(LlmcError):
     """More tokens than the KV cache holds."""
 
 
+class TokenError(LlmcError, ValueError):
+    """Tokens an artifact cannot run: none, or ids outside its vocabulary (a tokenizer's, or a manifest's
+    beginning-of-text id, that the model does not have)."""
+
+
 class Conversation:
     """What every target's session shares: the position in the cache, prompts cut into chunks,
     the entry point for each call. A target implements `_call` (run one entry point on the `n`
@@ -155,14 +160,14 @@ class Conversation:
 
     def _check(self, tokens: np.ndarray) -> None:
         if tokens.size == 0:
-            raise ValueError("no tokens to feed")
+            raise TokenError("no tokens to feed")
         if self.position + tokens.size > self.capacity:
             raise CapacityError(
                 f"{self.position + tokens.size} tokens exceed the KV cache capacity of {self.capacity} "
                 f"(compile with a larger --max-seq)"
             )
         if tokens.min() < 0 or tokens.max() >= self.vocab_size:
-            raise ValueError(f"token id outside the vocabulary of {self.vocab_size}")
+            raise TokenError(f"token id outside the vocabulary of {self.vocab_size}")
 
     def feed(self, tokens: list[int] | np.ndarray) -> np.ndarray:
         """Run `tokens` after the ones already fed; returns the last token's logits (a copy)."""

@@ -139,6 +139,8 @@ CPU_CASES = {
     "chunk": (_on_manifest(_longer_chunk), MATCHES + "entry_points.prefill.max_tokens", []),
     "kv-capacity": (_on_manifest(_longer_cache), MATCHES + "kv_cache.capacity", []),
     "vocabulary": (_on_manifest(_larger_vocabulary), MATCHES + "entry_points.decode.logits", []),
+    "weights-table": (_on_manifest(lambda m: m["weights"]["token_embd"].update(offset=1 << 30)),
+                      MATCHES + "weights.token_embd.offset", []),
     "weights-truncated": (_truncated_weights(consistent=False), "not the", []),
     "weights-truncated-manifest-too": (_truncated_weights(consistent=True), MATCHES + "files.weights.bytes", [],
                                        "contents do not match the manifest"),
@@ -163,6 +165,21 @@ def test_crafted_cpu_manifest_is_one_line(artifact, tmp_path, capsys, case: str,
         open_session(copy, check_files=verify, threads=threads)
     _refused(["run", str(copy), "-p", "x", "-n", "1", *options, *([] if verify else ["--no-verify"])], capsys,
              message)
+
+
+TOKENIZER_CASES = {
+    "bos-outside-vocabulary": ({"bos_id": 10**6, "add_bos": True}, "token id outside the vocabulary"),
+    "eos-not-an-integer": ({"eos_id": "2"}, "tokenizer must hold"),
+    "add-bos-not-a-boolean": ({"add_bos": "yes"}, "tokenizer must hold"),
+}
+
+
+@pytest.mark.parametrize("case", TOKENIZER_CASES, ids=TOKENIZER_CASES.keys())
+def test_crafted_tokenizer_facts_are_one_line(artifact, tmp_path, capsys, case: str) -> None:
+    facts, message = TOKENIZER_CASES[case]
+    copy = _copy(artifact(SPEC), tmp_path / "copy")
+    _edit_manifest(copy, lambda m: m["tokenizer"].update(facts))
+    _refused(["run", str(copy), "-p", "x", "-n", "1"], capsys, message)
 
 
 def test_untouched_copy_runs_with_and_without_hashing(artifact, tmp_path, capsys) -> None:

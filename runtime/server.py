@@ -14,8 +14,16 @@ UTF-8 characters only) and `stop` strings are looked for. A client that goes awa
 cancels its request at once, which frees its slot at the engine's next step.
 
 Errors are OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for a
-malformed request (naming the field), 404 for an unknown route or model, 429 when every
-slot is busy and the queue of waiting requests is full.
+malformed request (naming the field), 404 for an unknown route or model, 408 for a body that
+does not arrive in time, 413 for one over the size limit, 429 when every slot is busy and the
+queue of waiting requests is full. `GET /openapi.json` describes the routes
+(`llmc.runtime.openapi`).
+
+One client cannot hurt another: each request's work is bounded by `Limits` (body bytes,
+prompt characters, messages; sized from the KV capacity, since a longer prompt could not run
+anyway), parsing, chat rendering (under the codec's time and size budget) and tokenizing run
+on a small pool of worker threads, never on the event loop, and a client must send a
+request's head within `Limits.head_seconds` and its body within `Limits.body_seconds`.
 
 Starlette and uvicorn only (the `serve` extra), besides the runtime: no compiler here.
 """
@@ -31,28 +39,53 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import h11
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from llmc.errors import LlmcError
+from llmc.errors import LlmcError, printable
 from llmc.runtime.artifact import MANIFEST
 from llmc.runtime.batch import Engine, QueueFull, Request
 from llmc.runtime.codec import TextCodec
+from llmc.runtime.openapi import openapi_schema
 from llmc.runtime.sampling import SamplingOptions
 from llmc.runtime.session import CapacityError, Conversation
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat replies default to the room left
 MAX_STOP_STRINGS = 4  # as OpenAI allows
-MAX_BODY_BYTES = 16 << 20  # a request body (a prompt the cache holds is far smaller)
 ROLES = ("system", "user", "assistant")
+CHARS_PER_TOKEN = 32  # a prompt of more characters per token of KV capacity cannot fit (tokens are shorter)
+JSON_BYTES_PER_CHAR = 12  # the longest JSON spelling of one character (a surrogate pair's two escapes)
+BODY_OVERHEAD = 64 << 10  # bytes of a body besides its text (field names, options, message framing)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may cost the server: bounds on its work and on how long its client may take."""
+
+    max_chars: int  # characters of a prompt, or of all messages' text together
+    max_messages: int
+    max_body_bytes: int
+    head_seconds: float = 10.0  # from connecting (or the previous response) to a whole request head
+    body_seconds: float = 30.0  # from the head to the whole body
+    workers: int = 4  # threads that parse, render and tokenize requests
+    max_pending: int = 32  # requests being prepared or waiting for a worker; beyond them, 429
+
+    @classmethod
+    def for_capacity(cls, capacity: int, **options) -> Limits:
+        """Limits for a KV cache of `capacity` tokens per sequence: nothing longer could run."""
+        chars = CHARS_PER_TOKEN * capacity
+        return cls(chars, capacity, BODY_OVERHEAD + JSON_BYTES_PER_CHAR * chars, **options)
 
 
 # ------------------------------------------------------------------ errors
@@ -69,9 +102,12 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    def response(self) -> Response:
+        """The error as JSON in ASCII (a message may quote a client's lone surrogate, which UTF-8 cannot hold)."""
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else {}
+        if self.status in (408, 413):  # the rest of the body is not read: the connection cannot serve another
+            headers["Connection"] = "close"
+        return Response(json.dumps(self.body()), self.status, headers, media_type="application/json")
 
 
 def _invalid(param: str, message: str, code: str | None = None) -> ApiError:
@@ -109,8 +145,21 @@ _NEUTRAL: dict[str, Callable[[object], bool]] = {
 
 def _show(v: object) -> str:
     """A value from a request, for an error message (bounded)."""
-    text = json.dumps(v)
+    try:
+        text = json.dumps(v)
+    except RecursionError:
+        return "(a value nested too deeply to show)"
     return text if len(text) <= 60 else text[:59] + "…"
+
+
+def _text(value: str, param: str) -> str:
+    """`value`, if it is Unicode text (JSON's escapes can spell lone surrogates, which are not)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _invalid(param, f"{param} holds a lone surrogate (U+{ord(value[e.start]):04X} at character {e.start}), "
+                              f"which is not Unicode text") from None
+    return value
 
 
 def _is_int(v: object) -> bool:
@@ -202,13 +251,16 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return bool(stream), include_usage
 
 
-def _messages(body: dict) -> list[dict[str, str]]:
+def _messages(body: dict, limits: Limits) -> list[dict[str, str]]:
     messages = body.get("messages")
     if messages is None:
         raise _invalid("messages", "missing required field 'messages'", "missing_required_parameter")
     if not isinstance(messages, list) or not messages:
         raise _invalid("messages", "messages must be a non-empty list of {\"role\", \"content\"} objects")
-    out = []
+    if len(messages) > limits.max_messages:
+        raise _invalid("messages", f"{len(messages)} messages; this server takes at most {limits.max_messages} (one "
+                                   f"per token of its KV capacity)", "too_many_messages")
+    out, chars = [], 0
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -232,6 +284,13 @@ def _messages(body: dict) -> list[dict[str, str]]:
         name = message.get("name")
         if name is not None and not isinstance(name, str):
             raise _invalid(f"{where}.name", f"{where}.name must be a string")
+        chars += len(content) + len(name or "")
+        if chars > limits.max_chars:
+            raise _invalid("messages", f"the messages hold more than {limits.max_chars} characters, more than the KV "
+                                       f"cache's tokens could take", "context_length_exceeded")
+        _text(content, f"{where}.content")
+        if name is not None:
+            _text(name, f"{where}.name")
         out.append({"role": role, "content": content, **({"name": name} if name is not None else {})})
     return out
 
@@ -296,13 +355,16 @@ class Server:
     """The ASGI app (`self.app`) over one session's engine."""
 
     def __init__(self, session: Conversation, codec: TextCodec, name: str, queue_size: int = 64,
-                 max_active: int | None = None, aliases: tuple[str, ...] = ()):
+                 max_active: int | None = None, aliases: tuple[str, ...] = (), limits: Limits | None = None):
         self.session = session
         self.codec = codec
         self.name = name
         self.names = {name, *aliases}
         self.capacity = session.capacity
+        self.limits = limits or Limits.for_capacity(self.capacity)
         self.engine = Engine(session, codec.eos_id, queue_size, max_active)
+        self.workers = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="llmc-request")
+        self.pending = 0  # requests handed to the workers and not yet back
         self.counts: Counter = Counter()
         manifest = session.manifest
         self.created = int((manifest.directory / MANIFEST).stat().st_mtime)  # when the artifact was written
@@ -319,6 +381,7 @@ class Server:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
+                Route("/openapi.json", self.openapi, methods=["GET"]),
             ],
             exception_handlers={HTTPException: self._http_error, ApiError: self._api_error,
                                 Exception: self._internal_error},
@@ -333,18 +396,20 @@ class Server:
         try:
             yield
         finally:
-            await asyncio.to_thread(self.engine.close)
+            await asyncio.to_thread(self.close)
 
     def close(self) -> None:
-        """Stop the engine: requests running or waiting end (their clients get an error)."""
+        """Stop the engine (requests running or waiting end, their clients get an error) and the workers."""
         self.engine.close()
+        self.workers.shutdown(wait=False, cancel_futures=True)
 
     # -------------------------------------------------------------- errors
 
     async def _http_error(self, request: HttpRequest, exc: HTTPException) -> Response:
         if exc.status_code == 404:
             return ApiError(404, f"no route {request.method} {request.url.path} (llmc serve has POST "
-                                 f"/v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health)",
+                                 f"/v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, "
+                                 f"GET /openapi.json)",
                             code="not_found").response()
         if exc.status_code == 405:
             return ApiError(405, f"{request.url.path} does not take {request.method}",
@@ -366,6 +431,9 @@ class Server:
         self._check_model(request.path_params["model"])
         return JSONResponse(self.model_card)
 
+    async def openapi(self, request: HttpRequest) -> Response:
+        return JSONResponse(openapi_schema(self.name, self.limits))
+
     async def health(self, request: HttpRequest) -> Response:
         return JSONResponse({
             "status": "ok", "model": self.name, **self.engine.stats(), "capacity": self.capacity,
@@ -384,18 +452,47 @@ class Server:
             raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.name}'",
                            param="model", code="model_not_found")
 
-    async def _body(self, request: HttpRequest, kind: str) -> dict:
+    async def _read(self, request: HttpRequest) -> bytes:
+        """The request's body: at most `max_body_bytes`, whole within `body_seconds` (413 and 408 otherwise)."""
+        limit = self.limits.max_body_bytes
+        too_large = ApiError(413, f"the request body is larger than {limit} bytes, the most this server's KV "
+                                  f"capacity of {self.capacity} tokens could use", code="too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MB", code="too_large")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
+        try:
+            async with asyncio.timeout(self.limits.body_seconds):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_large
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.limits.body_seconds:g} s",
+                           code="timeout") from None
+        return b"".join(chunks)
+
+    async def _prepared(self, request: HttpRequest, prepare: Callable[[bytes], Job]) -> Job:
+        """`prepare(body)` on a worker thread: parsing, rendering and tokenizing never hold up the event loop
+        (429 when `max_pending` requests are in hand already)."""
+        raw = await self._read(request)
+        if self.pending >= self.limits.max_pending:
+            raise ApiError(429, f"the server is busy ({self.pending} requests are being prepared); retry later",
+                           "server_overloaded", code="busy")
+        self.pending += 1
+        try:
+            return await asyncio.wrap_future(self.workers.submit(prepare, raw))
+        finally:
+            self.pending -= 1
+
+    def _body(self, raw: bytes, kind: str) -> dict:
         try:
             body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise _invalid(None, f"the request body is not valid JSON: {e}", "invalid_json") from None
+        except ValueError as e:  # not UTF-8, not JSON, an integer beyond Python's 4300 digits
+            raise _invalid(None, f"the request body is not valid JSON: {printable(e, 200)}", "invalid_json") from None
+        except RecursionError:
+            raise _invalid(None, "the request body is nested too deeply", "invalid_json") from None
         if not isinstance(body, dict):
             raise _invalid(None, "the request body must be a JSON object")
         _check_fields(body, kind)
@@ -512,20 +609,46 @@ class Server:
 
         return events()
 
-    async def completions(self, request: HttpRequest) -> Response:
-        body = await self._body(request, "completions")
+    def _encode(self, text: str, param: str) -> list[int]:
+        """`text`'s token ids, or a 400 naming `param` (a prompt longer than the cache could take is not tokenized)."""
+        if len(text) > self.limits.max_chars:
+            raise _invalid(param, f"{param} has {len(text)} characters; the KV cache holds {self.capacity} tokens per "
+                                  f"sequence, so this server takes at most {self.limits.max_chars}",
+                           "context_length_exceeded")
+        try:
+            return self.codec.encode(_text(text, param))
+        except LlmcError as e:  # the tokenizer failed on it
+            raise _invalid(param, str(e), "tokenizer_failed") from None
+
+    def _completion_job(self, raw: bytes) -> Job:
+        body = self._body(raw, "completions")
         prompt = body.get("prompt")
         if prompt is None:
             raise _invalid("prompt", "missing required field 'prompt'", "missing_required_parameter")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = self.codec.encode(prompt)
+            ids = self._encode(prompt, "prompt")
         elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
             ids = prompt
         else:
             raise _invalid("prompt", "prompt must be a string or a list of token ids (one prompt per request)")
-        job = self._job(body, ids, "prompt", ("max_tokens",), COMPLETION_MAX_TOKENS)
+        return self._job(body, ids, "prompt", ("max_tokens",), COMPLETION_MAX_TOKENS)
+
+    def _chat_job(self, raw: bytes) -> Job:
+        body = self._body(raw, "chat")
+        messages = _messages(body, self.limits)
+        if not self.codec.chat_template:
+            raise _invalid("messages", "this model has no chat template; use /v1/completions", "no_chat_template")
+        try:
+            text = self.codec.render_chat(messages)
+        except LlmcError as e:  # the template failed, or ran out of its time or size budget
+            raise _invalid("messages", str(e), "chat_template_failed") from None
+        return self._job(body, self._encode(text, "messages"), "messages", ("max_tokens", "max_completion_tokens"),
+                         None)
+
+    async def completions(self, request: HttpRequest) -> Response:
+        job = await self._prepared(request, self._completion_job)
         tokens = self._submit(job, "prompt")
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -541,15 +664,7 @@ class Server:
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": job.finish_reason}]})
 
     async def chat_completions(self, request: HttpRequest) -> Response:
-        body = await self._body(request, "chat")
-        messages = _messages(body)
-        if not self.codec.chat_template:
-            raise _invalid("messages", "this model has no chat template; use /v1/completions", "no_chat_template")
-        try:
-            text = self.codec.render_chat(messages)
-        except LlmcError as e:
-            raise _invalid("messages", str(e), "chat_template_failed") from None
-        job = self._job(body, self.codec.encode(text), "messages", ("max_tokens", "max_completion_tokens"), None)
+        job = await self._prepared(request, self._chat_job)
         tokens = self._submit(job, "messages")
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -625,6 +740,40 @@ def model_name(directory: Path) -> str:
     return name[: -len(".llmc")] if name.endswith(".llmc") and len(name) > len(".llmc") else name
 
 
+class _TimedProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, closing a connection whose client has not sent a whole request head
+    (request line and headers) `head_seconds` after connecting or after its previous response: a client
+    trickling its headers cannot hold a connection (uvicorn's own timeout covers idle connections only)."""
+
+    head_seconds = 10.0  # (set per server by `_protocol`)
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._head_timer = self.loop.call_later(self.head_seconds, self._head_expired)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE:  # a whole head has come
+            self._head_timer.cancel()
+
+    def on_response_complete(self) -> None:
+        self._head_timer.cancel()
+        self._head_timer = self.loop.call_later(self.head_seconds, self._head_expired)
+        super().on_response_complete()  # (which reads a pipelined request's head at once)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._head_timer.cancel()
+        super().connection_lost(exc)
+
+    def _head_expired(self) -> None:
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+def _protocol(head_seconds: float) -> type[H11Protocol]:
+    return type("TimedProtocol", (_TimedProtocol,), {"head_seconds": head_seconds})
+
+
 class _Uvicorn(uvicorn.Server):
     """uvicorn, announcing the URL once it listens, and stopping the engine first on shutdown
     (so that streams in flight end at once instead of holding the shutdown)."""
@@ -653,8 +802,8 @@ def serve(server: Server, host: str = "127.0.0.1", port: int = 8000,
         raise LlmcError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     bound = sock.getsockname()[1]
     url = f"http://{f'[{host}]' if family == socket.AF_INET6 else host}:{bound}"
-    config = uvicorn.Config(server.app, log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(server.app, http=_protocol(server.limits.head_seconds), log_level="warning",
+                            access_log=False, lifespan="on", timeout_graceful_shutdown=5)
     # (asyncio warns of writes to a socket its client has just closed: that client's stream is being cancelled)
     logging.getLogger("asyncio").setLevel(logging.ERROR)
     try:

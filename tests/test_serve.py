@@ -12,6 +12,8 @@ import re
 import signal
 import socket
 import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -32,8 +34,10 @@ from llmc.driver import BackendOptions, compile_model  # noqa: E402
 from llmc.passes.pipeline import CompileOptions  # noqa: E402
 from llmc.runtime.artifact import load_manifest  # noqa: E402
 from llmc.runtime.codec import TextCodec  # noqa: E402
+from llmc.runtime.server import Limits  # noqa: E402
 
 CAPACITY = 4096
+LIMITS = Limits.for_capacity(CAPACITY)  # the server's defaults for this artifact
 SPEC = TinySpec(context_length=CAPACITY)
 SLOTS = 4
 # greedy continuations of the tiny model that never reach its end-of-sequence token
@@ -70,10 +74,12 @@ class Served:
 
 
 def start_server(artifact: Path, *options: str) -> Served:
-    process = subprocess.Popen(
-        runtime_only("", "serve", str(artifact), "--port", "0", "--threads", "1", *options),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    return started(runtime_only("", "serve", str(artifact), "--port", "0", "--threads", "1", *options))
+
+
+def started(command: list[str]) -> Served:
+    """The server `command` runs, once it prints the URL it listens on."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = process.stdout.readline()  # the one line, once it listens
     match = re.search(r"listening on (http://\S+)", line)
     if not match:
@@ -255,6 +261,42 @@ def test_concurrent_streams_equal_each_alone(client) -> None:
          "max_tokens", "remain"),
         ("chat/completions", {"messages": [{"role": "user", "content": "x " * CAPACITY}]}, "messages",
          f"the KV cache holds {CAPACITY}"),
+        # hostile bodies: what Python's json module makes of them must not escape as a 500
+        ("completions", b'{"prompt": "a\\ud800b"}', "prompt", "lone surrogate (U+D800 at character 1)"),
+        ("completions", b'{"prompt": "\xed\xa0\x80"}', "prompt", "lone surrogate"),  # raw: json decodes surrogatepass
+        ("chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content",
+         "lone surrogate"),
+        ("chat/completions", b'{"messages": [{"role": "user", "content": "x", "name": "\\ud800"}]}',
+         "messages[0].name", "lone surrogate"),
+        ("completions", b'{"prompt": "x", "\\ud800": 1}', "\ud800", "unknown field"),
+        ("completions", b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", None, "not valid JSON"),
+        ("completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nested too deeply"),
+        ("completions", b'{"prompt": "\xff\xfe"}', None, "not valid JSON"),
+        ("completions", b"\xff\xfe\x00{", None, "not valid JSON"),
+        ("completions", b"", None, "not valid JSON"),
+        ("completions", b"null", None, "must be a JSON object"),
+        ("completions", b'"prompt"', None, "must be a JSON object"),
+        ("completions", b'{"prompt": "x", "temperature": NaN}', "temperature", "temperature must be a number"),
+        ("completions", b'{"prompt": "x", "top_p": 1e999}', "top_p", "top_p must be a number"),
+        ("completions", {"prompt": [1.0]}, "prompt", "prompt must be a string or a list of token ids"),
+        ("completions", {"prompt": [True]}, "prompt", "prompt must be a string or a list of token ids"),
+        ("completions", {"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+        ("completions", {"prompt": "x", "stop": [None]}, "stop", "stop must be a string or a list"),
+        ("completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options",
+         "include_usage must be a boolean"),
+        ("completions", {"prompt": "x", "seed": [[[[1]]]]}, "seed", "seed must be an integer"),
+        ("chat/completions", {"messages": [None]}, "messages[0]", "must be an object"),
+        ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages[0].content", "parts must be"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name",
+         "must be a string"),
+        ("chat/completions", {"messages": {"role": "user"}}, "messages", "non-empty list"),
+        # work bounded by the KV capacity: refused before tokenizing or rendering
+        ("completions", {"prompt": "x" * (LIMITS.max_chars + 1)}, "prompt", f"at most {LIMITS.max_chars}"),
+        ("chat/completions", {"messages": [{"role": "user", "content": ""}] * (CAPACITY + 1)}, "messages",
+         f"at most {CAPACITY}"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x" * (LIMITS.max_chars // 2)}] * 3},
+         "messages", f"more than {LIMITS.max_chars} characters"),
     ],
 )
 def test_malformed_requests_are_400_naming_the_field(server, path: str, body, param: str | None, message: str) -> None:
@@ -266,6 +308,7 @@ def test_malformed_requests_are_400_naming_the_field(server, path: str, body, pa
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert message in error["message"]
+    assert "Traceback" not in "".join(server.stderr), "".join(server.stderr)
 
 
 def test_other_errors(server, client) -> None:
@@ -355,6 +398,166 @@ def test_full_queue_is_429_and_ctrl_c_stops_cleanly(artifact) -> None:
     finally:
         if served.process.poll() is None:
             served.process.kill()
+
+
+# ------------------------------------------------------------------ hostile clients
+
+# a chat template that would loop 10^10 times: the codec's time budget ends it
+HANGING_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+SLOW = 0.5  # the guarded server's head and body timeouts, in seconds
+GUARDED = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from llmc.runtime.codec import TextCodec
+    from llmc.runtime.server import Limits, Server, serve
+    from llmc.runtime.session import open_session
+
+    session = open_session(Path(sys.argv[1]), threads=1)
+    codec = TextCodec.from_artifact(session.manifest)
+    codec.chat_template = sys.argv[2]
+    limits = Limits.for_capacity(session.capacity, head_seconds=float(sys.argv[3]), body_seconds=float(sys.argv[3]))
+    serve(Server(session, codec, "tiny", limits=limits), port=0, announce=lambda url: print("listening on", url,
+                                                                                           flush=True))
+""")
+
+
+@pytest.fixture(scope="module")
+def guarded(artifact) -> Iterator[Served]:
+    """A server with short head and body timeouts, whose model's chat template never ends."""
+    served = started([sys.executable, "-c", GUARDED, str(artifact), HANGING_TEMPLATE, str(SLOW)])
+    yield served
+    served.process.terminate()
+    served.process.wait(20)
+
+
+def connect(served: Served) -> socket.socket:
+    host, port = served.url.removeprefix("http://").split(":")
+    raw = socket.create_connection((host, int(port)))
+    raw.settimeout(10)
+    return raw
+
+
+def answer(raw: socket.socket) -> tuple[int, dict, bool]:
+    """(status, JSON body, whether the server then closed the connection) of a raw answer."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += raw.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+    while len(body) < length:
+        body += raw.recv(65536)
+    return int(head.split()[1]), json.loads(body), raw.recv(1) == b""
+
+
+def test_oversized_bodies_are_413_before_they_are_read(server) -> None:
+    too_long = LIMITS.max_body_bytes + 1
+    with connect(server) as raw:  # declared: answered at once, nothing read
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n{" % too_long)
+        status, body, closed = answer(raw)
+    assert (status, body["error"]["code"], closed) == (413, "too_large", True)
+    assert f"larger than {LIMITS.max_body_bytes} bytes" in body["error"]["message"]
+    with connect(server) as raw:  # chunked, without an end: read up to the limit only
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for start in range(0, too_long, 1 << 20):
+            size = min(1 << 20, too_long - start)
+            raw.sendall(b"%x\r\n%s\r\n" % (size, b"x" * size))
+        status, body, closed = answer(raw)
+    assert (status, body["error"]["code"], closed) == (413, "too_large", True)
+    assert "Traceback" not in "".join(server.stderr)
+
+
+def test_slow_clients_are_cut_off(guarded) -> None:
+    with connect(guarded) as silent, connect(guarded) as trickling:
+        trickling.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        start = time.monotonic()
+        with pytest.raises(OSError):  # a header line every 0.1 s: cut off at the head timeout all the same
+            while time.monotonic() - start < 10 * SLOW:
+                trickling.sendall(b"X-Slow: 1\r\n")
+                time.sleep(0.1)
+        assert SLOW <= time.monotonic() - start < 4 * SLOW
+        assert silent.recv(1) == b"", "a connection that sends nothing is closed"
+    with connect(guarded) as raw:  # a body that never completes
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+        status, body, closed = answer(raw)
+    assert (status, body["error"]["code"], closed) == (408, "timeout", True)
+    assert f"within {SLOW:g} s" in body["error"]["message"]
+    # a client in time is served, twice on one connection
+    with httpx.Client(base_url=guarded.url, timeout=30) as http:
+        for _ in range(2):
+            assert http.post("/v1/completions", json={"prompt": LETTERS, "max_tokens": 2}).status_code == 200
+    assert "Traceback" not in "".join(guarded.stderr), "".join(guarded.stderr)
+
+
+def test_hanging_chat_template_is_400_and_holds_up_no_one(guarded) -> None:
+    alone = httpx.post(f"{guarded.url}/v1/completions", json={"prompt": LETTERS, "max_tokens": 8, "temperature": 0},
+                       timeout=30).json()["choices"][0]["text"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        hanging = pool.submit(httpx.post, f"{guarded.url}/v1/chat/completions", json=chat, timeout=30)
+        time.sleep(0.1)  # (rendering)
+        meanwhile = httpx.post(f"{guarded.url}/v1/completions", timeout=30,
+                               json={"prompt": LETTERS, "max_tokens": 8, "temperature": 0})
+        assert not hanging.done(), "the other client was answered while the template still ran"
+        assert meanwhile.json()["choices"][0]["text"] == alone
+        refused = hanging.result()
+    assert time.monotonic() - start < 5, "the template's time budget ends it"
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "messages"
+    assert refused.json()["error"]["code"] == "chat_template_failed"
+    assert "Traceback" not in "".join(guarded.stderr), "".join(guarded.stderr)
+
+
+def rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
+
+
+def test_long_prompts_leave_memory_flat(server) -> None:
+    """Prompts and conversations of many times the cache's tokens are tokenized and refused; the server's
+    memory comes back (the limits' largest take a second each with the tiny vocabulary: see
+    benchmarks/hostile_client.py)."""
+    words = " ".join(f"w{i}" for i in range(LIMITS.max_chars))[: LIMITS.max_chars // 8]
+    messages = [{"role": "user", "content": f"w{i}"} for i in range(CAPACITY // 4)]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        http.post("/v1/completions", json={"prompt": words})  # (allocator pools warmed)
+        before = rss_mb(server.process.pid)
+        for path, body in (("completions", {"prompt": words}), ("chat/completions", {"messages": messages})) * 2:
+            response = http.post(f"/v1/{path}", json=body)
+            assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    assert rss_mb(server.process.pid) - before < 64
+
+
+def test_openapi_schema_describes_what_the_server_takes(server) -> None:
+    """Every field of the schema's request bodies is taken (null: the default), the limits are the server's,
+    and real answers match the response schemas."""
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    schema = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
+    assert set(schema["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
+                                    "/health", "/openapi.json"}
+    components = schema["components"]["schemas"]
+
+    def valid(name: str, value: object) -> bool:
+        return jsonschema_rs.validator_for({"$ref": f"#/components/schemas/{name}", "components": {
+            "schemas": components}}).is_valid(value)
+
+    requests = {"completions": ("CompletionRequest", {"prompt": LETTERS, "max_tokens": 1}, "Completion"),
+                "chat/completions": ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "hi"}],
+                                                               "max_completion_tokens": 1}, "ChatCompletion")}
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for path, (request, base, response) in requests.items():
+            fields = components[request]["properties"]
+            assert valid(request, base) and not valid(request, {**base, "colour": 1})
+            every = {name: None for name in set(fields) - set(components[request]["required"])} | base
+            assert valid(request, every)
+            answer = http.post(f"/v1/{path}", json=every)
+            assert answer.status_code == 200, answer.text
+            assert valid(response, answer.json()), answer.json()
+            error = http.post(f"/v1/{path}", json={**base, "colour": 1})
+            assert error.status_code == 400 and valid("Error", error.json())
+        assert valid("Model", http.get("/v1/models/tiny").json())
+    assert fields["messages"]["maxItems"] == CAPACITY
+    assert components["Message"]["properties"]["content"]["anyOf"][0]["maxLength"] == LIMITS.max_chars
 
 
 def test_without_starlette_serve_says_how_to_install(artifact) -> None:

@@ -6,19 +6,43 @@ it from an artifact (`TextCodec.from_artifact`).
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime
+from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError, nodes
-from jinja2.ext import Extension
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from llmc.errors import LlmcError
+from llmc.errors import LlmcError, ModelFormatError, printable
 from llmc.runtime.artifact import Manifest
+from llmc.runtime.templates import DEFAULT_LIMITS, RenderLimits, compile_template, render
+
+
+class TokenizerError(LlmcError):
+    """The model's tokenizer failed on a text or on token ids."""
+
+
+@contextmanager
+def tokenizer_failures(error: Callable[[str], LlmcError]) -> Iterator[None]:
+    """Errors of the `tokenizers` library inside, and its panics (a Rust panic is a
+    `pyo3_runtime.PanicException`, a BaseException: a regular expression that backtracks past
+    Oniguruma's limit panics), raised as `error(what went wrong)`."""
+    try:
+        yield
+    except Exception as e:  # the library raises its own exception types
+        raise error(printable(e)) from e
+    except BaseException as e:
+        if type(e).__module__ != "pyo3_runtime":
+            raise
+        raise error(f"the tokenizers library panicked: {printable(e)}") from None
+
+
+def read_tokenizer(path: Path | str) -> Tokenizer:
+    """The `tokenizers.Tokenizer` of a `tokenizer.json` file; one the library cannot read, or
+    panics on, is a ModelFormatError."""
+    with tokenizer_failures(lambda problem: ModelFormatError(path, f"cannot load tokenizer: {problem}")):
+        return Tokenizer.from_file(str(path))
 
 
 @dataclass
@@ -28,22 +52,25 @@ class TextCodec:
     eos_id: int | None
     add_bos: bool
     chat_template: str | None
+    limits: RenderLimits = field(default=DEFAULT_LIMITS, compare=False)  # of a chat template's rendering
     _compiled: tuple[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_artifact(cls, manifest: Manifest) -> TextCodec:
         facts = manifest.tokenizer
-        tokenizer = Tokenizer.from_file(str(manifest.file("tokenizer")))
+        tokenizer = read_tokenizer(manifest.file("tokenizer"))
         return cls(tokenizer, facts.get("bos_id"), facts.get("eos_id"), facts.get("add_bos", False),
                    facts.get("chat_template"))
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         """The text's ids, after the beginning-of-text token where the model adds one (and `bos`)."""
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        with tokenizer_failures(lambda problem: TokenizerError(f"the model's tokenizer failed on this text: {problem}")):
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if bos and self.add_bos and self.bos_id is not None else ids
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        with tokenizer_failures(lambda problem: TokenizerError(f"the model's tokenizer failed on token ids: {problem}")):
+            return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def piece(self, token: int) -> str:
         """The text `token` adds after other text (llama.cpp's token piece): its decoding as the second
@@ -73,58 +100,23 @@ class TextCodec:
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The prompt text of a conversation (`messages` of "role" and "content", oldest first),
         rendered with the model's chat template in jinja2's sandbox (templates come from model
-        files) as transformers' `apply_chat_template` renders it; `add_generation_prompt` ends it
-        where the assistant's reply begins."""
+        files), within `limits`, as transformers' `apply_chat_template` renders it;
+        `add_generation_prompt` ends it where the assistant's reply begins. A template that fails
+        or goes past its limits raises `ChatTemplateError`."""
         if not self.chat_template:
             raise LlmcError("this model has no chat template; run without --chat")
         # as transformers: no tools or documents, and only the special tokens the model has
         special = {f"{name}_token": self.tokenizer.id_to_token(i)
                    for name, i in (("bos", self.bos_id), ("eos", self.eos_id)) if i is not None}
-        try:
-            return self._template().render(messages=messages, tools=None, documents=None,
-                                           add_generation_prompt=add_generation_prompt, **special)
-        except TemplateError as e:
-            raise LlmcError(f"the model's chat template failed: {e}") from e
+        variables = dict(messages=messages, tools=None, documents=None,
+                         add_generation_prompt=add_generation_prompt, **special)
+        return render(self._template(), variables, self.limits)
 
     def _template(self):
         """The compiled chat template (compiled once per template text)."""
         if self._compiled is None or self._compiled[0] != self.chat_template:
-            self._compiled = (self.chat_template, _chat_environment().from_string(self.chat_template))
+            self._compiled = (self.chat_template, compile_template(self.chat_template, self.limits))
         return self._compiled[1]
-
-
-def _chat_environment() -> ImmutableSandboxedEnvironment:
-    """jinja2's sandbox with what transformers' chat templates expect: blocks trimmed, loop
-    controls (`break`, `continue`), `{% generation %}`, transformers' `tojson`, and the
-    globals `raise_exception` and `strftime_now`."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols", _Generation])
-    env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    return env
-
-
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    """transformers' `tojson`: plain `json.dumps`, non-ASCII kept (jinja2's own escapes HTML
-    characters and sorts keys)."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-class _Generation(Extension):
-    """`{% generation %}…{% endgeneration %}`, which transformers' templates use to mark the
-    assistant's text for training masks: renders its body, in a scope of its own."""
-
-    tags = {"generation"}
-
-    def parse(self, parser) -> nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.Scope(body, lineno=lineno)
 
 
 class TextStream:

@@ -31,10 +31,13 @@ Starlette and uvicorn only (the `serve` extra), besides the runtime: no compiler
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import logging
 import math
+import os
 import socket
+import threading
 import time
 import uuid
 from collections import Counter
@@ -48,6 +51,7 @@ import h11
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -67,6 +71,9 @@ ROLES = ("system", "user", "assistant")
 CHARS_PER_TOKEN = 32  # a prompt of more characters per token of KV capacity cannot fit (tokens are shorter)
 JSON_BYTES_PER_CHAR = 12  # the longest JSON spelling of one character (a surrogate pair's two escapes)
 BODY_OVERHEAD = 64 << 10  # bytes of a body besides its text (field names, options, message framing)
+WORKER_NICENESS = 10  # of the threads that prepare requests (Linux: per thread), below the engine's
+TRIM_AFTER_BYTES = 1 << 20
+_LIBC = ctypes.CDLL(None) if hasattr(ctypes.CDLL(None), "malloc_trim") else None  # glibc's
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,7 @@ class Limits:
     max_body_bytes: int
     head_seconds: float = 10.0  # from connecting (or the previous response) to a whole request head
     body_seconds: float = 30.0  # from the head to the whole body
-    workers: int = 4  # threads that parse, render and tokenize requests
+    workers: int = 8  # threads that parse, render and tokenize requests
     max_pending: int = 32  # requests being prepared or waiting for a worker; beyond them, 429
 
     @classmethod
@@ -363,7 +370,8 @@ class Server:
         self.capacity = session.capacity
         self.limits = limits or Limits.for_capacity(self.capacity)
         self.engine = Engine(session, codec.eos_id, queue_size, max_active)
-        self.workers = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="llmc-request")
+        self.workers = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="llmc-request",
+                                          initializer=_yield_to_generation)
         self.pending = 0  # requests handed to the workers and not yet back
         self.counts: Counter = Counter()
         manifest = session.manifest
@@ -471,6 +479,8 @@ class Server:
         except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {self.limits.body_seconds:g} s",
                            code="timeout") from None
+        except ClientDisconnect:  # (nobody reads the answer)
+            raise ApiError(499, "the client went away before its request was whole") from None
         return b"".join(chunks)
 
     async def _prepared(self, request: HttpRequest, prepare: Callable[[bytes], Job]) -> Job:
@@ -482,7 +492,7 @@ class Server:
                            "server_overloaded", code="busy")
         self.pending += 1
         try:
-            return await asyncio.wrap_future(self.workers.submit(prepare, raw))
+            return await asyncio.wrap_future(self.workers.submit(_trimmed, prepare, raw))
         finally:
             self.pending -= 1
 
@@ -692,6 +702,24 @@ class Server:
         except _Disconnected:
             return Response(status_code=499)
         return JSONResponse(answer(text) | {"usage": self._usage(job)})
+
+
+def _trimmed(prepare: Callable[[bytes], Job], raw: bytes) -> Job:
+    """`prepare(raw)`; after a large body, the C heap's free memory (JSON's and the tokenizer's
+    intermediates, in this thread's arena) goes back to the system."""
+    try:
+        return prepare(raw)
+    finally:
+        if len(raw) >= TRIM_AFTER_BYTES and _LIBC is not None:
+            _LIBC.malloc_trim(0)
+
+
+def _yield_to_generation() -> None:
+    """Lower this (worker) thread's CPU priority: preparing a request never slows the running ones."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICENESS)
+    except (AttributeError, OSError):  # (a system without per-thread priorities)
+        pass
 
 
 def _sse(data: dict) -> str:

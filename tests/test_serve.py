@@ -415,7 +415,8 @@ GUARDED = textwrap.dedent("""
     session = open_session(Path(sys.argv[1]), threads=1)
     codec = TextCodec.from_artifact(session.manifest)
     codec.chat_template = sys.argv[2]
-    limits = Limits.for_capacity(session.capacity, head_seconds=float(sys.argv[3]), body_seconds=float(sys.argv[3]))
+    limits = Limits.for_capacity(session.capacity, head_seconds=float(sys.argv[3]), body_seconds=float(sys.argv[3]),
+                                 workers=2, max_pending=2)
     serve(Server(session, codec, "tiny", limits=limits), port=0, announce=lambda url: print("listening on", url,
                                                                                            flush=True))
 """)
@@ -423,7 +424,8 @@ GUARDED = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def guarded(artifact) -> Iterator[Served]:
-    """A server with short head and body timeouts, whose model's chat template never ends."""
+    """A server with short head and body timeouts, two requests prepared at a time and no more waiting,
+    whose model's chat template never ends."""
     served = started([sys.executable, "-c", GUARDED, str(artifact), HANGING_TEMPLATE, str(SLOW)])
     yield served
     served.process.terminate()
@@ -481,6 +483,8 @@ def test_slow_clients_are_cut_off(guarded) -> None:
         status, body, closed = answer(raw)
     assert (status, body["error"]["code"], closed) == (408, "timeout", True)
     assert f"within {SLOW:g} s" in body["error"]["message"]
+    with connect(guarded) as raw:  # a client that gives up halfway through its body
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
     # a client in time is served, twice on one connection
     with httpx.Client(base_url=guarded.url, timeout=30) as http:
         for _ in range(2):
@@ -506,6 +510,30 @@ def test_hanging_chat_template_is_400_and_holds_up_no_one(guarded) -> None:
     assert refused.json()["error"]["param"] == "messages"
     assert refused.json()["error"]["code"] == "chat_template_failed"
     assert "Traceback" not in "".join(guarded.stderr), "".join(guarded.stderr)
+
+
+def test_requests_beyond_those_in_preparation_are_429(guarded) -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with ThreadPoolExecutor(2) as pool:
+        hanging = [pool.submit(httpx.post, f"{guarded.url}/v1/chat/completions", json=chat, timeout=30)
+                   for _ in range(2)]
+        deadline = time.monotonic() + 10
+        while True:  # (until both are in hand)
+            refused = httpx.post(f"{guarded.url}/v1/completions", json={"prompt": LETTERS}, timeout=30)
+            if refused.status_code != 200 or time.monotonic() > deadline:
+                break
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "busy", refused.text
+        assert refused.headers["retry-after"]
+        assert [r.result().status_code for r in hanging] == [400, 400]
+    assert httpx.post(f"{guarded.url}/v1/completions", json={"prompt": LETTERS}, timeout=30).status_code == 200
+
+
+def test_requests_are_prepared_at_a_lower_priority(server) -> None:
+    """Parsing, rendering and tokenizing threads yield the CPU to the engine's (Linux: niceness per thread)."""
+    httpx.post(f"{server.url}/v1/completions", json={"prompt": LETTERS, "max_tokens": 1}, timeout=30)
+    nice = {int(stat.read_text().rsplit(")", 1)[1].split()[16])
+            for stat in Path(f"/proc/{server.process.pid}/task").glob("*/stat")}
+    assert nice == {0, 10}
 
 
 def rss_mb(pid: int) -> float:

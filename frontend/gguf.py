@@ -20,7 +20,7 @@ import numpy as np
 from llmc.errors import ModelFormatError
 from llmc.frontend import tokenizer as tok
 from llmc.frontend.gguf_reader import GGUFFile, read_gguf
-from llmc.frontend.model import Model, ModelConfig, split_fused
+from llmc.frontend.model import Model, ModelConfig, check_declared_sizes, split_fused
 from llmc.ir.formats import GGUF_STORAGE, Storage
 from llmc.ir.weights import Weight, WeightStore
 from llmc.runtime.codec import TextCodec
@@ -109,13 +109,12 @@ def _check_token_ids(meta: _Metadata, vocab: int) -> None:
             raise ModelFormatError(meta.path, f"metadata key 'tokenizer.ggml.{key}': id {value} is outside the vocabulary of {vocab}")
 
 
-def _rope(meta: _Metadata, weights: WeightStore, a: str, head_dim: int, context: int) -> dict:
-    """`ModelConfig`'s RoPE fields: `rope.dimension_count` (partial rotary), linear scaling, and the
+def _rope(meta: _Metadata, weights: WeightStore, a: str, head_dim: int, dims: int, context: int) -> dict:
+    """`ModelConfig`'s RoPE fields: `dims` (`rope.dimension_count`: partial rotary), linear scaling, and the
     per-pair frequency factors llama.cpp's converters store as tensors (`rope_freqs`: Llama 3's;
     `rope_factors_short`: Phi-3's LongRoPE, with `rope.scaling.attn_factor`, the context capped at
     `rope.scaling.original_context_length`, where the short factors hold)."""
     path = meta.path
-    dims = meta.get(a + "rope.dimension_count", int, head_dim)
     scaling = meta.get(a + "rope.scaling.type", str, "none")
     factor = meta.get(a + "rope.scaling.factor", float, 1.0)
     tables = {name: weights.entries.pop(name) for name in _ROPE_TABLES if name in weights}
@@ -182,16 +181,23 @@ def load_gguf(path: Path) -> Model:
     weights = _weights(gguf, heads, kv_heads, arch in _PERMUTED_QK)
     if "token_embd" not in weights:
         raise ModelFormatError(path, "missing tensor 'token_embd'")
-    rope = _rope(meta, weights, a, head_dim, meta.require(a + "context_length", int))
     layers = meta.require(a + "block_count", int)
     ffn = meta.require(a + "feed_forward_length", int)
+    dims = meta.get(a + "rope.dimension_count", int, head_dim)
+    family = _experts(meta, a, ffn)  # what a family adds to ModelConfig's Llama fields
+    expert_sizes = {a + "expert_count": family["experts"], a + "expert_used_count": family["experts_used"],
+                    a + "expert_feed_forward_length": family["expert_ffn"]} if family else {}
+    check_declared_sizes(path, weights, (a + "block_count", layers), {
+        a + "embedding_length": hidden, a + "attention.head_count": heads, a + "attention.head_count_kv": kv_heads,
+        a + "attention.key_length": head_dim, "head_count x key_length": heads * head_dim,
+        a + "feed_forward_length": ffn, a + "rope.dimension_count": dims, **expert_sizes})
+    rope = _rope(meta, weights, a, head_dim, dims, meta.require(a + "context_length", int))
     if arch == "phi3":  # its `ffn_up` holds gate and up: `split_fused` takes them apart
         for i in range(layers):
             if f"blk.{i}.ffn_up" in weights and f"blk.{i}.ffn_gate" not in weights:
                 weights.add(replace(weights.entries.pop(f"blk.{i}.ffn_up"), name=f"blk.{i}.ffn_gate_up"))
     window = meta.get(a + "attention.sliding_window", int)
     sliding = tuple(range(layers)) if window and arch in _WINDOWED_EVERYWHERE else ()
-    family = _experts(meta, a, ffn)  # what a family adds to ModelConfig's Llama fields
     if arch in _GEMMA:
         pattern, default_window, layers_27b = _GEMMA[arch]
         window = window or default_window

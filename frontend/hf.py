@@ -20,7 +20,15 @@ from pathlib import Path
 import numpy as np
 
 from llmc.errors import ModelFormatError
-from llmc.frontend.model import Model, ModelConfig, split_fused
+from llmc.frontend.model import (
+    MAX_POSITIONS,
+    Model,
+    ModelConfig,
+    check_declared_sizes,
+    finite,
+    rope_base,
+    split_fused,
+)
 from llmc.frontend.rope_scaling import hf_rope_scaling
 from llmc.ir.formats import Storage
 from llmc.ir.weights import Weight, WeightStore
@@ -107,9 +115,9 @@ def _stack_experts(config: ModelConfig, store: WeightStore) -> None:
                 data = fused.rows().reshape(fused.shape)[:, part]
                 store.add(Weight(b + f"ffn_{kind}_exps", fused.storage, data.shape, data))
         for kind in ("gate", "up", "down"):
-            parts = [store.entries.pop(f"{b}ffn_{kind}_exps.{e}", None) for e in range(config.experts)]
-            if all(p is None for p in parts):
+            if f"{b}ffn_{kind}_exps.0" not in store:  # stacked, or missing: strays are named below
                 continue
+            parts = [store.entries.pop(f"{b}ffn_{kind}_exps.{e}", None) for e in range(config.experts)]
             if any(p is None for p in parts) or len({(p.storage, p.shape) for p in parts}) != 1:
                 raise ModelFormatError(store.source, f"layer {i}: the {kind} matrices of its {config.experts} "
                                                      "experts are missing or differ in type or shape")
@@ -205,13 +213,18 @@ def _read_safetensors(path: Path, store: WeightStore, arch: str) -> None:
             raise ModelFormatError(path, f"tensors '{first}' and '{second}' overlap (bytes {begin}..{first_end})")
 
 
-def _int(path: Path, cfg: dict, key: str, default: int | None = None) -> int:
+def _int(path: Path, cfg: dict, key: str, default: int | None = None, at_least: int | None = None,
+         at_most: int | None = None) -> int:
     value = cfg.get(key)
     value = default if value is None else value
     if value is None:
         raise ModelFormatError(path, f"config.json lacks {key!r}")
     if type(value) is not int:
         raise ModelFormatError(path, f"config.json: {key} must be an integer, got {value!r}")
+    if at_least is not None and value < at_least:
+        raise ModelFormatError(path, f"config.json: {key} must be at least {at_least}, got {value}")
+    if at_most is not None and value > at_most:
+        raise ModelFormatError(path, f"config.json: {key} must be at most {at_most}, got {value}")
     return value
 
 
@@ -221,12 +234,13 @@ def _optional_float(path: Path, cfg: dict, key: str, default: float | None = Non
     return None if value is None else _float(path, {key: value}, key, 0.0)
 
 
-def _float(path: Path, cfg: dict, key: str, default: float) -> float:
+def _float(path: Path, cfg: dict, key: str, default: float, positive: bool = False) -> float:
     value = cfg.get(key)
     value = default if value is None else value
-    if type(value) not in (int, float):
-        raise ModelFormatError(path, f"config.json: {key} must be a number, got {value!r}")
-    return float(value)
+    number = finite(value)
+    if number is None or (positive and not number > 0):
+        raise ModelFormatError(path, f"config.json: {key} must be a {'positive ' if positive else ''}number, got {value!r}")
+    return number
 
 
 def _sliding_layers(path: Path, cfg: dict, arch: str, layers: int) -> tuple[int, ...]:
@@ -243,10 +257,10 @@ def _sliding_layers(path: Path, cfg: dict, arch: str, layers: int) -> tuple[int,
     if arch in ("mistral", "mixtral", "phi3") or (arch == "qwen3moe" and cfg.get("use_sliding_window")):
         return tuple(range(layers))
     if arch in GEMMA:  # configs from before `layer_types`: every other layer, or 5 of every 6 (0: all)
-        pattern = _int(path, cfg, "sliding_window_pattern", 2 if arch == "gemma2" else 6)
+        pattern = _int(path, cfg, "sliding_window_pattern", 2 if arch == "gemma2" else 6, at_least=0)
         return tuple(i for i in range(layers) if not pattern or (i + 1) % pattern)
     if cfg.get("use_sliding_window"):
-        return tuple(range(_int(path, cfg, "max_window_layers", 0), layers))
+        return tuple(range(_int(path, cfg, "max_window_layers", 0, at_least=0), layers))
     return ()
 
 
@@ -270,17 +284,21 @@ def _rope(path: Path, cfg: dict, head_dim: int, max_positions: int, arch: str) -
         if set(params) - {"full_attention", "sliding_attention"}:
             raise ModelFormatError(path, f"config.json: unknown layer types in rope_parameters: {sorted(params)}")
         sliding = params.get("sliding_attention", {})
-        if sliding.get("rope_type", "default") != "default":
+        if not isinstance(sliding, dict) or sliding.get("rope_type", "default") != "default":
             raise ModelFormatError(path, "RoPE scaling of the sliding-window layers is not supported yet")
         if "rope_theta" in sliding:
             local = _float(path, sliding, "rope_theta", 0.0)
         params = params.get("full_attention", {})
     params = {**scaling, **params}
     theta = _float(path, cfg, "rope_theta", _float(path, params, "rope_theta", 1e6 if arch == "gemma3" else 10000.0))
+    rope_base(path, "config.json: rope_theta", theta)
+    if local is not None:
+        rope_base(path, "config.json: the sliding layers' rope_theta", local)
     partial = _float(path, cfg, "partial_rotary_factor", _float(path, params, "partial_rotary_factor", 1.0))
-    if not 0 < partial <= 1:
-        raise ModelFormatError(path, f"config.json: partial_rotary_factor must be in (0, 1], got {partial}")
-    dims = int(head_dim * partial)
+    dims = int(head_dim * partial) if 0 < partial <= 1 else 0
+    if dims < 2:
+        raise ModelFormatError(path, f"config.json: partial_rotary_factor must be in (0, 1] and leave at least 2 of "
+                                     f"head_dim {head_dim} rotating, got {partial}")
     if "original_max_position_embeddings" in cfg:  # (transformers prefers the top-level key)
         params["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
     scaled = hf_rope_scaling(path, params, theta, dims, max_positions)
@@ -289,10 +307,12 @@ def _rope(path: Path, cfg: dict, head_dim: int, max_positions: int, arch: str) -
             "local_rope_theta": local}
 
 
-def _moe(path: Path, cfg: dict, arch: str) -> dict:
+def _moe(path: Path, cfg: dict, arch: str) -> tuple[dict, dict[str, int]]:
     """A mixture of experts' fields: Mixtral's experts are `intermediate_size` wide and always
-    renormalized; Qwen3-MoE's `moe_intermediate_size`, renormalized with `norm_topk_prob`."""
-    experts = _int(path, cfg, "num_local_experts" if "num_local_experts" in cfg else "num_experts")
+    renormalized; Qwen3-MoE's `moe_intermediate_size`, renormalized with `norm_topk_prob`. And
+    their sizes by the config's keys."""
+    experts_key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+    experts = _int(path, cfg, experts_key)
     if arch == "qwen3moe":
         if _int(path, cfg, "decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
             raise ModelFormatError(path, "dense layers among the experts' (decoder_sparse_step, mlp_only_layers) "
@@ -303,17 +323,24 @@ def _moe(path: Path, cfg: dict, arch: str) -> dict:
         width = _int(path, cfg, "moe_intermediate_size")
     else:
         normalized, width = True, _int(path, cfg, "intermediate_size")
-    return {"experts": experts, "experts_used": _int(path, cfg, "num_experts_per_tok"), "expert_ffn": width,
-            "experts_normalized": normalized}
+    used = _int(path, cfg, "num_experts_per_tok")
+    sizes = {experts_key: experts, "num_experts_per_tok": used,
+             "moe_intermediate_size" if arch == "qwen3moe" else "intermediate_size": width}
+    return {"experts": experts, "experts_used": used, "expert_ffn": width, "experts_normalized": normalized}, sizes
 
 
-def _config(path: Path, cfg: dict) -> ModelConfig:
+def _architecture(path: Path, cfg: dict) -> str:
     archs = cfg.get("architectures")
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise ModelFormatError(path, f"config.json: architectures must be a list of names, got {archs!r}")
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if arch is None:
         raise ModelFormatError(path, f"unsupported architecture {archs} (supported: {', '.join(ARCHITECTURES)})")
+    return arch
+
+
+def _config(path: Path, cfg: dict, arch: str, weights: WeightStore) -> ModelConfig:
+    """The config's `ModelConfig`, its sizes checked against the `weights` present before use."""
     for flag in ("mlp_bias",) + (("attention_bias",) if arch != "qwen2" else ()):
         if cfg.get(flag):
             raise ModelFormatError(path, f"config.json sets {flag}, which llmc does not support yet")
@@ -325,27 +352,32 @@ def _config(path: Path, cfg: dict) -> ModelConfig:
         raise ModelFormatError(path, f"config.json: num_attention_heads must be positive, got {heads}")
     layers = _int(path, cfg, "num_hidden_layers")
     head_dim = _int(path, cfg, "head_dim", hidden // heads)
-    context = _int(path, cfg, "max_position_embeddings", 2048)
+    kv_heads, ffn, vocab = (_int(path, cfg, "num_key_value_heads", heads), _int(path, cfg, "intermediate_size"),
+                            _int(path, cfg, "vocab_size"))
+    family, sizes = _moe(path, cfg, arch) if arch in MOE else ({}, {})  # what a family adds to the Llama fields
+    check_declared_sizes(path, weights, ("num_hidden_layers", layers), {
+        "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "num_attention_heads x head_dim": heads * head_dim, "intermediate_size": ffn, "vocab_size": vocab, **sizes})
+    context = _int(path, cfg, "max_position_embeddings", 2048, at_least=1, at_most=MAX_POSITIONS)
     sliding = _sliding_layers(path, cfg, arch, layers)
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if arch in GEMMA else "silu")
     if act != ("gelu_pytorch_tanh" if arch in GEMMA else "silu"):
         raise ModelFormatError(path, f"config.json: activation {act!r} is not supported for {arch}")
-    family = _moe(path, cfg, arch) if arch in MOE else {}  # what a family adds to ModelConfig's Llama fields
     if arch in GEMMA:
         family = {"embedding_scale": float(np.float32(hidden ** 0.5)), "gelu": True, "post_norms": True,
-                 "attn_scale": _float(path, cfg, "query_pre_attn_scalar", 256) ** -0.5,  # transformers' defaults
+                 "attn_scale": _float(path, cfg, "query_pre_attn_scalar", 256, positive=True) ** -0.5,  # transformers' defaults
                  "attn_softcap": _optional_float(path, cfg, "attn_logit_softcapping", 50.0 if arch == "gemma2" else None),
                  "final_softcap": _optional_float(path, cfg, "final_logit_softcapping",
                                                   30.0 if arch == "gemma2" else None)}
     config = ModelConfig(
         arch=arch,
-        vocab_size=_int(path, cfg, "vocab_size"),
+        vocab_size=vocab,
         hidden=hidden,
         layers=layers,
         heads=heads,
-        kv_heads=_int(path, cfg, "num_key_value_heads", heads),
+        kv_heads=kv_heads,
         head_dim=head_dim,
-        ffn=_int(path, cfg, "intermediate_size"),
+        ffn=ffn,
         rms_eps=_float(path, cfg, "rms_norm_eps", 1e-6),
         tied_embeddings=tied,
         qkv_bias=arch == "qwen2",
@@ -443,12 +475,13 @@ def load_hf(directory: Path, allow_pickle: bool = False) -> Model:
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise ModelFormatError(directory, "no config.json in this directory")
-    config = _config(config_file, _json(_inside(directory, config_file)))
+    cfg = _json(_inside(directory, config_file))
+    arch = _architecture(config_file, cfg)
     store = WeightStore(directory)
     files = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
     if files:
         for file in files:
-            _read_safetensors(_inside(directory, file), store, config.arch)
+            _read_safetensors(_inside(directory, file), store, arch)
     else:
         pickles = sorted(p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
         if not pickles:
@@ -458,7 +491,8 @@ def load_hf(directory: Path, allow_pickle: bool = False) -> Model:
                 directory, f"holds only pickle weights ({pickles[0].name}); pickles can run code, so llmc loads "
                            "them only with --allow-pickle (through torch's weights-only loader)")
         for file in pickles:
-            _read_pickle(_inside(directory, file), store, config.arch)
+            _read_pickle(_inside(directory, file), store, arch)
+    config = _config(config_file, cfg, arch, store)
     split_fused(config, store)
     if config.experts:
         _stack_experts(config, store)

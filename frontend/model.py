@@ -13,12 +13,51 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 
 from llmc.errors import ModelFormatError
 from llmc.ir import llm
 from llmc.ir.weights import WeightStore
 from llmc.runtime.codec import TextCodec
+
+F32_MAX = float(np.finfo(np.float32).max)
+MAX_POSITIONS = 2**31 - 1  # positions are i32 in the IR
+
+
+def finite(value: object) -> float | None:
+    """`value` as a finite float, or None where it is no finite number (a bool, a string, NaN, 10**400)."""
+    if type(value) not in (int, float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def rope_base(source: object, key: str, value: float) -> float:
+    """A RoPE base that its float32 frequency table can hold: positive and below float32's largest."""
+    if not F32_MAX > value > 0:
+        raise ModelFormatError(source, f"{key} must be a positive number below {F32_MAX:.3g}, got {value}")
+    return value
+
+
+def check_declared_sizes(source: object, weights: WeightStore, layers: tuple[str, int], widths: dict[str, int]) -> None:
+    """Refuse declared sizes that the tensors present cannot hold, before anything proportional to
+    them is allocated or looped over: each of `layers` needs tensors of its own, and each of
+    `widths` (heads, head sizes, experts, ...) is at most the tensor count or the largest
+    dimension present. Sizes are named by the file's own keys."""
+    tensors = len(weights)
+    widest = max((d for w in weights.entries.values() for d in w.shape), default=0)
+    checks = [(*layers, tensors, f"the {tensors} tensors present")]
+    checks += [(key, value, max(tensors, widest), f"the largest dimension ({widest}) and tensor count ({tensors}) present")
+               for key, value in widths.items()]
+    for key, value, bound, what in checks:
+        if value < 1:
+            raise ModelFormatError(source, f"{key} must be a positive integer, got {value}")
+        if value > bound:
+            raise ModelFormatError(source, f"{key} {value} exceeds {what}")
 
 
 @dataclass(frozen=True)
@@ -90,26 +129,32 @@ class ModelConfig:
             raise ModelFormatError(source, f"{self.heads} attention heads are not a multiple of {self.kv_heads} KV heads")
         if self.head_dim % 2:
             raise ModelFormatError(source, f"head dimension {self.head_dim} must be even for RoPE")
-        if not self.rope_theta > 0:
-            raise ModelFormatError(source, f"rope theta must be positive, got {self.rope_theta}")
+        rope_base(source, "rope theta", self.rope_theta)
         if not 0 < self.rms_eps < 1:
             raise ModelFormatError(source, f"RMSNorm epsilon must be in (0, 1), got {self.rms_eps}")
         dims = self.rope_dims or self.head_dim
         if dims % 2 or dims > self.head_dim:
             raise ModelFormatError(source, f"{dims} rotary dimensions must be even and at most the head dimension "
                                            f"{self.head_dim}")
-        if self.rope_factors and (len(self.rope_factors) != dims // 2 or not all(f > 0 for f in self.rope_factors)):
-            raise ModelFormatError(source, f"RoPE needs {dims // 2} positive frequency factors, got {len(self.rope_factors)}")
-        if not self.rope_mscale > 0:
+        if self.rope_factors and (len(self.rope_factors) != dims // 2
+                                  or not all(F32_MAX > f > 0 for f in self.rope_factors)):
+            raise ModelFormatError(source, f"RoPE frequency factors must be {dims // 2} positive numbers below "
+                                           f"{F32_MAX:.3g}, got {len(self.rope_factors)} from {min(self.rope_factors)} "
+                                           f"to {max(self.rope_factors)}")
+        if not F32_MAX > self.rope_mscale > 0:
             raise ModelFormatError(source, f"RoPE attention factor must be positive, got {self.rope_mscale}")
-        if self.sliding_layers and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
-            raise ModelFormatError(source, f"sliding window must be a positive integer, got {self.sliding_window!r}")
+        if self.context_length > MAX_POSITIONS:
+            raise ModelFormatError(source, f"context length {self.context_length} exceeds {MAX_POSITIONS} positions")
+        if self.sliding_layers and not (isinstance(self.sliding_window, int) and 0 < self.sliding_window <= MAX_POSITIONS):
+            raise ModelFormatError(source, f"sliding window must be an integer in 1..{MAX_POSITIONS}, got {self.sliding_window!r}")
         if self.experts and not (0 < self.experts_used <= self.experts and self.expert_ffn > 0):
             raise ModelFormatError(source, f"{self.experts_used} of {self.experts} experts, each of width "
                                            f"{self.expert_ffn}, cannot describe a mixture of experts")
-        for name in ("local_rope_theta", "embedding_scale", "attn_scale", "attn_softcap", "final_softcap"):
+        if self.local_rope_theta is not None:
+            rope_base(source, "local rope theta", self.local_rope_theta)
+        for name in ("embedding_scale", "attn_scale", "attn_softcap", "final_softcap"):
             value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and value > 0):
+            if value is not None and not (isinstance(value, float) and F32_MAX > value > 0):
                 raise ModelFormatError(source, f"{name} must be a positive number, got {value!r}")
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from llmc.errors import ModelFormatError
+from llmc.frontend.model import F32_MAX, finite
 
 
 @dataclass(frozen=True)
@@ -36,18 +37,20 @@ def _base_inv_freq(theta: float, dims: int) -> np.ndarray:
 
 
 def _number(source: object, params: dict, key: str, default: float | None = None) -> float:
+    """`params[key]` (or `default`): every scheme's numbers are positive, and float32 must hold them."""
     value = params.get(key, default)
-    if type(value) not in (int, float) or not math.isfinite(value):
-        raise ModelFormatError(source, f"RoPE scaling: {key} must be a number, got {value!r}")
-    return float(value)
+    number = finite(value)
+    if number is None or not F32_MAX > number > 0:
+        raise ModelFormatError(source, f"RoPE scaling: {key} must be a number in (0, {F32_MAX:.3g}), got {value!r}")
+    return number
 
 
 def _llama3(source: object, params: dict, theta: float, dims: int, max_positions: int) -> RopeScaling:
     factor = _number(source, params, "factor")
     low, high = _number(source, params, "low_freq_factor"), _number(source, params, "high_freq_factor")
     original = _number(source, params, "original_max_position_embeddings")
-    if not (factor > 0 and high > low > 0 and original > 0):
-        raise ModelFormatError(source, "RoPE scaling llama3: needs factor > 0 and high_freq_factor > low_freq_factor > 0")
+    if not high > low:
+        raise ModelFormatError(source, "RoPE scaling llama3: needs high_freq_factor > low_freq_factor")
     wavelength = 2 * math.pi / _base_inv_freq(theta, dims).astype(np.float64)
     smooth = (original / wavelength - low) / (high - low)
     medium = 1 / ((1 - smooth) / factor + smooth)
@@ -56,17 +59,14 @@ def _llama3(source: object, params: dict, theta: float, dims: int, max_positions
 
 
 def _linear(source: object, params: dict, theta: float, dims: int, max_positions: int) -> RopeScaling:
-    factor = _number(source, params, "factor")
-    if not factor > 0:
-        raise ModelFormatError(source, f"RoPE scaling linear: factor must be positive, got {factor}")
-    return RopeScaling((factor,) * (dims // 2))
+    return RopeScaling((_number(source, params, "factor"),) * (dims // 2))
 
 
 def _yarn(source: object, params: dict, theta: float, dims: int, max_positions: int) -> RopeScaling:
     original = _number(source, params, "original_max_position_embeddings")
     factor = _number(source, params, "factor", max_positions / original)
-    if not (factor > 0 and original > 0):
-        raise ModelFormatError(source, "RoPE scaling yarn: factor and original_max_position_embeddings must be positive")
+    if not theta > 1:
+        raise ModelFormatError(source, f"RoPE scaling yarn: needs a RoPE base above 1, got {theta}")
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -77,7 +77,9 @@ def _yarn(source: object, params: dict, theta: float, dims: int, max_positions: 
         attention = mscale(factor, _number(source, params, "mscale")) / mscale(factor, _number(source, params, "mscale_all_dim"))
     else:
         attention = mscale(factor)
-    fast, slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+    # transformers' defaults where they are missing, null or 0
+    fast = _number(source, {"beta_fast": params.get("beta_fast") or 32}, "beta_fast")
+    slow = _number(source, {"beta_slow": params.get("beta_slow") or 1}, "beta_slow")
 
     def correction(rotations: float) -> float:
         return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
@@ -98,9 +100,12 @@ def _longrope(source: object, params: dict, theta: float, dims: int, max_positio
     """LongRoPE (Phi-3): the short factors, which hold up to the original context length (the artifact's
     longest; the long factors, for contexts past it, are not supported yet)."""
     short = params.get("short_factor")
-    if not (isinstance(short, list) and len(short) == dims // 2 and all(type(v) in (int, float) and v > 0 for v in short)):
+    if not (isinstance(short, list) and len(short) == dims // 2 and all(F32_MAX > (finite(v) or 0) > 0 for v in short)):
         raise ModelFormatError(source, f"RoPE scaling longrope: short_factor must be {dims // 2} positive numbers")
     original = _number(source, params, "original_max_position_embeddings", max_positions)
+    if original < 2:
+        raise ModelFormatError(source, f"RoPE scaling longrope: original_max_position_embeddings must be at least 2, "
+                                       f"got {original}")
     factor = _number(source, params, "factor", max_positions / original)
     if params.get("attention_factor") is not None:
         attention = _number(source, params, "attention_factor")
@@ -115,6 +120,8 @@ _SCHEMES = {"llama3": _llama3, "linear": _linear, "yarn": _yarn, "longrope": _lo
 def hf_rope_scaling(source: object, params: dict, theta: float, dims: int, max_positions: int) -> RopeScaling:
     """The scaling a Hugging Face config's `rope_scaling` / `rope_parameters` dict asks for."""
     kind = params.get("rope_type", params.get("type", "default"))
+    if not isinstance(kind, str):
+        raise ModelFormatError(source, f"RoPE scaling: rope_type must be a name, got {kind!r}")
     if kind == "default":
         return RopeScaling()
     if kind not in _SCHEMES:

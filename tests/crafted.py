@@ -3,9 +3,10 @@
 `GGUFBuilder` writes a GGUF file field by field — header, metadata, tensor table,
 padding, data — and lets a test override any of them (counts, lengths, type ids,
 offsets) or splice raw bytes in, so each crafted file differs from a valid tiny model
-in one thing. `tiny_gguf()` is that valid tiny model; `Built.where` records the byte
-offset of every landmark (each metadata entry, each tensor entry, the data section) so
-tests can truncate at a chosen point and check the offsets errors report.
+in one thing. `tiny_gguf()` is that valid tiny model (`gguf_builder_of` reads another family's
+valid file into a builder); `Built.where` records the byte offset of every landmark (each
+metadata entry, each tensor entry, the data section) so tests can truncate at a chosen
+point and check the offsets errors report.
 
 `safetensors_bytes` does the same for the safetensors container (8-byte header
 length, JSON header, data).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -220,6 +222,32 @@ def tiny_gguf(spec: TinySpec = TinySpec(layers=1)) -> GGUFBuilder:
             w = llama_cpp_permute(w, spec.kv_heads)
         b.tensors.append(Tensor(name, list(reversed(w.shape)), GGML_F32, np.ascontiguousarray(w, "<f4").tobytes()))
     return b
+
+
+_ARRAY_TYPES = {np.dtype("<u1"): U8, np.dtype("<i4"): I32, np.dtype("<u4"): U32, np.dtype("<f4"): F32,
+                np.dtype("<i8"): I64, np.dtype("<u8"): U64, np.dtype("<f8"): F64, np.dtype(bool): BOOL}
+
+
+def gguf_builder_of(path: Path) -> GGUFBuilder:
+    """A valid GGUF file (as `tiny_models.write_gguf` writes for any family) as an editable builder:
+    its metadata in the types the values read back as, its tensors as they are."""
+    from llmc.frontend.gguf_reader import TENSOR_TYPES, read_gguf
+
+    type_ids = {name: type_id for type_id, (name, *_) in TENSOR_TYPES.items()}
+    gguf = read_gguf(path)
+    kvs: list = []
+    for key, value in gguf.metadata.items():
+        if isinstance(value, np.ndarray):
+            kvs.append((key, ARR, Arr(_ARRAY_TYPES[value.dtype], value.tolist())))
+        elif isinstance(value, list):
+            kvs.append((key, ARR, Arr(STR, value)))
+        elif type(value) is int:
+            kvs.append((key, U32 if 0 <= value < 2**32 else I64, value))
+        else:
+            kvs.append((key, {bool: BOOL, float: F64, str: STR}[type(value)], value))
+    tensors = [Tensor(t.name, list(reversed(t.shape)), type_ids[t.type_name], bytes(t.data))
+               for t in gguf.tensors]
+    return GGUFBuilder(kvs=kvs, tensors=tensors)
 
 
 # ------------------------------------------------------------------ safetensors

@@ -4,6 +4,8 @@ rejected cleanly (see `hostile.py` for what "cleanly" means).
 
 from __future__ import annotations
 
+import functools
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +24,9 @@ from crafted import (
     U32,
     U64,
     Arr,
+    GGUFBuilder,
     Tensor,
+    gguf_builder_of,
     gkv,
     gstr,
     tiny_gguf,
@@ -329,7 +333,7 @@ _cases({
     "ffn-length-contradicts-tensors": _with(_A + "feed_forward_length", U32, 64,
                                             "tensor 'blk.0.ffn_gate' has shape 48x32, the config implies 64x32"),
     "embedding-length-contradicts-tensors": _with(_A + "embedding_length", U32, 64, "the config implies"),
-    "block-count-0": _with(_A + "block_count", U32, 0, "layers must be a positive integer, got 0"),
+    "block-count-0": _with(_A + "block_count", U32, 0, "llama.block_count must be a positive integer, got 0"),
     "block-count-2^32-1": _with(_A + "block_count", U32, 2**32 - 1, "4294967295"),
     "block-count-2^63-i64": _with(_A + "block_count", U64, 2**63, "9223372036854775808"),
     "head-count-kv-is-a-bool": _with(_A + "attention.head_count_kv", BOOL, True, "'llama.attention.head_count_kv'"),
@@ -338,7 +342,7 @@ _cases({
     "block-count-is-an-array": _with(_A + "block_count", ARR, Arr(U32, [1]), "'llama.block_count' should be an integer, got an array"),
     "context-length-0": _with(_A + "context_length", U32, 0, "context_length must be a positive integer"),
     "rms-epsilon-nan": _with(_A + "attention.layer_norm_rms_epsilon", F32, float("nan"), "RMSNorm epsilon"),
-    "rope-theta-negative": _with(_A + "rope.freq_base", F32, -1.0, "rope theta must be positive"),
+    "rope-theta-negative": _with(_A + "rope.freq_base", F32, -1.0, "rope theta must be a positive number"),
     "rope-dimension-odd": _with(_A + "rope.dimension_count", U32, 7, "7 rotary dimensions must be even"),
     "missing-architecture": lambda: Crafted(base().drop("general.architecture").raw(),
                                             ["missing metadata key 'general.architecture'"]),
@@ -351,6 +355,74 @@ _cases({
     "tensor-shape-contradicts-config": _tensor_edit(_Q, _set(dims=[16, 64]),
                                                     "tensor 'blk.0.attn_q' has shape 64x16, the config implies 32x32"),
     "unexpected-tensor": lambda: Crafted(_extra_tensor("blk.7.ffn_up.weight"), ["unexpected tensor 'blk.7.ffn_up'"]),
+})
+
+
+# --- other families' files: declared sizes beyond the tensors present, numbers out of range
+
+_GGUF_SPECS = {
+    "gemma2": TinySpec(arch="gemma2", hidden=48, heads=3, kv_heads=1, head_dim=16, layers=2, sliding_window=4,
+                       layer_types=("sliding_attention", "full_attention"), attn_softcap=5.0, final_softcap=8.0),
+    "gemma3": TinySpec(arch="gemma3", heads=4, kv_heads=1, head_dim=16, layers=2, sliding_window=5,
+                       layer_types=("sliding_attention", "full_attention")),
+    "phi3": TinySpec(arch="phi3", heads=4, kv_heads=4, layers=1),
+    "mistral": TinySpec(arch="mistral", layers=1, sliding_window=4),
+    "linear-rope": TinySpec(layers=1, rope_scaling=(("rope_type", "linear"), ("factor", 4.0))),
+    "qwen3moe": TinySpec(arch="qwen3moe", experts=4, experts_used=2, ffn=16, head_dim=16, layers=1, tied=False),
+}
+
+
+@functools.cache
+def _family(name: str) -> GGUFBuilder:
+    """The valid tiny GGUF model of `_GGUF_SPECS[name]`, as a builder."""
+    spec = _GGUF_SPECS[name]
+    with tempfile.TemporaryDirectory() as directory:
+        return gguf_builder_of(write_gguf(spec, random_weights(spec), Path(directory) / "model.gguf"))
+
+
+def _family_with(family: str, key: str, vtype: int, value: object, *details: str) -> Callable[[], Crafted]:
+    """The family's file with `{architecture}.{key}` set to `value`."""
+    def make() -> Crafted:
+        b = _family(family).copy()
+        return Crafted(b.set(f"{b.value('general.architecture')}.{key}", vtype, value).raw(), list(details))
+
+    return make
+
+
+# the comment says what each did before its size was checked against the tensors present
+_cases({
+    "gemma2-block-count-10^9": _family_with("gemma2", "block_count", U32, 10**9,
+                                            "gemma2.block_count 1000000000 exceeds the 24 tensors present"),  # hung
+    "gemma3-block-count-2^63": _family_with("gemma3", "block_count", U64, 2**63, "gemma3.block_count 9223372036854775808 "
+                                                                                 "exceeds"),  # hung
+    "phi3-block-count-2^32-1": _family_with("phi3", "block_count", U32, 2**32 - 1, "phi3.block_count 4294967295 exceeds"),
+    "mistral-block-count-10^9": _family_with("mistral", "block_count", U32, 10**9,
+                                             "llama.block_count 1000000000 exceeds"),  # MemoryError
+    "rope-dimension-count-10^9": _family_with("linear-rope", "rope.dimension_count", U32, 10**9,
+                                              "llama.rope.dimension_count 1000000000 exceeds"),  # hung
+    "rope-dimension-count-2^63": _family_with("linear-rope", "rope.dimension_count", U64, 2**63,
+                                              "llama.rope.dimension_count 9223372036854775808 exceeds"),  # MemoryError
+    "qwen3moe-expert-count-2^63": _family_with("qwen3moe", "expert_count", U64, 2**63,
+                                               "qwen3moe.expert_count 9223372036854775808 exceeds"),
+    "qwen3moe-expert-width-0": _family_with("qwen3moe", "expert_feed_forward_length", U32, 0,
+                                            "qwen3moe.expert_feed_forward_length must be a positive integer, got 0"),
+    "gemma2-key-length-0": _family_with("gemma2", "attention.key_length", U32, 0,
+                                        "gemma2.attention.key_length must be a positive integer, got 0"),  # ZeroDivision
+    "gemma2-embedding-length-0": _family_with("gemma2", "embedding_length", U32, 0,
+                                              "gemma2.embedding_length must be a positive integer, got 0"),  # ZeroDivision
+    "gemma3-embedding-length-negative": _family_with("gemma3", "embedding_length", I32, -1,
+                                                     "gemma3.embedding_length must be a positive integer, got -1"),
+    "rope-freq-base-inf": _family_with("mistral", "rope.freq_base", F64, float("inf"),
+                                       "rope theta must be a positive number below"),  # VerifyException
+    "rope-freq-base-1e300": _family_with("mistral", "rope.freq_base", F64, 1e300,
+                                         "rope theta must be a positive number below"),
+    "rope-scaling-factor-inf": _family_with("linear-rope", "rope.scaling.factor", F64, float("inf"),
+                                            "RoPE frequency factors must be 4 positive numbers"),  # VerifyException
+    "context-length-2^63": _family_with("mistral", "context_length", U64, 2**63,
+                                        "context length 9223372036854775808 exceeds 2147483647"),  # accepted
+    "sliding-window-2^63": _family_with("mistral", "attention.sliding_window", U64, 2**63,
+                                        "sliding window must be an integer in 1..2147483647"),
+    "gemma2-softcap-inf": _family_with("gemma2", "attn_logit_softcapping", F64, float("inf"), "attn_softcap"),
 })
 
 
@@ -448,6 +520,7 @@ def test_the_corpus_is_big_enough() -> None:
     assert len(GGUF_CASES) >= 30
 
 
+@pytest.mark.filterwarnings("error")  # a numpy warning is a stray stderr line
 @pytest.mark.parametrize("name", GGUF_CASES)
 def test_crafted_gguf_is_rejected(name: str, tmp_path: Path) -> None:
     crafted = GGUF_CASES[name]()

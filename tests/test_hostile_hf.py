@@ -20,7 +20,7 @@ from crafted import (
     safetensors_of,
 )
 from hostile import SPEC, assert_cli_rejects, assert_rejected, hf_weights
-from tiny_models import write_hf
+from tiny_models import TinySpec, random_weights, write_hf
 
 from llmc.errors import ModelFormatError
 from llmc.frontend import import_model, load_model
@@ -321,3 +321,134 @@ def test_cli_compile_of_crafted_hf_directory_prints_one_line(name: str, hf_dir: 
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     HF_CASES[name][0](hf_dir)
     assert_cli_rejects(hf_dir, tmp_path / "out", capsys)
+
+
+# ------------------------------------------- config values: sizes the tensors cannot hold, numbers out of range
+
+_YARN = (("rope_type", "yarn"), ("factor", 4.0), ("original_max_position_embeddings", 16))
+_LONGROPE = (("rope_type", "longrope"), ("short_factor", (1.0, 1.5, 2.0, 4.0)), ("long_factor", (2.0, 3.0, 4.0, 8.0)),
+             ("original_max_position_embeddings", 16))
+FAMILY_SPECS = {
+    "llama": SPEC,
+    "yarn": TinySpec(layers=1, rope_scaling=_YARN),
+    "longrope": TinySpec(arch="phi3", layers=1, heads=4, kv_heads=4, rope_scaling=_LONGROPE),
+    "gemma2": TinySpec(arch="gemma2", layers=1, head_dim=16, layer_types=("sliding_attention",), sliding_window=4),
+    "mistral": TinySpec(arch="mistral", layers=1, sliding_window=4),
+    "qwen2": TinySpec(arch="qwen2", layers=1),
+    "mixtral": TinySpec(arch="mixtral", layers=1, experts=4, experts_used=2, ffn=16),
+    "qwen3moe": TinySpec(arch="qwen3moe", layers=1, experts=4, experts_used=2, ffn=16),
+}
+
+
+def _cfg(**values: object) -> Callable[[dict], object]:
+    """Set top-level config values (None: remove the key)."""
+    def edit(config: dict) -> None:
+        for key, value in values.items():
+            config.pop(key, None) if value is None else config.__setitem__(key, value)
+
+    return edit
+
+
+def _scaling(**values: object) -> Callable[[dict], object]:
+    return lambda config: config["rope_scaling"].update(values)
+
+
+_BIG = 10**400  # json writes and parses it; float() of it overflows
+_WINDOWED_QWEN2 = {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}
+# name → (family, config edit (the file's text where it returns one), details); the comment says what each did before it was checked
+CONFIG_CASES: dict[str, tuple[str, Callable[[dict], object], list[str]]] = {
+    # declared sizes beyond the tensors present (hung, or passed 6 GB, before anything was read)
+    "gemma2-layers-10^9-by-pattern": ("gemma2", _cfg(layer_types=None, num_hidden_layers=10**9),
+                                      ["num_hidden_layers 1000000000 exceeds the 13 tensors present"]),
+    "mistral-window-layers-10^9": ("mistral", _cfg(num_hidden_layers=10**9), ["num_hidden_layers 1000000000 exceeds"]),
+    "qwen2-window-layers-10^9": ("qwen2", _cfg(**_WINDOWED_QWEN2, num_hidden_layers=10**9),
+                                 ["num_hidden_layers 1000000000 exceeds"]),
+    "mixtral-experts-10^9": ("mixtral", _cfg(num_local_experts=10**9), ["num_local_experts 1000000000 exceeds"]),
+    "qwen3moe-experts-10^9": ("qwen3moe", _cfg(num_experts=10**9), ["num_experts 1000000000 exceeds"]),
+    "head-dim-10^9-linear-rope": ("llama", _cfg(head_dim=10**9, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+                                  ["head_dim 1000000000 exceeds"]),  # MemoryError
+    "head-dim-10^30": ("yarn", _cfg(head_dim=10**30), ["head_dim 1000000000000000000000000000000 exceeds"]),
+    "hidden-size-10^400": ("gemma2", _cfg(hidden_size=_BIG), ["hidden_size 1000000"]),  # OverflowError
+    "hidden-size-negative": ("gemma2", _cfg(hidden_size=-1), ["hidden_size must be a positive integer, got -1"]),
+    "intermediate-size-10^12": ("llama", _cfg(intermediate_size=10**12), ["intermediate_size 1000000000000 exceeds"]),
+    "head-dim-0": ("llama", _cfg(head_dim=0), ["head_dim must be a positive integer, got 0"]),
+    "max-position-embeddings-10^400": ("yarn", _cfg(max_position_embeddings=_BIG),
+                                       ["max_position_embeddings must be at most 2147483647"]),  # OverflowError
+    "sliding-window-10^30": ("mistral", _cfg(sliding_window=10**30), ["sliding window must be an integer in 1.."]),
+    "max-window-layers-negative": ("qwen2", _cfg(**_WINDOWED_QWEN2 | {"max_window_layers": -5}),
+                                   ["max_window_layers must be at least 0, got -5"]),  # accepted: layers -5..-1
+    # numbers out of range or of the wrong kind
+    "rms-norm-eps-10^400": ("llama", _cfg(rms_norm_eps=_BIG), ["rms_norm_eps must be a number"]),  # OverflowError
+    "rope-theta-10^400": ("llama", _cfg(rope_theta=_BIG), ["rope_theta must be a number"]),  # OverflowError
+    "rope-theta-1e300": ("llama", _cfg(rope_theta=1e300), ["rope_theta must be a positive number below"]),  # accepted
+    "rope-theta-0-llama3": ("llama", _cfg(rope_theta=0, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                                       "original_max_position_embeddings": 16}),
+                            ["rope_theta must be a positive number"]),  # numpy warnings
+    "rope-theta-nan-yarn": ("yarn", _cfg(rope_theta=float("nan")), ["rope_theta must be a number, got nan"]),
+    "rope-theta-1-yarn": ("yarn", _cfg(rope_theta=1), ["yarn: needs a RoPE base above 1"]),  # ZeroDivisionError
+    "rope-type-a-list": ("llama", _cfg(rope_scaling={"rope_type": [], "factor": 2.0}), ["rope_type must be a name"]),
+    "yarn-original-0": ("yarn", _scaling(original_max_position_embeddings=0),
+                        ["original_max_position_embeddings must be a number in (0,"]),  # ZeroDivisionError
+    "yarn-original-negative": ("yarn", _scaling(original_max_position_embeddings=-4096),
+                               ["original_max_position_embeddings must be a number in (0,"]),
+    "yarn-factor-0": ("yarn", _scaling(factor=0), ["factor must be a number in (0,"]),
+    "yarn-factor-1e300": ("yarn", _scaling(factor=1e300), ["factor must be a number in (0,"]),  # overflow warnings
+    "yarn-factor-missing-original-missing": ("yarn", lambda c: c.__setitem__("rope_scaling", {"rope_type": "yarn"}),
+                                             ["original_max_position_embeddings must be a number"]),
+    "yarn-beta-fast-string": ("yarn", _scaling(beta_fast="x"), ["beta_fast must be a number"]),  # TypeError
+    "yarn-beta-slow-negative": ("yarn", _scaling(beta_slow=-1), ["beta_slow must be a number"]),  # math domain error
+    "yarn-attention-factor-negative": ("yarn", _scaling(attention_factor=-1.0), ["attention_factor must be a number"]),
+    "longrope-original-0": ("longrope", _cfg(original_max_position_embeddings=0),
+                            ["original_max_position_embeddings must be a number in (0,"]),  # ZeroDivisionError
+    "longrope-original-1": ("longrope", _cfg(original_max_position_embeddings=1),
+                            ["original_max_position_embeddings must be at least 2"]),  # ZeroDivisionError
+    "longrope-original-0.5": ("longrope", _cfg(original_max_position_embeddings=0.5),
+                              ["original_max_position_embeddings must be at least 2"]),  # ValueError
+    "longrope-short-factor-wrong-length": ("longrope", _scaling(short_factor=[1.0, 2.0]),
+                                           ["short_factor must be 4 positive numbers"]),
+    "longrope-short-factor-10^400": ("longrope", _scaling(short_factor=[1.0, 2.0, 3.0, _BIG]),
+                                     ["short_factor must be 4 positive numbers"]),  # OverflowError
+    "query-pre-attn-scalar-0": ("gemma2", _cfg(query_pre_attn_scalar=0),
+                                ["query_pre_attn_scalar must be a positive number, got 0"]),  # ZeroDivisionError
+    "query-pre-attn-scalar-negative": ("gemma2", _cfg(query_pre_attn_scalar=-1),
+                                       ["query_pre_attn_scalar must be a positive number"]),  # TypeError (complex)
+    "softcapping-10^400": ("gemma2", _cfg(attn_logit_softcapping=_BIG), ["attn_logit_softcapping must be a number"]),
+    "partial-rotary-factor-0.1": ("llama", _cfg(partial_rotary_factor=0.1),
+                                  ["partial_rotary_factor must be in (0, 1] and leave at least 2"]),  # accepted: all rotate
+    "rms-norm-eps-negative": ("llama", _cfg(rms_norm_eps=-1e-5), ["RMSNorm epsilon must be in (0, 1)"]),
+    "config-nested-100k-deep": ("llama", lambda c: json.dumps(c)[:-1] + ', "x": ' + "[" * 10**5 + "]" * 10**5 + "}",
+                                ["config.json", "invalid JSON"]),
+}
+
+
+@pytest.fixture(scope="module")
+def family_bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {name: write_hf(spec, random_weights(spec), root / name) for name, spec in FAMILY_SPECS.items()}
+
+
+def _crafted_config(name: str, family_bases: dict[str, Path], tmp_path: Path) -> Path:
+    family, edit, _ = CONFIG_CASES[name]
+    directory = Path(shutil.copytree(family_bases[family], tmp_path / "model"))
+    config = json.loads((directory / "config.json").read_text())
+    text = edit(config)
+    (directory / "config.json").write_text(text if isinstance(text, str) else json.dumps(config))
+    return directory
+
+
+def test_the_family_bases_are_valid(family_bases: dict[str, Path]) -> None:
+    for directory in family_bases.values():
+        import_model(load_model(str(directory)))
+
+
+@pytest.mark.filterwarnings("error")  # a numpy warning is a stray stderr line
+@pytest.mark.parametrize("name", CONFIG_CASES)
+def test_crafted_config_is_rejected(name: str, family_bases: dict[str, Path], tmp_path: Path) -> None:
+    assert_rejected(_crafted_config(name, family_bases, tmp_path), CONFIG_CASES[name][2])
+
+
+@pytest.mark.parametrize("name", CONFIG_CASES)
+def test_cli_compile_of_crafted_config_prints_one_line(name: str, family_bases: dict[str, Path], tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert_cli_rejects(_crafted_config(name, family_bases, tmp_path), tmp_path / "out", capsys)

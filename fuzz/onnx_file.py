@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import llmc.frontend.onnx  # noqa: F401 — onnx imported now, not in the first input's time
 from fuzz.common import exercise, outcome, place, tiny_tokenizer
 from llmc.frontend import import_model, load_model
 

@@ -3,7 +3,6 @@ loaded without pickles and imported to `llm` IR."""
 
 from __future__ import annotations
 
-import llmc.frontend.torch_export  # noqa: F401 — torch imported now, not in the first input's time
 from fuzz.common import exercise, outcome, place, tiny_tokenizer
 from llmc.frontend import import_model, load_model
 

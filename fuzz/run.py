@@ -77,6 +77,8 @@ def fuzz_target(target: str, seconds: float, timeout: int, rss_limit_mb: int) ->
             command = [sys.executable, "-m", "fuzz", target, str(work), str(seeds), f"-max_total_time={int(left)}",
                        f"-timeout={timeout}", f"-rss_limit_mb={rss_limit_mb}", f"-artifact_prefix={corpus}/",
                        "-print_final_stats=1"]
+            if (FUZZ / "dicts" / f"{target}.dict").is_file():  # the input language's words, for text targets
+                command.append(f"-dict={FUZZ / 'dicts' / f'{target}.dict'}")
             try:
                 text = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       errors="replace", timeout=left + 120).stdout

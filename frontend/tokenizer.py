@@ -22,13 +22,21 @@ From a Hugging Face directory it is `tokenizer.json` as is.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from llmc.errors import ModelFormatError
-from llmc.runtime.codec import TextCodec
+from llmc.runtime.codec import TextCodec, tokenizer_failures
+
+# the most tokens a vocabulary may hold: four times the largest real ones (Gemma's 262,144);
+# building a tokenizer costs seconds per million tokens
+MAX_VOCABULARY = 1 << 20
+# the most characters deriving SentencePiece merges may slice and look up (real vocabularies
+# take 10^6 to 2 * 10^7; this is half a second)
+_MAX_MERGE_WORK = 1 << 28
 
 # llama.cpp's split expressions (llm_tokenizer_bpe), written for the `tokenizers` library's
 # regex engine (Oniguruma) so that it matches what llama.cpp matches: llama.cpp runs an
@@ -204,13 +212,24 @@ def _pre_tokenizer(pre: _Pre) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence(splits)
 
 
-def _sentencepiece_merges(vocab: dict[str, int], scores: Sequence[float]) -> list[tuple[str, str]]:
+def _sentencepiece_merges(source: object, vocab: dict[str, int], scores: Sequence[float]) -> list[tuple[str, str]]:
     """Every pair of tokens that joins into a token, best joined token first: the order in which
     llama.cpp's SentencePiece tokenizer merges adjacent symbols (pairs that make the same token,
-    which llama.cpp takes in text order, by where they cut it)."""
+    which llama.cpp takes in text order, by where they cut it).
+
+    A token is cut only where its first part has the length of some token: for a token of L
+    characters that is min(L, D) cuts of L characters' work, D the number of different token
+    lengths (16 to 100 in real vocabularies), so one very long token costs D times its length,
+    not its length squared. A vocabulary that would still cost more than `_MAX_MERGE_WORK`
+    (thousands of different lengths, crafted) is refused before any of it."""
+    lengths = sorted({len(token) for token in vocab} - {0})
+    cuts = [bisect_left(lengths, len(token)) for token in vocab]  # how many lengths are shorter than each token
+    if sum(n * len(token) for n, token in zip(cuts, vocab)) > _MAX_MERGE_WORK:
+        raise ModelFormatError(source, f"tokenizer.ggml.tokens: tokens of {len(lengths)} different lengths, up to "
+                                       f"{lengths[-1]} characters, are more than a SentencePiece vocabulary holds")
     found = []
-    for token, i in vocab.items():
-        found += [(-scores[i], i, k) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
+    for (token, i), n in zip(vocab.items(), cuts):
+        found += [(-scores[i], i, k) for k in lengths[:n] if token[:k] in vocab and token[k:] in vocab]
     tokens = list(vocab)
     return [(tokens[i][:k], tokens[i][k:]) for _, i, k in sorted(found)]
 
@@ -236,6 +255,9 @@ def from_gguf_vocab(
     if model not in _MODELS:
         known = ", ".join(f"{m} ({what})" for m, what in _MODELS.items())
         raise ModelFormatError(source, f"unsupported tokenizer model '{model}' (supported: {known})")
+    if len(tokens) > MAX_VOCABULARY:
+        raise ModelFormatError(source, f"tokenizer.ggml.tokens holds {len(tokens)} tokens, more than any model's "
+                                       f"vocabulary (at most {MAX_VOCABULARY} here)")
     vocab = {token: i for i, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ModelFormatError(source, "tokenizer.ggml.tokens holds duplicate tokens")
@@ -258,9 +280,10 @@ def from_gguf_vocab(
         add_bos = how.always_bos or (how.add_bos if add_bos is None else add_bos)
     # as llama.cpp for Phi-3 models: their special tokens but three take the whitespace after them along
     phi3 = any(n in (name or "").lower() for n in ("phi-3", "phi3"))
-    tok.add_special_tokens([AddedToken(text, special=True, normalized=False,
-                                       rstrip=phi3 and text not in ("<unk>", "<s>", "<|endoftext|>"))
-                            for text in special])
+    with tokenizer_failures(lambda problem: ModelFormatError(source, f"cannot build the tokenizer: {problem}")):
+        tok.add_special_tokens([AddedToken(text, special=True, normalized=False,
+                                           rstrip=phi3 and text not in ("<unk>", "<s>", "<|endoftext|>"))
+                                for text in special])
     return TextCodec(tok, bos_id, eos_id, add_bos, chat_template)
 
 
@@ -301,11 +324,10 @@ def _bpe(source: object, vocab: dict[str, int], merges: list[str], pre: _Pre, sp
         if cut < 0 or left not in vocab or right not in vocab:
             raise ModelFormatError(source, f"tokenizer.ggml.merges has an invalid entry {merge!r}")
         pairs.setdefault((left, right), None)
-    try:
+    with tokenizer_failures(lambda problem: ModelFormatError(source, f"tokenizer.ggml.merges do not form a BPE "
+                                                                     f"model: {problem}")):
         tok = Tokenizer(models.BPE(vocab=vocab, merges=list(pairs), fuse_unk=False, ignore_merges=pre.ignore_merges,
                                    byte_fallback=not pre.byte_level))
-    except Exception as e:  # the tokenizers library raises its own exception type
-        raise ModelFormatError(source, f"tokenizer.ggml.merges do not form a BPE model: {e}") from e
     tok.pre_tokenizer = _pre_tokenizer(pre)
     if pre.byte_level:
         tok.decoder = _byte_level_decoder(special)
@@ -321,8 +343,9 @@ def _sentencepiece(source: object, vocab: dict[str, int], scores: Sequence[float
     if scores is None:
         raise ModelFormatError(source, "a SentencePiece tokenizer (tokenizer.ggml.model = llama) needs "
                                        "tokenizer.ggml.scores, which this file lacks")
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=_sentencepiece_merges(vocab, scores), byte_fallback=True,
-                               fuse_unk=False))
+    merges = _sentencepiece_merges(source, vocab, scores)
+    with tokenizer_failures(lambda problem: ModelFormatError(source, f"cannot build the tokenizer: {problem}")):
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, fuse_unk=False))
     # a space before the text, and after every special token (the normalizer runs on the
     # text between them), as llama.cpp's add_space_prefix
     spaces = [normalizers.Prepend(_SPACE)] if space_prefix else []

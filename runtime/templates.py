@@ -78,6 +78,7 @@ class _Budget:
         # the sizes of the lists, dicts and tuples measured, with the object, so that its id
         # stays its own (the sandbox forbids changing them)
         self.sizes: dict[int, tuple[object, int]] = {}
+        self.kept = 0  # the items of the values in `sizes`
 
     def size(self, value: object) -> int:
         """`value`'s length as text, roughly, counting what its containers hold (above the
@@ -91,9 +92,7 @@ class _Budget:
             if len(value) < 16:
                 return self._sum(value)
             known = self.sizes.get(id(value))
-            if known is None:
-                known = self.sizes[id(value)] = (value, self._sum(value))
-            return known[1]
+            return known[1] if known is not None else self.remember(value, self._sum(value))
         if isinstance(value, (str, bytes)):
             return len(value)
         if isinstance(value, int):
@@ -103,6 +102,14 @@ class _Budget:
         if isinstance(value, Collection) and not isinstance(value, range):
             return self._sum(value)
         return 1  # numbers, none, functions, iterators (their items are measured as they come)
+
+    def remember(self, value: list | dict | tuple, size: int) -> int:
+        """`size`, kept as `value`'s while the values kept hold no more items than the size limit
+        (so that what is kept for a rendering stays small)."""
+        if self.kept + len(value) <= self.limits.chars:
+            self.kept += len(value)
+            self.sizes[id(value)] = (value, size)
+        return size
 
     def _sum(self, values: Collection) -> int:
         total, limit = 2, self.limits.chars
@@ -368,7 +375,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         budget.check(estimate, f"'{operator}'")
         result = super().call_binop(context, operator, left, right)
         if estimate and type(result) in (list, tuple):  # a new sequence: its estimate its size, not measured again
-            budget.sizes[id(result)] = (result, estimate)
+            budget.remember(result, estimate)
             return result
         return budget.checked(result, f"'{operator}'")
 

@@ -35,6 +35,8 @@ HOSTILE = {
                      "ran for more than 0.25 s"),
     "macro calls doubling": ("{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
                              "{{ f(60) }}", "ran for more than 0.25 s"),
+    "new lists in loops": ("{% for i in range(100000) %}{% for j in range(100) %}{% set l = [i] * 64 %}{% endfor %}"
+                           "{% endfor %}", "ran for more than 0.25 s"),
     "huge power": ("{{ 7 ** (10 ** 10) }}", "('**')"),
     "integer squared in a loop": ("{% set ns = namespace(x=3) %}{% for i in range(64) %}{% set ns.x = ns.x * ns.x %}"
                                   "{% endfor %}", "an integer of more than 65536 bits"),

@@ -341,13 +341,14 @@ def test_an_output_in_a_read_only_folder_is_one_line_before_compiling(tiny, tmp_
         locked.chmod(0o755)
 
 
-def test_a_failed_compile_leaves_the_old_artifact_and_a_finished_one_replaces_it(tiny, artifact, tmp_path) -> None:
+NEW_CHUNK = CompileOptions(prefill_chunk=8, max_seq=32, kv_type="f32")  # (the fixture's artifact has chunks of 4)
+
+
+def test_a_failed_compile_leaves_the_old_artifact(tiny, artifact, tmp_path) -> None:
     """The compile is interrupted once its kernels are written (Ctrl-C at the codegen line): the old
-    artifact is as it was and nothing is left beside it. Run to the end, the compile replaces it: the folder
-    holds the new artifact's files only, and it runs."""
+    artifact is as it was, and nothing is left beside it."""
     out = _copy(artifact(SPEC), tmp_path / "out")
     before = _snapshot(out)
-    options = CompileOptions(prefill_chunk=8, max_seq=32, kv_type="f32")  # (the old one's chunk is 4)
 
     def interrupt(line: str) -> None:
         if line.startswith("codegen"):
@@ -355,10 +356,15 @@ def test_a_failed_compile_leaves_the_old_artifact_and_a_finished_one_replaces_it
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        compile_model(str(tiny(SPEC, "gguf")), out, options, BackendOptions(), progress=interrupt)
+        compile_model(str(tiny(SPEC, "gguf")), out, NEW_CHUNK, BackendOptions(), progress=interrupt)
     assert _snapshot(out) == before
     assert os.listdir(tmp_path) == ["out"]
-    compile_model(str(tiny(SPEC, "gguf")), out, options, BackendOptions(), progress=lambda _: None)
+
+
+def test_a_finished_compile_replaces_the_old_artifact(tiny, artifact, tmp_path) -> None:
+    """The folder then holds the new artifact's files only, nothing is left beside it, and it runs."""
+    out = _copy(artifact(SPEC), tmp_path / "out")
+    compile_model(str(tiny(SPEC, "gguf")), out, NEW_CHUNK, BackendOptions(), progress=lambda _: None)
     assert os.listdir(tmp_path) == ["out"]
     manifest = load_manifest(out)
     assert manifest.entry_points["prefill"]["max_tokens"] == 8

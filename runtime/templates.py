@@ -9,8 +9,9 @@ any value it builds), and
 - every operation that can build a value much larger than its operands (the `*`, `**`, `+`
   and `%` operators, `~`, calls, filters, `str.format`, captured blocks, output) first
   estimates what it would build, from its operands' sizes, and refuses what passes the limit;
-- a trace function on the rendering thread stops the rendering at its deadline (no signals:
-  it works on any thread, for the time of one rendering);
+- every step of a `for` loop, and each of those operations, checks the deadline (no signals
+  or process-wide limits: it works on whatever thread renders, several at once); compiling a
+  template, jinja2's own code, is held to it by a trace function on that thread;
 - `include`, `extends` and `import` are refused, and recursion that runs out of stack ends
   the rendering.
 
@@ -122,24 +123,19 @@ class _Budget:
     def check(self, size: int, what: str) -> None:
         if size > self.limits.chars:
             raise _Exceeded(f"the model's chat template builds more than {self.limits.chars} characters "
-                                    f"({printable(what, 80)})")
+                            f"({printable(what, 80)})")
 
     def checked(self, value: object, what: str) -> Any:
         """`value`, if it is within the limits."""
         if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
             raise _Exceeded(f"the model's chat template builds an integer of more than {MAX_INT_BITS} bits "
-                                    f"({what})")
+                            f"({what})")
         self.check(self.size(value), what)
         return value
 
     def arguments(self, args: tuple | list, kwargs: dict, what: str) -> None:
-        """Each argument within the limits, and no number in them past the size limit (a width,
-        a count of repeats)."""
+        """Each argument within the limits."""
         for value in (*args, *kwargs.values()):
-            if isinstance(value, int) and abs(value) > self.limits.chars:
-                shown = value if value.bit_length() < 64 else "a huge number"
-                raise _Exceeded(f"the model's chat template passes {shown} to {what}, more than the limit of "
-                                f"{self.limits.chars}")
             self.checked(value, what)
 
     def collect(self, items: Iterator, what: str) -> list:
@@ -210,6 +206,8 @@ def _str_method_size(budget: _Budget, text: str | bytes, name: str, args: tuple,
         return budget.size(items) + len(text) * (len(items) if isinstance(items, Collection) else 0)
     if name == "translate":
         return len(text) * (1 + budget.size(args[0] if args else None))
+    if name in ("ljust", "rjust", "center", "zfill") and args and isinstance(args[0], int):
+        return max(len(text), args[0])
     return 0
 
 
@@ -241,6 +239,8 @@ _FILTER_SIZES: dict[str, Callable[..., int]] = {
     "wordwrap": lambda budget, s, width=79, break_long_words=True, wrapstring=None, break_on_hyphens=True: (
         budget.size(s) * (1 + budget.size(wrapstring or "\n"))),
     "batch": lambda budget, value, linecount, fill_with=None: linecount * (2 + budget.size(fill_with)),
+    "slice": lambda budget, value, slices, fill_with=None: budget.size(value) + slices * (4 + budget.size(fill_with)),
+    "center": lambda budget, value, width=80: max(budget.size(value), width),
     "format": lambda budget, value, *args, **kwargs: _percent_size(budget, str(value), kwargs or args),
     "tojson": _json_size,
     "pprint": lambda budget, value: budget.size(value) * (1 + _depth(value)),
@@ -250,8 +250,8 @@ _FILTER_SIZES: dict[str, Callable[..., int]] = {
 
 def _bounded_filter(name: str, function: Callable) -> Callable:
     """`function` (the filter `name`) that refuses to build more than the budget allows: an
-    iterator it is given is collected within the budget, its arguments are checked, so is
-    what it would build (`_FILTER_SIZES`) and what it builds."""
+    iterator it is given is collected within the budget, its value and arguments are checked,
+    so is what it would build (`_FILTER_SIZES`) and what it builds."""
     skip = 1 if _PassArg.from_obj(function) else 0  # the context jinja2 passes first
     what = f"filter '{name}'"
     estimate = _FILTER_SIZES.get(name)
@@ -263,8 +263,7 @@ def _bounded_filter(name: str, function: Callable) -> Callable:
         args = list(args)
         if len(args) > skip and isinstance(args[skip], Iterator):
             args[skip] = budget.collect(args[skip], what)
-        budget.checked(args[skip], what)
-        budget.arguments(args[skip + 1:], kwargs, what)
+        budget.arguments(args[skip:], kwargs, what)
         if estimate is not None:
             budget.check(estimate(budget, *args[skip:], **kwargs), what)
         return budget.checked(function(*args, **kwargs), what)
@@ -406,7 +405,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
                          else _BoundedFormatter(self))
             return type(form)(formatter.vformat(form, args, kwargs))
 
-        return bounded
+        return functools.update_wrapper(bounded, value)
 
     def concat(self, parts: Iterable[str]) -> str:
         """A captured block's text (a macro's, a `set` block's, a `filter` block's, a block's)."""
@@ -419,15 +418,20 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         return "".join(out)
 
     def str_join(self, parts: tuple) -> str:
-        budget = _BUDGET.get()
-        budget.on_time()
-        budget.check(sum(map(budget.size, parts)), "'~'")
+        """`a ~ b ~ ...` (`_CodeGenerator`)."""
+        _check_join(parts)
         return str_join(parts)
 
     def markup_join(self, parts: tuple) -> str:
-        budget = _BUDGET.get()
-        budget.check(sum(map(budget.size, parts)), "'~'")
+        """`a ~ b ~ ...` where output is escaped."""
+        _check_join(parts)
         return markup_join(parts)
+
+
+def _check_join(parts: tuple) -> None:
+    budget = _BUDGET.get()
+    budget.on_time()
+    budget.check(sum(map(budget.size, parts)), "'~'")
 
 
 def _raise_exception(message: str) -> None:

@@ -291,9 +291,7 @@ def _rope(path: Path, cfg: dict, head_dim: int, max_positions: int, arch: str) -
         params = params.get("full_attention", {})
     params = {**scaling, **params}
     theta = _float(path, cfg, "rope_theta", _float(path, params, "rope_theta", 1e6 if arch == "gemma3" else 10000.0))
-    rope_base(path, "config.json: rope_theta", theta)
-    if local is not None:
-        rope_base(path, "config.json: the sliding layers' rope_theta", local)
+    rope_base(path, "config.json: rope_theta", theta)  # before the scaling's frequencies are computed from it
     partial = _float(path, cfg, "partial_rotary_factor", _float(path, params, "partial_rotary_factor", 1.0))
     dims = int(head_dim * partial) if 0 < partial <= 1 else 0
     if dims < 2:

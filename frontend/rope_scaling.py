@@ -52,9 +52,10 @@ def _llama3(source: object, params: dict, theta: float, dims: int, max_positions
     if not high > low:
         raise ModelFormatError(source, "RoPE scaling llama3: needs high_freq_factor > low_freq_factor")
     wavelength = 2 * math.pi / _base_inv_freq(theta, dims).astype(np.float64)
-    smooth = (original / wavelength - low) / (high - low)
-    medium = 1 / ((1 - smooth) / factor + smooth)
-    factors = np.where(wavelength < original / high, 1.0, np.where(wavelength > original / low, factor, medium))
+    factors = np.where(wavelength < original / high, 1.0, factor)
+    medium = (wavelength >= original / high) & (wavelength <= original / low)  # smoothed between 1 and factor
+    smooth = (original / wavelength[medium] - low) / (high - low)
+    factors[medium] = 1 / ((1 - smooth) / factor + smooth)
     return RopeScaling(tuple(float(f) for f in factors))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import pickle
 import shutil
@@ -452,3 +453,17 @@ def test_crafted_config_is_rejected(name: str, family_bases: dict[str, Path], tm
 def test_cli_compile_of_crafted_config_prints_one_line(name: str, family_bases: dict[str, Path], tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     assert_cli_rejects(_crafted_config(name, family_bases, tmp_path), tmp_path / "out", capsys)
+
+
+@pytest.mark.filterwarnings("error")
+def test_llama3_rope_whose_unused_smoothing_divides_by_zero_warns_nothing(family_bases: dict[str, Path],
+                                                                          tmp_path: Path) -> None:
+    """Pair 0 (wavelength 2π) lies beyond the smoothed band; the smoothing formula there divides by
+    (1 - s) / factor + s = 0 (s = -1): computed for every pair, it printed a numpy warning."""
+    scaling = {"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 3.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 4 * math.pi}
+    directory = Path(shutil.copytree(family_bases["llama"], tmp_path / "model"))
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"rope_scaling": scaling}))
+    model = load_model(str(directory))
+    assert model.config.rope_factors[0] == 2.0

@@ -72,6 +72,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -205,7 +211,7 @@ def attack(url: str, seconds: float, max_chars: int, max_messages: int, connecti
         t.start()
     for t in threads:
         t.join()
-    out.send((dict(counts), held))
+    out.send((dict(counts), held, cpu_seconds(os.getpid())))
 
 
 # ------------------------------------------------------------------ the run
@@ -238,7 +244,9 @@ def measure(process: subprocess.Popen, url: str, stderr: list[str], args: argpar
         limits = Limits.for_capacity(http.get("/v1/models").json()["data"][0]["max_model_len"])  # (the defaults)
         for _ in range(3):  # warm-up
             good_request(http)
+        alone_cpu = cpu_seconds(process.pid)
         alone = [good_request(http) for _ in range(args.unloaded)]
+        alone_cpu = cpu_seconds(process.pid) - alone_cpu
         assert all(status == 200 for _, status, _ in alone), alone
         expected = alone[0][2]
         unloaded = statistics.median(s for s, _, _ in alone)
@@ -250,11 +258,13 @@ def measure(process: subprocess.Popen, url: str, stderr: list[str], args: argpar
                                  args.attacker_nice, sending))
         hostile.start()
         time.sleep(1)  # (the attack under way)
-        loaded, peak = [], before
+        loaded, peak, server_cpu, load = [], before, cpu_seconds(process.pid), os.getloadavg()[0]
         while hostile.is_alive():
             loaded.append(good_request(http))
             peak = max(peak, rss_mb(process.pid))
-        counts, held = receiving.recv()
+        counts, held, attacker_cpu = receiving.recv()
+        server_cpu = cpu_seconds(process.pid) - server_cpu
+        load = max(load, os.getloadavg()[0])
         hostile.join()
         time.sleep(2)
         after = rss_mb(process.pid)
@@ -268,7 +278,8 @@ def measure(process: subprocess.Popen, url: str, stderr: list[str], args: argpar
     print(f"server        {url}: {limits.max_chars} characters, {limits.max_messages} messages, "
           f"{limits.max_body_bytes} body bytes, head {limits.head_seconds:g} s, body {limits.body_seconds:g} s")
     print(f"unloaded      {args.unloaded} requests, median {unloaded * 1000:.0f} ms, "
-          f"worst {max(s for s, _, _ in alone) * 1000:.0f} ms; text {expected!r}")
+          f"worst {max(s for s, _, _ in alone) * 1000:.0f} ms, server CPU {alone_cpu / args.unloaded:.2f} s each; "
+          f"text {expected!r}")
     print(f"under attack  {same}/{len(loaded)} good requests answered 200 with the same text ({100 * same / len(loaded):.1f}%); "
           f"median {statistics.median(s for s, _, _ in loaded) * 1000:.0f} ms, worst {worst * 1000:.0f} ms "
           f"(bound 2 x unloaded + 1 s = {bound * 1000:.0f} ms)")
@@ -277,6 +288,9 @@ def measure(process: subprocess.Popen, url: str, stderr: list[str], args: argpar
     print(f"hostile       {sum(counts.values())} requests: " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
     if held:
         print(f"slow clients  held {min(held):.1f}-{max(held):.1f} s before the server closed them")
+    print(f"CPU           server {server_cpu:.0f} s (good requests' share ≈ {alone_cpu / args.unloaded * len(loaded):.0f} "
+          f"s), attacker {attacker_cpu:.0f} s in the {args.seconds:g} s attack "
+          f"on {os.cpu_count()} CPUs; load average {load:.1f} (other processes included)")
     print(f"server log    {'TRACEBACKS:' if tracebacks else 'no tracebacks'}")
     if tracebacks:
         print("".join(stderr)[-3000:])

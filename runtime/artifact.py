@@ -264,7 +264,7 @@ def check_description(manifest: Manifest, description: object, kernels: Path) ->
                 if found is not None:
                     return found
             return None
-        return None if json.dumps(want, sort_keys=True) == json.dumps(got, sort_keys=True) else field
+        return None if _same(want, got) else field
 
     if not isinstance(description, dict) or not description:
         raise ArtifactError(f"{kernels}: the kernels carry no description of themselves; recompile with this llmc")
@@ -272,6 +272,17 @@ def check_description(manifest: Manifest, description: object, kernels: Path) ->
     if field is not None:
         raise ArtifactError(f"{manifest.directory / MANIFEST}: manifest does not match its kernels: "
                             f"{printable(field, 200)}; recompile")
+
+
+def _same(a: object, b: object) -> bool:
+    """JSON values equal, and of the same types throughout (1 is not 1.0 or true)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(v, b[k]) for k, v in a.items())  # type: ignore[attr-defined,index]
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))  # type: ignore[arg-type]
+    return a == b
 
 
 def parse_description(text: bytes, kernels: Path) -> object:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import atheris
 
-TARGETS = ("gguf_file", "gguf_vocab", "tokenizer_json", "chat_template", "onnx_file", "pt2_file")
+from fuzz import TARGETS
+
 # Python libraries whose branches a target's inputs drive, beyond llmc's own (torch, onnx and
 # tokenizers parse in native code, which atheris does not see)
 INSTRUMENTED = {"chat_template": ["jinja2"]}

@@ -24,10 +24,12 @@ from llmc.errors import ModelFormatError
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `fuzz` as a package
 
+from fuzz import TARGETS  # noqa: E402
 from fuzz.common import CORPUS, Warned, outcome, recording  # noqa: E402
 
 MAX_SECONDS = 10  # the fuzzers' -timeout: CPU seconds (`time.process_time`), whatever else the host runs
 NEEDS = {"onnx_file": "onnx", "pt2_file": "torch"}
+GARBAGE = b"\x00garbage{%"  # no target's format: refused by each
 ENTRIES = sorted(p for p in CORPUS.glob("*/*") if p.suffix != ".txt")
 
 
@@ -36,6 +38,7 @@ def test_corpus_entry(entry: Path) -> None:
     if entry.parent.name in NEEDS:
         pytest.importorskip(NEEDS[entry.parent.name])
     check = importlib.import_module(f"fuzz.{entry.parent.name}").check
+    check(GARBAGE)  # what the importers import on first use (torch, onnx), outside the measured run
     data = entry.read_bytes()
     tracemalloc.start()
     try:
@@ -48,6 +51,13 @@ def test_corpus_entry(entry: Path) -> None:
         tracemalloc.stop()
     assert seconds < MAX_SECONDS, f"{entry.name}: {seconds:.1f} s"
     assert peak < MAX_EXTRA_BYTES, f"{entry.name}: peak traced memory {peak / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_target_refuses_garbage_cleanly(target: str) -> None:
+    if target in NEEDS:
+        pytest.importorskip(NEEDS[target])
+    importlib.import_module(f"fuzz.{target}").check(GARBAGE)
 
 
 def test_outcome_passes_llmc_errors_only() -> None:

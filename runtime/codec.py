@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from llmc.errors import LlmcError, ModelFormatError, printable
 from llmc.runtime.artifact import Manifest
-from llmc.runtime.templates import DEFAULT_LIMITS, RenderLimits, compile_template, render
+from llmc.runtime.templates import DEFAULT_LIMITS, ChatTemplateError, RenderLimits, compile_template, render
 
 
 class TokenizerError(LlmcError):
@@ -113,9 +113,15 @@ class TextCodec:
         return render(self._template(), variables, self.limits)
 
     def _template(self):
-        """The compiled chat template (compiled once per template text)."""
+        """The compiled chat template, compiled once per template text (a template that does not
+        compile fails each rendering without compiling again)."""
         if self._compiled is None or self._compiled[0] != self.chat_template:
-            self._compiled = (self.chat_template, compile_template(self.chat_template, self.limits))
+            try:
+                self._compiled = (self.chat_template, compile_template(self.chat_template, self.limits))
+            except ChatTemplateError as e:
+                self._compiled = (self.chat_template, str(e))
+        if isinstance(self._compiled[1], str):
+            raise ChatTemplateError(self._compiled[1])
         return self._compiled[1]
 
 

@@ -11,7 +11,8 @@ any value it builds), and
   estimates what it would build, from its operands' sizes, and refuses what passes the limit;
 - every step of a `for` loop, and each of those operations, checks the deadline (no signals
   or process-wide limits: it works on whatever thread renders, several at once); compiling a
-  template, jinja2's own code, is held to it by a trace function on that thread;
+  template, jinja2's own code, is held to a deadline of its own by a trace function on that
+  thread;
 - `include`, `extends` and `import` are refused, and recursion that runs out of stack ends
   the rendering.
 
@@ -60,10 +61,14 @@ class _Exceeded(BaseException):  # noqa: N818 — a signal, as KeyboardInterrupt
 @dataclass(frozen=True)
 class RenderLimits:
     """What one rendering of a chat template may spend: `seconds` of time, and `chars`
-    characters of output and of any value (string, list, ...) it builds."""
+    characters of output and of any value (string, list, ...) it builds; and the time its
+    compiling may take, once per template (jinja2 compiles a real template, of 2 to 30 KB, in
+    0.02 to 0.5 s; 3 times that while held to its time, and a template of `chars` characters
+    in half a minute)."""
 
     seconds: float = 1.0
     chars: int = 1_000_000
+    compile_seconds: float = 5.0
 
 
 DEFAULT_LIMITS = RenderLimits()
@@ -73,9 +78,9 @@ _BUDGET: ContextVar[_Budget] = ContextVar("chat template budget")
 class _Budget:
     """One rendering's limits and what it has spent: its deadline, and the sizes of values."""
 
-    def __init__(self, limits: RenderLimits):
-        self.limits = limits
-        self.deadline = time.monotonic() + limits.seconds
+    def __init__(self, limits: RenderLimits, seconds: float):
+        self.limits, self.seconds = limits, seconds
+        self.deadline = time.monotonic() + seconds
         # the sizes of the lists, dicts and tuples measured, with the object, so that its id
         # stays its own (the sandbox forbids changing them)
         self.sizes: dict[int, tuple[object, int]] = {}
@@ -150,7 +155,7 @@ class _Budget:
 
     def on_time(self) -> None:
         if time.monotonic() > self.deadline:
-            raise _Exceeded(f"the model's chat template ran for more than {self.limits.seconds:g} s")
+            raise _Exceeded(f"the model's chat template ran for more than {self.seconds:g} s")
 
     def tick(self, frame: object, event: str, arg: object) -> None:
         """A trace function that ends what runs at the deadline, checked at each call (compiling:
@@ -458,13 +463,13 @@ class _Generation(Extension):
 
 
 @contextmanager
-def _within(limits: RenderLimits, trace: bool = False) -> Iterator[_Budget]:
+def _within(limits: RenderLimits, seconds: float, trace: bool = False) -> Iterator[_Budget]:
     """A budget for the code run inside, on this thread, and what goes wrong a
     `ChatTemplateError` (the template is a stranger's program: whatever it raises is its
     failure). With `trace`, a trace function keeps the deadline (the thread's own one put back
     after): for code other than the template's, whose operations check it themselves (tracing
     would make them several times slower)."""
-    budget = _Budget(limits)
+    budget = _Budget(limits, seconds)
     token = _BUDGET.set(budget)
     previous = sys.gettrace()
     if trace:
@@ -490,16 +495,17 @@ def _within(limits: RenderLimits, trace: bool = False) -> Iterator[_Budget]:
 
 
 def compile_template(source: str, limits: RenderLimits = DEFAULT_LIMITS) -> Template:
-    """A chat template's text compiled for `render`, within `limits` (its length counted as output)."""
+    """A chat template's text compiled for `render`, within `limits` (its length counted as
+    output, its time `compile_seconds`)."""
     if len(source) > limits.chars:
         raise ChatTemplateError(f"the model's chat template is longer than {limits.chars} characters")
-    with _within(limits, trace=True):
+    with _within(limits, limits.compile_seconds, trace=True):
         return _BoundedEnvironment().from_string(source)
 
 
 def render(template: Template, variables: dict[str, Any], limits: RenderLimits = DEFAULT_LIMITS) -> str:
     """`template` rendered with `variables` within `limits`; a `ChatTemplateError` otherwise."""
-    with _within(limits) as budget:
+    with _within(limits, limits.seconds) as budget:
         parts, written = [], 0
         for part in template.generate(**variables):
             written += len(part)

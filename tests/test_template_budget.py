@@ -26,7 +26,7 @@ from llmc.runtime.templates import ChatTemplateError, RenderLimits
 
 MAX_SECONDS = 1.5
 MAX_EXTRA_BYTES = 64 * 2**20
-QUICK = RenderLimits(seconds=0.25)  # for the templates that run out of time: the same code, sooner
+QUICK = RenderLimits(seconds=0.25, compile_seconds=0.25)  # for the templates that run out of time: the same code, sooner
 BIG = "{% set s = 'x' * 900000 %}"  # a string just within the limit of 1 MB
 
 # name → (template, what the one line says)
@@ -89,6 +89,8 @@ HOSTILE = {
     "division by zero": ("{{ 1 // 0 }}", "failed: ZeroDivisionError"),
     "syntax": ("{% for %}", "failed: Expected an expression"),
     "template too long": ("x" * 1_000_001, "longer than 1000000 characters"),
+    "template slow to compile": ("{{ x }}" * 100_000, "ran for more than 0.25 s"),
+    "template nested deeply": ("{{ " + "(" * 100_000 + "1" + ")" * 100_000 + " }}", "recurses too deeply"),
     "escape": ("{{ ''.__class__.__mro__ }}", "failed: access to attribute '__class__' of 'str' object is unsafe"),
 }
 MESSAGES = [{"role": "user", "content": "Hello"}]
@@ -127,9 +129,16 @@ def test_hostile_template_is_one_line_fast_and_small(name: str) -> None:
 
 
 def test_default_budget_is_one_second() -> None:
-    message, seconds, _ = _refused(_codec(HOSTILE["nested loops"][0]))
+    codec = _codec(HOSTILE["nested loops"][0])
+    message, seconds, _ = _refused(codec)
     assert "ran for more than 1 s" in message
     assert seconds < MAX_SECONDS
+
+
+def test_template_that_does_not_compile_fails_each_time() -> None:
+    codec = _codec(HOSTILE["template slow to compile"][0], QUICK)
+    first, second = _refused(codec)[0], _refused(codec)[0]
+    assert first == second == "the model's chat template ran for more than 0.25 s"
 
 
 def test_limits_are_the_codecs() -> None:

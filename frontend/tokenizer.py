@@ -323,6 +323,9 @@ def _bpe(source: object, vocab: dict[str, int], merges: list[str], pre: _Pre, sp
         left, right = merge[:cut], merge[cut + 1:]
         if cut < 0 or left not in vocab or right not in vocab:
             raise ModelFormatError(source, f"tokenizer.ggml.merges has an invalid entry {merge!r}")
+        if left + right not in vocab:  # the tokenizers library panics on it
+            raise ModelFormatError(source, f"tokenizer.ggml.merges has {merge!r}, which makes a token the vocabulary "
+                                           "lacks")
         pairs.setdefault((left, right), None)
     with tokenizer_failures(lambda problem: ModelFormatError(source, f"tokenizer.ggml.merges do not form a BPE "
                                                                      f"model: {problem}")):

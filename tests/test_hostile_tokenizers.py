@@ -94,6 +94,14 @@ def test_sentencepiece_vocabulary_of_thousands_of_lengths_is_refused() -> None:
     assert seconds < MAX_SECONDS
 
 
+def test_merge_making_a_token_the_vocabulary_lacks_is_refused() -> None:
+    """The tokenizers library panics on it (an index out of range): refused before."""
+    error, _ = _timed(lambda: from_gguf_vocab("vocab.gguf", "gpt2", "gpt2", ["a", "b"], None, ["a b"], None, None,
+                                              None, None, None, None))
+    assert isinstance(error, ModelFormatError), repr(error)
+    assert str(error) == "vocab.gguf: tokenizer.ggml.merges has 'a b', which makes a token the vocabulary lacks"
+
+
 def test_vocabulary_beyond_any_model_is_refused() -> None:
     tokens = [f"t{i}" for i in range(MAX_VOCABULARY + 1)]
     error, seconds = _timed(lambda: from_gguf_vocab("vocab.gguf", "gpt2", "gpt2", tokens, None, [], None, None, None,

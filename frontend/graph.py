@@ -103,7 +103,11 @@ class GraphBuilder:
         if len(shape) != 4 or None in (shape[1], shape[3]):
             raise ModelFormatError(self.source, f"past input '{name}' must be [batch, kv_heads, past, head_dim] "
                                                 f"with static heads and head_dim, got {list(shape)}")
-        return self.add(llm.ConstantOp(dense(np.zeros((1, shape[1], 0, shape[3]), dtype))), name)
+        try:
+            empty = np.zeros((1, shape[1], 0, shape[3]), dtype)
+        except ValueError as e:  # numpy refuses dimensions whose product overflows
+            raise ModelFormatError(self.source, f"past input '{name}' has impossible dimensions {list(shape)}") from e
+        return self.add(llm.ConstantOp(dense(empty)), name)
 
     def constant(self, array: np.ndarray, name: str | None = None) -> SSAValue:
         array = np.asarray(array)

@@ -20,10 +20,10 @@ multiplied from the right is stored transposed, `[out, in]`); integer, boolean a
 ones become `llm.constant`. Values computed from constants only (shapes, axes) are folded
 while importing, so ops that need static data (Unsqueeze's axes, Split's sizes) find it.
 
-Model files come from strangers: the file size, the opset, every tensor's declared size
-and every external-data reference (only files inside the model's directory, read with
-bounds checks) are checked before anything is read, and each problem is one
-`ModelFormatError` line.
+Model files come from strangers: the file size and how many nodes, messages and fields it
+holds (`onnx_loader`), the opset, every tensor's declared size and every external-data
+reference (only regular files inside the model's directory, read with bounds checks) are
+checked before anything is read, and each problem is one `ModelFormatError` line.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import onnx
-from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper, numpy_helper
 from xdsl.dialects.builtin import ModuleOp, TensorType, i1, i64
 from xdsl.ir import Operation, SSAValue
@@ -44,12 +44,12 @@ from xdsl.utils.exceptions import VerifyException
 
 from llmc.errors import ModelFormatError
 from llmc.frontend.graph import GraphBuilder, tensor_type
+from llmc.frontend.onnx_loader import load_model
 from llmc.ir import llm
 from llmc.ir.interpreter import evaluate, numpy_dtype
 from llmc.ir.weights import WeightStore
 
 OPSET = 17  # the oldest default-domain opset llmc reads
-PROTOBUF_LIMIT = 2**31  # bytes: protobuf cannot parse a larger message
 MAX_ELEMENTS = 2**40  # more elements than any tensor llmc could hold
 
 DTYPES = {
@@ -58,26 +58,6 @@ DTYPES = {
     TensorProto.INT8: np.int8, TensorProto.UINT8: np.uint8, TensorProto.BOOL: np.bool_,
 }
 Shape = tuple[int | None, ...]
-
-
-def load_model(path: Path) -> onnx.ModelProto:
-    """The ModelProto of `path`, external data not loaded; a file that is too large or not a model is refused."""
-    try:
-        size = path.stat().st_size
-    except OSError as e:
-        raise ModelFormatError(path, f"cannot read the model file: {e.strerror}") from e
-    if size >= PROTOBUF_LIMIT:
-        raise ModelFormatError(path, f"{size} bytes is more than protobuf's 2 GiB limit for one ONNX file "
-                                     f"(large models keep their weights as external data)")
-    try:
-        model = onnx.load(path, load_external_data=False)
-    except OSError as e:
-        raise ModelFormatError(path, f"cannot read the model file: {e.strerror}") from e
-    except (DecodeError, ValueError, RuntimeError) as e:
-        raise ModelFormatError(path, f"not a valid ONNX ModelProto (truncated or corrupt): {e}") from e
-    if not model.HasField("graph") or model.ir_version <= 0:
-        raise ModelFormatError(path, "not an ONNX model (no graph or IR version)")
-    return model
 
 
 def import_graph(model: onnx.ModelProto, source: Path,
@@ -163,7 +143,8 @@ def _dtype(source: Path, elem: int, what: str) -> np.dtype:
 def _inside(source: Path, directory: Path, location: str, name: str) -> Path:
     """The external-data file `location` of tensor `name`, refused unless it is inside `directory`."""
     parts = location.replace("\\", "/").split("/")
-    if not location or os.path.isabs(location) or location.startswith(("/", "\\")) or ":" in parts[0]:
+    if not location or "\0" in location or os.path.isabs(location) or location.startswith(("/", "\\")) \
+            or ":" in parts[0]:
         raise ModelFormatError(source, f"tensor '{name}': external data location '{location}' is not a path "
                                        f"relative to the model's directory; refusing to read it")
     if ".." in parts:
@@ -193,18 +174,24 @@ def tensor_array(t: TensorProto, source: Path, directory: Path) -> np.ndarray:
         path = _inside(source, directory, info.get("location", ""), name)
         try:
             offset, length = int(info.get("offset", 0)), int(info.get("length", count * dtype.itemsize))
-            size = path.stat().st_size
+            found = path.stat()
         except ValueError as e:
             raise ModelFormatError(source, f"tensor '{name}': malformed external data offset or length") from e
         except OSError as e:
             raise ModelFormatError(source, f"tensor '{name}': cannot read external data '{path.name}': "
                                            f"{e.strerror}") from e
+        if not stat.S_ISREG(found.st_mode):  # a folder, a FIFO (opening it waits for a writer), a device
+            raise ModelFormatError(source, f"tensor '{name}': external data '{path.name}' is not a regular file")
+        size = found.st_size
         if offset < 0 or length != count * dtype.itemsize or offset + length > size:
             raise ModelFormatError(source, f"tensor '{name}': external data at offset {offset}, length {length} "
                                            f"does not hold {shape} {dtype} inside '{path.name}' ({size} bytes)")
         if count == 0:
             return np.zeros(shape, dtype)
-        return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
+        try:
+            return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
+        except (OSError, ValueError) as e:
+            raise ModelFormatError(source, f"tensor '{name}': cannot map external data '{path.name}': {e}") from e
     stored = len(t.raw_data) // dtype.itemsize if t.HasField("raw_data") else _field_count(t)
     if stored != count or (t.HasField("raw_data") and len(t.raw_data) != count * dtype.itemsize):
         raise ModelFormatError(source, f"tensor '{name}' declares {list(t.dims)} = {count} elements but holds "
@@ -236,10 +223,14 @@ class _Graph:
                 op = f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
                 raise ModelFormatError(source, f"node '{_node_name(node)}' uses ONNX op '{op}', which llmc "
                                                f"does not import")
-        try:
-            inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
-        except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, ValueError, RuntimeError) as e:
-            raise ModelFormatError(source, f"ONNX shape inference fails: {str(e).splitlines()[0]}") from e
+            if node.op_type == "Split" and _attr(node, "num_outputs", len(node.output)) != len(node.output):
+                raise self.error(node, f"num_outputs {_attr(node, 'num_outputs')} is not its {len(node.output)} "
+                                       f"outputs")  # shape inference would allocate that many
+        try:  # without data propagation, which materializes computed shapes (40 doubling Concats: 2**40 values)
+            inferred = onnx.shape_inference.infer_shapes(model, data_prop=False)
+        except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, ValueError, RuntimeError,
+                MemoryError) as e:
+            raise ModelFormatError(source, f"ONNX shape inference fails: {(str(e).splitlines() or [type(e).__name__])[0]}") from e
         g = inferred.graph
         self.types = {v.name: v.type for v in (*g.input, *g.value_info, *g.output) if v.type.HasField("tensor_type")}
         # Matrices multiplied from the right: stored `[out, in]`.
@@ -250,6 +241,7 @@ class _Graph:
         self.b = builder
         self.values = values
         self.known: dict[SSAValue, np.ndarray] = {}
+        self.suffixes: dict[str, int] = {}
 
     def finish(self, outputs: Sequence[SSAValue]) -> ModuleOp:
         module = self.b.finish(outputs)
@@ -311,9 +303,10 @@ class _Graph:
 
     def weight(self, name: str, array: np.ndarray) -> SSAValue:
         """`array` as `llm.weight`, named after the ONNX name."""
-        symbol = _identifier(name)
-        while symbol in self.b.weights:
-            symbol += "_"
+        base = symbol = _identifier(name)
+        while symbol in self.b.weights:  # names differing only in characters IR names lack: numbered, in linear time
+            self.suffixes[base] = self.suffixes.get(base, 0) + 1
+            symbol = f"{base}_{self.suffixes[base]}"
         value = self.b.weight(symbol, array, transposed=name in self.right and array.ndim == 2)
         return value if array.dtype == np.float32 else self.emit(
             llm.CastOp(value, tensor_type(array.shape, array.dtype)))
@@ -901,7 +894,7 @@ def _split(g: _Graph, node: onnx.NodeProto) -> list[SSAValue]:
     shape = llm.shape_of(x)
     axis = _attr(node, "axis", 0) % len(shape)
     sizes = g.static(node, 1, "split")
-    count = _attr(node, "num_outputs", len(node.output))
+    count = len(node.output)
     if sizes is None:
         if shape[axis] is None:
             raise g.error(node, f"splitting axis {axis} of tensor<{shape}> needs split sizes, it is dynamic")

@@ -2,7 +2,7 @@
 
 `export_decoder` exports a module (a Hugging Face `*ForCausalLM`, or any module whose
 `forward(input_ids)` returns logits `[1, T, V]`) with the token dimension dynamic;
-`load_pt2` reads one saved with `torch.export.save` without running code from the file;
+`load_pt2` (of `pt2_loader`) reads one saved with `torch.export.save` without running code from the file;
 `import_program` maps each FX node of the program, as exported (training IR, where
 `aten.linear` and `aten.scaled_dot_product_attention` are still whole), to `llm` ops:
 
@@ -28,13 +28,8 @@ imported, so asserts and unused buffers drop out.
 
 from __future__ import annotations
 
-import ast
-import io
-import json
 import math
 import operator
-import re
-import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -49,8 +44,11 @@ from xdsl.utils.exceptions import VerifyException
 
 from llmc.errors import ModelFormatError
 from llmc.frontend.graph import GraphBuilder, tensor_type
+from llmc.frontend.pt2_loader import load_pt2, target_name
 from llmc.ir import llm
 from llmc.ir.weights import WeightStore
+
+__all__ = ["export_decoder", "import_program", "load_pt2"]  # load_pt2: from pt2_loader
 
 aten = torch.ops.aten
 
@@ -270,18 +268,12 @@ class _Importer:
         target = node.target
         mapping = _ATEN.get(target) or _ATEN.get(getattr(target, "overloadpacket", None))
         if mapping is None:
-            raise self.fail(node, f"calls {_target_name(target)}, which llmc does not import")
+            raise self.fail(node, f"calls {target_name(target)}, which llmc does not import")
         args = _arguments(node) if isinstance(target, torch._ops.OpOverload) else dict(enumerate(node.args))
         try:
             return mapping(self, node, args)
         except (KeyError, TypeError, ValueError, IndexError, VerifyException) as e:  # a malformed graph
-            raise self.fail(node, f"calls {_target_name(target)} in a way llmc cannot import ({e})") from e
-
-
-def _target_name(target: object) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        return str(target.overloadpacket)
-    return f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', target)}".lstrip(".")
+            raise self.fail(node, f"calls {target_name(target)} in a way llmc cannot import ({e})") from e
 
 
 def _arguments(node: fx.Node) -> dict[object, object]:
@@ -780,177 +772,3 @@ def _attention(im: _Importer, node: fx.Node, a: dict) -> SSAValue:
         scores = im.add(llm.AddOp(scores, im.tensor_value(mask, dtype)))
     weights = im.add(llm.SoftmaxOp(scores, -1))
     return im.add(llm.BatchMatmulOp(weights, v, im.type_of(node)))
-
-
-# ------------------------------------------------------------------------ .pt2 files
-
-_ALLOWED_PYTHON_TARGETS = {
-    operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg, operator.truediv,
-    operator.pow, operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge, operator.getitem,
-    operator.and_, operator.or_, operator.not_, torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_float,
-    torch.sym_int, torch.sym_ite, torch.sym_sqrt,
-}
-# sympy's `srepr` of an expression over shape symbols (torch evaluates it with sympify, i.e. eval)
-_EXPR_TOKEN = re.compile(r"\s+|\d+(\.\d*)?(e[+-]?\d+)?|'[A-Za-z_][A-Za-z0-9_]*'|[A-Za-z_][A-Za-z0-9_]*|[-+*/%(),=<>!]")
-_EXPR_NAMES = {
-    "Symbol", "Integer", "Float", "Rational", "Mul", "Add", "Pow", "Mod", "Max", "Min", "Eq", "Ne", "Lt", "Le", "Gt",
-    "Ge", "And", "Or", "Not", "True", "False", "positive", "integer", "nonnegative", "real", "finite", "FloorDiv",
-    "ModularIndexing", "Where", "PythonMod", "CleanDiv", "CeilToInt", "FloorToInt", "CeilDiv", "LShift", "RShift",
-    "PowByNatural", "FloatPow", "FloatTrueDiv", "IntTrueDiv", "IsNonOverlappingAndDenseIndicator", "TruncToFloat",
-    "TruncToInt", "RoundToInt", "RoundDecimal", "ToFloat", "Identity", "oo", "zoo", "nan", "Infinity",
-    "NegativeInfinity", "Zero", "One", "NegativeOne", "Half", "BooleanTrue", "BooleanFalse",
-}
-_GUARD_NODES = (ast.Expression, ast.Compare, ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Name, ast.Load,
-                ast.Subscript, ast.Attribute, ast.Call, ast.cmpop, ast.boolop, ast.operator, ast.unaryop)
-_GUARD_METHODS = {"size", "stride", "dim", "storage_offset", "numel"}
-_GUARD_FUNCTIONS = {"min", "max"}  # builtins torch writes into guards relating sizes
-_CODE = "can run code when loaded; llmc loads it only with --allow-pickle"
-
-
-def _safe_expression(text: str) -> bool:
-    tokens = [m.group() for m in _EXPR_TOKEN.finditer(text)]
-    if "".join(tokens) != text:
-        return False
-    words = [t for t in tokens if t[0].isalpha() or t[0] == "_"]
-    return all(w in _EXPR_NAMES or re.fullmatch(r"[a-z]+\d+", w) for w in words)
-
-
-def _safe_guard(code: str) -> bool:
-    """A guard (Python source that `ExportedProgram.module()` compiles and runs) that only compares
-    input sizes: `L['input_ids'].size()[1] <= 128`, `min(8*L['past'][0].size()[2], …) == …`."""
-    try:
-        tree = ast.parse(code, mode="eval")
-    except SyntaxError:
-        return False
-    for node in ast.walk(tree):
-        if not isinstance(node, _GUARD_NODES):
-            return False
-        if isinstance(node, ast.Name) and node.id != "L" and node.id not in _GUARD_FUNCTIONS:
-            return False
-        if isinstance(node, ast.Attribute) and node.attr not in _GUARD_METHODS:
-            return False
-        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Attribute) or (
-                isinstance(node.func, ast.Name) and node.func.id in _GUARD_FUNCTIONS)):
-            return False
-    return True
-
-
-def _expressions(tree: object) -> list[str]:
-    """Every `expr_str` in a serialized program."""
-    found, todo = [], [tree]
-    while todo:
-        item = todo.pop()
-        if isinstance(item, dict):
-            if isinstance(item.get("expr_str"), str):
-                found.append(item["expr_str"])
-            todo.extend(item.values())
-        elif isinstance(item, list):
-            todo.extend(item)
-    return found
-
-
-def _members(path: Path, data: bytes) -> tuple[zipfile.ZipFile, str]:
-    """The archive and its root folder, after checking it is a torch.export archive."""
-    if not zipfile.is_zipfile(io.BytesIO(data)):
-        raise ModelFormatError(path, "is not a .pt2 archive (not a zip file, or truncated)")
-    try:
-        archive = zipfile.ZipFile(io.BytesIO(data))
-        names = archive.namelist()
-    except (zipfile.BadZipFile, OSError, ValueError) as e:
-        raise ModelFormatError(path, f"is not a readable .pt2 archive ({e})") from e
-    if len(set(names)) != len(names):
-        raise ModelFormatError(path, "has two archive members of one name")
-    roots = {n.split("/", 1)[0] for n in names}
-    root = roots.pop() if len(roots) == 1 else ""
-    required = ("archive_format", "archive_version", "models/model.json", "data/weights/model_weights_config.json",
-                "data/constants/model_constants_config.json", "data/sample_inputs/model.pt")
-    missing = [m for m in required if f"{root}/{m}" not in names]
-    if not root or missing:
-        raise ModelFormatError(path, f"is not a torch.export archive (no {missing[0] if missing else 'root folder'})")
-    try:
-        if archive.read(f"{root}/archive_format") != b"pt2":
-            raise ModelFormatError(path, "is not a torch.export archive (archive_format is not pt2)")
-    except (zipfile.BadZipFile, OSError) as e:
-        raise ModelFormatError(path, f"has a damaged member ({e})") from e
-    return archive, root
-
-
-def _read_json(path: Path, archive: zipfile.ZipFile, name: str) -> dict:
-    try:
-        value = json.loads(archive.read(name))
-    except (zipfile.BadZipFile, OSError, ValueError) as e:
-        raise ModelFormatError(path, f"{name.split('/', 1)[1]} is not readable JSON ({e})") from e
-    if not isinstance(value, dict):
-        raise ModelFormatError(path, f"{name.split('/', 1)[1]} is not a JSON object")
-    return value
-
-
-# the members of an archive `torch.export.save` writes for one program (below its root folder);
-# anything else (an AOTInductor package's shared library, a second program) torch may load as code
-_PLAIN_MEMBERS = re.compile(r"(\.data/(serialization_id|version)|archive_format|archive_version|byteorder"
-                            r"|models/model\.json|data/sample_inputs/model\.pt"
-                            r"|data/weights/(model_weights_config\.json|weight_\d+)"
-                            r"|data/constants/(model_constants_config\.json|tensor_\d+))")
-
-
-def _code_risks(path: Path, archive: zipfile.ZipFile, root: str) -> list[str]:
-    """What in the archive `torch.export.load` or `.module()` would run as code."""
-    risks = [f"an archive member '{name}' that torch may load as code (only the members torch.export.save "
-             "writes are read)" for name in archive.namelist()
-             if not name.endswith("/") and not _PLAIN_MEMBERS.fullmatch(name.removeprefix(f"{root}/"))][:1]
-    program = _read_json(path, archive, f"{root}/models/model.json")
-    if any(not _safe_expression(e) for e in _expressions(program)):
-        risks.append("a symbolic shape expression that is not plain arithmetic (torch evaluates it)")
-    if any(not isinstance(g, str) or not _safe_guard(g) for g in program.get("guards_code") or []):
-        risks.append("guard code that is not a size comparison (torch compiles and runs it)")
-    for kind in ("weights", "constants"):
-        config = _read_json(path, archive, f"{root}/data/{kind}/model_{kind}_config.json").get("config")
-        for key, payload in (config or {}).items() if isinstance(config, dict) else ():
-            if not isinstance(payload, dict) or payload.get("use_pickle") or \
-                    not str(payload.get("path_name", "")).startswith(("weight_", "tensor_")):
-                risks.append(f"{kind[:-1]} '{key}' is pickled")
-                break
-    if any(n.endswith(".pt") and n != f"{root}/data/sample_inputs/model.pt" for n in archive.namelist()):
-        risks.append("legacy pickled weights")
-    try:
-        torch.load(io.BytesIO(archive.read(f"{root}/data/sample_inputs/model.pt")), weights_only=True)
-    except Exception:  # torch would retry with a full unpickler
-        risks.append("sample inputs that only a full unpickler reads")
-    return risks
-
-
-def load_pt2(path: Path, allow_pickle: bool) -> ExportedProgram:
-    """A program saved with `torch.export.save`, loaded without running code from the file.
-
-    torch 2.13 keeps the graph as JSON and plain tensors as raw bytes, but would run code
-    for: pickled payloads (tensor subclasses, custom objects: full `torch.load`/`pickle`),
-    sample inputs that fail `weights_only` loading (it retries without), symbolic shapes
-    (parsed with sympy's `eval`), guard code (compiled by `.module()`), call targets (any
-    `torch.*` attribute) and members beyond what `torch.export.save` writes (an AOTInductor
-    package's shared library, which it `dlopen`s). Without `allow_pickle` each is checked
-    first and refused."""
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise ModelFormatError(path, f"cannot be read ({e.strerror or e})") from e
-    archive, root = _members(path, data)
-    if not allow_pickle and (risks := _code_risks(path, archive, root)):
-        raise ModelFormatError(path, f"has {risks[0]}, which {_CODE}")
-    from torch.export.pt2_archive._package import load_pt2 as torch_load_pt2
-
-    try:
-        programs = torch_load_pt2(io.BytesIO(data)).exported_programs
-    except Exception as e:  # torch's deserializer raises many types for malformed archives
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelFormatError(path, f"torch cannot load the program ({first})") from e
-    if "model" not in programs:
-        raise ModelFormatError(path, "holds no program named 'model'")
-    ep = programs["model"]
-    if not allow_pickle:
-        for node in ep.graph.nodes:
-            target = node.target
-            if node.op == "call_function" and not (
-                    isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims")) \
-                    and target not in _ALLOWED_PYTHON_TARGETS:
-                raise ModelFormatError(path, f"node '{node.name}' calls {_target_name(target)}, which {_CODE}")
-    return ep

@@ -226,7 +226,7 @@ def guard_code(tree: dict) -> None:
     (lambda data: rewritten(data, "data/weights/model_weights_config.json", pickled_weight),
      r"has weight '.*' is pickled, which can run code when loaded; llmc loads it only with --allow-pickle$"),
     (lambda data: rewritten(data, "models/model.json", evaluated_shape),
-     r"symbolic shape expression .* can run code when loaded; llmc loads it only with --allow-pickle$"),
+     r"symbolic shape expression '.*' holds Python binop syntax, not a sympy term$"),
     (lambda data: rewritten(data, "models/model.json", guard_code),
      r"guard code .* can run code when loaded; llmc loads it only with --allow-pickle$"),
     # an AOTInductor package: torch dlopens its shared library (its constructor runs) at load

@@ -1,0 +1,139 @@
+"""Reading an ONNX file that came from a stranger, in work and memory proportional to it.
+
+protobuf turns every message of a file into an object of ~200 bytes however few bytes the
+file spends on it: 20 MB of empty nodes (2 bytes each) become 1.75 GB before llmc could
+count them, and each node costs the import and the passes milliseconds. `count_items`
+walks the file's wire format first (no objects made, messages entered through onnx's own
+descriptors) and `load_model` refuses a file with more nodes, messages or fields than any
+exported decoder has, or nesting deeper than protobuf parses, in one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError
+
+from llmc.errors import ModelFormatError
+
+PROTOBUF_LIMIT = 2**31  # bytes: protobuf cannot parse a larger message
+MAX_NODES = 2**16  # SmolLM2-135M (30 layers) exported unoptimized has 5,955
+MAX_MESSAGES = 2**19  # nodes, attributes, tensors, value infos, dimensions, … (SmolLM2: 60,000)
+MAX_FIELDS = 2**20  # every field of every message, names and dimensions included (SmolLM2: 175,000)
+MAX_DEPTH = 64  # nested messages (protobuf refuses 100); subgraphs of subgraphs of …
+
+
+_TEXT = "text"  # a string field: protobuf hands invalid UTF-8 to Python as bytes, so it is refused here
+
+
+def _nested_fields(descriptor: Descriptor) -> dict[int, Descriptor | str]:
+    """A message's fields that the scan enters (messages) or checks (text), by number."""
+    return {f.number: f.message_type if f.type == FieldDescriptor.TYPE_MESSAGE else _TEXT for f in descriptor.fields
+            if f.type in (FieldDescriptor.TYPE_MESSAGE, FieldDescriptor.TYPE_STRING)}
+
+
+_FIELDS: dict[Descriptor, dict[int, Descriptor | str]] = {}
+
+
+def count_items(data: bytes | memoryview) -> tuple[int, int, int]:
+    """How many nodes, messages and fields a serialized ModelProto holds, counted until one
+    passes its limit. Raises ValueError where the wire format is broken or nests too deep."""
+    nodes = messages = fields = 0
+    node = onnx.NodeProto.DESCRIPTOR
+    todo = [(0, len(data), onnx.ModelProto.DESCRIPTOR, 0)]
+    while todo:
+        pos, end, descriptor, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise ValueError(f"messages nested more than {MAX_DEPTH} deep")
+        nested = _FIELDS.get(descriptor)
+        if nested is None:
+            nested = _FIELDS[descriptor] = _nested_fields(descriptor)
+        while pos < end:
+            fields += 1
+            if fields > MAX_FIELDS:
+                return nodes, messages, fields
+            key = data[pos]
+            if key < 0x80:
+                pos += 1
+            else:
+                key, pos = _varint(data, pos)
+            wire = key & 7
+            if wire == 2:
+                size = data[pos]
+                if size < 0x80:
+                    pos += 1
+                else:
+                    size, pos = _varint(data, pos)
+                if pos + size > end:
+                    raise ValueError("a field runs past its message's end")
+                inner = nested.get(key >> 3)
+                if inner is _TEXT:
+                    if size:
+                        str(data[pos:pos + size], "utf-8")  # UnicodeDecodeError is a ValueError
+                elif inner is not None:
+                    messages += 1
+                    nodes += inner is node
+                    if messages > MAX_MESSAGES or nodes > MAX_NODES:
+                        return nodes, messages, fields
+                    todo.append((pos, pos + size, inner, depth + 1))
+                pos += size
+            elif wire == 0:
+                _, pos = _varint(data, pos)
+            elif wire == 1:
+                pos += 8
+            elif wire == 5:
+                pos += 4
+            else:
+                raise ValueError(f"wire type {wire} (groups are not ONNX)")
+        if pos != end:
+            raise ValueError("a field runs past its message's end")
+    return nodes, messages, fields
+
+
+def _varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
+    byte = data[pos]
+    if byte < 0x80:
+        return byte, pos + 1
+    value, shift = byte & 0x7F, 7
+    while True:
+        pos += 1
+        if shift > 63:
+            raise ValueError("a varint longer than 10 bytes")
+        byte = data[pos]
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos + 1
+        shift += 7
+
+
+def load_model(path: Path) -> onnx.ModelProto:
+    """The ModelProto of `path`, external data not loaded; a file that is too large, too many
+    small things or not a model is refused."""
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise ModelFormatError(path, f"cannot read the model file: {e.strerror}") from e
+    if size >= PROTOBUF_LIMIT:
+        raise ModelFormatError(path, f"{size} bytes is more than protobuf's 2 GiB limit for one ONNX file "
+                                     f"(large models keep their weights as external data)")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ModelFormatError(path, f"cannot read the model file: {e.strerror}") from e
+    try:
+        counts = count_items(data)
+    except (ValueError, IndexError) as e:
+        raise ModelFormatError(path, f"not a valid ONNX ModelProto (truncated or corrupt): {e}") from e
+    for what, found, limit in zip(("nodes", "messages", "fields"), counts, (MAX_NODES, MAX_MESSAGES, MAX_FIELDS)):
+        if found > limit:
+            raise ModelFormatError(path, f"holds more than {limit} {what}, more than any exported decoder llmc "
+                                         f"reads (a crafted file?)")
+    try:
+        model = onnx.ModelProto.FromString(data)
+    except (DecodeError, ValueError, RuntimeError) as e:
+        raise ModelFormatError(path, f"not a valid ONNX ModelProto (truncated or corrupt): {e}") from e
+    if not model.HasField("graph") or model.ir_version <= 0:
+        raise ModelFormatError(path, "not an ONNX model (no graph or IR version)")
+    return model

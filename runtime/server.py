@@ -706,7 +706,7 @@ class Server:
 def _share_malloc_arenas() -> None:
     """Let glibc's allocator keep at most MALLOC_ARENAS heaps. By default each worker thread may
     get its own, and what a large request freed stays in its thread's heap: six requests at the
-    limits at once left the resident memory 130 MB higher (SmolLM2), 37 MB with two heaps."""
+    limits at once left the resident memory 121 MB higher (SmolLM2), 31 MB with two heaps."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is not None:
         mallopt(-8, MALLOC_ARENAS)  # (M_ARENA_MAX)

@@ -32,6 +32,7 @@ MAX_KEY_BYTES = 1 << 16
 MAX_NAME_BYTES = 1 << 10
 MAX_ARRAY_DEPTH = 2  # an array of arrays is allowed; deeper nesting is not
 MAX_ENTRIES = 1 << 16  # metadata keys, and tensors: real files have tens and thousands
+MAX_STRINGS = 1 << 20  # a string array (vocabularies, merges): real files hold up to ~300k
 
 # GGUF metadata value types: id → (name, struct format or None for string/array)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -169,6 +170,8 @@ class _Cursor:
         if count > (self.size - self.pos) // (8 if element_type == _STRING else 12):
             raise self.fail(what, f"array of {count} elements exceeds the file", start)
         if element_type == _STRING:
+            if count > MAX_STRINGS:  # decoding each string is Python-level work
+                raise self.fail(what, f"array of {count} strings exceeds {MAX_STRINGS}", start)
             return self.strings(count, what)
         if count > MAX_ENTRIES:  # arrays of arrays are rare; bound the Python-level work
             raise self.fail(what, f"array of {count} arrays exceeds {MAX_ENTRIES}", start)

@@ -32,7 +32,7 @@ from llmc.frontend.model import (
 from llmc.frontend.rope_scaling import hf_rope_scaling
 from llmc.ir.formats import Storage
 from llmc.ir.weights import Weight, WeightStore
-from llmc.runtime.codec import TextCodec
+from llmc.runtime.codec import TextCodec, read_tokenizer
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
@@ -391,16 +391,11 @@ def _config(path: Path, cfg: dict, arch: str, weights: WeightStore) -> ModelConf
 
 def load_hf_tokenizer(directory: Path) -> TextCodec:
     """The directory's `tokenizer.json`, with the special ids and chat template of `tokenizer_config.json`."""
-    from tokenizers import Tokenizer
-
     file = directory / "tokenizer.json"
     if not file.is_file():
         raise ModelFormatError(directory, "no tokenizer.json in this directory")
     file = _inside(directory, file)
-    try:
-        tokenizer = Tokenizer.from_file(str(file))
-    except Exception as e:  # tokenizers raises its own exception types
-        raise ModelFormatError(file, f"cannot load tokenizer: {e}") from e
+    tokenizer = read_tokenizer(file)
     settings_file = directory / "tokenizer_config.json"
     settings = _json(_inside(directory, settings_file)) if settings_file.is_file() else {}
 

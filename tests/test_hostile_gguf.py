@@ -480,6 +480,9 @@ _cases({
     # 4 MB of zeros read as half a million empty strings
     "string-array-of-500k-empty-strings": _sparse(_header(0, 1) + gstr("a") + u32(ARR) + u32(STR) + u64(_MANY),
                                                   8 * _MANY + 100),
+    # 8 MB of zeros: more strings than any vocabulary, refused before decoding them
+    "string-array-beyond-2**20-entries": _sparse(_header(0, 1) + gstr("a") + u32(ARR) + u32(STR) + u64(2**20 + 1),
+                                                 8 * 2**20 + 108, "strings exceeds"),
     # 6 MB of zeros read as half a million empty u8 arrays inside one array
     "array-of-500k-empty-arrays": _sparse(_header(0, 1) + gstr("a") + u32(ARR) + u32(ARR) + u64(_MANY),
                                           12 * _MANY + 100),

@@ -114,8 +114,7 @@ def fuzz_server(seconds: float) -> int:
     if not model.is_file():
         subprocess.run([sys.executable, str(FUZZ / "seeds.py"), "gguf_file"], cwd=ROOT, check=True)
     artifact = WORK / "server" / "tiny.llmc"
-    if not (artifact / "manifest.json").is_file():
-        subprocess.run([llmc, "compile", str(model), "--max-seq", "64", "-o", str(artifact)], check=True)
+    subprocess.run([llmc, "compile", str(model), "--max-seq", "64", "-o", str(artifact)], check=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = (WORK / "server" / "serve.log").open("w")

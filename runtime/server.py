@@ -3,7 +3,9 @@
     POST /v1/completions        a prompt (text or token ids) → its continuation
     POST /v1/chat/completions   messages, rendered with the model's chat template → the reply
     GET  /v1/models             the one model served (the artifact's name)
-    GET  /health                the engine's state: slots, running and waiting requests, counts
+    GET  /health                the engine's state: slots, running and waiting requests, counts; requests
+                                being prepared
+    GET  /openapi.json          the OpenAPI description of these routes
 
 Both generation endpoints stream as server-sent events in OpenAI's chunk format (ending
 with `data: [DONE]`) when `"stream": true`, and answer whole otherwise. Requests run on the
@@ -16,14 +18,15 @@ cancels its request at once, which frees its slot at the engine's next step.
 Errors are OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for a
 malformed request (naming the field), 404 for an unknown route or model, 408 for a body that
 does not arrive in time, 413 for one over the size limit, 429 when every slot is busy and the
-queue of waiting requests is full. `GET /openapi.json` describes the routes
-(`llmc.runtime.openapi`).
+queue of waiting requests is full (or too many requests are being prepared). The OpenAPI
+description is written by hand in `llmc.runtime.openapi`.
 
 One client cannot hurt another: each request's work is bounded by `Limits` (body bytes,
 prompt characters, messages; sized from the KV capacity, since a longer prompt could not run
 anyway), parsing, chat rendering (under the codec's time and size budget) and tokenizing run
-on a small pool of worker threads, never on the event loop, and a client must send a
-request's head within `Limits.head_seconds` and its body within `Limits.body_seconds`.
+on a small pool of worker threads at a lower CPU priority, never on the event loop, and a
+client must send a request's head within `Limits.head_seconds` and its body within
+`Limits.body_seconds` (benchmarks/hostile_client.py measures a good client beside a hostile one).
 
 Starlette and uvicorn only (the `serve` extra), besides the runtime: no compiler here.
 """
@@ -443,7 +446,7 @@ class Server:
 
     async def health(self, request: HttpRequest) -> Response:
         return JSONResponse({
-            "status": "ok", "model": self.name, **self.engine.stats(), "capacity": self.capacity,
+            "status": "ok", "model": self.name, **self.engine.stats(), "preparing": self.pending, "capacity": self.capacity,
             "requests": {reason: self.counts[reason] for reason in ("stop", "length", "cancelled", "error")},
             "generated_tokens": self.counts["generated_tokens"],
         })

@@ -518,10 +518,9 @@ def test_requests_beyond_those_in_preparation_are_429(guarded) -> None:
         hanging = [pool.submit(httpx.post, f"{guarded.url}/v1/chat/completions", json=chat, timeout=30)
                    for _ in range(2)]
         deadline = time.monotonic() + 10
-        while True:  # (until both are in hand)
-            refused = httpx.post(f"{guarded.url}/v1/completions", json={"prompt": LETTERS}, timeout=30)
-            if refused.status_code != 200 or time.monotonic() > deadline:
-                break
+        while guarded.health()["preparing"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        refused = httpx.post(f"{guarded.url}/v1/completions", json={"prompt": LETTERS}, timeout=30)
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "busy", refused.text
         assert refused.headers["retry-after"]
         assert [r.result().status_code for r in hanging] == [400, 400]

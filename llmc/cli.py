@@ -191,6 +191,16 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be in (0, 3600] seconds, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     value = _int(text)
     if not 0 <= value <= 65535:
@@ -336,14 +346,22 @@ def _open_text(path: str):
         raise UsageError(f"cannot read {path}: {e.strerror}") from None
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def _codec(session, args: argparse.Namespace):
+    """The artifact's text codec, its chat template rendered within --template-seconds/--template-chars."""
     from llmc.runtime.codec import TextCodec
+
+    codec = TextCodec.from_artifact(session.manifest)
+    codec.limits = replace(codec.limits, seconds=args.template_seconds, chars=args.template_chars)
+    return codec
+
+
+def cmd_run(args: argparse.Namespace) -> int:
     from llmc.runtime.generate import generate, stream_text
     from llmc.runtime.session import open_session
 
     sampling = _sampling(args)
     session = open_session(Path(args.artifact), check_files=not args.no_verify, threads=args.threads)
-    codec = TextCodec.from_artifact(session.manifest)
+    codec = _codec(session, args)
     prompt = codec.chat(args.prompt) if args.chat else args.prompt
     ids = codec.encode(prompt)
     if not ids:
@@ -359,21 +377,22 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        from llmc.runtime.server import Server, model_name, serve
+        from llmc.runtime.server import Limits, Server, model_name, serve
     except ImportError as e:
         if e.name not in ("starlette", "uvicorn") and not (e.name or "").startswith(("starlette.", "uvicorn.")):
             raise
         raise UsageError(f"llmc serve needs starlette and uvicorn ({e.name} is not installed): "
                          f"pip install 'llmc[serve]'") from None
-    from llmc.runtime.codec import TextCodec
     from llmc.runtime.session import open_session
 
     directory = Path(args.artifact)
     session = open_session(directory, check_files=not args.no_verify, threads=args.threads)
     try:
-        codec = TextCodec.from_artifact(session.manifest)
+        codec = _codec(session, args)
         name = model_name(directory)
-        server = Server(session, codec, name, args.queue, args.max_batch, aliases=(directory.resolve().name,))
+        limits = Limits.for_capacity(session.capacity, head_seconds=args.head_timeout, body_seconds=args.body_timeout)
+        server = Server(session, codec, name, args.queue, args.max_batch, aliases=(directory.resolve().name,),
+                        limits=limits)
 
         def ready(url: str) -> None:
             print(f"llmc serve: listening on {url} (model '{name}', {server.engine.max_active} sequences at once, "
@@ -391,13 +410,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from llmc.runtime.chat import Chat, run_chat
-    from llmc.runtime.codec import TextCodec
     from llmc.runtime.session import open_session
 
     sampling = _sampling(args)
     session = open_session(Path(args.artifact), check_files=not args.no_verify, threads=args.threads)
     try:
-        codec = TextCodec.from_artifact(session.manifest)
+        codec = _codec(session, args)
         if not codec.chat_template:
             raise UsageError("this model has no chat template; use 'llmc run' for plain completion")
         chat = Chat(session, codec, args.system, sampling, args.n)
@@ -570,6 +588,12 @@ def build_parser() -> argparse.ArgumentParser:
                                     "the manifest against its kernels, are checked still)")
     artifact_args.add_argument("--threads", type=_positive, metavar="N",
                                help="threads to run on (default: every CPU available)")
+    artifact_args.add_argument("--template-seconds", type=_seconds, default=1.0, metavar="S",
+                               help="the most time one rendering of the chat template may take; a template "
+                                    "that needs more is refused (default: %(default)s)")
+    artifact_args.add_argument("--template-chars", type=_positive, default=1_000_000, metavar="N",
+                               help="the most characters a rendering of the chat template may write or build "
+                                    "(default: %(default)s)")
     sampling_args = argparse.ArgumentParser(add_help=False)
     sampling_args.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: 0)")
     sampling_args.add_argument("--top-k", type=_int, default=0, metavar="K",
@@ -598,6 +622,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most sequences generating at once (default: every slot the artifact's cache holds)")
     p.add_argument("--queue", type=_non_negative, default=64, metavar="N",
                    help="requests that may wait for a slot; beyond them the server answers 429 (default: 64)")
+    p.add_argument("--head-timeout", type=_seconds, default=10.0, metavar="S",
+                   help="seconds a client has to send a whole request head; slower ones are disconnected "
+                        "(default: %(default)s)")
+    p.add_argument("--body-timeout", type=_seconds, default=30.0, metavar="S",
+                   help="seconds a client has to send a whole request body; slower ones get 408 "
+                        "(default: %(default)s)")
     p.set_defaults(run=cmd_serve)
 
     p = sub.add_parser("chat", parents=[common, artifact_args, sampling_args], help="chat with an artifact in the terminal",

@@ -188,7 +188,8 @@ def test_templates_within_the_budget_render_as_jinja2_renders_them(source: str) 
     assert _codec(source).render_chat(messages) == expected.render(messages=messages)
 
 
-def test_cli_run_with_a_hanging_template_is_one_line(artifact, tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize("budget", [[], ["--template-seconds", "0.25"]], ids=["default", "option"])
+def test_cli_run_with_a_hanging_template_is_one_line(artifact, tmp_path: Path, capsys, budget: list[str]) -> None:
     copy = tmp_path / "artifact"
     shutil.copytree(artifact(TinySpec()), copy)
     manifest = json.loads((copy / "manifest.json").read_text())
@@ -197,9 +198,10 @@ def test_cli_run_with_a_hanging_template_is_one_line(artifact, tmp_path: Path, c
     capsys.readouterr()
     with hang_guard():
         start = time.process_time()
-        code = main(["run", str(copy), "-p", "hi", "--chat", "-n", "1"])
+        code = main(["run", str(copy), "-p", "hi", "--chat", "-n", "1", *budget])
         seconds = time.process_time() - start
     err = capsys.readouterr().err
     assert code == 2, err
-    assert err.splitlines() == ["llmc: error: the model's chat template ran for more than 1 s"], err
+    limit = budget[1] if budget else "1"
+    assert err.splitlines() == [f"llmc: error: the model's chat template ran for more than {limit} s"], err
     assert seconds < MAX_SECONDS + 1  # loading the artifact besides

@@ -227,7 +227,7 @@ class _Graph:
                 raise self.error(node, f"num_outputs {_attr(node, 'num_outputs')} is not its {len(node.output)} "
                                        f"outputs")  # shape inference would allocate that many
         try:  # without data propagation, which materializes computed shapes (40 doubling Concats: 2**40 values)
-            inferred = onnx.shape_inference.infer_shapes(model, data_prop=False)
+            inferred = onnx.shape_inference.infer_shapes(_for_inference(model), data_prop=False)
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, ValueError, RuntimeError,
                 MemoryError) as e:
             raise ModelFormatError(source, f"ONNX shape inference fails: {(str(e).splitlines() or [type(e).__name__])[0]}") from e
@@ -405,6 +405,26 @@ class _Graph:
         if None not in src and None not in dst or dst.count(None) == 1 and None in src:
             return self.emit(llm.ReshapeOp(x, dst))
         return self.emit(llm.ReshapeOp(x, dst, to()))
+
+
+def _for_inference(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` for shape inference, its large float initializers as typed graph inputs: inference
+    needs their types, and a copy of their bytes (it serializes the model twice) would double the
+    import's peak memory."""
+    g = model.graph
+    light = onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import, functions=model.functions)
+    light.graph.node.extend(g.node)
+    light.graph.input.extend(g.input)
+    light.graph.output.extend(g.output)
+    light.graph.value_info.extend(g.value_info)
+    declared = {i.name for i in g.input}
+    for t in g.initializer:
+        if np.dtype(DTYPES.get(t.data_type, np.int64)).kind == "f" and math.prod(t.dims) > llm.ConstantOp.LIMIT:
+            if t.name not in declared:
+                light.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, t.dims))
+        else:
+            light.graph.initializer.append(t)
+    return light
 
 
 def _identifier(name: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import importlib
 import json
+import pkgutil
 import random
 import sys
 from collections.abc import Iterator
@@ -22,12 +23,6 @@ from fuzz import TARGETS
 # Python libraries whose branches a target's inputs drive, beyond llmc's own (torch, onnx and
 # tokenizers parse in native code, which atheris does not see)
 INSTRUMENTED = {"chat_template": ["jinja2"]}
-# the modules each target reaches that llmc imports lazily (inside functions): imported now, to be
-# instrumented (and torch's and onnx's import time kept out of the first input's)
-_GGUF = ["llmc.frontend.gguf", "llmc.frontend.gguf_reader", "llmc.frontend.tokenizer"]
-_GRAPH = ["llmc.frontend.graph", "llmc.frontend.hf", "llmc.frontend.llama"]
-REACHED = {"gguf_file": _GGUF, "gguf_vocab": _GGUF, "tokenizer_json": ["llmc.frontend.hf"],
-           "onnx_file": ["llmc.frontend.onnx", *_GRAPH], "pt2_file": ["llmc.frontend.torch_export", *_GRAPH]}
 
 
 def _positions(node: object) -> Iterator[tuple[dict | list, object]]:
@@ -73,11 +68,17 @@ def main() -> None:
         sys.exit(f"usage: python -m fuzz {{{','.join(TARGETS)}}} [libFuzzer options] [CORPUS_DIR ...]")
     target = sys.argv.pop(1)
     with atheris.instrument_imports(include=["llmc", "fuzz", *INSTRUMENTED.get(target, [])]):
+        import llmc.frontend
         from fuzz.common import CORPUS, recording  # llmc and jinja2 too: instrumented as they are imported
 
         module = importlib.import_module(f"fuzz.{target}")
-        for name in REACHED.get(target, []):
-            importlib.import_module(name)
+        # every frontend, which llmc imports lazily (inside functions): imported now to be instrumented,
+        # and torch's and onnx's import time kept out of the first input's
+        for frontend in pkgutil.iter_modules(llmc.frontend.__path__, "llmc.frontend."):
+            try:
+                importlib.import_module(frontend.name)
+            except ImportError:  # an extra not installed: its frontend is not reached either
+                pass
     check = recording(module.check, CORPUS / target)
     # one seed before libFuzzer's clock runs: what the importers import on first use (sympy's parser
     # in torch's .pt2 loader: seconds) must not count against the first input's -timeout

@@ -11,7 +11,10 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
+import os
+import re
 import shutil
+import sys
 import tempfile
 import traceback
 import warnings
@@ -26,8 +29,9 @@ from llmc.runtime.codec import TextCodec
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "fuzz" / "corpus"  # findings, checked in and replayed by tests/test_fuzz_corpus.py
-# what targets encode and send as a chat message: words, digits, a special token, spaces, non-ASCII
-TEXT = "Hello world! 12345 <|im_start|>user\n  ünï cødé 🤖\t<s>"
+# what targets encode and send as a chat message: words, digits, a special token, spaces, non-ASCII,
+# and long runs of one character, on which a backtracking regex of a pre-tokenizer takes its time
+TEXT = "Hello world! 12345 <|im_start|>user\n  ünï cødé 🤖\t<s> " + "a" * 48 + "!" + "1" * 48 + " " * 48 + "."
 
 
 # what Python's default filters keep from the terminal
@@ -75,11 +79,19 @@ def exercise(codec: TextCodec) -> None:
         codec.chat(TEXT)
 
 
+class Printed(Exception):
+    """Something wrote to the process's stderr (a Rust panic's message, a library's print): stray
+    lines beside llmc's one-line error."""
+
+
 @contextmanager
 def outcome() -> Iterator[None]:
-    """The body's end: success or an `LlmcError` return normally; another exception, or a warning
-    (numpy, torch: a stray stderr line), escapes."""
-    with warnings.catch_warnings(record=True) as caught:
+    """The body's end: success or an `LlmcError` return normally; another exception, a warning
+    (numpy, torch), or anything written to file descriptor 2 (native code too) escapes."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as written, warnings.catch_warnings(record=True) as caught:
+        os.dup2(written.fileno(), 2)
         warnings.simplefilter("always")
         for hidden in HIDDEN_WARNINGS:
             warnings.simplefilter("ignore", hidden)
@@ -87,8 +99,16 @@ def outcome() -> Iterator[None]:
             yield
         except LlmcError:
             pass
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        written.seek(0)
+        printed = written.read(400)
     if caught:
         raise Warned(caught[0])
+    if printed:
+        raise Printed(printed.decode("utf-8", "replace").splitlines()[0])
 
 
 def signature(error: BaseException) -> str:
@@ -96,6 +116,8 @@ def signature(error: BaseException) -> str:
     own code (else the innermost frame)."""
     if isinstance(error, Warned):
         return f"{Warned.__name__}: {error.where}"
+    if isinstance(error, Printed):  # its first line, thread ids and line numbers aside
+        return f"{Printed.__name__}: {re.sub(r'[0-9]+', 'N', str(error))[:160]}"
     frames = traceback.extract_tb(error.__traceback__)
     ours = [f for f in frames if f"{ROOT}/" in f.filename and "/.venv/" not in f.filename
             and "/fuzz/" not in f.filename]

@@ -10,6 +10,7 @@ recorded.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import time
 import tracemalloc
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `fuzz` as a package
 
 from fuzz import TARGETS  # noqa: E402
-from fuzz.common import CORPUS, Warned, outcome, recording  # noqa: E402
+from fuzz.common import CORPUS, Printed, Warned, outcome, recording  # noqa: E402
 
 MAX_SECONDS = 10  # the fuzzers' -timeout: CPU seconds (`time.process_time`), whatever else the host runs
 NEEDS = {"onnx_file": "onnx", "pt2_file": "torch"}
@@ -69,6 +70,8 @@ def test_outcome_passes_llmc_errors_only() -> None:
         warnings.warn("overflow", RuntimeWarning)
     with outcome():  # hidden by Python's default filters: no stray line
         warnings.warn("old", DeprecationWarning)
+    with pytest.raises(Printed, match="^thread panicked$"), outcome():
+        os.write(2, b"thread panicked\nnote: ...\n")  # as native code writes, under Python's sys.stderr
 
 
 def test_recording_keeps_the_shortest_input_per_signature(tmp_path: Path) -> None:

@@ -108,7 +108,8 @@ def outcome() -> Iterator[None]:
     if caught:
         raise Warned(caught[0])
     if printed:
-        raise Printed(printed.decode("utf-8", "replace").splitlines()[0])
+        lines = [line for line in printed.decode("utf-8", "replace").splitlines() if line.strip()]
+        raise Printed(lines[0] if lines else "blank lines")
 
 
 def signature(error: BaseException) -> str:

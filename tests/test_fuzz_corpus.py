@@ -71,7 +71,7 @@ def test_outcome_passes_llmc_errors_only() -> None:
     with outcome():  # hidden by Python's default filters: no stray line
         warnings.warn("old", DeprecationWarning)
     with pytest.raises(Printed, match="^thread panicked$"), outcome():
-        os.write(2, b"thread panicked\nnote: ...\n")  # as native code writes, under Python's sys.stderr
+        os.write(2, b"\nthread panicked\nnote: ...\n")  # as native code writes, under Python's sys.stderr
 
 
 def test_recording_keeps_the_shortest_input_per_signature(tmp_path: Path) -> None:

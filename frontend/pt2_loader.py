@@ -9,7 +9,7 @@ guard code. `load_pt2` checks first, in work and memory proportional to the file
   size (a 4 MB archive cannot inflate to 4 GB), each deflated one inflated once in chunks to
   check its real size, and only the members torch.export.save writes (others torch may
   load as code: an AOTInductor package's shared library);
-- the program's JSON: bounded size and nesting; every symbolic expression parsed by
+- the program's JSON: bounded size (32 MiB) and nesting; every symbolic expression parsed by
   `expression_problem`, a bounded checker of the forms torch writes (integers, shape
   symbols, + · // % min max, integer powers with small exponents); symbol ranges and hints
   within int64;
@@ -41,6 +41,7 @@ from llmc.errors import ModelFormatError
 
 BUDGET_FACTOR, BUDGET_SLACK = 2, 64 * 2**20  # all members inflate to at most 2 × the file + 64 MiB
 MAX_RATIO = 200  # a deflated member above 1 MiB inflates at most 200× (text manages ~20×)
+MAX_JSON_BYTES = 2**25  # SmolLM2-135M's program is 4.2 MB
 MAX_EXPRESSION_CHARS = 4096
 MAX_EXPRESSION_NODES = 256  # syntax-tree nodes: the strides of a 4-D tensor take ~20
 MAX_EXPONENT = 64
@@ -281,7 +282,10 @@ def _check_member(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -
 
 
 def _read_json(path: Path, archive: zipfile.ZipFile, name: str) -> dict:
+    """A JSON member: at most MAX_JSON_BYTES, as Python objects take up to 20× their text."""
     shown = name.split("/", 1)[1]
+    if (size := archive.getinfo(name).file_size) > MAX_JSON_BYTES:
+        raise ModelFormatError(path, f"{shown} is {size} bytes, more than the {MAX_JSON_BYTES} llmc reads")
     try:
         value = json.loads(archive.read(name))
     except (zipfile.BadZipFile, OSError, ValueError, RecursionError) as e:

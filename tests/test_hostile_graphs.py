@@ -347,6 +347,7 @@ PT2_CORPUS: dict[str, tuple[Callable[[bytes], bytes], list[str]]] = {
     "hint-of-2**200": (_program(lambda t: next(iter(t["graph_module"]["graph"]["sym_int_values"].values()))[
         "as_expr"].update(hint={"as_int": 2**200})), ["hint"]),
     "json-nested-100k-deep": (_member("models/model.json", b"[" * 100_000 + b"]" * 100_000), ["not readable JSON"]),
+    "json-of-33MB": (_member("models/model.json", b"[" + b"{}," * (11 * 2**20) + b"{}]"), ["more than the 33554432"]),
     "deflated-bomb-128MiB": (_deflated_bomb, ["inflate to", "a zip bomb"]),
     "member-longer-than-declared": (_lying_size, ["model.json"]),
     "empty-weight-declaring-2**40-elements": (_empty_weight_of_huge_size, ["declares [1048576, 1048576]"]),

@@ -105,7 +105,7 @@ def expression_problem(text: str, names: bool) -> str | None:
             if isinstance(node.value, str) and len(node.value) > 64:
                 return "holds a long string"
             continue
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.Not):
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
             todo.append((node.operand, depth + 1, in_power))
             continue
         if isinstance(node, ast.Name):
@@ -137,28 +137,15 @@ def expression_problem(text: str, names: bool) -> str | None:
     return None
 
 
-def _expressions(tree: object) -> list[str]:
-    """Every `expr_str` in a serialized program."""
+def _values(tree: object, key: str) -> list[object]:
+    """Every value of `key` in the objects of a serialized program (`expr_str`: expressions,
+    `as_int`: sizes and hints)."""
     found, todo = [], [tree]
     while todo:
         item = todo.pop()
         if isinstance(item, dict):
-            if "expr_str" in item:
-                found.append(item["expr_str"])
-            todo.extend(item.values())
-        elif isinstance(item, list):
-            todo.extend(item)
-    return found
-
-
-def _hints(tree: object) -> list[object]:
-    """Every integer a serialized program gives as a size or hint (`as_int`)."""
-    found, todo = [], [tree]
-    while todo:
-        item = todo.pop()
-        if isinstance(item, dict):
-            if "as_int" in item:
-                found.append(item["as_int"])
+            if key in item:
+                found.append(item[key])
             todo.extend(item.values())
         elif isinstance(item, list):
             todo.extend(item)
@@ -167,7 +154,7 @@ def _hints(tree: object) -> list[object]:
 
 def check_program(path: Path, program: dict, allow_pickle: bool) -> None:
     """Refuse a program whose shapes torch could not parse in bounded time."""
-    for text in _expressions(program):
+    for text in _values(program, "expr_str"):
         problem = "is not text" if not isinstance(text, str) else expression_problem(text, names=False)
         if problem is None and not allow_pickle and expression_problem(text, names=True):
             problem = f"{expression_problem(text, names=True)}, which {_CODE}"
@@ -182,7 +169,7 @@ def check_program(path: Path, program: dict, allow_pickle: bool) -> None:
         if not _SYMBOL.fullmatch(name) or any(v is not None and not _int64(v) for v in values):
             raise ModelFormatError(path, f"the range of symbol '{name[:40]}' is not two int64 bounds: "
                                          f"{str(bounds)[:80]}")
-    for value in _hints(program):
+    for value in _values(program, "as_int"):
         if not _int64(value):
             raise ModelFormatError(path, f"a size or hint {str(value)[:40]} is not an int64")
 

@@ -49,6 +49,10 @@ MAX_EXPRESSION_DEPTH = 32
 MAX_INT = 2**63  # sizes, hints and ranges are int64
 
 _CODE = "can run code when loaded; llmc loads it only with --allow-pickle"
+# what zipfile raises for archives it cannot read (encrypted members: RuntimeError; versions and
+# methods it lacks: NotImplementedError)
+_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, NotImplementedError, RuntimeError, OSError,
+               EOFError, ValueError)
 _ALLOWED_PYTHON_TARGETS = {
     operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg, operator.truediv,
     operator.pow, operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge, operator.getitem,
@@ -214,12 +218,12 @@ def _safe_guard(code: str) -> bool:
 
 def _archive(path: Path, data: bytes) -> tuple[zipfile.ZipFile, str]:
     """The archive and its root folder: a torch.export archive whose members inflate within the budget."""
-    if not zipfile.is_zipfile(io.BytesIO(data)):
-        raise ModelFormatError(path, "is not a .pt2 archive (not a zip file, or truncated)")
     try:
+        if not zipfile.is_zipfile(io.BytesIO(data)):
+            raise ModelFormatError(path, "is not a .pt2 archive (not a zip file, or truncated)")
         archive = zipfile.ZipFile(io.BytesIO(data))
         infos = archive.infolist()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError) as e:
+    except _ZIP_ERRORS as e:
         raise ModelFormatError(path, f"is not a readable .pt2 archive ({e})") from e
     names = [i.filename for i in infos]
     if len(set(names)) != len(names):
@@ -238,7 +242,7 @@ def _archive(path: Path, data: bytes) -> tuple[zipfile.ZipFile, str]:
     missing = [m for m in required if f"{root}/{m}" not in names]
     if not root or missing:
         raise ModelFormatError(path, f"is not a torch.export archive (no {missing[0] if missing else 'root folder'})")
-    if archive.read(f"{root}/archive_format") != b"pt2":
+    if archive.read(f"{root}/archive_format") != b"pt2":  # every member's header was checked: it reads
         raise ModelFormatError(path, "is not a torch.export archive (archive_format is not pt2)")
     return archive, root
 
@@ -250,6 +254,10 @@ def _check_member(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -
         if info.compress_size != info.file_size:
             raise ModelFormatError(path, f"member '{name}' is stored with {info.compress_size} bytes but declares "
                                          f"{info.file_size}")
+        try:
+            archive.open(info).close()  # its local header: the name, no encryption, a version zipfile reads
+        except _ZIP_ERRORS as e:
+            raise ModelFormatError(path, f"member '{name}' is damaged ({e})") from e
         return
     if info.compress_type != zipfile.ZIP_DEFLATED:
         raise ModelFormatError(path, f"member '{name}' uses zip compression method {info.compress_type} (torch reads "
@@ -262,7 +270,7 @@ def _check_member(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -
         with archive.open(info) as member:  # zipfile stops at the declared size and checks the CRC
             while chunk := member.read(2**20):
                 size += len(chunk)
-    except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError) as e:
+    except _ZIP_ERRORS as e:
         raise ModelFormatError(path, f"member '{name}' is damaged ({e})") from e
     if size != info.file_size:
         raise ModelFormatError(path, f"member '{name}' inflates to {size} bytes, not the {info.file_size} it declares")
@@ -275,7 +283,7 @@ def _read_json(path: Path, archive: zipfile.ZipFile, name: str) -> dict:
         raise ModelFormatError(path, f"{shown} is {size} bytes, more than the {MAX_JSON_BYTES} llmc reads")
     try:
         value = json.loads(archive.read(name))
-    except (zipfile.BadZipFile, OSError, ValueError, RecursionError) as e:
+    except (*_ZIP_ERRORS, RecursionError) as e:
         raise ModelFormatError(path, f"{shown} is not readable JSON ({str(e)[:200]})") from e
     if not isinstance(value, dict):
         raise ModelFormatError(path, f"{shown} is not a JSON object")

@@ -79,6 +79,19 @@ def exercise(codec: TextCodec) -> None:
         codec.chat(TEXT)
 
 
+def import_graph_file(target: str, name: str, data: bytes) -> None:
+    """`data` as the graph file `name` (ONNX, `.pt2`) with a valid tokenizer.json beside it, loaded and
+    imported to `llm` IR, its tokenizer exercised."""
+    from llmc.frontend import import_model, load_model
+
+    place(target, "tokenizer.json", tiny_tokenizer().to_str().encode())
+    path = place(target, name, data)
+    with outcome():
+        model = load_model(str(path))
+        import_model(model)
+        exercise(model.tokenizer)
+
+
 class Printed(Exception):
     """Something wrote to the process's stderr (a Rust panic's message, a library's print): stray
     lines beside llmc's one-line error."""

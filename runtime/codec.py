@@ -6,6 +6,10 @@ it from an artifact (`TextCodec.from_artifact`).
 
 from __future__ import annotations
 
+import os
+import re
+import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,13 +27,60 @@ class TokenizerError(LlmcError):
     """The model's tokenizer failed on a text or on token ids."""
 
 
+# what Rust's panic hook writes: the panic line, its message, a backtrace if asked for, the closing note
+_PANIC_REPORT = re.compile(rb"\n?thread '[^'\n]*'[^\n]* panicked at .*?(?:\nnote: [^\n]*\n|\Z)", re.S)
+
+
+class _StderrHeld:
+    """File descriptor 2 held in a temporary file while a call into the `tokenizers` library runs,
+    then written out without the reports of Rust panics (a panic writes to fd 2 before Python sees
+    it: stray lines beside llmc's one-line error). Calls on several threads at once share one hold;
+    what other threads write meanwhile comes out when the last call ends."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.saved = -1
+        self.held = -1  # the temporary file's descriptor, made on first use
+
+    def __enter__(self) -> None:
+        with self.lock:
+            if self.depth == 0:
+                if self.held < 0:
+                    with tempfile.TemporaryFile() as file:
+                        self.held = os.dup(file.fileno())
+                self.saved = os.dup(2)
+                os.dup2(self.held, 2)
+            self.depth += 1
+
+    def __exit__(self, *exc) -> None:
+        with self.lock:
+            self.depth -= 1
+            if self.depth:
+                return
+            os.dup2(self.saved, 2)
+            os.close(self.saved)
+            size = os.lseek(self.held, 0, os.SEEK_END)
+            if size:
+                kept = _PANIC_REPORT.sub(b"", os.pread(self.held, size, 0))
+                os.ftruncate(self.held, 0)
+                os.lseek(self.held, 0, os.SEEK_SET)
+                if kept:
+                    os.write(2, kept)
+
+
+_held_stderr = _StderrHeld()
+
+
 @contextmanager
 def tokenizer_failures(error: Callable[[str], LlmcError]) -> Iterator[None]:
     """Errors of the `tokenizers` library inside, and its panics (a Rust panic is a
     `pyo3_runtime.PanicException`, a BaseException: a regular expression that backtracks past
-    Oniguruma's limit panics), raised as `error(what went wrong)`."""
+    Oniguruma's limit panics), raised as `error(what went wrong)`; the panic's report on stderr
+    is dropped (`_StderrHeld`)."""
     try:
-        yield
+        with _held_stderr:
+            yield
     except Exception as e:  # the library raises its own exception types
         raise error(printable(e)) from e
     except BaseException as e:

@@ -11,7 +11,7 @@ import re
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,13 +45,13 @@ class _StderrHeld:
 
     def __enter__(self) -> None:
         with self.lock:
-            if self.depth == 0:
+            self.depth += 1  # first: a KeyboardInterrupt below leaves fd 2 as it was, not held for good
+            if self.depth == 1:
                 if self.held < 0:
                     with tempfile.TemporaryFile() as file:
                         self.held = os.dup(file.fileno())
                 self.saved = os.dup(2)
                 os.dup2(self.held, 2)
-            self.depth += 1
 
     def __exit__(self, *exc) -> None:
         with self.lock:
@@ -73,13 +73,14 @@ _held_stderr = _StderrHeld()
 
 
 @contextmanager
-def tokenizer_failures(error: Callable[[str], LlmcError]) -> Iterator[None]:
+def tokenizer_failures(error: Callable[[str], LlmcError], quiet: bool = True) -> Iterator[None]:
     """Errors of the `tokenizers` library inside, and its panics (a Rust panic is a
     `pyo3_runtime.PanicException`, a BaseException: a regular expression that backtracks past
-    Oniguruma's limit panics), raised as `error(what went wrong)`; the panic's report on stderr
-    is dropped (`_StderrHeld`)."""
+    Oniguruma's limit panics), raised as `error(what went wrong)`; with `quiet`, the panic's
+    report on stderr is dropped (`_StderrHeld`: for loading, building and encoding, not for the
+    per-token decoding, which runs no regular expression)."""
     try:
-        with _held_stderr:
+        with _held_stderr if quiet else nullcontext():
             yield
     except Exception as e:  # the library raises its own exception types
         raise error(printable(e)) from e
@@ -122,7 +123,8 @@ class TextCodec:
         return [self.bos_id, *ids] if bos and self.add_bos and self.bos_id is not None else ids
 
     def decode(self, ids: list[int]) -> str:
-        with tokenizer_failures(lambda problem: TokenizerError(f"the model's tokenizer failed on token ids: {problem}")):
+        with tokenizer_failures(lambda problem: TokenizerError(f"the model's tokenizer failed on token ids: {problem}"),
+                                quiet=False):
             return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def piece(self, token: int) -> str:

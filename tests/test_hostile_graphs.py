@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hostile import MAX_EXTRA_BYTES, MAX_SECONDS, assert_cli_rejects, assert_rejected
+from hostile import MAX_EXTRA_BYTES, assert_cli_rejects, assert_rejected
 
 from llmc.errors import ModelFormatError
 from llmc.frontend import load_model
@@ -156,6 +156,9 @@ BIG_ONNX: dict[str, tuple[Callable[[], bytes], str]] = {
 }
 
 
+BIG_FILE_SECONDS = 3.0  # of CPU for a file of up to 20 MB, scanned in Python (0.4 s alone, 1.3 s on a loaded host)
+
+
 def _status_kib(field: str) -> int:
     return int(next(line for line in Path("/proc/self/status").read_text().splitlines()
                     if line.startswith(field)).split()[1])
@@ -177,7 +180,7 @@ def test_big_onnx_files_are_refused_in_time_and_memory(tmp_path: Path) -> None:
             load_model(str(path))
         seconds, grown = time.process_time() - start, (_status_kib("VmHWM") - before) * 1024
         assert detail in str(info.value) and str(path) in str(info.value), info.value
-        assert seconds < MAX_SECONDS, f"{name}: refused after {seconds:.2f} s"
+        assert seconds < BIG_FILE_SECONDS, f"{name}: refused after {seconds:.2f} s"
         assert grown < MAX_EXTRA_BYTES, f"{name}: peak resident size grew {grown / 2**20:.0f} MiB"
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -419,6 +420,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not codec.chat_template:
             raise UsageError("this model has no chat template; use 'llmc run' for plain completion")
         chat = Chat(session, codec, args.system, sampling, args.n)
+        # Ctrl-C at the prompt ends the chat even where SIGINT came ignored from the parent (Python then
+        # installs no KeyboardInterrupt handler, and a reply's own handler would restore the ignoring)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         run_chat(chat, verbose=args.verbose)
     finally:
         session.close()

@@ -119,12 +119,14 @@ def test_an_interrupted_reply_stays_in_the_history(artifacts) -> None:
 class Terminal:
     """`llmc chat` on a pseudo-terminal that is its controlling terminal (so ^C is SIGINT)."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, sigint_ignored: bool = False):
         master, slave = os.openpty()
 
         def controlling_terminal() -> None:
             os.setsid()
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+            if sigint_ignored:  # as under a parent that ignores SIGINT (pytest-xdist's workers, nohup)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
 
         self.process = subprocess.Popen(runtime_only("", "chat", *args), stdin=slave,
                                         stdout=slave, stderr=slave, preexec_fn=controlling_terminal,
@@ -211,8 +213,10 @@ def test_chat_command_turns_reset_and_system(artifacts) -> None:
             term.process.kill()
 
 
-def test_ctrl_c_stops_a_reply_and_at_the_prompt_ends_the_chat(artifacts) -> None:
-    term = Terminal(str(artifacts["long"]), "-n", "4000", "--verbose", "--threads", "1", "--system", "x")
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["sigint-default", "sigint-ignored-by-parent"])
+def test_ctrl_c_stops_a_reply_and_at_the_prompt_ends_the_chat(artifacts, sigint_ignored: bool) -> None:
+    term = Terminal(str(artifacts["long"]), "-n", "4000", "--verbose", "--threads", "1", "--system", "x",
+                    sigint_ignored=sigint_ignored)
     try:
         term.expect(r"> ")
         term.send("hello\r")

@@ -99,26 +99,10 @@ def openapi_schema(model: str, limits: Limits) -> dict:
                                         "items": _ref("Message")}}},
         "Usage": {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
                   "properties": {k: integer for k in ("prompt_tokens", "completion_tokens", "total_tokens")}},
-        "Completion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
-                       "properties": {
-                           "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": integer,
-                           "model": {"type": "string"}, "usage": _ref("Usage"),
-                           "choices": {"type": "array", "items": {
-                               "type": "object", "required": ["index", "text", "finish_reason"],
-                               "properties": {"index": integer, "text": {"type": "string"}, "logprobs": {"type": "null"},
-                                              "finish_reason": {"enum": ["stop", "length"]}}}}}},
-        "ChatCompletion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
-                           "properties": {
-                               "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": integer,
-                               "model": {"type": "string"}, "usage": _ref("Usage"),
-                               "choices": {"type": "array", "items": {
-                                   "type": "object", "required": ["index", "message", "finish_reason"],
-                                   "properties": {
-                                       "index": integer, "logprobs": {"type": "null"},
-                                       "finish_reason": {"enum": ["stop", "length"]},
-                                       "message": {"type": "object", "required": ["role", "content"],
-                                                   "properties": {"role": {"const": "assistant"},
-                                                                  "content": {"type": "string"}}}}}}}},
+        "Completion": _answer("text_completion", "text", {"type": "string"}),
+        "ChatCompletion": _answer("chat.completion", "message", {
+            "type": "object", "required": ["role", "content"],
+            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}),
         "Model": {"type": "object", "required": ["id", "object", "created", "owned_by", "max_model_len"],
                   "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": integer,
                                  "owned_by": {"type": "string"}, "source": {}, "target": {"type": "string"},
@@ -159,3 +143,16 @@ def openapi_schema(model: str, limits: Limits) -> dict:
         },
         "components": {"schemas": schemas},
     }
+
+
+def _answer(kind: str, field: str, schema: dict) -> dict:
+    """A whole (not streamed) answer of `kind` whose choices each hold `field` (the text, or the message)."""
+    integer = {"type": "integer"}
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+            "properties": {
+                "id": {"type": "string"}, "object": {"const": kind}, "created": integer,
+                "model": {"type": "string"}, "usage": _ref("Usage"),
+                "choices": {"type": "array", "items": {
+                    "type": "object", "required": ["index", field, "finish_reason"],
+                    "properties": {"index": integer, field: schema, "logprobs": {"type": "null"},
+                                   "finish_reason": {"enum": ["stop", "length"]}}}}}}

@@ -107,10 +107,18 @@ class StorageAttr(EnumAttribute[Storage], SpacedOpaqueSyntaxAttribute):
 class Compute(StrEnum):
     """How a matmul computes: `a32` reads float activations (weights dequantized in
     registers); `a8` reads activations quantized to int8 per 32 values, so the inner
-    loop is integer dot products."""
+    loop is integer dot products; `a16` reads them quantized to int16 per 32 values,
+    multiplied as two int8 planes (`256·hi + lo`) by the same integer dot products (about
+    a32's accuracy at a8's memory traffic)."""
 
     A32 = "a32"
     A8 = "a8"
+    A16 = "a16"
+
+    @property
+    def integer(self) -> bool:
+        """Whether the mode reads quantized rows (integer dot products)."""
+        return self is not Compute.A32
 
 
 @irdl_attr_definition

@@ -506,12 +506,18 @@ def padded_width(width: int) -> int:
     return round_up(width, GROUP)
 
 
-def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Activations quantized to int8 as the kernels do it, in numpy, bit for bit.
+QMAX = {8: 127, 16: 32512}  # the largest quantized activation: int8, and int16 as two int8 planes (127·256)
 
-    Per 32 values: `d = amax / 127`, `q = rint(x · (127 / amax))`; per 16-slice the scale
-    `d` and `s = d · Σ q`. Returns `(qs int8[R, Wp], d f32[R, Wp/16], s f32[R, Wp/16])`
-    with the width padded to whole 64-groups (zeros).
+
+def quantize_rows(x: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Activations quantized to int8 (or int16) as the kernels do it, in numpy, bit for bit.
+
+    Per 32 values: `d = amax / Q`, `q = rint(x · (Q / amax))` with `Q = QMAX[bits]` (127;
+    32512 = 127·256 for 16 bits, so `q` splits into two int8 planes: `split_planes`); per
+    16-slice the scale `d` and `s = d · Σ q`. Returns `(qs int8|int16[R, Wp], d f32[R, Wp/16],
+    s f32[R, Wp/16])` with the width padded to whole 64-groups (zeros).
+
+        qs, d, s = quantize_rows(x, 16)   # qs int16, |qs| ≤ 32512
     """
     x = np.asarray(x, np.float32)
     rows, width = x.shape
@@ -520,37 +526,53 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     xp[:, :width] = x
     blocks = xp.reshape(rows, wp // ACT_BLOCK, ACT_BLOCK)
     amax = np.abs(blocks).max(axis=-1)
-    d = (amax / np.float32(127)).astype(np.float32)
+    qmax = np.float32(QMAX[bits])
+    d = (amax / qmax).astype(np.float32)
     with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.rint(blocks * inv[..., None]).astype(np.int8)
-    sums = q.reshape(rows, wp // SLICE, SLICE).astype(np.int32).sum(-1)
+        inv = np.where(amax > 0, qmax / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inv[..., None]).astype(np.int8 if bits == 8 else np.int16)
+    sums = q.reshape(rows, wp // SLICE, SLICE).astype(np.int32).sum(-1)  # < 2^24: exact in float32
     d16 = np.repeat(d, ACT_BLOCK // SLICE, axis=1)
     return q.reshape(rows, wp), d16, (d16 * sums.astype(np.float32)).astype(np.float32)
+
+
+def split_planes(q: np.ndarray) -> np.ndarray:
+    """int16 values (`|q| ≤ 32512`) as two int8 planes `[..., 2, W]`: `hi = (q + 128) >> 8`
+    (in [-127, 127]) and `lo = q − 256·hi` (in [-128, 127]), so `q = 256·hi + lo`."""
+    q = np.asarray(q, np.int32)
+    hi = (q + 128) >> 8
+    return np.stack([hi, q - 256 * hi], axis=-2).astype(np.int8)
+
+
+def join_planes(planes: np.ndarray) -> np.ndarray:
+    """The int16 values of two int8 planes `[..., 2, W]` (`split_planes`' inverse)."""
+    return (planes[..., 0, :].astype(np.int16) << 8) + planes[..., 1, :]
 
 
 _COLUMNS = 4096  # output columns per step of an integer matmul (bounds the temporaries)
 
 
 def integer_matmul(qs: np.ndarray, d: np.ndarray, s: np.ndarray, w: QuantizedTensor) -> np.ndarray:
-    """`x · wᵀ` of int8 rows (`quantize_rows`' output) by an integer-format weight, as kernels compute it.
+    """`x · wᵀ` of int8 or int16 rows (`quantize_rows`' output) by an integer-format weight, as kernels compute it.
 
-    Per 16-weight slice: the exact integer dot product of codes and int8 values (in
-    float32: every partial sum is an integer below 2^24), times the weight's and the
-    row's scales; plus each slice's minimum (or `−zero · scale`) times the row's sum.
+    Per 16-weight slice: the exact integer dot product of codes and values (int8 rows in
+    float32: every partial sum is an integer below 2^24; int16 rows in float64, rounded
+    once to float32 as a kernel converts its int32 sums), times the weight's and the row's
+    scales; plus each slice's minimum (or `−zero · scale`) times the row's sum.
     """
     rows = qs.shape[0]
     n_out, k = w.shape
     slices = k // SLICE
+    exact = np.float32 if qs.dtype == np.int8 else np.float64
     scale, zero, minimum = w.slices()
     offset = minimum if minimum is not None else -zero * scale
-    x = qs[:, :k].astype(np.float32).reshape(rows, slices, SLICE).transpose(1, 2, 0)  # [S, 16, T]
+    x = qs[:, :k].astype(exact).reshape(rows, slices, SLICE).transpose(1, 2, 0)  # [S, 16, T]
     d, s = d[:, :slices], s[:, :slices]
     out = np.empty((rows, n_out), np.float32)
     for lo in range(0, n_out, _COLUMNS):
         hi = min(lo + _COLUMNS, n_out)
-        codes = w.codes[lo:hi].astype(np.float32).reshape(hi - lo, slices, SLICE).transpose(1, 0, 2)  # [S, N, 16]
-        dots = codes @ x  # [S, N, T]
+        codes = w.codes[lo:hi].astype(exact).reshape(hi - lo, slices, SLICE).transpose(1, 0, 2)  # [S, N, 16]
+        dots = (codes @ x).astype(np.float32, copy=False)  # [S, N, T]
         out[:, lo:hi] = np.einsum("snt,ns,ts->tn", dots, scale[lo:hi], d) + s @ offset[lo:hi].T
     return out
 

@@ -131,15 +131,16 @@ def _operands(op: llm.Projection, values: tuple) -> dict[str, np.ndarray | None]
 
 def _product(op: llm.Projection, env: Env, x: np.ndarray, norm: np.ndarray | None, weight: SSAValue,
              w: np.ndarray) -> np.ndarray:
-    """`x · wᵀ` of a projection: the input normalized when a norm is fused; with `a8`, the
-    input quantized to int8 and multiplied by the weight's codes as the kernels do it."""
+    """`x · wᵀ` of a projection: the input normalized when a norm is fused; with `a8` (`a16`),
+    the input quantized to int8 (int16) and multiplied by the weight's codes as the kernels do it."""
     if norm is not None:
         x = rms_norm(x, norm, op.eps.value.data)
-    if op.mode is not llm.Compute.A8:
+    if not op.mode.integer:
         return x @ w.T
     source = weight.owner
-    assert isinstance(source, llm.WeightOp), f"{op.name}: an a8 weight must be an llm.weight"
-    return integer_matmul(*quantize_rows(x), env.weights.quantized(source.sym_name, source.storage.data))
+    assert isinstance(source, llm.WeightOp), f"{op.name}: an {op.mode} weight must be an llm.weight"
+    bits = 16 if op.mode is llm.Compute.A16 else 8
+    return integer_matmul(*quantize_rows(x, bits), env.weights.quantized(source.sym_name, source.storage.data))
 
 
 @semantics(llm.MatmulOp)

@@ -26,8 +26,11 @@ Quantized activation rows (`!tgt.qrows<128x576>`) hold, per row of width `W` (pa
 to `Wp`, a multiple of 64): `qs int8[Wp]` (the values, quantized per 32 by
 `formats.quantize_rows`), `d f32[Wp/16]` (each 16-slice's scale, shared by the two
 slices of a 32-block) and `s f32[Wp/16]` (each slice's `d · Σ qs`, for the minimum
-terms of the weights), the row padded to 64 bytes. Kernels address a row without
-knowing how many rows the buffer holds.
+terms of the weights), the row padded to 64 bytes. Int16 rows (`!tgt.qrows<128x576xi16>`,
+`a16`) hold two int8 planes instead of `qs`: `hi int8[Wp]` then `lo int8[Wp]`, the values
+being `256·hi + lo` (`formats.split_planes`), so kernels multiply each plane with the
+int8 dot products of `a8`. Kernels address a row without knowing how many rows the
+buffer holds.
 
     planes = weight_planes(Storage.Q4_1, (576, 576))   # codes, d, m with offsets
     data = pack_split(qt)                               # bytes for weights.bin
@@ -258,13 +261,20 @@ def unpack_split(data: np.ndarray, storage: Storage, shape: tuple[int, int]) -> 
 
 @dataclass(frozen=True)
 class QRowLayout:
-    """One quantized activation row of `width` values: `qs`, then `d`, then `s`, `row_bytes` apart."""
+    """One quantized activation row of `width` values: `qs` (int8: one plane; int16: planes `hi`
+    then `lo`, `formats.split_planes`), then `d`, then `s`; rows `row_bytes` apart."""
 
     width: int
+    bits: int = 8
 
     @property
     def wp(self) -> int:
         return padded_width(self.width)
+
+    @property
+    def planes(self) -> int:
+        """int8 planes of values: 1, or 2 for int16 (`hi`, `lo`)."""
+        return self.bits // 8
 
     @property
     def slices(self) -> int:
@@ -272,22 +282,26 @@ class QRowLayout:
 
     @property
     def d_offset(self) -> int:
-        return self.wp
+        return self.planes * self.wp
 
     @property
     def s_offset(self) -> int:
-        return self.wp + 4 * self.slices
+        return self.d_offset + 4 * self.slices
 
     @property
     def row_bytes(self) -> int:
         return align(self.s_offset + 4 * self.slices)
 
     def views(self, buffer: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`(qs int8[R, Wp], d f32[R, Wp/16], s f32[R, Wp/16])`: views of the rows in `buffer` (uint8)."""
+        """`(qs, d f32[R, Wp/16], s f32[R, Wp/16])`: views of the rows in `buffer` (uint8); `qs` is
+        int8 `[R, Wp]`, or for 16 bits the planes int8 `[R, 2, Wp]` (`formats.join_planes`)."""
         table = buffer[: rows * self.row_bytes].reshape(rows, self.row_bytes)
-        return (table[:, : self.wp].view(np.int8), table[:, self.d_offset : self.s_offset].view(np.float32),
+        qs = table[:, : self.d_offset].view(np.int8)
+        if self.planes > 1:
+            qs = qs.reshape(rows, self.planes, self.wp)
+        return (qs, table[:, self.d_offset : self.s_offset].view(np.float32),
                 table[:, self.s_offset : self.s_offset + 4 * self.slices].view(np.float32))
 
 
-def qrows_nbytes(rows: int, width: int) -> int:
-    return rows * QRowLayout(width).row_bytes
+def qrows_nbytes(rows: int, width: int, bits: int = 8) -> int:
+    return rows * QRowLayout(width, bits).row_bytes

@@ -8,7 +8,8 @@ buffer; none returns a value. Types say what the bytes are:
   or i8 = q8_0 rows, `kv_row_width`);
 - `!tgt.qrows<128x576>`: activation rows quantized to int8 per 32 values, with their
   scales and sums (`llmc.ir.layouts`), written by the kernel that produces them and read
-  by integer (`a8`) matmuls;
+  by integer (`a8`) matmuls; `!tgt.qrows<128x576xi16>`: the same quantized to int16, as
+  two int8 planes (read by `a16` matmuls);
 - `!tgt.weight<576x576, q4_1, tiles>`: a weight of the artifact in a storage type
   (`llmc.ir.formats`) and a layout (`stored` as in the model file, `split` or `tiles`,
   chosen for the target by the `pack` pass).
@@ -87,7 +88,7 @@ from xdsl.utils.exceptions import VerifyException
 
 from llmc.ir import named_operands
 from llmc.ir.formats import FORMATS, Storage
-from llmc.ir.layouts import Layout, qrows_nbytes, weight_nbytes
+from llmc.ir.layouts import Layout, QRowLayout, weight_nbytes
 from llmc.ir.llm import RopeAttr
 from llmc.runtime.artifact import KV_LAYOUT, KV_LAYOUT_SLOTS  # noqa: F401 (the cache's layouts, as the runtime reads them)
 
@@ -250,14 +251,16 @@ class WeightType(ParametrizedAttribute, TypeAttribute):
 
 @irdl_attr_definition
 class QRowsType(ParametrizedAttribute, TypeAttribute):
-    """Activation rows quantized to int8 per 32 values: `!tgt.qrows<128x576>` (rows x width)."""
+    """Activation rows quantized per 32 values (rows x width): to int8, `!tgt.qrows<128x576>`
+    (read by `a8` kernels), or to int16 as two int8 planes, `!tgt.qrows<128x576xi16>` (`a16`)."""
 
     name = "tgt.qrows"
     row_count: IntAttr = param_def(IntAttr)
     width_attr: IntAttr = param_def(IntAttr)
+    bits_attr: IntAttr = param_def(IntAttr)
 
-    def __init__(self, rows: int, width: int):
-        super().__init__(IntAttr(rows), IntAttr(width))
+    def __init__(self, rows: int, width: int, bits: int = 8):
+        super().__init__(IntAttr(rows), IntAttr(width), IntAttr(bits))
 
     @property
     def rows(self) -> int:
@@ -268,11 +271,19 @@ class QRowsType(ParametrizedAttribute, TypeAttribute):
         return self.width_attr.data
 
     @property
+    def bits(self) -> int:
+        return self.bits_attr.data
+
+    @property
+    def layout(self) -> QRowLayout:
+        return QRowLayout(self.width, self.bits)
+
+    @property
     def nbytes(self) -> int:
-        return qrows_nbytes(self.rows, self.width)
+        return self.rows * self.layout.row_bytes
 
     def print_parameters(self, printer: Printer) -> None:
-        printer.print_string(f"<{self.rows}x{self.width}>")
+        printer.print_string(f"<{self.rows}x{self.width}{'' if self.bits == 8 else f'xi{self.bits}'}>")
 
     @classmethod
     def parse_parameters(cls, parser: AttrParser) -> Sequence[Attribute]:
@@ -281,12 +292,20 @@ class QRowsType(ParametrizedAttribute, TypeAttribute):
         dims = _parse_dims(parser)
         if len(dims) != 2:
             parser.raise_error("!tgt.qrows needs rows x width", pos)
+        bits = 8
+        element = parser.parse_optional_identifier()
+        if element is not None:
+            if element != "xi16":
+                parser.raise_error(f"!tgt.qrows: expected 'xi16' (int16 rows) or '>', got '{element}'", pos)
+            bits = 16
         parser.parse_punctuation(">")
-        return (IntAttr(dims[0]), IntAttr(dims[1]))
+        return (IntAttr(dims[0]), IntAttr(dims[1]), IntAttr(bits))
 
     def verify(self) -> None:
         if self.width % 32:
             raise VerifyException(f"!tgt.qrows: width {self.width} is not a multiple of 32")
+        if self.bits not in (8, 16):
+            raise VerifyException(f"!tgt.qrows: {self.bits}-bit rows; int8 or int16 only")
 
 
 def memref(*shape: int, element_type: Attribute = f32) -> MemRefType:
@@ -332,7 +351,7 @@ def per_row(t: Attribute) -> str:
     if isinstance(t, MemRefType):
         return f"memref<?x{'x'.join(map(str, t.get_shape()[1:]))}x{t.element_type}>"
     if isinstance(t, QRowsType):
-        return f"!tgt.qrows<?x{t.width}>"
+        return f"!tgt.qrows<?x{t.width}{'' if t.bits == 8 else f'xi{t.bits}'}>"
     return str(t)
 
 
@@ -498,15 +517,19 @@ class Kernel(IRDLOperation):
             self._fail(f"{what} must be !tgt.weight<{width}, f32, stored>, got {t}")
 
     def _quantized_kernel(self, x: SSAValue, *weights: SSAValue) -> None:
-        """An a8 kernel (quantized input) needs integer weight formats, and in a packed layout an isa."""
+        """An a8 or a16 kernel (quantized input) needs integer weight formats, and in a packed layout
+        an isa; AMX tiles read int8 rows only."""
         if not is_quantized(x):
             return
+        isa = getattr(self, "isa")
+        if isa is not None and isa.data is Isa.AMX and x.type.bits != 8:
+            self._fail(f"isa amx reads int8 rows, not {x.type}")
         for w in weights:
             t = w.type
             assert isinstance(t, WeightType)
             if t.storage.is_float:
                 self._fail(f"quantized rows need an integer weight format, not {t.storage}")
-            if t.layout is not Layout.STORED and getattr(self, "isa") is None:
+            if t.layout is not Layout.STORED and isa is None:
                 self._fail("a kernel reading quantized rows from packed weights needs an isa (run pack)")
 
 
@@ -593,10 +616,11 @@ class RMSNormOp(Kernel):
 
 @irdl_op_definition
 class QuantizeOp(Kernel):
-    """`out = x` quantized to int8 per 32 values (where no producer kernel could do it).
+    """`out = x` quantized to int8 (or int16) per 32 values (where no producer kernel could do it).
 
     ```mlir
     tgt.quantize %g -> %gq rows %n : memref<128x1536xf32> -> !tgt.qrows<128x1536>
+    tgt.quantize %g -> %gq16 rows %n : memref<128x1536xf32> -> !tgt.qrows<128x1536xi16>
     ```
     """
 
@@ -617,8 +641,8 @@ class QuantizeOp(Kernel):
 class MatmulOp(Kernel):
     """`out[t] (+)= norm?(x[t]) · wᵀ + bias`, for every row or only the last one.
 
-    `x` is float rows (`a32`: weights dequantized in registers) or quantized rows (`a8`:
-    integer dot products with the `isa` that `pack` chose).
+    `x` is float rows (`a32`: weights dequantized in registers) or quantized rows (`a8`, or
+    `a16` on `!tgt.qrows<…xi16>`: integer dot products with the `isa` that `pack` chose).
     - `norm %g eps E`: RMS-normalize each row of float `x` with weight `g` first;
     - `accumulate`: add into `out` instead of overwriting it (a fused residual add);
     - `last_row`: compute only row `n-1` of `x`, into row 0 of `out` (the LM head);

@@ -4,10 +4,11 @@ Buffers are views of one `uint8` arena at the offsets `plan-memory` chose, so ru
 an entry point here also checks the memory plan: two live buffers that overlapped
 would corrupt each other and the logits would disagree with the `llm` interpreter.
 Weights in the `split` layout are packed to bytes and read back (`llmc.ir.layouts`),
-so the layout is checked too. Integer (`a8`) matmuls are computed the way the kernels
-compute them, from the int8 rows and the weight codes: exact integer dot products per
-16-weight slice, then the scales; the quantized rows themselves are bit-identical to
-what the kernels write (`formats.quantize_rows`).
+so the layout is checked too. Integer (`a8`, `a16`) matmuls are computed the way the
+kernels compute them, from the int8 (int16) rows and the weight codes: exact integer dot
+products per 16-weight slice, then the scales; the quantized rows themselves are
+bit-identical to what the kernels write (`formats.quantize_rows`, int16 rows as their
+two int8 planes).
 
     weights = KernelWeights(model.weights)
     logits = run_entry(function, weights, tokens, start, cache)
@@ -23,7 +24,7 @@ from xdsl.dialects.builtin import IntegerAttr, MemRefType
 from xdsl.ir import SSAValue
 
 from llmc.ir import llm, tgt
-from llmc.ir.formats import QuantizedTensor, integer_matmul, quantize_rows
+from llmc.ir.formats import QuantizedTensor, integer_matmul, join_planes, quantize_rows, split_planes
 from llmc.ir.interpreter import (
     BINARY,
     REDUCE,
@@ -40,7 +41,7 @@ from llmc.ir.interpreter import (
     silu,
     soft_capped,
 )
-from llmc.ir.layouts import Layout, QRowLayout, pack, unpack
+from llmc.ir.layouts import Layout, pack, unpack
 from llmc.ir.weights import WeightStore
 
 _KERNELS = OpTable()
@@ -48,16 +49,26 @@ kernel = _KERNELS.register  # `fn(op, get)`: `get(value)` gives a value's array;
 
 @dataclass
 class QRows:
-    """Quantized rows in the arena: `qs int8[R, Wp]`, `d f32[R, Wp/16]`, `s f32[R, Wp/16]`."""
+    """Quantized rows in the arena (`QRowLayout.views`): `qs` int8 `[R, Wp]`, or for int16 rows
+    the planes int8 `[R, 2, Wp]`; `d f32[R, Wp/16]`, `s f32[R, Wp/16]`."""
 
     qs: np.ndarray
     d: np.ndarray
     s: np.ndarray
 
+    @property
+    def bits(self) -> int:
+        return 8 * (self.qs.ndim - 1)
+
+    def values(self, first: int, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows `first..rows` as `quantize_rows` returns them (int16 values joined from their planes)."""
+        qs = self.qs[first:rows]
+        return (join_planes(qs) if self.bits == 16 else qs), self.d[first:rows], self.s[first:rows]
+
     def write(self, rows: np.ndarray) -> None:
-        qs, d, s = quantize_rows(rows)
+        qs, d, s = quantize_rows(rows, self.bits)
         n = rows.shape[0]
-        self.qs[:n], self.d[:n], self.s[:n] = qs, d, s
+        self.qs[:n], self.d[:n], self.s[:n] = (split_planes(qs) if self.bits == 16 else qs), d, s
 
 
 @dataclass(frozen=True)
@@ -119,8 +130,7 @@ def _project(get: _State, op: tgt.MatmulOp | tgt.SwigluOp, weight: SSAValue, row
     """`x · wᵀ` for the rows a matmul reads (normalized first when a norm is fused)."""
     x = get(op.x)
     if isinstance(x, QRows):
-        first = rows - 1 if last_row else 0
-        return integer_matmul(x.qs[first:rows], x.d[first:rows], x.s[first:rows], get.matrix(weight).quantized)
+        return integer_matmul(*x.values(rows - 1 if last_row else 0, rows), get.matrix(weight).quantized)
     x = x[:rows].reshape(rows, -1)
     if last_row:
         x = x[-1:]
@@ -267,7 +277,7 @@ def _buffer(arena: np.ndarray, alloc: tgt.AllocOp) -> np.ndarray | QRows:
     if isinstance(t, MemRefType):
         return arena[offset : offset + alloc.nbytes].view(np.float32).reshape(tgt.dims(alloc.result))
     assert isinstance(t, tgt.QRowsType)
-    return QRows(*QRowLayout(t.width).views(arena[offset : offset + alloc.nbytes], t.rows))
+    return QRows(*t.layout.views(arena[offset : offset + alloc.nbytes], t.rows))
 
 
 def run_entry(function: func.FuncOp, weights: KernelWeights, tokens: np.ndarray, start: int | np.ndarray,

@@ -2,8 +2,10 @@
 
 Each `llm` value gets a buffer (`tgt.alloc`, placed later by `plan-memory`) sized for
 the entry point's largest chunk: float rows, or quantized rows when every reader is an
-`a8` projection and the producing kernel can quantize its output (RMSNorm, SwiGLU,
-attention); an `a8` reader of float rows gets them through one `tgt.quantize`.
+integer projection of one width — all `a8` (int8 rows, `!tgt.qrows<128x576>`) or all
+`a16` (int16 rows, `!tgt.qrows<128x576xi16>`) — and the producing kernel can quantize
+its output (RMSNorm, SwiGLU, attention). Otherwise the producer writes float rows and
+each integer width reading them gets them through one `tgt.quantize` of its own.
 Reshapes become views; the token positions become `%positions`, one per row (and their
 sequences `%slots`, where the cache holds several); the KV cache becomes `%k_cache` /
 `%v_cache` in the layout `tgt.kv_layout` (`tgt.KV_LAYOUT`, or `tgt.KV_LAYOUT_SLOTS`), one
@@ -12,9 +14,13 @@ the storage `quantize` chose, in the `stored` layout (`pack` chooses the target'
 
 ```mlir
 // llm                                                    // tgt
-%h = llm.rms_norm %x, %g eps 1.0e-05 : ...                 tgt.rms_norm %x, %g -> %h rows %n eps 1.0e-05 : memref<128x576xf32>, ... -> !tgt.qrows<128x576>
-%q = llm.matmul %h, %wq compute a8 : ...                   tgt.matmul %h, %wq -> %q rows %n : !tgt.qrows<128x576>, ... -> memref<128x576xf32>
+%h = llm.rms_norm %x, %g eps 1.0e-05 : ...                 tgt.rms_norm %x, %g -> %h rows %n eps 1.0e-05 : memref<128x576xf32>, ... -> !tgt.qrows<128x576xi16>
+%q = llm.matmul %h, %wq compute a16 : ...                  tgt.matmul %h, %wq -> %q rows %n : !tgt.qrows<128x576xi16>, ... -> memref<128x576xf32>
 %x1 = llm.matmul %a, %wo residual %x compute a8 : ...      tgt.matmul %a, %wo -> %x rows %n accumulate : ...   // in place
+// %a read by a8 and a16 projections: float rows, quantized once per width
+%a = llm.swiglu %h, %wg, %wu compute a8 : ...              tgt.swiglu %h, %wg, %wu -> %a rows %n : ... -> memref<128x1536xf32>
+                                                           tgt.quantize %a -> %a_q rows %n : memref<128x1536xf32> -> !tgt.qrows<128x1536>
+                                                           tgt.quantize %a -> %a_q16 rows %n : memref<128x1536xf32> -> !tgt.qrows<128x1536xi16>
 ```
 """
 
@@ -37,17 +43,24 @@ from llmc.passes.base import LlmcPass
 from llmc.passes.group import single_user, users
 
 
-def _reads_quantized(value: SSAValue) -> bool:
-    """Every reader of `value` is an `a8` projection (through reshapes and last_token)."""
+def _bits(op: llm.Projection) -> int | None:
+    """The width of the quantized rows a projection reads: 8 (`a8`), 16 (`a16`), None (float rows)."""
+    return {llm.Compute.A8: 8, llm.Compute.A16: 16}.get(op.mode)
+
+
+def _reads_quantized(value: SSAValue) -> int | None:
+    """The one width of quantized rows every reader of `value` wants (through reshapes and
+    last_token): 8 when all are `a8` projections, 16 when all are `a16`; else None."""
     readers = users(value)
+    widths = set()
     for op in readers:
         if isinstance(op, (llm.ReshapeOp, llm.LastTokenOp)):
-            if not _reads_quantized(op.result):
-                return False
-        elif not (isinstance(op, llm.Projection) and op.mode is llm.Compute.A8
-                  and op.input == value):
-            return False
-    return bool(readers)
+            widths.add(_reads_quantized(op.result))
+        elif isinstance(op, llm.Projection) and op.input == value:
+            widths.add(_bits(op))
+        else:
+            return None
+    return widths.pop() if len(widths) == 1 else None
 
 
 @dataclass
@@ -62,7 +75,7 @@ class _Lowering:
     v_cache: SSAValue
     logits: SSAValue
     buffers: dict[SSAValue, SSAValue] = field(default_factory=dict)  # float rows (or any buffer)
-    quantized: dict[SSAValue, SSAValue] = field(default_factory=dict)  # int8 rows of a value
+    quantized: dict[tuple[SSAValue, int], SSAValue] = field(default_factory=dict)  # (value, bits) → its rows
     weights: dict[str, SSAValue] = field(default_factory=dict)
     layers: dict[int, tuple[SSAValue, SSAValue]] = field(default_factory=dict)
 
@@ -80,35 +93,40 @@ class _Lowering:
         return buf
 
     def out(self, value: SSAValue, can_quantize: bool = False) -> SSAValue:
-        """A buffer for `value`: quantized rows when its readers want them and the producer can write them."""
+        """A buffer for `value`: quantized rows when its readers all want one width of them and the
+        producer can write them."""
         shape = self._shape(value)
         width = math.prod(shape[1:])
-        if can_quantize and width % 32 == 0 and _reads_quantized(value):
-            buf = self._alloc(value, tgt.QRowsType(shape[0], width))
-            self.quantized[value] = buf
+        bits = _reads_quantized(value) if can_quantize and width % 32 == 0 else None
+        if bits is not None:
+            buf = self._alloc(value, tgt.QRowsType(shape[0], width, bits))
+            self.quantized[value, bits] = buf
             return buf
         buf = self._alloc(value, tgt.memref(*shape))
         self.buffers[value] = buf
         return buf
 
     def x(self, op: llm.Projection) -> SSAValue:
-        """The rows a projection reads: quantized for `a8` (quantizing float rows once), else float."""
-        value = op.input
-        if op.mode is not llm.Compute.A8:
+        """The rows a projection reads: quantized for `a8` / `a16` (quantizing float rows once per
+        width), else float."""
+        value, bits = op.input, _bits(op)
+        if bits is None:
             return self.buffers[value]
-        if value not in self.quantized:
+        if (value, bits) not in self.quantized:
             source = self.buffers[value]
             shape = tgt.dims(source)
-            buf = self._alloc(value, tgt.QRowsType(shape[0], tgt.row_width(source)))
-            buf.name_hint = f"{value.name_hint}_q" if value.name_hint else None
+            buf = self._alloc(value, tgt.QRowsType(shape[0], tgt.row_width(source), bits))
+            buf.name_hint = f"{value.name_hint}_q{'' if bits == 8 else bits}" if value.name_hint else None
             self.emit(tgt.QuantizeOp(source, buf, self.n))
-            self.quantized[value] = buf
-        return self.quantized[value]
+            self.quantized[value, bits] = buf
+        return self.quantized[value, bits]
 
     def alias(self, result: SSAValue, source: SSAValue) -> None:
-        for table in (self.buffers, self.quantized):
-            if source in table:
-                table[result] = table[source]
+        if source in self.buffers:
+            self.buffers[result] = self.buffers[source]
+        for bits in (8, 16):
+            if (source, bits) in self.quantized:
+                self.quantized[result, bits] = self.quantized[source, bits]
 
     def norm(self, op: llm.Projection) -> dict:
         return {"norm": self.buffers[op.norm], "eps": op.eps.value.data} if op.norm is not None else {}
@@ -183,8 +201,8 @@ def _swiglu(lo: _Lowering, op: llm.SwigluOp) -> None:
 
 @lowering(llm.ReshapeOp)
 def _reshape(lo: _Lowering, op: llm.ReshapeOp) -> None:
-    if op.input in lo.quantized:  # quantized rows have one row width, whatever the logical shape
-        lo.quantized[op.result] = lo.quantized[op.input]
+    if op.input not in lo.buffers:  # quantized rows have one row width, whatever the logical shape
+        lo.alias(op.result, op.input)
         return
     view = lo.emit(tgt.ViewOp(lo.buffers[op.input], lo._shape(op.result)))
     view.result.name_hint = op.result.name_hint

@@ -11,7 +11,10 @@ product of the target (`isa vnni512` with AVX-512 VNNI, `vnni256` with AVX-VNNI,
 with `pmaddubsw`, `generic` otherwise); where the target also has AMX-INT8, the kernels
 of entry points of 16 rows or more (prefill, score) get `isa amx`: tiles for whole
 16-row blocks (`backends/cpu/amx.py`), when every weight format's scales are constant
-over 32-value blocks (q6_k's 16-value scales keep VNNI).
+over 32-value blocks (q6_k's 16-value scales keep VNNI). Kernels reading int16 rows
+(`a16`: two int8 planes, two products per block) take the same isa as `a8` except
+`amx`, which would need twice the accumulator tiles: on an AMX target they get
+`vnni512` (the tiles layout serves both).
 
 On a CUDA target every integer weight takes the `split` layout: a lane reads one 4-byte
 word of codes, a warp 128 consecutive bytes (`backends/cuda/weights.py`); the matmuls of
@@ -65,7 +68,7 @@ class PackPass(LlmcPass):
             for op in function.body.block.ops:
                 if isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and tgt.is_quantized(op.x):
                     tiles = amx and blocks_of_rows and getattr(op, "last_row", None) is None \
-                        and all(supports(w.storage) for w in _matrices(op))
+                        and op.x.type.bits == 8 and all(supports(w.storage) for w in _matrices(op))
                     op.isa = tgt.IsaAttr(tgt.Isa.AMX if tiles else isa)
 
     def _pack_for_cuda(self, module: ModuleOp, target: tgt.TargetAttr) -> None:

@@ -88,7 +88,10 @@ def gemm_amx(f: KernelBuilder, q: QRowsAccess, access: list[TiledWeight], t_end:
              j_lo: ir.Value, j_hi: ir.Value, unit: int, finish, flush=None) -> None:
     """Rows [0, t_end) (a multiple of 16) × columns [j_lo, j_hi) (whole `unit`s of whole
     strips): finish(ts, js, vals) per row and unit, vals[w][0][c] the row's dot product with
-    column js[c] of weight w; then flush(t, 1, j0) if given."""
+    column js[c] of weight w; then flush(t, 1, j0) if given. Int8 rows only: int16 rows would
+    need a tile product per plane (`pack` gives their kernels `vnni512`)."""
+    if q.planes != 1:
+        raise ValueError(f"isa amx reads int8 rows, not {q.bits}-bit ones")
     b = f.b
     w0 = access[0]
     blocks, nw, strips = w0.blocks, len(access), unit // STRIP

@@ -12,7 +12,8 @@ loop depends on what the operands are:
 - integer weights × quantized rows (`a8`), split layout: per 64-weight group, one
   integer dot product of codes and int8 values (`quant.integer_dot`), scaled per
   16-weight slice by the weight's and the row's scales, plus the weight minimums times
-  the rows' sums;
+  the rows' sums; int16 rows (`a16`) the same with one dot product per int8 plane,
+  joined as `(dot(codes, hi) << 8) + dot(codes, lo)` before the same scaling;
 - the same in the tiles layout (`gemm_tiles`, AVX-512 VNNI): per strip of 16 columns
   and 32-block, 8 `vpdpbusd` of code vectors by broadcast activations, the 16 columns'
   sums in the lanes; with `isa amx`, whole 16-row blocks on AMX tiles (`amx.gemm_amx`).
@@ -249,7 +250,8 @@ def _tile_a32_groups(f: KernelBuilder, rows: Rows, access: list[SplitWeight], t:
 
 def _tile_a8(f: KernelBuilder, rows: Rows, access: list[SplitWeight], t: ir.Value, r: int, j0: ir.Value, c: int,
              isa: tgt.Isa) -> list:
-    """Integer weights × quantized rows: per 64-group one integer dot product per (row, column)."""
+    """Integer weights × quantized rows: per 64-group one integer dot product per (row, column)
+    and plane of the rows (int16 rows: `hi` and `lo`, joined as `(hi << 8) + lo` in int32)."""
     b, nw = f.b, len(access)
     accs = _accumulators(f, vec(F32, 16), nw, r, c, "acc")
     offs = _accumulators(f, vec(F32, 4), nw, r, c, "off")
@@ -266,10 +268,12 @@ def _tile_a8(f: KernelBuilder, rows: Rows, access: list[SplitWeight], t: ir.Valu
             cols.append(per_col)
         for ri in range(r):
             row = f.add(rows.first, f.add(t, ri))
-            xq, d4, s4 = rows.q.qs(row, g), rows.q.d4(row, g), rows.q.s4(row, g)
+            xq = [rows.q.qs(row, g, plane) for plane in range(rows.q.planes)]
+            d4, s4 = rows.q.d4(row, g), rows.q.s4(row, g)
             for wi, per_col in enumerate(cols):
                 for ci, (codes, scale, offset) in enumerate(per_col):
-                    dot = b.sitofp(integer_dot(f, isa, codes, xq, access[wi].bits), vec(F32, 16))
+                    dots = [integer_dot(f, isa, codes, x, access[wi].bits) for x in xq]
+                    dot = b.sitofp(rows.q.join_dots(dots), vec(F32, 16))
                     lanes = lanes_of_slices(f, b.fmul(scale, d4))
                     acc, off = accs[wi][ri][ci], offs[wi][ri][ci]
                     b.store(f.fadd(b.load(acc), f.fmul(dot, lanes)), acc)
@@ -281,9 +285,10 @@ def _tile_a8(f: KernelBuilder, rows: Rows, access: list[SplitWeight], t: ir.Valu
 # ------------------------------------------------------------------ the tiles layout
 
 
-def broadcast_quad(f: KernelBuilder, q: QRowsAccess, t: ir.Value, k: ir.Value) -> ir.Value:
-    """Row t's int8 values k..k+3 (k a multiple of 4) in every lane: `<64 x i8>`, a `vpdpbusd` operand."""
-    word = f.load(f.b.bitcast(q.qs_ptr(t), I32.as_pointer()), f.b.sdiv(k, f.i64(4)))
+def broadcast_quad(f: KernelBuilder, q: QRowsAccess, t: ir.Value, k: ir.Value, plane: int = 0) -> ir.Value:
+    """Row t's int8 values k..k+3 (k a multiple of 4; of `plane` for int16 rows) in every lane:
+    `<64 x i8>`, a `vpdpbusd` operand."""
+    word = f.load(f.b.bitcast(q.qs_ptr(t, plane), I32.as_pointer()), f.b.sdiv(k, f.i64(4)))
     lanes = f.b.insert_element(ir.Constant(vec(I32, 1), None), word, ir.Constant(I32, 0))
     lanes = f.b.shuffle_vector(lanes, ir.Constant(vec(I32, 1), None), ir.Constant(vec(I32, 16), [0] * 16))
     return f.b.bitcast(lanes, vec(I8, 64))
@@ -304,8 +309,9 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
     """Quantized rows × weights in the tiles layout. Whole 16-row blocks on AMX tiles where the
     kernel has `isa amx` (and the runtime allowed them); every other row on VNNI-512: per strip
     of 16 columns and 32-block, 8 `vpdpbusd` of the block's code vectors and 4 broadcast
-    int8 values of each row (the 16 columns' sums in the lanes), scaled once per scale group:
-    `acc += dot · (d_w · d_x) + off_w · s_x`."""
+    int8 values of each row (the 16 columns' sums in the lanes; int16 rows: 8 per plane, joined
+    as `(hi << 8) + lo`), scaled once per scale group: `acc += dot · (d_w · d_x) + off_w · s_x`.
+    AMX reads int8 rows only (`pack` gives int16 rows `vnni512`)."""
     assert rows.quantized
     b = f.b
     lo, hi, unit, rest = strips_of_thread(f, N, unit, tid, nth)
@@ -355,8 +361,8 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, access: list[TiledWeight], t: i
         for w in access:
             w.prefetch(s, blk, PREFETCH_BYTES)
             codes.append(w.quads(s, blk))
-        xs_by_row = [[broadcast_quad(f, q, f.add(t, ri), f.add(f.mul(blk, TILE_K), 4 * quad)) for quad in range(QUADS)]
-                     for ri in range(r)]
+        xs_by_row = [[[broadcast_quad(f, q, f.add(t, ri), f.add(f.mul(blk, TILE_K), 4 * quad), plane)
+                       for quad in range(QUADS)] for plane in range(q.planes)] for ri in range(r)]
         for first in range(0, TILE_K // SLICE, step):
             quads = range(first * SLICE // 4, (first + step) * SLICE // 4)
             sl = f.add(f.mul(blk, TILE_K // SLICE), first)
@@ -365,13 +371,16 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, access: list[TiledWeight], t: i
                 offset = w.offset16(s, sl, scale)
                 for ri in range(r):
                     row = f.add(t, ri)
-                    chains = [ir.Constant(vec(I32, STRIP), [0] * STRIP)] * DOT_CHAINS  # short dependency chains
-                    for n, quad in enumerate(quads):
-                        chains[n % DOT_CHAINS] = vpdpbusd(f, chains[n % DOT_CHAINS], codes[wi][quad],
-                                                          xs_by_row[ri][quad])
-                    dot = chains[0]
-                    for other in chains[1:]:
-                        dot = b.add(dot, other)
+                    dots = []
+                    for xs in xs_by_row[ri]:  # per plane of the rows
+                        chains = [ir.Constant(vec(I32, STRIP), [0] * STRIP)] * DOT_CHAINS  # short dependency chains
+                        for n, quad in enumerate(quads):
+                            chains[n % DOT_CHAINS] = vpdpbusd(f, chains[n % DOT_CHAINS], codes[wi][quad], xs[quad])
+                        dot = chains[0]
+                        for other in chains[1:]:
+                            dot = b.add(dot, other)
+                        dots.append(dot)
+                    dot = q.join_dots(dots)
                     acc = accs[wi][ri][0]
                     b.store(scaled_block(f, b.load(acc), dot, scale, offset, *q.block_scales(row, sl, step)), acc)
     return [[b.load(accs[wi][ri][0]) for ri in range(r)] for wi in range(len(access))]

@@ -3,9 +3,9 @@
 Kernels see every integer weight format the same way (`llmc.ir.formats`): per row and
 64-weight group, 64 unsigned codes and, per 16-weight slice, a scale and a zero point
 or a minimum. `SplitWeight` loads them from the split layout (`llmc.ir.layouts`),
-`QRowsAccess` reads and writes quantized activation rows, and `integer_dot` multiplies
-64 codes by 64 int8 values into 16 lanes of 4 products each, with the instructions the
-kernel's `isa` names:
+`QRowsAccess` reads and writes quantized activation rows (int8, or int16 as two int8
+planes whose dot products it joins), and `integer_dot` multiplies 64 codes by 64 int8
+values into 16 lanes of 4 products each, with the instructions the kernel's `isa` names:
 
     w = SplitWeight(f, ptr, weight_type)
     codes = w.codes(j, g)                         # <64 x i8>
@@ -17,8 +17,8 @@ from __future__ import annotations
 from llvmlite import ir
 
 from llmc.backends.builder import F32, I32, I64, KernelBuilder
-from llmc.ir.formats import ACT_BLOCK, FORMATS, GROUP, SLICE, padded_width
-from llmc.ir.layouts import QUADS, STRIP, TILE_K, Plane, QRowLayout, tile_planes, weight_planes
+from llmc.ir.formats import ACT_BLOCK, FORMATS, GROUP, QMAX, SLICE, padded_width
+from llmc.ir.layouts import QUADS, STRIP, TILE_K, Plane, tile_planes, weight_planes
 from llmc.ir.tgt import Isa, QRowsType, WeightType
 
 I1 = ir.IntType(1)
@@ -292,35 +292,43 @@ class TiledWeight:
         return 2 if all(field.group % TILE_K == 0 for field in self.fmt.fields) else 1
 
 
-def q8_block(f: KernelBuilder, v0: ir.Value, v1: ir.Value) -> tuple[ir.Value, list[ir.Value]]:
+def q8_block(f: KernelBuilder, v0: ir.Value, v1: ir.Value, qmax: int = 127) -> tuple[ir.Value, list[ir.Value]]:
     """32 floats (two `<16 x float>`) quantized as `formats.quantize_rows` does: the scale
-    `d = amax / 127` and the values `roundeven(x · 127 / amax)` as two `<16 x i32>`."""
+    `d = amax / qmax` and the values `roundeven(x · qmax / amax)` as two `<16 x i32>` (`qmax`
+    127 for int8; `QMAX[16]` = 32512 for int16 rows)."""
     b = f.b
     both = f.intrinsic("llvm.maxnum", *(f.intrinsic("llvm.fabs", v) for v in (v0, v1)))
     amax = b.call(declare(f, "llvm.vector.reduce.fmax.v16f32", F32, [both.type]), [both])
-    inv = b.select(b.fcmp_ordered(">", amax, f.f32(0.0)), b.fdiv(f.f32(127.0), amax), f.f32(0.0))
+    inv = b.select(b.fcmp_ordered(">", amax, f.f32(0.0)), b.fdiv(f.f32(float(qmax)), amax), f.f32(0.0))
     inv16 = f.splat(inv, vec(F32, 16))
-    return b.fdiv(amax, f.f32(127.0)), [b.fptosi(f.intrinsic("llvm.roundeven", b.fmul(v, inv16)), vec(I32, 16))
-                                        for v in (v0, v1)]
+    return b.fdiv(amax, f.f32(float(qmax))), [b.fptosi(f.intrinsic("llvm.roundeven", b.fmul(v, inv16)), vec(I32, 16))
+                                              for v in (v0, v1)]
 
 
 class QRowsAccess:
-    """Quantized activation rows (`!tgt.qrows<R x W>`) at `base` (an `i8*`), row by row."""
+    """Quantized activation rows (`!tgt.qrows<R x W>`, int8 or int16) at `base` (an `i8*`), row by row.
+
+    Int16 rows are two int8 planes (`hi`, `lo`: `planes` is 2): a reader takes each plane's
+    values (`qs(t, g, plane)`) through the int8 dot products and joins the two sums
+    (`join_dots`)."""
 
     def __init__(self, f: KernelBuilder, base: ir.Value, qrows: QRowsType):
         self.f = f
         self.base = base
-        self.row = QRowLayout(qrows.width)
+        self.row = qrows.layout
         self.wp = self.row.wp
         self.width = qrows.width
+        self.bits = qrows.bits
+        self.planes = self.row.planes
 
     def _at(self, t: ir.Value, offset: int, element: ir.Type) -> ir.Value:
         f = self.f
         p = f.b.gep(self.base, [f.add(f.mul(t, self.row.row_bytes), offset)], inbounds=True)
         return f.b.bitcast(p, element.as_pointer())
 
-    def qs_ptr(self, t: ir.Value) -> ir.Value:
-        return self._at(t, 0, I8)
+    def qs_ptr(self, t: ir.Value, plane: int = 0) -> ir.Value:
+        """Row t's int8 values (of int16 rows: plane 0 `hi`, plane 1 `lo`)."""
+        return self._at(t, plane * self.wp, I8)
 
     def block_scales(self, t: ir.Value, sl: ir.Value, slices: int) -> tuple[ir.Value, ir.Value]:
         """Row t's scale and sum over `slices` 16-slices from slice `sl` (one scale block)."""
@@ -338,8 +346,8 @@ class QRowsAccess:
         """Row t's sums d · Σq, one per 16-value slice."""
         return self._at(t, self.row.s_offset, F32)
 
-    def qs(self, t: ir.Value, g: ir.Value) -> ir.Value:
-        return load_vector(self.f, self.qs_ptr(t), self.f.mul(g, GROUP), vec(I8, 64))
+    def qs(self, t: ir.Value, g: ir.Value, plane: int = 0) -> ir.Value:
+        return load_vector(self.f, self.qs_ptr(t, plane), self.f.mul(g, GROUP), vec(I8, 64))
 
     def d4(self, t: ir.Value, g: ir.Value) -> ir.Value:
         return load_vector(self.f, self.d_ptr(t), self.f.mul(g, 4), vec(F32, 4), align=4)
@@ -347,11 +355,20 @@ class QRowsAccess:
     def s4(self, t: ir.Value, g: ir.Value) -> ir.Value:
         return load_vector(self.f, self.s_ptr(t), self.f.mul(g, 4), vec(F32, 4), align=4)
 
+    def join_dots(self, dots: list[ir.Value]) -> ir.Value:
+        """One int32 dot product per lane from each plane's: `(dot_hi << 8) + dot_lo` for int16 rows
+        (no overflow: 4 products of 255 · 127, shifted, stay below 2^31)."""
+        if self.planes == 1:
+            return dots[0]
+        hi, lo = dots
+        return self.f.b.add(self.f.b.shl(hi, splat_i(hi.type, 8)), lo)
+
     def store_block(self, t: ir.Value, block: int | ir.Value, v0: ir.Value, v1: ir.Value) -> None:
         """Quantize 32 floats (two `<16 x float>`) into block `block` of row `t`.
 
-        `d = amax / 127`, `q = roundeven(x · (127 / amax))`, `s = d · Σ q` per slice: the
-        same float operations as `formats.quantize_rows`, so the bytes are identical.
+        `d = amax / Q`, `q = roundeven(x · (Q / amax))`, `s = d · Σ q` per slice (`Q` 127, or
+        32512 for int16 rows, stored as `hi = (q + 128) >> 8`, `lo = q − 256·hi`): the same
+        float operations as `formats.quantize_rows`, so the bytes are identical.
         Whoever stores a row's last block also zeroes the padding after it (to a whole
         64-group), so readers of whole groups see zeros there.
         """
@@ -366,13 +383,20 @@ class QRowsAccess:
 
     def _store(self, t: ir.Value, block: ir.Value, v0: ir.Value, v1: ir.Value) -> None:
         f, b = self.f, self.f.b
-        qs, d_ptr, s_ptr = self.qs_ptr(t), self.d_ptr(t), self.s_ptr(t)
-        d, halves = q8_block(f, v0, v1)
+        qs = [self.qs_ptr(t, plane) for plane in range(self.planes)]
+        d_ptr, s_ptr = self.d_ptr(t), self.s_ptr(t)
+        d, halves = q8_block(f, v0, v1, QMAX[self.bits])
         at_qs, at_d = f.mul(block, 32), f.mul(block, 2)
         radd = declare(f, "llvm.vector.reduce.add.v16i32", I32, [vec(I32, 16)])
         for half, q in enumerate(halves):
-            p = b.bitcast(f.ptr(qs, f.add(at_qs, 16 * half)), vec(I8, 16).as_pointer())
-            b.store(b.trunc(q, vec(I8, 16)), p, align=1)
+            if self.planes == 1:
+                planes = [q]
+            else:
+                hi = b.ashr(b.add(q, splat_i(q.type, 128)), splat_i(q.type, 8))
+                planes = [hi, b.sub(q, b.shl(hi, splat_i(q.type, 8)))]
+            for ptr, values in zip(qs, planes):
+                p = b.bitcast(f.ptr(ptr, f.add(at_qs, 16 * half)), vec(I8, 16).as_pointer())
+                b.store(b.trunc(values, vec(I8, 16)), p, align=1)
             total = b.sitofp(b.call(radd, [q]), F32)
             f.store(d, d_ptr, f.add(at_d, half))
             f.store(b.fmul(d, total), s_ptr, f.add(at_d, half))

@@ -1,0 +1,333 @@
+"""`a16`: activations quantized to int16 per 32 values, stored as two int8 planes (`hi`, `lo`) and
+multiplied by the int8 dot products of `a8`, `(dot(codes, hi) << 8) + dot(codes, lo)`.
+
+numpy first (`quantize_rows(x, 16)`, the planes, the int16 reference product), then the kernels
+against it on the same quantized data (rows bit for bit; products within float rounding of the
+integer reference), every instruction path compiled, and a tiny model with every projection a16
+against the `llm` interpreter's a16 logits and against fp32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import host
+import numpy as np
+import pytest
+from llvmlite import ir
+from test_cpu_kernels import (
+    ISA_INSTRUCTIONS,
+    Kernel,
+    Machine,
+    assert_close,
+    kernel_op,
+    matmul_op,
+    rand,
+    silu64,
+    swiglu_op,
+    weight_of,
+)
+from tiny_models import TinySpec
+from xdsl.context import Context
+from xdsl.dialects.builtin import IndexType
+from xdsl.parser import Parser
+from xdsl.utils.exceptions import VerifyException
+
+from llmc.backends.cpu import KernelLibrary, compile_to_assembly, target_machine
+from llmc.backends.cpu.target import cpu_target, integer_isa, target_machine_for
+from llmc.frontend import import_model, load_model
+from llmc.ir import find_function, llm, tgt
+from llmc.ir.formats import FORMATS, QMAX, Storage, integer_matmul, join_planes, quantize_rows, split_planes
+from llmc.ir.interpreter import KVCache, forward_logits
+from llmc.ir.layouts import Layout, QRowLayout
+from llmc.ir.tgt_interpreter import KernelWeights, QRows, cache_for, run_entry
+from llmc.passes.pipeline import PHASES, CompileOptions, run_phase
+from llmc.verify import teacher_forced
+
+f32 = np.float32
+IDX = IndexType()
+
+
+def qrows16(x: np.ndarray, capacity: int) -> tuple[np.ndarray, QRows]:
+    """`x` quantized to int16 rows in an arena buffer of `capacity` rows, and a view of it."""
+    layout = QRowLayout(x.shape[1], 16)
+    buf = np.zeros(capacity * layout.row_bytes, np.uint8)
+    rows = QRows(*layout.views(buf, capacity))
+    rows.write(x)
+    return buf, rows
+
+
+def read16(buf: np.ndarray, capacity: int, width: int, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The int16 values (joined from their planes), scales and sums of the first `rows` rows."""
+    qs, d, s = QRowLayout(width, 16).views(buf, capacity)
+    return join_planes(qs[:rows]), d[:rows], s[:rows]
+
+
+# numpy ---------------------------------------------------------------------------------------
+
+
+def test_quantize_rows_16_round_trips_within_half_a_step():
+    rng = np.random.default_rng(0)
+    x = rand(rng, 5, 100, scale=3.0)
+    x[0, :32] = 0.0  # an all-zero block: scale 0, values 0
+    x[1, :4] = [3e4, -3e4, 1e-30, 0.5]
+    qs, d, s = quantize_rows(x, 16)
+    assert qs.dtype == np.int16 and qs.shape == (5, 128) and d.shape == s.shape == (5, 8)
+    assert np.abs(qs).max() == QMAX[16] and not qs[:, 100:].any() and not qs[0, :32].any()
+    step = np.repeat(d, 16, axis=1)[:, :100]
+    assert (np.abs(qs[:, :100] * step - x) <= step / 2 * (1 + 1e-5)).all()
+    np.testing.assert_array_equal(s, d * qs.reshape(5, 8, 16).astype(np.int32).sum(-1).astype(f32))
+    q8, d8, _ = quantize_rows(x)  # the int8 rows are 256 times coarser
+    np.testing.assert_allclose(d8, d * f32(QMAX[16] / QMAX[8]), rtol=1e-6)
+    assert q8.dtype == np.int8
+
+
+def test_int16_values_split_into_two_int8_planes_and_back():
+    q = np.arange(-QMAX[16], QMAX[16] + 1, dtype=np.int16)
+    planes = split_planes(q)
+    hi, lo = planes[0].astype(int), planes[1].astype(int)
+    assert planes.dtype == np.int8 and (-127 <= hi).all() and (hi <= 127).all() and lo.min() == -128
+    np.testing.assert_array_equal(256 * hi + lo, q)
+    np.testing.assert_array_equal(join_planes(planes), q)
+
+
+@pytest.mark.parametrize("storage", [Storage.Q4_1, Storage.Q8_0, Storage.Q6_K], ids=str)
+def test_the_int16_product_is_exact_where_float32_sums_would_not_be(storage):
+    """Products of codes and int16 values pass 2^24 (float32's exact integers): the reference sums them
+    exactly, so it equals the product computed from the two planes, each exact in float32."""
+    rng = np.random.default_rng(1)
+    qt = FORMATS[storage].quantize(rand(rng, 48, 256))
+    qs, d, s = quantize_rows(rand(rng, 3, 256, scale=4.0), 16)
+    hi, lo = (np.ascontiguousarray(p) for p in np.moveaxis(split_planes(qs), -2, 0))
+    two = 256 * integer_matmul(hi, d, np.zeros_like(s), qt).astype(np.float64) + \
+        integer_matmul(lo, d, s, qt).astype(np.float64)
+    assert_close(integer_matmul(qs, d, s, qt), two, rtol=1e-6)
+
+
+def test_qrows_types_print_and_parse_their_width():
+    ctx = Context()
+    ctx.load_dialect(tgt.TGT)
+    for text, bits in (("!tgt.qrows<4x96>", 8), ("!tgt.qrows<4x96xi16>", 16)):
+        t = Parser(ctx, text).parse_type()
+        assert isinstance(t, tgt.QRowsType) and t.bits == bits and str(t) == text
+        assert t.nbytes == 4 * QRowLayout(96, bits).row_bytes
+    assert tgt.QRowsType(4, 96, 16).nbytes > tgt.QRowsType(4, 96).nbytes + 4 * 96  # a second plane
+    with pytest.raises(Exception, match="xi16"):
+        Parser(ctx, "!tgt.qrows<4x96xi8>").parse_type()
+
+
+def test_amx_tiles_refuse_int16_rows():
+    """AMX would need a tile product per plane: `pack` gives int16 rows vnni512, and the verifier
+    refuses `isa amx` on them."""
+    types = [tgt.QRowsType(32, 256, 16), tgt.WeightType((64, 256), Storage.Q4_1, Layout.TILES), tgt.memref(32, 64),
+             IDX]
+    with pytest.raises(VerifyException, match="isa amx reads int8 rows"):
+        kernel_op(matmul_op(isa=tgt.Isa.AMX), types)
+
+
+# kernels -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def native() -> Machine:
+    return Machine("native", target_machine("native"))
+
+
+@pytest.mark.parametrize("D", [64, 160])
+def test_kernels_write_int16_rows_bit_for_bit(tmp_path, native, D):
+    """`tgt.quantize` writes the planes, scales and sums of `quantize_rows(x, 16)` exactly; an RMSNorm
+    into int16 rows the same up to its float rounding (a value may land on the other side of a tie)."""
+    rng = np.random.default_rng(D)
+    x = rand(rng, 6, D, scale=2.0)
+    x[0, :32] = 0.0
+    x[1, :3] = [1e-30, -3e4, 0.5]
+    k = Kernel(tmp_path, native, tgt.QuantizeOp, [tgt.memref(6, D), tgt.QRowsType(6, D, 16), IDX])
+    buf = np.full(6 * QRowLayout(D, 16).row_bytes, 0xFF, np.uint8)  # garbage where the padding goes
+    k({"x": x, "out": buf, "rows": 5})
+    planes, d, s = (v[:5] for v in QRowLayout(D, 16).views(buf, 6))
+    rq, rd, rs = quantize_rows(x[:5], 16)
+    np.testing.assert_array_equal(planes, split_planes(rq))
+    np.testing.assert_array_equal(d, rd)
+    np.testing.assert_array_equal(s, rs)
+
+    w = rand(rng, D)
+    k = Kernel(tmp_path, native, lambda x, w, o, n: tgt.RMSNormOp(x, w, o, n, 1e-5),
+               [tgt.memref(6, D), tgt.WeightType((D,), Storage.F32), tgt.QRowsType(6, D, 16), IDX])
+    k({"x": x, "weight": w, "out": buf, "rows": 4})
+    qs, d, _ = read16(buf, 6, D, 4)
+    x64 = x[:4].astype(np.float64)
+    rq, rd, _ = quantize_rows((x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + 1e-5) * w).astype(f32), 16)
+    assert np.abs(qs.astype(int) - rq).max() <= 1 and (qs != rq).mean() < 0.01
+    np.testing.assert_allclose(d, rd, rtol=1e-6)
+
+
+@pytest.mark.parametrize("storage", [Storage.Q4_1, Storage.Q8_0, Storage.Q5_K, Storage.Q6_K], ids=str)
+def test_matmul_a16_equals_the_integer_reference(tmp_path, native, storage):
+    """Every integer path this host runs (its own, AVX2's, generic; the tiles layout on VNNI-512), on
+    the same int16 rows as the reference; `last_row` too. The kernel rounds each lane's int32 sum
+    of 4 products (up to 2^25) to float, the reference each slice's exact sum: within 2e-6."""
+    rng = np.random.default_rng(13)
+    N, K, R = 48, 256, 5
+    w = rand(rng, N, K)
+    w[:, :64] *= 20
+    qt = FORMATS[storage].quantize(w)
+    buf, rows = qrows16(rand(rng, R, K, scale=3.0), R)
+    own = integer_isa(cpu_target("native"))
+    paths = [(isa, Layout.SPLIT) for isa in sorted({own, tgt.Isa.AVX2, tgt.Isa.GENERIC}, key=list(tgt.Isa).index)]
+    paths += [(tgt.Isa.VNNI512, Layout.TILES)] * (own is tgt.Isa.VNNI512)
+    for isa, layout in paths:
+        wtype, data, _ = weight_of(storage, w, layout)
+        for last_row in (False, True):
+            k = Kernel(tmp_path, native, matmul_op(last_row=last_row, isa=isa),
+                       [tgt.QRowsType(R, K, 16), wtype, tgt.memref(R, N), IDX])
+            for n in (1, R):
+                out = np.zeros((R, N), f32)
+                k({"x": buf, "weight": data, "out": out, "rows": n})
+                ref = integer_matmul(*rows.values(n - 1 if last_row else 0, n), qt)
+                assert_close(out[: ref.shape[0]], ref, rtol=2e-6)
+                assert not out[ref.shape[0]:].any()
+
+
+@pytest.mark.parametrize("layout", [Layout.SPLIT, Layout.TILES], ids=str)
+def test_swiglu_a16_reads_and_writes_int16_rows(tmp_path, native, layout):
+    """int16 rows in, the silu(gate)·up product quantized to int16 rows out (32 columns at a time),
+    equal to the integer reference quantized (a value may land on the other side of a tie)."""
+    own = integer_isa(cpu_target("native"))
+    if layout is Layout.TILES and own is not tgt.Isa.VNNI512:
+        pytest.skip(f"the tiles layout is read with VNNI-512; this host's path is {own}")
+    rng = np.random.default_rng(4)
+    N, K, R, n = 96, 128, 4, 3
+    wg, wu = rand(rng, N, K, scale=0.3), rand(rng, N, K, scale=0.3)
+    qg, qu = (FORMATS[Storage.Q4_1].quantize(w) for w in (wg, wu))
+    (gtype, gdata, _), (utype, udata, _) = (weight_of(Storage.Q4_1, w, layout) for w in (wg, wu))
+    buf, rows = qrows16(rand(rng, R, K, scale=2.0), R)
+    k = Kernel(tmp_path, native, swiglu_op(isa=own), [tgt.QRowsType(R, K, 16), gtype, utype,
+                                                       tgt.QRowsType(R, N, 16), IDX])
+    out = np.full(R * QRowLayout(N, 16).row_bytes, 0xFF, np.uint8)
+    k({"x": buf, "gate": gdata, "up": udata, "out": out, "rows": n})
+    x = rows.values(0, n)
+    y = silu64(integer_matmul(*x, qg)) * integer_matmul(*x, qu)
+    qs, d, _ = read16(out, R, N, n)
+    rq, rd, _ = quantize_rows(y.astype(f32), 16)
+    assert np.abs(qs.astype(int) - rq).max() <= 1 and (qs != rq).mean() < 0.05
+    np.testing.assert_allclose(d, rd, rtol=1e-5)
+    assert not qs[:, N:].any()
+
+
+@pytest.mark.parametrize("isa", [i for i in host.ISA_CPUS if i is not tgt.Isa.AMX], ids=str)
+def test_every_integer_path_compiles_a16(isa):
+    """Each integer path's a16 matmul and SwiGLU kernels use its instructions and no wider ones
+    (compiled for a CPU that has them, whatever the host)."""
+    N, K, R = 64, 256, 32
+    layout = Layout.TILES if isa is tgt.Isa.VNNI512 else Layout.SPLIT
+    wtype = tgt.WeightType((N, K), Storage.Q4_1, layout)
+    module = ir.Module(name="kernels")
+    library = KernelLibrary(module)
+    for make, types in ((matmul_op(isa=isa), [tgt.QRowsType(R, K, 16), wtype, tgt.memref(R, N), IDX]),
+                        (swiglu_op(isa=isa), [tgt.QRowsType(R, K, 16), wtype, wtype, tgt.QRowsType(R, N, 16), IDX])):
+        library.kernel(kernel_op(make, types))
+    asm = compile_to_assembly(module, target_machine_for(cpu_target(host.ISA_CPUS[isa])))
+    used, unused = ISA_INSTRUCTIONS[isa]
+    assert all(mark in asm for mark in used), [mark for mark in used if mark not in asm]
+    assert not any(mark in asm for mark in unused), [mark for mark in unused if mark in asm]
+
+
+# a model -------------------------------------------------------------------------------------
+
+SPEC = TinySpec(hidden=64, heads=2, kv_heads=1, head_dim=32, ffn=128, context_length=64, gguf_storage=(
+    ("token_embd", "q8_0"), ("attn_q", "q4_1"), ("attn_k", "q4_0"), ("attn_v", "q8_0"), ("attn_output", "q5_0"),
+    ("ffn_gate", "q5_1"), ("ffn_up", "q4_1"), ("ffn_down", "q4_1")))
+TOKENS = [5, 17, 42, 100, 150, 7, 9, 11, 200, 3]
+OPTIONS = CompileOptions(prefill_chunk=4, max_seq=32, kv_type="f32", compute="a8")
+
+
+def phases(model, cpu: str, modes, last: str = "lower"):
+    """The model through the phases to `last` for `cpu`, each integer projection's mode set by
+    `modes(op)` after `quantize` (a8 where it returns None)."""
+    module = import_model(model)
+    module.attributes[tgt.TARGET] = cpu_target(cpu)
+    for phase in PHASES:
+        run_phase(module, phase, options=OPTIONS, weights=model.weights)
+        if phase == "quantize":
+            for op in module.walk():
+                if isinstance(op, llm.Projection) and op.mode is llm.Compute.A8:
+                    op.compute = llm.ComputeAttr(modes(op) or llm.Compute.A8)
+        if phase == last:
+            return module
+    return module
+
+
+def stage_logits(model, modes) -> np.ndarray:
+    module = phases(model, "native", modes, "quantize")
+    cache = KVCache.for_type(find_function(module, "forward").function_type.inputs.data[2], len(TOKENS))
+    return teacher_forced(lambda chunk, start: forward_logits(module, model.weights, chunk, start, cache)[-1], TOKENS)
+
+
+def tgt_logits(model, module) -> np.ndarray:
+    entries = {e: find_function(module, e) for e in ("prefill", "decode")}
+    cache = cache_for(entries["decode"].body.block.args[3].type)
+    weights = KernelWeights(model.weights)
+    return teacher_forced(lambda chunk, start: run_entry(entries["prefill" if start == 0 else "decode"], weights,
+                                                         np.asarray(chunk, np.int32), start, cache)[0], TOKENS)
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+def all_a16(op: llm.Projection) -> llm.Compute:
+    return llm.Compute.A16
+
+
+def test_mixed_readers_get_one_quantize_per_width(tiny):
+    """q reads the attention norm's output as a16, k and v as a8: the norm writes float rows and
+    each width gets its own `tgt.quantize`; the tgt interpreter gives the llm interpreter's logits."""
+    model = load_model(str(tiny(SPEC, "gguf")))
+
+    def modes(op):
+        weight = op.gate if isinstance(op, llm.SwigluOp) else op.weight
+        return llm.Compute.A16 if weight.owner.sym_name.endswith("attn_q") else None
+
+    module = phases(model, "native", modes)
+    decode = str(find_function(module, "decode"))
+    assert decode.count("tgt.quantize") == 2 * SPEC.layers
+    assert "-> !tgt.qrows<1x64xi16>" in decode and "-> !tgt.qrows<1x64>" in decode
+    ours, reference = tgt_logits(model, module), stage_logits(model, modes)
+    assert np.abs(ours - reference).max() <= 1e-4 * np.abs(reference).max()
+
+
+def test_amx_targets_give_a16_kernels_vnni512(tiny):
+    module = phases(load_model(str(tiny(SPEC, "gguf"))), host.ISA_CPUS[tgt.Isa.AMX], all_a16)
+    prefill = str(find_function(module, "prefill"))  # 4 rows here: decode-sized, so no tiles anyway
+    kernels = [op for f in ("prefill", "score") for op in find_function(module, f).body.block.ops
+               if isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and tgt.is_quantized(op.x)]
+    assert kernels and all(op.x.type.bits == 16 and op.isa.data is tgt.Isa.VNNI512 for op in kernels)
+    assert "xi16" in prefill and "isa amx" not in prefill
+
+
+def test_a16_model_matches_its_stage_and_is_closer_to_fp32_than_a8(tiny, tmp_path):
+    """Every integer projection a16, compiled for this host: the artifact's logits match the llm
+    interpreter's a16 logits and the tgt interpreter's; against fp32 (a32 on the same weights) they
+    are far closer than a8's."""
+    from dataclasses import asdict
+
+    from llmc.driver import BackendOptions, build_cpu_artifact
+    from llmc.runtime.session import Session
+
+    model = load_model(str(tiny(SPEC, "gguf")))
+    module = phases(model, "native", all_a16)
+    assert "!tgt.qrows<4x64xi16>" in str(find_function(module, "prefill"))
+    a16 = stage_logits(model, all_a16)
+    assert np.abs(tgt_logits(model, module) - a16).max() <= 1e-4 * np.abs(a16).max()
+    backend = BackendOptions(cpu="native")
+    out = build_cpu_artifact(module, model, Path(tmp_path) / "a16", backend, asdict(OPTIONS) | asdict(backend),
+                             lambda _: None)
+    session = Session(out)
+    ours = teacher_forced(lambda chunk, start: session.feed(chunk), TOKENS)
+    session.close()
+    assert cosines(ours, a16).min() > 0.99999
+    assert (ours.argmax(-1) == a16.argmax(-1)).all()
+    fp32 = stage_logits(model, lambda op: llm.Compute.A32)
+    a8 = stage_logits(model, lambda op: None)
+    gap16, gap8 = (1 - cosines(ours, fp32)).max(), (1 - cosines(a8, fp32)).max()
+    assert gap16 < gap8 / 100, (gap16, gap8)

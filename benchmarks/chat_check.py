@@ -19,7 +19,8 @@ with it, on:
   number `llmc perplexity BUILD --text benchmarks/heldout.txt --ctx 256` prints).
 
 A markdown table goes to stdout; `--json FILE` also writes every answer, as token ids and
-text, and the per-question results.
+text, and the per-question results; `--answers FILE` writes the reference's answers as
+markdown, each with the builds' answers that differ from it.
 """
 
 from __future__ import annotations
@@ -180,6 +181,17 @@ def table(results: dict, reference: str) -> str:
     return "\n".join(lines)
 
 
+def answers_markdown(results: dict, reference: str) -> str:
+    """Each question and plain prompt with the reference's answer, then every build's answer that differs."""
+    lines = [f"# Greedy answers of {reference}, and where other builds differ (`benchmarks/chat_check.py`)", ""]
+    for kind, prompts in (("chat", QUESTIONS), ("plain", PLAIN)):
+        for i, prompt in enumerate(prompts):
+            lines += [f"- **{prompt!r}**", f"  - {reference}: {results[reference][f'{kind}_answers'][i]!r}"]
+            lines += [f"  - {name}: {r[f'{kind}_answers'][i]!r}" for name, r in results.items()
+                      if name != reference and not r[f"{kind}_same_each"][i]]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("reference", type=Path, help="the reference artifact (compiled with --quant f32)")
@@ -188,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text", type=Path, default=HELD_OUT, help="held-out text for perplexity (default: %(default)s)")
     parser.add_argument("--ctx", type=int, default=256, help="perplexity chunk length in tokens (default 256)")
     parser.add_argument("--json", type=Path, help="also write every answer and result to this file")
+    parser.add_argument("--answers", type=Path, help="also write the answers as markdown to this file")
     args = parser.parse_args(argv)
     started = time.perf_counter()
 
@@ -220,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         document = {"reference": reference.name, "questions": QUESTIONS, "plain": PLAIN, "builds": results}
         args.json.write_text(json.dumps(document, indent=1, ensure_ascii=False))
+    if args.answers:
+        args.answers.write_text(answers_markdown(results, reference.name))
     return 0
 
 

@@ -72,7 +72,7 @@ PLAIN = [
     "In 1492, Christopher Columbus", "import numpy as np\n\ndef mean(values):\n",
     "The three laws of motion were described by", "My favorite recipe for pancakes starts with",
     "The human heart has four chambers:", "Machine learning is a field of", "class Stack:\n    def __init__(self):\n",
-    "It was a dark and stormy night, and the old lighthouse keeper", "for i in range(10):\n",
+    "It was a dark and stormy night, and the captain of the little ship", "for i in range(10):\n",
     "Dear hiring manager,\n\nI am writing to apply for", "The mitochondria is",
 ]
 

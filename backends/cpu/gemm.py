@@ -37,8 +37,8 @@ from llmc.backends.cpu.quant import (
     QRowsAccess,
     SplitWeight,
     TiledWeight,
-    integer_dot,
     lanes_of_slices,
+    rows_dot,
     scaled_block,
     vec,
     vpdpbusd,
@@ -272,8 +272,7 @@ def _tile_a8(f: KernelBuilder, rows: Rows, access: list[SplitWeight], t: ir.Valu
             d4, s4 = rows.q.d4(row, g), rows.q.s4(row, g)
             for wi, per_col in enumerate(cols):
                 for ci, (codes, scale, offset) in enumerate(per_col):
-                    dots = [integer_dot(f, isa, codes, x, access[wi].bits) for x in xq]
-                    dot = b.sitofp(rows.q.join_dots(dots), vec(F32, 16))
+                    dot = b.sitofp(rows_dot(f, isa, codes, xq, access[wi].bits), vec(F32, 16))
                     lanes = lanes_of_slices(f, b.fmul(scale, d4))
                     acc, off = accs[wi][ri][ci], offs[wi][ri][ci]
                     b.store(f.fadd(b.load(acc), f.fmul(dot, lanes)), acc)

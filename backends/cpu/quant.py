@@ -402,20 +402,21 @@ class QRowsAccess:
             f.store(b.fmul(d, total), s_ptr, f.add(at_d, half))
 
 
-def integer_dot(f: KernelBuilder, isa: Isa, codes: ir.Value, x: ir.Value, bits: int) -> ir.Value:
-    """64 unsigned codes × 64 int8 values → `<16 x i32>`, lane `l` the sum of products `4l..4l+3`."""
+def integer_dot(f: KernelBuilder, isa: Isa, codes: ir.Value, x: ir.Value, bits: int, times: int = 1) -> ir.Value:
+    """64 unsigned codes × 64 int8 values → `<16 x i32>`, lane `l` the sum of products `4l..4l+3`
+    (times `times`, a power of two: on AVX2 a factor of `pmaddwd`'s, elsewhere a shift)."""
     b = f.b
     if isa is Isa.VNNI512:
-        return vpdpbusd(f, ir.Constant(vec(I32, 16), [0] * 16), codes, x)
+        return _times(f, vpdpbusd(f, ir.Constant(vec(I32, 16), [0] * 16), codes, x), times)
     halves = [(shuffle(f, codes, list(range(h, h + 32))), shuffle(f, x, list(range(h, h + 32)))) for h in (0, 32)]
     if isa is Isa.VNNI256:
         fn = declare(f, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), [vec(I32, 8), vec(I8, 32), vec(I8, 32)])
         parts = [b.call(fn, [ir.Constant(vec(I32, 8), [0] * 8), c, v]) for c, v in halves]
-        return shuffle(f, parts[0], list(range(16)), parts[1])
+        return _times(f, shuffle(f, parts[0], list(range(16)), parts[1]), times)
     if isa is Isa.AVX2:
         maddubs = declare(f, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vec(I8, 32), vec(I8, 32)])
         maddwd = declare(f, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16), vec(I16, 16)])
-        ones = splat_i(vec(I16, 16), 1)
+        ones = splat_i(vec(I16, 16), times)
         parts = []
         for c, v in halves:
             if bits < 8:  # codes ≤ 63: pairs of products fit in i16 without saturating
@@ -423,13 +424,25 @@ def integer_dot(f: KernelBuilder, isa: Isa, codes: ir.Value, x: ir.Value, bits: 
             else:  # 8-bit codes: high and low nibbles separately, 16·high + low
                 high = b.call(maddubs, [b.lshr(c, splat_i(vec(I8, 32), 4)), v])
                 low = b.call(maddubs, [b.and_(c, splat_i(vec(I8, 32), 15)), v])
-                parts.append(b.add(b.call(maddwd, [high, splat_i(vec(I16, 16), 16)]), b.call(maddwd, [low, ones])))
+                parts.append(b.add(b.call(maddwd, [high, splat_i(vec(I16, 16), 16 * times)]),
+                                   b.call(maddwd, [low, ones])))
         return shuffle(f, parts[0], list(range(16)), parts[1])
     wide = b.mul(b.zext(codes, vec(I32, 64)), b.sext(x, vec(I32, 64)))
     total = None
     for i in range(4):
         part = shuffle(f, wide, list(range(i, 64, 4)))
         total = part if total is None else b.add(total, part)
-    return total
+    return _times(f, total, times)
 
 
+def _times(f: KernelBuilder, lanes: ir.Value, times: int) -> ir.Value:
+    return lanes if times == 1 else f.b.shl(lanes, splat_i(lanes.type, times.bit_length() - 1))
+
+
+def rows_dot(f: KernelBuilder, isa: Isa, codes: ir.Value, xs: list[ir.Value], bits: int) -> ir.Value:
+    """64 codes × a row's 64 values, given as its int8 planes (`QRowsAccess.qs`): `<16 x i32>` as
+    `integer_dot`'s; for int16 rows `256 · dot(codes, hi) + dot(codes, lo)`."""
+    if len(xs) == 1:
+        return integer_dot(f, isa, codes, xs[0], bits)
+    hi, lo = xs
+    return f.b.add(integer_dot(f, isa, codes, hi, bits, times=256), integer_dot(f, isa, codes, lo, bits))

@@ -104,14 +104,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     artifact = Path(args.artifact) if args.artifact else None
     reference = Path(args.reference) if args.reference else None
     ok = verify_model(args.model, args.prompt, args.tolerance, artifact, print, _progress, args.allow_pickle,
-                      compile_options(args), args.cpu, reference, args.tokenizer)
+                      compile_options(args), args.cpu, reference, args.tokenizer, args.per_layer)
     if not ok:
         print("FAILED: a stage's cosine is below what it needs", file=sys.stderr)
     return 0 if ok else 1
 
 
 def _compile_options_given(args: argparse.Namespace) -> bool:
-    return bool(args.quant or args.quant_output or args.requantize or args.compute != "auto" or args.cpu != "native"
+    return bool(args.quant or args.quant_output or args.requantize or args.compute != "auto" or args.calibrate
+                or args.cpu != "native"
                 or args.max_seq or args.prefill_chunk or args.no_group or args.kv_type != "f16" or args.max_batch != 1)
 
 
@@ -225,9 +226,14 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
                    help="storage of the token embedding and the LM head (default: --quant, but not below q8_0)")
     p.add_argument("--requantize", action="store_true",
                    help="let --quant convert tensors that the model file already stores quantized")
-    p.add_argument("--compute", choices=["auto", "a32", "a8"], default="auto",
-                   help="matmul compute mode: a8 (int8 activations, integer dot products), a32 (float "
-                        "activations), or auto: the faster on the target (default)")
+    p.add_argument("--compute", choices=["auto", "a32", "a8", "a16"], default="auto",
+                   help="matmul compute mode: a8 (int8 activations, integer dot products), a16 (int16 "
+                        "activations as two int8 planes: near a32's accuracy, decode near a8's speed), a32 (float "
+                        "activations), or auto (default): a8 or a16 per matmul, from a calibration, keeping "
+                        "decode within 5%% of all-a8")
+    p.add_argument("--calibrate", metavar="FILE",
+                   help="--compute auto: calibrate on the first 128 tokens of this UTF-8 text (default: a built-in "
+                        "set of chat conversations in the model's template and plain text)")
 
 
 def _add_kv_option(p: argparse.ArgumentParser) -> None:
@@ -276,7 +282,8 @@ def compile_options(args: argparse.Namespace):
     return CompileOptions(prefill_chunk=getattr(args, "prefill_chunk", None) or 0,
                           max_seq=getattr(args, "max_seq", None) or 0, group=not getattr(args, "no_group", False),
                           quant=args.quant or "", quant_output=args.quant_output or "", requantize=args.requantize,
-                          compute=args.compute, kv_type=getattr(args, "kv_type", None) or "f16",
+                          compute=args.compute, calibrate=args.calibrate or "",
+                          kv_type=getattr(args, "kv_type", None) or "f16",
                           max_batch=getattr(args, "max_batch", None) or 1,
                           no_raise=tuple(getattr(args, "no_raise", None) or ()))
 
@@ -559,6 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take the reference from this Hugging Face directory of the same model (the checkpoint "
                         "a GGUF file was converted from; transformers reads few GGUF features) "
                         "(default: MODEL itself)")
+    p.add_argument("--per-layer", action="store_true",
+                   help="after the stages, one row per projection: the compute mode quantize chose and the relative "
+                        "output error of a8 and a16 activations on the prompt (why a layer was kept wider)")
     _add_quant_options(p)
     _add_kv_option(p)
     _add_raise_option(p)

@@ -31,7 +31,7 @@ from llmc.ir import llm, tgt
 from llmc.ir.text import print_module
 from llmc.package import check_output_directory
 from llmc.passes.pipeline import PHASES, CompileOptions, IRDumper, check_raisings, run_phase
-from llmc.passes.quantize import check_compute, module_target
+from llmc.passes.quantize import check_calibrate, check_compute, module_target
 
 TARGETS = ("cpu", "cuda")
 
@@ -77,6 +77,7 @@ def target_attr(backend: BackendOptions) -> tgt.TargetAttr:
 def run_phases(model: Model, options: CompileOptions, last: str, dump: IRDumper | None,
                progress: Callable[[str], None], target: tgt.TargetAttr) -> ModuleOp:
     """Import, set the target, and run the phases through `last`, printing each phase's time."""
+    from llmc.passes.calibrate import calibration_for
     from llmc.passes.quantize import summary
 
     start = time.perf_counter()
@@ -86,7 +87,8 @@ def run_phases(model: Model, options: CompileOptions, last: str, dump: IRDumper 
     progress(f"{'import':<10} {time.perf_counter() - start:6.2f} s")
     for phase in list(PHASES)[1:]:
         start = time.perf_counter()
-        run_phase(module, phase, dump, options, model.weights)
+        tokens = calibration_for(model, options, target) if phase == "quantize" else []
+        run_phase(module, phase, dump, options, model.weights, tokens)
         note = ""
         if phase == "optimize" and model.graph is not None:
             note = describe_graph(model, module, needed=last != "optimize")
@@ -217,6 +219,7 @@ def check_backend(options: CompileOptions, backend: BackendOptions, compile_to: 
         raise UsageError(f"unknown target '{backend.target}' (targets: {', '.join(TARGETS)})")
     target = target_attr(backend)
     check_compute(options.compute, target)  # before the model loads, not after the first phases
+    check_calibrate(options)
     check_raisings(options)
     if compile_to is not None and compile_to not in PHASES:
         raise UsageError(f"unknown phase '{compile_to}' (phases: {', '.join(PHASES)})")

@@ -23,7 +23,7 @@ The tolerances (`needs`) are stated per mode:
 
 - stages in fp32 (no weight changed type, no activation quantized): cos ≥ 0.9999
   (`--tolerance`), and each step too;
-- with `a8` activations, or weights requantized from float: lower bounds against the
+- with `a8` (or `a16`) activations, or weights requantized from float: lower bounds against the
   source (by the coarsest choice); `tgt` must still reproduce `quantize` (step ≥ 0.9999:
   the same integer arithmetic, so lowering, packing and the memory plan are checked
   exactly). The compiled `a8` kernels' last float bits differ from numpy's, and an
@@ -44,6 +44,7 @@ import numpy as np
 from llmc.runtime.perplexity import kl_divergence, log_softmax
 
 A8_ACTIVATIONS = 0.99
+A16_ACTIVATIONS = 0.999  # int16 activations: a8's error / ~65000, but still not fp32's arithmetic
 REQUANTIZED = {8: 0.999, 6: 0.99, 5: 0.99, 4: 0.97}  # by the fewest code bits of a requantized weight
 BF16 = 0.9995  # weights rounded to bf16 (8 mantissa bits); f16's 11 bits keep the fp32 bound
 
@@ -126,9 +127,11 @@ def quantize_tolerance(module, model, fp32_tolerance: float) -> tuple[float, str
     from llmc.ir.formats import FORMATS, Storage
 
     tolerance, why = fp32_tolerance, []
-    a8 = any(isinstance(op, llm.Projection) and op.mode is llm.Compute.A8 for op in module.walk())
-    if a8:
-        tolerance, why = min(tolerance, A8_ACTIVATIONS), ["a8 activations"]
+    modes = {op.mode for op in module.walk() if isinstance(op, llm.Projection)}
+    for mode, bound in ((llm.Compute.A8, A8_ACTIVATIONS), (llm.Compute.A16, A16_ACTIVATIONS)):
+        if mode in modes:
+            tolerance = min(tolerance, bound)
+            why.append(f"{mode} activations")
     changed = [op.storage.data for op in module.walk()
                if isinstance(op, llm.WeightOp) and op.storage.data is not model.weights[op.sym_name].storage]
     if Storage.BF16 in changed:
@@ -154,12 +157,32 @@ def graph_reference(source: Path, tokens: list[int], allow_pickle: bool) -> tupl
     return torch_program_logits(source, tokens, allow_pickle), f"torch {torch.__version__.split('+')[0]} eager"
 
 
+def per_layer_rows(module, weights, tokens: list[int]) -> list[str]:
+    """`--per-layer`: one row per projection of the quantized `module` — its weight, the mode
+    `quantize` chose, and the relative output error of `a8` and `a16` measured on `tokens`
+    (`calibrate.measure`)."""
+    from llmc.ir import find_function, llm
+    from llmc.passes.calibrate import measure, weight_ops
+
+    forward = find_function(module, "forward")
+    projections = [op for op in forward.walk() if isinstance(op, llm.Projection)]
+    rows = [f"{'projection':<24} {'mode':<5} {'a8 error':<10} a16 error"]
+    for op, error in zip(projections, measure(forward, weights, tokens), strict=True):
+        name = "+".join(w.sym_name for w in weight_ops(op)) or op.name
+        errors = ([f"{error[m]:<10.3g}" for m in (llm.Compute.A8, llm.Compute.A16)] if error is not None
+                  else ["-", "-"])
+        rows.append(f"{name:<24} {op.mode.value:<5} {' '.join(errors)}".rstrip())
+    return rows
+
+
 def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None, emit: Callable[[str], None],
                  progress: Callable[[str], None], allow_pickle: bool = False, options=None,
-                 cpu: str = "native", reference_source: Path | None = None, tokenizer: str | None = None) -> bool:
+                 cpu: str = "native", reference_source: Path | None = None, tokenizer: str | None = None,
+                 per_layer: bool = False) -> bool:
     """Print the model, the prompt and one row per stage; True when every stage passes. The reference
     is transformers on the model's own file, or on `reference_source` (an HF directory of it); for
-    an exported graph, torch eager (`.pt2`) or onnxruntime (`.onnx`) on the graph."""
+    an exported graph, torch eager (`.pt2`) or onnxruntime (`.onnx`) on the graph. With `per_layer`,
+    then one row per projection (`per_layer_rows`)."""
     from llmc.driver import BackendOptions, build_cpu_artifact, describe_graph, target_attr
     from llmc.errors import UsageError
     from llmc.frontend import import_model, load_model
@@ -167,8 +190,9 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
     from llmc.ir import find_function, tgt
     from llmc.ir.interpreter import KVCache, forward_logits
     from llmc.ir.tgt_interpreter import KernelWeights, cache_for, run_entry
+    from llmc.passes.calibrate import calibration_for
     from llmc.passes.pipeline import CompileOptions, run_phase
-    from llmc.passes.quantize import summary
+    from llmc.passes.quantize import check_calibrate, summary
     from llmc.runtime.artifact import load_manifest
     from llmc.runtime.session import open_session
 
@@ -188,13 +212,14 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
             target = tgt.TargetAttr("cuda", ARCH, manifest["gpu"]["arch"], manifest["gpu"]["features"])
         else:
             target = tgt.TargetAttr("cpu", target.arch.data, manifest["cpu"]["name"], manifest["cpu"]["features"])
+    options = options or CompileOptions()
+    check_calibrate(options)
     model = load_model(spec, allow_pickle, tokenizer)
     tokens = model.tokenizer.encode(prompt)
     if not tokens:
         raise UsageError("--prompt gives no tokens")
     module = import_model(model)
     module.attributes[tgt.TARGET] = target
-    options = options or CompileOptions()
     for phase in ("import", "optimize"):
         run_phase(module, phase, options=options, weights=model.weights)
     graph_note = f"; {describe_graph(model, module)}" if model.graph is not None else ""
@@ -213,7 +238,8 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
     max_seq = min(c.context_length, max(64, len(tokens)))
     options = replace(options, prefill_chunk=min(128, max_seq), max_seq=max_seq)
     llm_logits = forward_logits(module, model.weights, tokens)
-    run_phase(module, "quantize", options=options)
+    run_phase(module, "quantize", options=options, weights=model.weights,
+              tokens=calibration_for(model, options, target))
     emit(f"quantize {summary(module)}")
     quantized = module.clone()
     cache_type = find_function(quantized, "forward").function_type.inputs.data[2]
@@ -245,6 +271,10 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
         stages.append(Stage("artifact", q_tolerance, tolerance if exact else None, why,
                             lambda: teacher_forced(lambda chunk, start: session.feed(chunk), tokens)))
         try:
-            return verify_stages(reference, stages, name, emit)
+            ok = verify_stages(reference, stages, name, emit)
         finally:
             session.close()
+    if per_layer:
+        for row in per_layer_rows(quantized, model.weights, tokens):
+            emit(row)
+    return ok

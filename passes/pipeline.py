@@ -39,7 +39,8 @@ class CompileOptions:
     quant: str = ""  # storage of the matmul weights ("" keeps the model's)
     quant_output: str = ""  # storage of the token embedding and LM head ("" follows the policy)
     requantize: bool = False  # convert tensors that are already quantized too
-    compute: str = "auto"  # a32, a8, or the fastest on the target
+    compute: str = "auto"  # a32, a8, a16, or auto: a8/a16 per matmul from a calibration, within a decode budget
+    calibrate: str = ""  # auto's calibration text: a UTF-8 file ("" the built-in set)
     kv_type: str = "f16"  # element type of the KV cache: f32 or f16
     max_batch: int = 1  # sequences the cache holds (decode's rows)
     no_raise: tuple[str, ...] = ()  # raising passes turned off (`--no-raise rms-norm`: the pass raise-rms-norm)
@@ -67,8 +68,10 @@ def check_raisings(options: CompileOptions) -> None:
         raise UsageError(f"--no-raise {unknown[0]}: no such raising (raisings: {', '.join(RAISINGS)})")
 
 
-def phase_passes(phase: str, options: CompileOptions, weights: WeightStore | None = None) -> list[ModulePass]:
-    """The passes of `phase`; `weights` lets the raising passes evaluate subgraphs that read weights."""
+def phase_passes(phase: str, options: CompileOptions, weights: WeightStore | None = None,
+                 tokens: Sequence[int] = ()) -> list[ModulePass]:
+    """The passes of `phase`; `weights` lets the raising passes evaluate subgraphs that read weights,
+    and `quantize` calibrate on `tokens` (`calibrate.calibration_tokens`)."""
     check_raisings(options)
     passes: list[ModulePass] = []
     for name in PHASES[phase]:
@@ -84,7 +87,8 @@ def phase_passes(phase: str, options: CompileOptions, weights: WeightStore | Non
             from llmc.passes.quantize import QuantizePass
 
             passes.append(QuantizePass(quant=options.quant, quant_output=options.quant_output,
-                                       requantize=options.requantize, compute=options.compute))
+                                       requantize=options.requantize, compute=options.compute, weights=weights,
+                                       tokens=tuple(tokens)))
         elif name == "group" and not options.group:
             continue
         else:
@@ -130,9 +134,11 @@ def run_passes(module: ModuleOp, passes: Sequence[ModulePass], dump: IRDumper | 
 
 
 def run_phase(module: ModuleOp, phase: str, dump: IRDumper | None = None,
-              options: CompileOptions = CompileOptions(), weights: WeightStore | None = None) -> None:
-    """Apply one phase's passes in place, record the phase on the module, dump its IR."""
-    run_passes(module, phase_passes(phase, options, weights), dump)
+              options: CompileOptions = CompileOptions(), weights: WeightStore | None = None,
+              tokens: Sequence[int] = ()) -> None:
+    """Apply one phase's passes in place, record the phase on the module, dump its IR (`tokens`:
+    `quantize`'s calibration, with `weights`)."""
+    run_passes(module, phase_passes(phase, options, weights, tokens), dump)
     module.attributes["llm.phase"] = StringAttr(phase)
     if dump:
         dump(f"phase-{phase}", module)

@@ -12,31 +12,43 @@ llama.cpp's:
 - a tensor whose rows are not whole blocks of `T` falls back (q4_k → q5_0, q5_k → q5_1,
   q6_k → q8_0, int4-gN → int4-g32), else stays in its source type.
 
-Compute (`llm.matmul ... compute a8`): `a8` (activations quantized to int8 per 32
-values, integer dot products) for integer-format weights on a target with an integer
-dot product (VNNI, or AVX2); `a32` otherwise, and for float weights. `--compute`
-forces a mode where the weight allows it. On a CUDA target every matmul is `a32`: the
-GEMVs are bandwidth-bound, and dequantizing in registers costs the GPU nothing.
+Compute (`llm.matmul ... compute a8`), for integer-format weights on a target with an
+integer dot product (VNNI, or AVX2): `a8` (activations quantized to int8 per 32 values,
+integer dot products) or `a16` (int16 per 32, as two int8 planes: twice the dot products,
+the same weight bytes); `a32` otherwise, and for float weights. `--compute auto` (the
+default) calibrates (`calibrate`: the error each mode adds to each projection's output) and
+gives `a16` to the projections where it removes the most error, within a decode budget:
+decode reads every weight once per token, so with `a16` costing `f` times `a8` on the target
+(`backends.cpu.target.a16_cost`), `Σ (f − 1) · weight bytes ≤ 5% · Σ weight bytes`. It
+chooses per group of projections that read one value (q, k and v; gate and up), so one
+kernel quantizes the rows they share; the error `a16` removes ranks them (`gain`). Without
+calibration tokens and weights (`llmc opt`, or a phase run alone) the ranking is by output
+width alone, so where the budget takes every group (AVX2, VNNI) the modes are the same. `--compute a8|a16|a32` forces one mode where the weight allows it. On a
+CUDA target every matmul is `a32`: the GEMVs are bandwidth-bound, and dequantizing in
+registers costs the GPU nothing.
 
 ```mlir
 %blk_0_attn_q = llm.weight @blk.0.attn_q q4_1 : tensor<576x576xf32>
-%l0_q = llm.matmul %l0_attn_in, %blk_0_attn_q compute a8 : (...) -> tensor<?x576xf32>
+%l0_q = llm.matmul %l0_attn_in, %blk_0_attn_q compute a16 {llm.error = {a8 = 3.1e-04 : f64, a16 = 5.2e-09 : f64}} : (...) -> tensor<?x576xf32>
 ```
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from xdsl.context import Context
-from xdsl.dialects.builtin import ModuleOp
-from xdsl.ir import Operation
+from xdsl.dialects.builtin import DictionaryAttr, FloatAttr, IntegerAttr, ModuleOp, f64, i64
+from xdsl.ir import Operation, SSAValue
 
 from llmc.errors import LlmcError, UsageError
 from llmc.ir import llm, tgt
 from llmc.ir.formats import FORMATS, Storage
+from llmc.ir.weights import WeightStore
 from llmc.passes.base import LlmcPass
+from llmc.passes.calibrate import measure, read_calibration, weight_ops
 
 
 def output_tensors(function: Operation) -> set[str]:
@@ -53,7 +65,10 @@ FALLBACK = {
     Storage.Q4_K: Storage.Q5_0, Storage.Q5_K: Storage.Q5_1, Storage.Q6_K: Storage.Q8_0,
     Storage.INT4_G64: Storage.INT4_G32, Storage.INT4_G128: Storage.INT4_G32, Storage.INT4_G256: Storage.INT4_G32,
 }
-COMPUTE_CHOICES = ("auto", "a32", "a8")
+COMPUTE_CHOICES = ("auto", "a32", "a8", "a16")
+DECODE_BUDGET = 0.05  # `auto`: decode within 5% of all-a8
+ERROR = "llm.error"  # a projection's measured relative output error per mode (discardable)
+CALIBRATED = "llm.calibration_tokens"  # on the module: the tokens `auto` calibrated on
 
 
 def module_target(module: ModuleOp) -> tgt.TargetAttr:
@@ -73,9 +88,26 @@ def has_integer_dot(target: tgt.TargetAttr) -> bool:
 
 
 def check_compute(compute: str, target: tgt.TargetAttr) -> None:
-    """`--compute` for `target`: `a8` needs the CPU's integer kernels (CUDA kernels take float rows)."""
-    if target.kind.data == "cuda" and compute == "a8":
-        raise UsageError("--compute a8 is for CPU targets: the CUDA kernels take float activations (a32)")
+    """`--compute` for `target`: `a8` and `a16` need the CPU's integer kernels (CUDA kernels take float rows)."""
+    if target.kind.data == "cuda" and compute in ("a8", "a16"):
+        raise UsageError(f"--compute {compute} is for CPU targets: the CUDA kernels take float activations (a32)")
+
+
+def check_calibrate(options) -> None:
+    """`--calibrate FILE` (of `CompileOptions`): for `--compute auto`, a readable UTF-8 text."""
+    if options.calibrate:
+        if options.compute != "auto":
+            raise UsageError(f"--calibrate is for --compute auto (--compute {options.compute} calibrates nothing)")
+        read_calibration(options.calibrate)
+
+
+def a16_cost(target: tgt.TargetAttr) -> tuple[float, float]:
+    """`a16`'s cost over `a8`'s on `target`, (prefill, decode); (1, 1) where no integer mode runs."""
+    if not has_integer_dot(target):
+        return 1.0, 1.0
+    from llmc.backends.cpu.target import a16_cost as cpu_a16_cost
+
+    return cpu_a16_cost(target)
 
 
 def _parse(text: str, option: str) -> Storage | None:
@@ -96,6 +128,8 @@ class QuantizePass(LlmcPass):
     quant_output: str = ""  # storage of token_embd / output; "" applies the policy
     requantize: bool = False  # also convert tensors that are already quantized
     compute: str = "auto"
+    weights: WeightStore | None = field(default=None, compare=False, hash=False)  # for calibration
+    tokens: tuple[int, ...] = ()  # calibration tokens (`calibrate.calibration_tokens`); none: `auto` is a8
 
     def storage_for(self, name: str, source: Storage, shape: tuple[int, ...], output: bool = False) -> Storage:
         """The storage a weight gets under this pass's options (`output`: the embedding or LM head's)."""
@@ -123,6 +157,8 @@ class QuantizePass(LlmcPass):
         target = module_target(module)
         check_compute(self.compute, target)
         integer_dot = has_integer_dot(target)
+        calibrate = self.weights is not None and bool(self.tokens)
+        auto = self.compute == "auto" and integer_dot
         for function in self.functions(module):
             outputs = output_tensors(function)
             for op in function.walk():
@@ -130,29 +166,135 @@ class QuantizePass(LlmcPass):
                     shape = tuple(d for d in llm.shape_of(op.result) if d is not None)
                     op.storage = llm.StorageAttr(self.storage_for(op.sym_name, op.storage.data, shape,
                                                                   op.sym_name in outputs))
-            for op in function.walk():
-                if isinstance(op, llm.Projection):
-                    op.compute = llm.ComputeAttr(self.mode_for(op, integer_dot))
+            projections = [op for op in function.walk() if isinstance(op, llm.Projection)]
+            modes = [self.mode_for(op, integer_dot) for op in projections]
+            if auto and any(m.integer for m in modes):
+                errors = self.calibrate(function, projections) if calibrate else [None] * len(projections)
+                modes = auto_modes(projections, modes, errors, target)
+            for op, mode in zip(projections, modes, strict=True):
+                op.compute = llm.ComputeAttr(mode)
+        if auto and calibrate:
+            module.attributes[CALIBRATED] = IntegerAttr(len(self.tokens), i64)
 
     def mode_for(self, op: llm.Projection, integer_dot: bool) -> llm.Compute:
-        weight = op.weight if not isinstance(op, llm.SwigluOp) else op.gate
-        owner = weight.owner
-        storage = owner.storage.data if isinstance(owner, llm.WeightOp) else Storage.F32
-        k = llm.shape_of(op.input)[-1]
-        possible = not storage.is_float and k is not None and k % 32 == 0
-        wants_a8 = self.compute == "a8" or (self.compute == "auto" and integer_dot)
-        return llm.Compute.A8 if possible and wants_a8 else llm.Compute.A32
+        """The mode `--compute` gives `op` before `auto` chooses: the one asked where the weight
+        allows an integer mode (`auto`: a8 on a target with an integer dot product), else a32."""
+        if not integer_possible(op):
+            return llm.Compute.A32
+        if self.compute == "auto":
+            return llm.Compute.A8 if integer_dot else llm.Compute.A32
+        return llm.Compute(self.compute)
+
+    def calibrate(self, function, projections: list[llm.Projection]) -> list[dict[llm.Compute, float] | None]:
+        """Each projection's measured errors (`calibrate.measure` on the tokens), recorded as `llm.error`."""
+        assert self.weights is not None
+        errors = measure(function, self.weights, self.tokens)
+        for op, error in zip(projections, errors, strict=True):
+            if error is not None:
+                op.attributes[ERROR] = DictionaryAttr({m.value: FloatAttr(e, f64) for m, e in error.items()})
+        return errors
+
+
+def auto_modes(projections: list[llm.Projection], modes: list[llm.Compute],
+               errors: list[dict[llm.Compute, float] | None], target: tgt.TargetAttr) -> list[llm.Compute]:
+    """`auto`'s modes: `a16` for the groups of integer projections (one group per input value) that
+    gain the most (`gain`) within the decode budget, `modes` for the rest."""
+    groups: dict[SSAValue, list[int]] = {}
+    for i, op in enumerate(projections):
+        if modes[i].integer:
+            groups.setdefault(op.input, []).append(i)
+    _, decode = a16_cost(target)
+    members = list(groups.values())
+    items = [(sum(gain(projections[i], errors[i]) for i in group),
+              (decode - 1) * sum(weight_bytes(projections[i]) for i in group)) for group in members]
+    wide = {i for g in choose_wider(items, DECODE_BUDGET * sum(weight_bytes(op) for op in projections))
+            for i in members[g]}
+    return [llm.Compute.A16 if i in wide else mode for i, mode in enumerate(modes)]
+
+
+def gain(op: llm.Projection, error: dict[llm.Compute, float] | None) -> float:
+    """What `a16` removes from `op`'s output, as `auto` ranks it: the drop in relative error times
+    the values per row it affects. A relative error is the share of each output value that is
+    noise (so wide activations weigh no more than narrow ones); the width counts how many values
+    carry that noise on to the next op. Uncalibrated (`error` None), every value counts alike: the
+    width alone. (A local measure: the error spreads over all layers, so `auto` widens as much as
+    the budget allows rather than only the worst layers.)"""
+    drop = 1.0 if error is None else error[llm.Compute.A8] - error[llm.Compute.A16]
+    return drop * output_width(op)
+
+
+def integer_possible(op: llm.Projection) -> bool:
+    """Whether `op` can compute on quantized rows: integer-format weights, rows of whole 32-blocks."""
+    weights = weight_ops(op)
+    k = llm.shape_of(op.input)[-1]
+    return bool(weights) and not any(w.storage.data.is_float for w in weights) and k is not None and k % 32 == 0
+
+
+def output_width(op: llm.Projection) -> int:
+    """Values per row `op` writes (gate and up both, for `llm.swiglu`)."""
+    return sum(llm.shape_of(w.result)[0] or 0 for w in weight_ops(op))
+
+
+def weight_bytes(op: llm.Projection) -> int:
+    """Bytes of `op`'s weights in their storage (what decode reads per token); 0 where computed."""
+    return sum(FORMATS[w.storage.data].nbytes(_shape(w)) for w in weight_ops(op))
+
+
+def weight_elements(op: llm.Projection) -> int:
+    """Multiply-adds per row of `op` (what prefill computes); 0 where its weight is computed."""
+    return sum(math.prod(_shape(w)) for w in weight_ops(op))
+
+
+def _shape(w: llm.WeightOp) -> tuple[int, ...]:
+    return tuple(d or 0 for d in llm.shape_of(w.result))
+
+
+def choose_wider(items: list[tuple[float, float]], budget: float) -> list[int]:
+    """The items `(gain, cost)` to take within `budget` of total cost, greedily by gain per cost
+    (free items first): a knapsack whose items are small against the budget. Indices, taken order.
+
+        choose_wider([(3.0, 2.0), (1.0, 2.0), (0.5, 0.0)], 3.0)   # [2, 0]
+    """
+    order = sorted(range(len(items)), key=lambda i: -items[i][0] / items[i][1] if items[i][1] > 0 else -float("inf"))
+    taken, spent = [], 0.0
+    for i in order:
+        gain, cost = items[i]
+        if gain > 0 and spent + cost <= budget * (1 + 1e-9):  # (1.05 − 1) · Σ = 0.05 · Σ takes everything
+            taken.append(i)
+            spent += cost
+    return taken
 
 
 def summary(module: ModuleOp) -> str:
-    """`q4_1 ×210, q8_0 ×1, f32 ×61; a8 ×211`: what `quantize` chose (first function)."""
+    """What `quantize` chose (first function), e.g. `q4_1 ×210, f32 ×61, q8_0 ×1; a16 ×150, a8 ×61;
+    est. decode 1.04×, prefill 1.19× of a8 (calibrated on 128 tokens)`: the estimates (where a
+    projection is `a16`) weigh each one's `a16_cost` by its weight bytes (decode) and its
+    multiply-adds (prefill)."""
     storages: Counter[str] = Counter()
     modes: Counter[str] = Counter()
+    projections = []
     for function in LlmcPass.functions(module)[:1]:
         for op in function.walk():
             if isinstance(op, llm.WeightOp):
                 storages[op.storage.data.value] += 1
             elif isinstance(op, llm.Projection):
                 modes[op.mode.value] += 1
+                projections.append(op)
     weights = ", ".join(f"{s} ×{c}" for s, c in storages.most_common())
-    return f"{weights}; " + ", ".join(f"{m} ×{c}" for m, c in modes.most_common())
+    text = f"{weights}; " + ", ".join(f"{m} ×{c}" for m, c in modes.most_common())
+    target = module.attributes.get(tgt.TARGET)
+    if modes[llm.Compute.A16.value] and isinstance(target, tgt.TargetAttr):
+        prefill, decode = a16_cost(target)
+        estimates = [f"{what} {_relative(projections, size, factor):.2f}×"
+                     for what, size, factor in (("decode", weight_bytes, decode), ("prefill", weight_elements, prefill))]
+        text += f"; est. {', '.join(estimates)} of a8"
+    calibrated = module.attributes.get(CALIBRATED)
+    if isinstance(calibrated, IntegerAttr):
+        text += f" (calibrated on {calibrated.value.data} tokens)"
+    return text
+
+
+def _relative(projections: list[llm.Projection], size, factor: float) -> float:
+    """The cost of the projections' modes over all-`a8`'s, each weighted by `size(op)`."""
+    total = sum(size(op) for op in projections)
+    return sum(size(op) * (factor if op.mode is llm.Compute.A16 else 1.0) for op in projections) / max(total, 1)

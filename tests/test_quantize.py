@@ -47,17 +47,18 @@ def modes(module) -> list[llm.Compute]:
     return [op.mode for op in module.walk() if isinstance(op, (llm.MatmulOp, llm.LogitsOp))]
 
 
-def test_gguf_types_are_kept_and_integer_weights_compute_a8(tiny: Callable[..., Path]) -> None:
+def test_gguf_types_are_kept_and_integer_weights_compute_a16(tiny: Callable[..., Path]) -> None:
     _, module = quantized(tiny(MIXED, "gguf"))
     s = storages(module)
     assert s["blk.0.attn_q"] is Storage.Q4_1 and s["blk.1.attn_output"] is Storage.Q5_0
     assert s["token_embd"] is Storage.Q8_0 and s["blk.0.ffn_down"] is Storage.F16 and s["output_norm"] is Storage.F32
     by_weight = {op.weight.owner.sym_name: op.mode for op in module.walk() if isinstance(op, (llm.MatmulOp, llm.LogitsOp))}
-    assert by_weight["blk.0.attn_q"] is llm.Compute.A8 and by_weight["token_embd"] is llm.Compute.A8
+    # auto: a16 costs decode 5% on this host's integer dot products, within the budget: every integer weight
+    assert by_weight["blk.0.attn_q"] is llm.Compute.A16 and by_weight["token_embd"] is llm.Compute.A16
     assert by_weight["blk.0.ffn_down"] is llm.Compute.A32  # f16 weights: float activations
 
 
-@pytest.mark.parametrize(("cpu", "mode"), [("sapphirerapids", llm.Compute.A8), ("x86-64-v3", llm.Compute.A8),
+@pytest.mark.parametrize(("cpu", "mode"), [("sapphirerapids", llm.Compute.A16), ("x86-64-v3", llm.Compute.A16),
                                            ("x86-64", llm.Compute.A32)])
 def test_the_default_mode_follows_the_targets_integer_dot_product(tiny, cpu: str, mode: llm.Compute) -> None:
     _, module = quantized(tiny(MIXED, "gguf"), cpu)
@@ -123,7 +124,7 @@ def test_storage_for_is_the_policy() -> None:
 def test_the_llm_interpreter_computes_with_the_chosen_types(tiny) -> None:
     """After quantize, the graph's weights are the quantized ones and a8 activations go through int8."""
     model, f32 = quantized(tiny(FLOAT, "gguf"))
-    _, q8 = quantized(tiny(FLOAT, "hf"), quant="q8_0")
+    _, q8 = quantized(tiny(FLOAT, "hf"), quant="q8_0", compute="a8")
     _, q8_a32 = quantized(tiny(FLOAT, "hf"), quant="q8_0", compute="a32")
     full = forward_logits(f32, model.weights, TOKENS)
     hf_model = load_model(str(tiny(FLOAT, "hf")))
@@ -145,8 +146,8 @@ def test_quantize_needs_a_target(tiny) -> None:
 def test_compile_to_quantize_shows_every_choice(tiny, capsys) -> None:
     assert main(["compile", str(tiny(FLOAT, "hf")), "--quant", "q4_1", "--compile-to", "quantize"]) == 0
     captured = capsys.readouterr()
-    assert "llm.weight @blk.0.attn_q q4_1" in captured.out and "compute a8" in captured.out
-    assert "q4_1 ×" in captured.err and "a8 ×" in captured.err  # the progress line summarizes
+    assert "llm.weight @blk.0.attn_q q4_1" in captured.out and "compute a16" in captured.out  # calibrated: auto
+    assert "q4_1 ×" in captured.err and "a16 ×" in captured.err  # the progress line summarizes
     parse_module(captured.out)  # and the IR parses back
     assert main(["compile", str(tiny(FLOAT, "hf")), "--quant", "q9", "--compile-to", "quantize"]) == 2
     err = capsys.readouterr().err
@@ -179,7 +180,7 @@ def grouped(path: Path, **options):
 
 
 def test_group_rewrites_chains_into_fused_ops(tiny) -> None:
-    _, _, a8 = grouped(tiny(MIXED, "gguf"))
+    _, _, a8 = grouped(tiny(MIXED, "gguf"), compute="a8")
     text = print_module(a8)
     decode = find_function(a8, "decode")
     kinds = [op.name for op in decode.body.block.ops]

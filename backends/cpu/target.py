@@ -72,3 +72,23 @@ def target_machine_for(target: TargetAttr):
     if target.kind.data != "cpu":
         raise UsageError(f"the CPU backend cannot build for a '{target.kind.data}' target")
     return target_machine(target.cpu.data, features=llvm_features(target))
+
+
+# `a16`'s time over `a8`'s per matmul, (prefill, decode), by the integer dot product of the
+# `a8` kernels. AVX2: measured on a 2-core AMD EPYC (znver3) with SmolLM2-135M, a hack of
+# the a16 kernels against the a8 build — decode reads the same weight bytes (memory-bound),
+# prefill does twice the integer dot products (compute-bound). VNNI-256/512: not measured,
+# AVX2's factors until they are.
+A16_COST = {Isa.AVX2: (1.25, 1.05), Isa.VNNI256: (1.25, 1.05), Isa.VNNI512: (1.25, 1.05)}
+A16_PREFILL_ON_AMX = 3.0  # a16 never uses AMX tiles, which a8's prefill does: an estimate, not measured
+
+
+def a16_cost(target: TargetAttr) -> tuple[float, float]:
+    """`a16`'s cost as a multiple of `a8`'s on `target`: (prefill, decode).
+
+        a16_cost(cpu_target("x86-64-v3"))   # (1.25, 1.05)
+    """
+    isa = integer_isa(target)
+    prefill, decode = A16_COST[isa]
+    amx = isa is Isa.VNNI512 and target.has("amx-tile", "amx-int8")  # where `pack` gives a8's prefill AMX tiles
+    return (A16_PREFILL_ON_AMX if amx else prefill), decode

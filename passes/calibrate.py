@@ -1,0 +1,157 @@
+"""Calibration: how much error quantizing each projection's activations adds, per compute mode.
+
+`quantize` runs the float `llm` interpreter on calibration tokens (the built-in text of
+`calibration_text`, chat conversations rendered with the model's own template, or
+`--calibrate FILE`), takes each projection's input (normalized, where a norm is fused)
+and measures, on a sample of its rows, the relative output error of each integer mode:
+
+    error(mode) = ‖x̂·Wᵀ − x·Wᵀ‖² / ‖x·Wᵀ‖²,   x̂ = x quantized per 32 values (int8: a8, int16: a16)
+
+with `W` the weight in the storage `quantize` chose (`a32` adds none). `quantize` records
+it on each projection, `{llm.error = {a8 = 3.1e-04 : f64, a16 = 5.2e-09 : f64}}`, and
+`llmc verify --per-layer` prints it, measured on the verify prompt.
+
+    errors = measure(find_function(module, "forward"), model.weights, calibration_tokens(model.tokenizer))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import zip_longest
+from pathlib import Path
+
+import numpy as np
+from xdsl.dialects import func
+
+from llmc.errors import LlmcError, UsageError
+from llmc.ir import llm
+from llmc.ir.formats import SLICE, quantize_rows
+from llmc.ir.interpreter import KVCache, evaluate, rms_norm
+from llmc.ir.weights import WeightStore, decoded_f32
+from llmc.passes.calibration_text import CONVERSATIONS, PLAIN
+from llmc.runtime.codec import TextCodec
+
+MAX_TOKENS = 128  # one float forward of SmolLM2-135M over these: ~3 s, most of it dequantizing the weights
+SAMPLE_ROWS = 16  # rows of each projection's input whose error is measured (positions spread evenly)
+MAX_OUTPUTS = 2048  # outputs of a wider projection (an LM head) whose error is measured: 8 blocks of rows
+BLOCKS = 8
+MODES = (llm.Compute.A8, llm.Compute.A16)
+BITS = {llm.Compute.A8: 8, llm.Compute.A16: 16}
+
+
+def read_calibration(path: str) -> str:
+    """The text of `--calibrate FILE`: readable, UTF-8, not empty (else one line, exit 2)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise UsageError(f"--calibrate {path}: cannot read it: {e.strerror}") from None
+    if b"\0" in data:
+        raise UsageError(f"--calibrate {path}: not a text file (it holds NUL bytes)")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--calibrate {path}: not UTF-8 text (byte {e.start} is {data[e.start]:#04x})") from None
+    if not text.strip():
+        raise UsageError(f"--calibrate {path}: the file has no text")
+    return text
+
+
+def _rendered(codec: TextCodec, conversation: tuple[tuple[str, str], ...]) -> str:
+    """A conversation in the model's chat template, or as `User: …` lines where it has none
+    (or its template refuses these messages)."""
+    if codec.chat_template:
+        try:
+            return codec.render_chat([{"role": r, "content": c} for r, c in conversation], add_generation_prompt=False)
+        except LlmcError:
+            pass
+    return "".join(f"{role.capitalize()}: {content}\n" for role, content in conversation)
+
+
+def calibration_tokens(codec: TextCodec, path: str = "", limit: int = MAX_TOKENS) -> list[int]:
+    """At most `limit` tokens to calibrate on: the first of `path` (`--calibrate`), or of the
+    built-in text, a conversation then a plain text in turn, each from the beginning of text."""
+    if path:
+        return codec.encode(read_calibration(path))[:limit]
+    tokens: list[int] = []
+    for conversation, plain in zip_longest(CONVERSATIONS, PLAIN):
+        for text in ([_rendered(codec, conversation)] if conversation else []) + ([plain] if plain else []):
+            if len(tokens) < limit:
+                tokens += codec.encode(text)
+    return tokens[:limit]
+
+
+def weight_ops(op: llm.Projection) -> list[llm.WeightOp]:
+    """The `llm.weight`s a projection multiplies by (gate and up for `llm.swiglu`); empty where a
+    weight is computed (such a projection cannot be integer)."""
+    values = [op.gate, op.up] if isinstance(op, llm.SwigluOp) else [op.weight]
+    owners = [v.owner for v in values]
+    return owners if all(isinstance(o, llm.WeightOp) for o in owners) else []  # type: ignore[return-value]
+
+
+def fake_quantized(x: np.ndarray, bits: int) -> np.ndarray:
+    """`x` after quantizing it per 32 values as the kernels do (`quantize_rows`), back in float."""
+    qs, d, _ = quantize_rows(x, bits)
+    k = x.shape[-1]
+    return qs[:, :k].astype(np.float32) * np.repeat(d, SLICE, axis=1)[:, :k]
+
+
+def sampled_rows(weights: WeightStore, w: llm.WeightOp) -> np.ndarray:
+    """`w` in float32, in the storage `quantize` chose; of a matrix wider than `MAX_OUTPUTS`
+    rows (an LM head) only `BLOCKS` blocks of rows spread over it: the error is a ratio, which
+    a sample of outputs estimates without dequantizing the whole matrix."""
+    n, k = llm.shape_of(w.result)
+    storage = w.storage.data
+    if n is None or k is None or n <= MAX_OUTPUTS:
+        return weights.f32(w.sym_name, storage)
+    size = MAX_OUTPUTS // BLOCKS
+    starts = np.linspace(0, n - size, BLOCKS).astype(np.int64)
+    stored = weights[w.sym_name]
+    return np.concatenate([decoded_f32(stored.row_slice(w.sym_name, s, s + size).encode(storage), storage, (size, k))
+                           for s in starts])
+
+
+def measure(function: func.FuncOp, weights: WeightStore, tokens: Sequence[int]) -> list[dict[llm.Compute, float] | None]:
+    """The relative output error of `a8` and `a16` for each projection of `function` (walk
+    order; None for one whose weight is computed), from a float run (the modes already set are
+    ignored) of `@forward`-like `function(tokens, positions, cache)` on `tokens`."""
+    twin = function.clone()
+    projections = [op for op in twin.walk() if isinstance(op, llm.Projection)]
+    for op in projections:
+        op.properties.pop("compute", None)
+    tokens = np.asarray(tokens, np.int32)
+    cache_type = twin.function_type.inputs.data[2]
+    assert isinstance(cache_type, llm.KVCacheType)
+    args = twin.body.block.args
+    known = {args[0]: tokens, args[1]: np.arange(tokens.size, dtype=np.int32),
+             args[2]: KVCache.for_type(cache_type, tokens.size)}
+    measured = [op for op in projections if weight_ops(op)]
+    inputs = dict(zip(measured, evaluate([op.input for op in measured], known, weights), strict=True))
+    rows = np.unique(np.linspace(0, tokens.size - 1, min(tokens.size, SAMPLE_ROWS)).round().astype(np.int64))
+    errors: list[dict[llm.Compute, float] | None] = []
+    for op in projections:
+        if op not in inputs:
+            errors.append(None)
+            continue
+        x = inputs[op][rows]
+        norm = getattr(op, "norm", None)
+        if norm is not None:
+            (g,) = evaluate([norm], known, weights)
+            x = rms_norm(x, g, op.eps.value.data)  # type: ignore[attr-defined]
+        stacked = np.concatenate([x] + [fake_quantized(x, BITS[mode]) - x for mode in MODES])
+        energy = np.zeros(1 + len(MODES))
+        for w in weight_ops(op):
+            y = (stacked @ sampled_rows(weights, w).T).astype(np.float64)
+            energy += np.square(y).reshape(1 + len(MODES), -1).sum(-1)
+        errors.append({mode: float(e / energy[0]) if energy[0] > 0 else 0.0 for mode, e in zip(MODES, energy[1:])})
+    return errors
+
+
+def calibration_for(model, options, target) -> list[int]:
+    """The tokens `quantize` calibrates on under `options` (`CompileOptions`) for `target`: none
+    unless `--compute auto` chooses between integer modes there; `model`'s tokenizer encodes them,
+    at most `MAX_TOKENS` and the model's context."""
+    from llmc.passes.quantize import has_integer_dot
+
+    if options.compute != "auto" or not has_integer_dot(target):
+        return []
+    return calibration_tokens(model.tokenizer, options.calibrate, min(MAX_TOKENS, model.config.context_length))

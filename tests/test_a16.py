@@ -241,13 +241,13 @@ TOKENS = [5, 17, 42, 100, 150, 7, 9, 11, 200, 3]
 OPTIONS = CompileOptions(prefill_chunk=4, max_seq=32, kv_type="f32", compute="a8")
 
 
-def phases(model, cpu: str, modes, last: str = "lower"):
+def phases(model, cpu: str, modes, last: str = "lower", options: CompileOptions = OPTIONS):
     """The model through the phases to `last` for `cpu`, each integer projection's mode set by
     `modes(op)` after `quantize` (a8 where it returns None)."""
     module = import_model(model)
     module.attributes[tgt.TARGET] = cpu_target(cpu)
     for phase in PHASES:
-        run_phase(module, phase, options=OPTIONS, weights=model.weights)
+        run_phase(module, phase, options=options, weights=model.weights)
         if phase == "quantize":
             for op in module.walk():
                 if isinstance(op, llm.Projection) and op.mode is llm.Compute.A8:
@@ -255,6 +255,12 @@ def phases(model, cpu: str, modes, last: str = "lower"):
         if phase == last:
             return module
     return module
+
+
+def only_q_a16(op: llm.Projection) -> llm.Compute | None:
+    """a16 for the q projections, the others a8."""
+    weight = op.gate if isinstance(op, llm.SwigluOp) else op.weight
+    return llm.Compute.A16 if weight.owner.sym_name.endswith("attn_q") else None
 
 
 def stage_logits(model, modes) -> np.ndarray:
@@ -283,26 +289,24 @@ def test_mixed_readers_get_one_quantize_per_width(tiny):
     """q reads the attention norm's output as a16, k and v as a8: the norm writes float rows and
     each width gets its own `tgt.quantize`; the tgt interpreter gives the llm interpreter's logits."""
     model = load_model(str(tiny(SPEC, "gguf")))
-
-    def modes(op):
-        weight = op.gate if isinstance(op, llm.SwigluOp) else op.weight
-        return llm.Compute.A16 if weight.owner.sym_name.endswith("attn_q") else None
-
-    module = phases(model, "native", modes)
+    module = phases(model, "native", only_q_a16)
     decode = str(find_function(module, "decode"))
     assert decode.count("tgt.quantize") == 2 * SPEC.layers
     assert "-> !tgt.qrows<1x64xi16>" in decode and "-> !tgt.qrows<1x64>" in decode
-    ours, reference = tgt_logits(model, module), stage_logits(model, modes)
+    ours, reference = tgt_logits(model, module), stage_logits(model, only_q_a16)
     assert np.abs(ours - reference).max() <= 1e-4 * np.abs(reference).max()
 
 
 def test_amx_targets_give_a16_kernels_vnni512(tiny):
-    module = phases(load_model(str(tiny(SPEC, "gguf"))), host.ISA_CPUS[tgt.Isa.AMX], all_a16)
-    prefill = str(find_function(module, "prefill"))  # 4 rows here: decode-sized, so no tiles anyway
-    kernels = [op for f in ("prefill", "score") for op in find_function(module, f).body.block.ops
-               if isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and tgt.is_quantized(op.x)]
-    assert kernels and all(op.x.type.bits == 16 and op.isa.data is tgt.Isa.VNNI512 for op in kernels)
-    assert "xi16" in prefill and "isa amx" not in prefill
+    """Compiled for an AMX CPU with 32-row prefill chunks: the a8 kernels of prefill take the tiles
+    (but the LM head's, of one row), the a16 ones (int16 rows) VNNI-512."""
+    options = CompileOptions(prefill_chunk=32, max_seq=64, kv_type="f32", compute="a8")
+    module = phases(load_model(str(tiny(SPEC, "gguf"))), host.ISA_CPUS[tgt.Isa.AMX], only_q_a16, options=options)
+    kernels = [op for op in find_function(module, "prefill").body.block.ops
+               if isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and tgt.is_quantized(op.x)
+               and getattr(op, "last_row", None) is None]
+    isas = {bits: {op.isa.data for op in kernels if op.x.type.bits == bits} for bits in (8, 16)}
+    assert isas == {8: {tgt.Isa.AMX}, 16: {tgt.Isa.VNNI512}}
 
 
 def test_a16_model_matches_its_stage_and_is_closer_to_fp32_than_a8(tiny, tmp_path):
@@ -316,7 +320,8 @@ def test_a16_model_matches_its_stage_and_is_closer_to_fp32_than_a8(tiny, tmp_pat
 
     model = load_model(str(tiny(SPEC, "gguf")))
     module = phases(model, "native", all_a16)
-    assert "!tgt.qrows<4x64xi16>" in str(find_function(module, "prefill"))
+    prefill = str(find_function(module, "prefill"))
+    assert "!tgt.qrows<4x64xi16>" in prefill and "!tgt.qrows<4x64>" not in prefill
     a16 = stage_logits(model, all_a16)
     assert np.abs(tgt_logits(model, module) - a16).max() <= 1e-4 * np.abs(a16).max()
     backend = BackendOptions(cpu="native")

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import zip_longest
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from xdsl.dialects import func
@@ -30,6 +31,11 @@ from llmc.ir.interpreter import KVCache, evaluate, rms_norm
 from llmc.ir.weights import WeightStore, decoded_f32
 from llmc.passes.calibration_text import CONVERSATIONS, PLAIN
 from llmc.runtime.codec import TextCodec
+
+if TYPE_CHECKING:
+    from llmc.frontend.model import Model
+    from llmc.ir.tgt import TargetAttr
+    from llmc.passes.pipeline import CompileOptions
 
 MAX_TOKENS = 128  # one float forward of SmolLM2-135M over these: ~3 s, most of it dequantizing the weights
 SAMPLE_ROWS = 16  # rows of each projection's input whose error is measured (positions spread evenly)
@@ -146,8 +152,8 @@ def measure(function: func.FuncOp, weights: WeightStore, tokens: Sequence[int]) 
     return errors
 
 
-def calibration_for(model, options, target) -> list[int]:
-    """The tokens `quantize` calibrates on under `options` (`CompileOptions`) for `target`: none
+def calibration_for(model: Model, options: CompileOptions, target: TargetAttr) -> list[int]:
+    """The tokens `quantize` calibrates on under `options` for `target`: none
     unless `--compute auto` chooses between integer modes there; `model`'s tokenizer encodes them,
     at most `MAX_TOKENS` and the model's context."""
     from llmc.passes.quantize import has_integer_dot

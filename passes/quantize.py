@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from xdsl.context import Context
 from xdsl.dialects.builtin import DictionaryAttr, FloatAttr, IntegerAttr, ModuleOp, f64, i64
@@ -49,6 +50,9 @@ from llmc.ir.formats import FORMATS, Storage
 from llmc.ir.weights import WeightStore
 from llmc.passes.base import LlmcPass
 from llmc.passes.calibrate import measure, read_calibration, weight_ops
+
+if TYPE_CHECKING:
+    from llmc.passes.pipeline import CompileOptions
 
 
 def output_tensors(function: Operation) -> set[str]:
@@ -93,8 +97,8 @@ def check_compute(compute: str, target: tgt.TargetAttr) -> None:
         raise UsageError(f"--compute {compute} is for CPU targets: the CUDA kernels take float activations (a32)")
 
 
-def check_calibrate(options) -> None:
-    """`--calibrate FILE` (of `CompileOptions`): for `--compute auto`, a readable UTF-8 text."""
+def check_calibrate(options: CompileOptions) -> None:
+    """`--calibrate FILE`: for `--compute auto`, a readable UTF-8 text."""
     if options.calibrate:
         if options.compute != "auto":
             raise UsageError(f"--calibrate is for --compute auto (--compute {options.compute} calibrates nothing)")
@@ -159,6 +163,7 @@ class QuantizePass(LlmcPass):
         integer_dot = has_integer_dot(target)
         calibrate = self.weights is not None and bool(self.tokens)
         auto = self.compute == "auto" and integer_dot
+        calibrated = False
         for function in self.functions(module):
             outputs = output_tensors(function)
             for op in function.walk():
@@ -170,10 +175,11 @@ class QuantizePass(LlmcPass):
             modes = [self.mode_for(op, integer_dot) for op in projections]
             if auto and any(m.integer for m in modes):
                 errors = self.calibrate(function, projections) if calibrate else [None] * len(projections)
+                calibrated |= calibrate
                 modes = auto_modes(projections, modes, errors, target)
             for op, mode in zip(projections, modes, strict=True):
                 op.compute = llm.ComputeAttr(mode)
-        if auto and calibrate:
+        if calibrated:  # (float weights only: nothing to choose, nothing measured)
             module.attributes[CALIBRATED] = IntegerAttr(len(self.tokens), i64)
 
     def mode_for(self, op: llm.Projection, integer_dot: bool) -> llm.Compute:

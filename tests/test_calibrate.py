@@ -112,6 +112,8 @@ def test_forced_modes_force_and_calibrate_nothing(tiny) -> None:
         integer = {op.mode for op in projections(module) if not op.weight.owner.storage.data.is_float}
         assert integer == {mode}
         assert all(ERROR not in op.attributes for op in projections(module)) and CALIBRATED not in module.attributes
+    _, floats = quantized(tiny(FLOAT, "hf"))  # float weights only: a32, nothing to choose, so nothing measured
+    assert {op.mode for op in projections(floats)} == {llm.Compute.A32} and CALIBRATED not in floats.attributes
     _, module = quantized(tiny(MIXED, "gguf"), calibrate=False)  # no calibration tokens (`llmc opt`)
     assert {op.mode for op in projections(module) if op.mode.integer} == {llm.Compute.A16}  # all within the budget
     assert all(ERROR not in op.attributes for op in projections(module)) and "calibrated" not in summary(module)

@@ -169,7 +169,7 @@ def per_layer_rows(module, weights, tokens: list[int]) -> list[str]:
     rows = [f"{'projection':<24} {'mode':<5} {'a8 error':<10} a16 error"]
     for op, error in zip(projections, measure(forward, weights, tokens), strict=True):
         name = "+".join(w.sym_name for w in weight_ops(op)) or op.name
-        errors = ([f"{error[m]:<10.3g}" for m in (llm.Compute.A8, llm.Compute.A16)] if error is not None
+        errors = ([f"{error[m]:<10.2e}" for m in (llm.Compute.A8, llm.Compute.A16)] if error is not None
                   else ["-", "-"])
         rows.append(f"{name:<24} {op.mode.value:<5} {' '.join(errors)}".rstrip())
     return rows

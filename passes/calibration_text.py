@@ -13,11 +13,11 @@ from __future__ import annotations
 CONVERSATIONS: tuple[tuple[tuple[str, str], ...], ...] = (
     (("user", "Which city is the capital of Canada?"),
      ("assistant", "The capital of Canada is Ottawa, in the province of Ontario.")),
-    (("user", "Can you explain what a prime number is?"),
-     ("assistant", "A prime number is a whole number greater than 1 whose only divisors are 1 and itself, "
-                   "such as 2, 3, 5, 7 and 11.")),
-    (("user", "Write one sentence about autumn."),
-     ("assistant", "In autumn the maple leaves turn red and gold, and the evenings grow cool and short.")),
+    (("user", "What is the difference between weather and climate?"),
+     ("assistant", "Weather is what the atmosphere does on a given day; climate is the average of the weather "
+                   "in a region over thirty years or more.")),
+    (("user", "Write one sentence about a mountain village in winter."),
+     ("assistant", "Snow covers the roofs of the little village, and smoke rises straight up from every chimney.")),
     (("user", "How many minutes are in three hours?"),
      ("assistant", "Three hours have 3 × 60 = 180 minutes.")),
     (("user", "Who discovered penicillin?"),
@@ -25,8 +25,8 @@ CONVERSATIONS: tuple[tuple[tuple[str, str], ...], ...] = (
 )
 
 PLAIN: tuple[str, ...] = (
-    "The old lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, "
-    "polished the lens, and watched the fishing boats come home across the bay.",
+    "The baker opened her shop at five every morning. By six the first loaves were cooling on the racks, "
+    "and the smell of warm bread drifted down the empty street.",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
     "Water boils at 100 degrees Celsius at sea level. At higher altitudes the air pressure is lower, "
     "so water boils at a lower temperature and food takes longer to cook.",

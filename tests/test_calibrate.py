@@ -51,7 +51,7 @@ def test_the_built_in_text_has_chat_in_the_models_template_and_plain_text(tiny) 
     assert calibration_for(model, CompileOptions(compute="a8"), cpu_target("x86-64-v3")) == []
     assert calibration_for(model, CompileOptions(), cpu_target("x86-64")) == []  # no integer dot product
     assert "<|im_start|>user\n" in text and "<|im_start|>assistant\n" in text  # the tiny models' ChatML template
-    assert "lighthouse keeper" in text  # and the plain text after the first conversation
+    assert "The baker opened her shop" in text  # and the plain text after the first conversation
 
 
 def test_the_measured_error_is_the_interpreters_and_a16s_is_far_below_a8s(tiny) -> None:

@@ -14,7 +14,7 @@ from llmc.cli import main
 from llmc.frontend import import_model, load_model
 from llmc.ir import find_function, llm, tgt
 from llmc.ir.interpreter import KVCache, evaluate
-from llmc.ir.text import parse_module
+from llmc.ir.text import parse_module, print_module
 from llmc.passes.calibrate import MAX_TOKENS, calibration_for, calibration_tokens, measure
 from llmc.passes.pipeline import CompileOptions, run_phase
 from llmc.passes.quantize import CALIBRATED, ERROR, choose_wider, summary, weight_bytes
@@ -124,6 +124,9 @@ def test_the_quantize_ir_shows_each_error_and_the_summary_the_estimates(tiny, ca
                  "--compile-to", "quantize"]) == 0
     captured = capsys.readouterr()
     module = parse_module(captured.out)
+    assert print_module(module).strip() == captured.out.strip()  # the errors print and parse back, as they are
+    generic = print_module(module, generic=True)
+    assert print_module(parse_module(generic), generic=True) == generic
     ops = projections(module)
     assert all(op.mode is llm.Compute.A16 for op in ops)
     errors = [op.attributes[ERROR] for op in ops]

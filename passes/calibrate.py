@@ -119,7 +119,9 @@ def sampled_rows(weights: WeightStore, w: llm.WeightOp) -> np.ndarray:
 def measure(function: func.FuncOp, weights: WeightStore, tokens: Sequence[int]) -> list[dict[llm.Compute, float] | None]:
     """The relative output error of `a8` and `a16` for each projection of `function` (walk
     order; None for one whose weight is computed), from a float run (the modes already set are
-    ignored) of `@forward`-like `function(tokens, positions, cache)` on `tokens`."""
+    ignored) of `@forward`-like `function(tokens, positions, cache)` on `tokens`. It holds every
+    weight in float32 while it runs (4 bytes a weight)."""
+    weights = WeightStore(weights.source, weights.entries)  # its own caches: the float weights go when it ends
     twin = function.clone()
     projections = [op for op in twin.walk() if isinstance(op, llm.Projection)]
     for op in projections:

@@ -161,7 +161,7 @@ class QuantizePass(LlmcPass):
         target = module_target(module)
         check_compute(self.compute, target)
         integer_dot = has_integer_dot(target)
-        calibrate = self.weights is not None and bool(self.tokens)
+        measurable = self.weights is not None and bool(self.tokens)
         auto = self.compute == "auto" and integer_dot
         calibrated = False
         for function in self.functions(module):
@@ -174,8 +174,8 @@ class QuantizePass(LlmcPass):
             projections = [op for op in function.walk() if isinstance(op, llm.Projection)]
             modes = [self.mode_for(op, integer_dot) for op in projections]
             if auto and any(m.integer for m in modes):
-                errors = self.calibrate(function, projections) if calibrate else [None] * len(projections)
-                calibrated |= calibrate
+                errors = self.calibrate(function, projections) if measurable else [None] * len(projections)
+                calibrated |= measurable
                 modes = auto_modes(projections, modes, errors, target)
             for op, mode in zip(projections, modes, strict=True):
                 op.compute = llm.ComputeAttr(mode)
@@ -264,8 +264,8 @@ def choose_wider(items: list[tuple[float, float]], budget: float) -> list[int]:
     order = sorted(range(len(items)), key=lambda i: -items[i][0] / items[i][1] if items[i][1] > 0 else -float("inf"))
     taken, spent = [], 0.0
     for i in order:
-        gain, cost = items[i]
-        if gain > 0 and spent + cost <= budget * (1 + 1e-9):  # (1.05 − 1) · Σ = 0.05 · Σ takes everything
+        value, cost = items[i]
+        if value > 0 and spent + cost <= budget * (1 + 1e-9):  # (1.05 − 1) · Σ = 0.05 · Σ takes everything
             taken.append(i)
             spent += cost
     return taken

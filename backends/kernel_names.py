@@ -36,11 +36,11 @@ def kernel_name(op: tgt.Kernel) -> str:
     if weights:
         parts.append(weights[0].storage.value)
     if isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)):
-        parts.append("a8" if tgt.is_quantized(op.x) else "a32")
+        parts.append(f"a{op.x.type.bits}" if tgt.is_quantized(op.x) else "a32")
         n, k = tgt.dims(op.weight if isinstance(op, tgt.MatmulOp) else op.gate)
         parts.append(f"k{k}_n{n}")
         flags = {"bias": "bias", "norm": "norm", "accumulate": "acc", "last_row": "last"}
         parts += [short for name, short in flags.items() if getattr(op, name, None) is not None]
     if "out" in dict(op.abi()) and tgt.is_quantized(op.out):
-        parts.append("q8")
+        parts.append(f"q{op.out.type.bits}")
     return "_".join(parts)

@@ -162,13 +162,13 @@ class BlockFormat:
         """float32 weights `[rows, K]` from codes and fields (the same arithmetic as GGUF's)."""
         rows, k = qt.codes.shape
         scale, zero, minimum = self.slice_terms(qt)
-        codes = qt.codes.reshape(rows, k // SLICE, SLICE)
-        if zero is not None:
-            q = (codes.astype(np.int32) - zero.astype(np.int32)[..., None]).astype(np.float32)
-            w = scale[..., None] * q
-        else:
-            w = scale[..., None] * codes.astype(np.float32) + minimum[..., None]
-        return w.reshape(rows, k).astype(np.float32)
+        w = qt.codes.reshape(rows, k // SLICE, SLICE).astype(np.float32)  # the one array; float32 throughout,
+        if zero is not None:                                              # in place (all SmolLM2's weights: 0.4 s)
+            np.subtract(w, zero[..., None], out=w)  # small integers: exact in float32
+        np.multiply(w, scale[..., None], out=w)
+        if zero is None:
+            np.add(w, minimum[..., None], out=w)
+        return w.reshape(rows, k)
 
     # -- GGUF blocks <-> codes and fields ---------------------------------------------
 

@@ -70,7 +70,8 @@ FALLBACK = {
     Storage.INT4_G64: Storage.INT4_G32, Storage.INT4_G128: Storage.INT4_G32, Storage.INT4_G256: Storage.INT4_G32,
 }
 COMPUTE_CHOICES = ("auto", "a32", "a8", "a16")
-DECODE_BUDGET = 0.05  # `auto`: decode within 5% of all-a8
+DECODE_BUDGET = 0.05  # `auto`: decode within 5% of all-a8 (the issue's bound) …
+PREFILL_BUDGET = 0.25  # … and prefill within 25%: AVX2's a16 (1.25×) fits whole; an AMX target keeps its tiles
 ERROR = "llm.error"  # a projection's measured relative output error per mode (discardable)
 CALIBRATED = "llm.calibration_tokens"  # on the module: the tokens `auto` calibrated on
 
@@ -204,17 +205,20 @@ class QuantizePass(LlmcPass):
 def auto_modes(projections: list[llm.Projection], modes: list[llm.Compute],
                errors: list[dict[llm.Compute, float] | None], target: tgt.TargetAttr) -> list[llm.Compute]:
     """`auto`'s modes: `a16` for the groups of integer projections (one group per input value) that
-    gain the most (`gain`) within the decode budget, `modes` for the rest."""
+    gain the most (`gain`) within the decode and prefill budgets (decode reads each weight once per
+    token; prefill multiplies each once per row), `modes` for the rest."""
     groups: dict[SSAValue, list[int]] = {}
     for i, op in enumerate(projections):
         if modes[i].integer:
             groups.setdefault(op.input, []).append(i)
-    _, decode = a16_cost(target)
+    prefill, decode = a16_cost(target)
     members = list(groups.values())
     items = [(sum(gain(projections[i], errors[i]) for i in group),
-              (decode - 1) * sum(weight_bytes(projections[i]) for i in group)) for group in members]
-    wide = {i for g in choose_wider(items, DECODE_BUDGET * sum(weight_bytes(op) for op in projections))
-            for i in members[g]}
+              ((decode - 1) * sum(weight_bytes(projections[i]) for i in group),
+               (prefill - 1) * sum(weight_elements(projections[i]) for i in group))) for group in members]
+    budgets = (DECODE_BUDGET * sum(weight_bytes(op) for op in projections),
+               PREFILL_BUDGET * sum(weight_elements(op) for op in projections))
+    wide = {i for g in choose_wider(items, budgets) for i in members[g]}
     return [llm.Compute.A16 if i in wide else mode for i, mode in enumerate(modes)]
 
 
@@ -255,19 +259,25 @@ def _shape(w: llm.WeightOp) -> tuple[int, ...]:
     return tuple(d or 0 for d in llm.shape_of(w.result))
 
 
-def choose_wider(items: list[tuple[float, float]], budget: float) -> list[int]:
-    """The items `(gain, cost)` to take within `budget` of total cost, greedily by gain per cost
-    (free items first): a knapsack whose items are small against the budget. Indices, taken order.
+def choose_wider(items: list[tuple[float, tuple[float, ...]]], budgets: tuple[float, ...]) -> list[int]:
+    """The items `(gain, costs)` to take within every budget (one per cost), greedily by gain per
+    cost (the costs as shares of their budgets, the largest share counting; free items first): a
+    knapsack whose items are small against the budgets. Indices, in the order taken.
 
-        choose_wider([(3.0, 2.0), (1.0, 2.0), (0.5, 0.0)], 3.0)   # [2, 0]
+        choose_wider([(3.0, (2.0,)), (1.0, (2.0,)), (0.5, (0.0,))], (3.0,))   # [2, 0]
     """
-    order = sorted(range(len(items)), key=lambda i: -items[i][0] / items[i][1] if items[i][1] > 0 else -float("inf"))
-    taken, spent = [], 0.0
+    def share(costs: tuple[float, ...]) -> float:
+        return max((c / b if b > 0 else (float("inf") if c > 0 else 0.0)) for c, b in zip(costs, budgets, strict=True))
+
+    order = sorted(range(len(items)), key=lambda i: -items[i][0] / share(items[i][1]) if share(items[i][1]) > 0
+                   else -float("inf"))
+    taken, spent = [], [0.0] * len(budgets)
     for i in order:
-        value, cost = items[i]
-        if value > 0 and spent + cost <= budget * (1 + 1e-9):  # (1.05 − 1) · Σ = 0.05 · Σ takes everything
+        value, costs = items[i]
+        # (1 + 1e-9): a16 at exactly the budget's factor (1.05 − 1) · Σ = 0.05 · Σ takes everything
+        if value > 0 and all(s + c <= b * (1 + 1e-9) for s, c, b in zip(spent, costs, budgets, strict=True)):
             taken.append(i)
-            spent += cost
+            spent = [s + c for s, c in zip(spent, costs, strict=True)]
     return taken
 
 

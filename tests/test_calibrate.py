@@ -17,7 +17,7 @@ from llmc.ir.interpreter import KVCache, evaluate
 from llmc.ir.text import parse_module, print_module
 from llmc.passes.calibrate import MAX_TOKENS, calibration_for, calibration_tokens, measure
 from llmc.passes.pipeline import CompileOptions, run_phase
-from llmc.passes.quantize import CALIBRATED, ERROR, choose_wider, summary, weight_bytes
+from llmc.passes.quantize import CALIBRATED, ERROR, choose_wider, summary, weight_bytes, weight_elements
 
 MIXED = TinySpec(hidden=64, heads=2, kv_heads=1, head_dim=32, ffn=128, gguf_storage=(
     ("token_embd", "q8_0"), ("attn_q", "q4_1"), ("attn_k", "q4_0"), ("attn_v", "q8_0"), ("attn_output", "q5_0"),
@@ -91,6 +91,8 @@ def test_auto_widens_within_the_decode_budget_and_one_input_gets_one_mode(tiny, 
     ops = projections(dear)
     wide = sum(weight_bytes(op) for op in ops if op.mode is llm.Compute.A16)
     assert 0 < 0.2 * wide <= 0.05 * sum(weight_bytes(op) for op in ops)
+    assert 0.5 * sum(weight_elements(op) for op in ops if op.mode is llm.Compute.A16) \
+        <= 0.25 * sum(weight_elements(op) for op in ops)  # and prefill within its 25%
     assert {op.mode for op in ops} == {llm.Compute.A8, llm.Compute.A16, llm.Compute.A32}
     by_input: dict = {}
     for op in ops:
@@ -100,10 +102,21 @@ def test_auto_widens_within_the_decode_budget_and_one_input_gets_one_mode(tiny, 
     assert all(len(modes) == 1 for modes in by_input.values())  # q/k/v and gate/up: one mode per shared input
 
 
+def test_an_amx_target_keeps_most_of_its_tiles(tiny) -> None:
+    """a16 takes no AMX tiles (prefill ~3× a8's there): the prefill budget keeps most groups a8."""
+    _, module = quantized(tiny(MIXED, "gguf"), cpu_name="sapphirerapids")
+    ops = [op for op in projections(module) if op.mode.integer]
+    wide = sum(weight_elements(op) for op in ops if op.mode is llm.Compute.A16)
+    assert {op.mode for op in ops} == {llm.Compute.A8, llm.Compute.A16}
+    assert 2.0 * wide <= 0.25 * sum(weight_elements(op) for op in projections(module)) * (1 + 1e-9)
+
+
 def test_the_choice_is_a_knapsack_by_gain_per_cost() -> None:
-    assert choose_wider([(3.0, 2.0), (1.0, 2.0), (0.5, 0.0)], 3.0) == [2, 0]
-    assert choose_wider([(1.0, 1.0), (5.0, 4.0), (0.0, 0.1)], 5.0) == [1, 0]  # no gain: not widened
-    assert sorted(choose_wider([(1.0, 0.05)] * 20, 1.0)) == list(range(20))  # the budget exactly: all of them
+    assert choose_wider([(3.0, (2.0,)), (1.0, (2.0,)), (0.5, (0.0,))], (3.0,)) == [2, 0]
+    assert choose_wider([(1.0, (1.0,)), (5.0, (4.0,)), (0.0, (0.1,))], (5.0,)) == [1, 0]  # no gain: not widened
+    assert sorted(choose_wider([(1.0, (0.05,))] * 20, (1.0,))) == list(range(20))  # the budget exactly: all of them
+    # two budgets (decode, prefill): the second binds, and ranks by the larger share
+    assert choose_wider([(2.0, (1.0, 4.0)), (1.5, (1.0, 1.0)), (1.0, (1.0, 1.0))], (10.0, 4.0)) == [1, 2]
 
 
 def test_forced_modes_force_and_calibrate_nothing(tiny) -> None:

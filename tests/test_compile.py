@@ -434,11 +434,11 @@ def test_prefill_for_amx_takes_tiles_and_decode_keeps_vnni(tiny, artifact, spec:
     prefill and score take `isa amx`, decode keeps VNNI-512; the kernels hold the `llmc_amx` flag
     the runtime sets, and a host without those features refuses the artifact in one line."""
     cpu = host.ISA_CPUS[tgt.Isa.AMX]
-    text = compile_model(str(tiny(spec, "gguf")), None, CompileOptions(prefill_chunk=32, max_seq=64),
+    text = compile_model(str(tiny(spec, "gguf")), None, CompileOptions(prefill_chunk=32, max_seq=64, compute="a8"),
                          BackendOptions(cpu=cpu), compile_to="lower", progress=lambda _: None)
     prefill, decode = text[text.index("@prefill("):text.index("@prefill_kv(")], text[text.index("@decode("):text.index("@score(")]
     assert "isa amx" in prefill and "isa amx" not in decode and "isa vnni512" in decode
-    directory = artifact(spec, chunk=32, max_seq=64, cpu=cpu)
+    directory = artifact(spec, chunk=32, max_seq=64, cpu=cpu, compute="a8")
     manifest = json.loads((directory / "manifest.json").read_text())
     library = ctypes.CDLL(str(directory / manifest["files"]["kernels"]["path"]))  # loading runs no kernel
     assert ctypes.c_int32.in_dll(library, amx_permission.FLAG).value == 0  # tiles off until the runtime asks
@@ -456,14 +456,14 @@ def test_prefill_on_amx_tiles_agrees_with_the_quantize_stage(tiny, artifact, spe
 
     if not host.runs(host.ISA_CPUS[tgt.Isa.AMX]):
         pytest.skip(host.why_not(host.ISA_CPUS[tgt.Isa.AMX]))
-    session = Session(artifact(spec, chunk=32, max_seq=64))
+    session = Session(artifact(spec, chunk=32, max_seq=64, compute="a8"))
     assert session.amx
     ours = session.score(LONG)
     model = load_model(str(tiny(spec, "gguf")))
     module = import_model(model)
     module.attributes[tgt.TARGET] = cpu_target("native")
     for phase in ("import", "optimize", "quantize"):
-        run_phase(module, phase, options=CompileOptions())
+        run_phase(module, phase, options=CompileOptions(compute="a8"))
     reference = forward_logits(module, model.weights, LONG)
     assert _cosines(ours, reference).min() > 0.999
     assert (ours.argmax(-1) == reference.argmax(-1)).mean() >= 0.9

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 from xdsl.dialects import func
 
 from llmc.errors import LlmcError, UsageError
@@ -120,7 +121,14 @@ def measure(function: func.FuncOp, weights: WeightStore, tokens: Sequence[int]) 
     """The relative output error of `a8` and `a16` for each projection of `function` (walk
     order; None for one whose weight is computed), from a float run (the modes already set are
     ignored) of `@forward`-like `function(tokens, positions, cache)` on `tokens`. It holds every
-    weight in float32 while it runs (4 bytes a weight)."""
+    weight in float32 while it runs (4 bytes a weight), and runs BLAS on one thread: its products
+    are small, and BLAS threads spinning against a busy machine's other work (a server, a test
+    run) made it 3–7× slower."""
+    with threadpool_limits(limits=1, user_api="blas"):
+        return _measure(function, weights, tokens)
+
+
+def _measure(function: func.FuncOp, weights: WeightStore, tokens: Sequence[int]) -> list[dict[llm.Compute, float] | None]:
     weights = WeightStore(weights.source, weights.entries)  # its own caches: the float weights go when it ends
     twin = function.clone()
     projections = [op for op in twin.walk() if isinstance(op, llm.Projection)]

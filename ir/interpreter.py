@@ -526,18 +526,28 @@ def _trilu(op: llm.TriluOp, env: Env, x: np.ndarray, k: np.ndarray) -> np.ndarra
     return np.triu(x, diagonal) if op.upper is not None else np.tril(x, diagonal)
 
 
-def run(function: func.FuncOp, weights: WeightStore, *args: object) -> list[np.ndarray]:
-    """Execute `function` on numpy arguments (and a `KVCache`); returns its results."""
+def run(function: func.FuncOp, weights: WeightStore, *args: object,
+        observe: Callable[[Operation, list], None] | None = None) -> list[np.ndarray]:
+    """Execute `function` on numpy arguments (and a `KVCache`); returns its results. Each value
+    is dropped after its last reader (a weight's floats too, where `weights` keeps none), and
+    `observe(op, operand_values)` sees every op before it runs."""
     env = Env(weights)
     values: dict[SSAValue, object] = dict(zip(function.body.block.args, args, strict=True))
-    for op in function.body.block.ops:
+    ops = list(function.body.block.ops)
+    last_use = {v: i for i, op in enumerate(ops) for v in op.operands}
+    for i, op in enumerate(ops):
+        operands = [values[v] for v in op.operands]
         if isinstance(op, func.ReturnOp):
-            return [values[v] for v in op.operands]
+            return operands  # type: ignore[return-value]
+        if observe is not None:
+            observe(op, operands)
         impl = _SEMANTICS.get(type(op))
         if impl is None:
             raise NotImplementedError(f"no numpy semantics for {op.name}")
-        result = impl(op, env, *(values[v] for v in op.operands))
-        values[op.results[0]] = result
+        values[op.results[0]] = impl(op, env, *operands)
+        for v in op.operands:
+            if last_use[v] == i:
+                values.pop(v, None)  # (an op may read one value twice)
     raise ValueError(f"@{function.sym_name.data} has no func.return")
 
 

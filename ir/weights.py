@@ -79,10 +79,12 @@ def decoded_f32(encoded: np.ndarray | QuantizedTensor, storage: Storage, shape: 
 
 @dataclass
 class WeightStore(Mapping[str, Weight]):
-    """The weights of one model by symbol name, with a cache of dequantized tensors."""
+    """The weights of one model by symbol name, with a cache of dequantized tensors (`cache`
+    False: none, each use decodes again, so only the tensors in use take memory)."""
 
     source: Path
     entries: dict[str, Weight] = field(default_factory=dict)
+    cache: bool = True
     _f32: dict[tuple[str, Storage], np.ndarray] = field(default_factory=dict, repr=False)
     _quantized: dict[tuple[str, Storage], QuantizedTensor] = field(default_factory=dict, repr=False)
 
@@ -99,6 +101,8 @@ class WeightStore(Mapping[str, Weight]):
         if key not in self._quantized:
             encoded = self.encode(name, storage)
             assert isinstance(encoded, QuantizedTensor), f"{storage} is not an integer format"
+            if not self.cache:
+                return encoded
             self._quantized[key] = encoded
         return self._quantized[key]
 
@@ -107,13 +111,16 @@ class WeightStore(Mapping[str, Weight]):
         weight = self.entries[name]
         storage = storage or weight.storage
         key = (name, storage)
-        if key not in self._f32:
-            if storage.is_float:
-                encoded = weight.rows() if storage is weight.storage else weight.encode(storage)
-                self._f32[key] = decoded_f32(encoded, storage, weight.shape)
-            else:
-                self._f32[key] = self.quantized(name, storage).dequantize().reshape(weight.shape)
-        return self._f32[key]
+        if key in self._f32:
+            return self._f32[key]
+        if storage.is_float:
+            encoded = weight.rows() if storage is weight.storage else weight.encode(storage)
+            values = decoded_f32(encoded, storage, weight.shape)
+        else:
+            values = self.quantized(name, storage).dequantize().reshape(weight.shape)
+        if self.cache:
+            self._f32[key] = values
+        return values
 
     def __getitem__(self, name: str) -> Weight:
         return self.entries[name]

@@ -28,8 +28,8 @@ from xdsl.dialects import func
 from llmc.errors import LlmcError, UsageError
 from llmc.ir import llm
 from llmc.ir.formats import SLICE, quantize_rows
-from llmc.ir.interpreter import KVCache, evaluate, rms_norm
-from llmc.ir.weights import WeightStore, decoded_f32
+from llmc.ir.interpreter import KVCache, rms_norm, run
+from llmc.ir.weights import WeightStore
 from llmc.passes.calibration_text import CONVERSATIONS, PLAIN
 from llmc.runtime.codec import TextCodec
 
@@ -102,19 +102,15 @@ def fake_quantized(x: np.ndarray, bits: int) -> np.ndarray:
     return qs[:, :k].astype(np.float32) * np.repeat(d, SLICE, axis=1)[:, :k]
 
 
-def sampled_rows(weights: WeightStore, w: llm.WeightOp) -> np.ndarray:
-    """`w` in float32, in the storage `quantize` chose; of a matrix wider than `MAX_OUTPUTS`
-    rows (an LM head) only `BLOCKS` blocks of rows spread over it: the error is a ratio, which
-    a sample of outputs estimates without dequantizing the whole matrix."""
-    n, k = llm.shape_of(w.result)
-    storage = w.storage.data
-    if n is None or k is None or n <= MAX_OUTPUTS:
-        return weights.f32(w.sym_name, storage)
+def sampled_rows(w: np.ndarray) -> np.ndarray:
+    """The rows of float weight `w` an error is measured on: all, or of a matrix of more than
+    `MAX_OUTPUTS` rows (an LM head) `BLOCKS` blocks of rows spread over it: the error is a
+    ratio, which a sample of outputs estimates."""
+    n = w.shape[0]
+    if n <= MAX_OUTPUTS:
+        return w
     size = MAX_OUTPUTS // BLOCKS
-    starts = np.linspace(0, n - size, BLOCKS).astype(np.int64)
-    stored = weights[w.sym_name]
-    return np.concatenate([decoded_f32(stored.row_slice(w.sym_name, s, s + size).encode(storage), storage, (size, k))
-                           for s in starts])
+    return np.concatenate([w[s:s + size] for s in np.linspace(0, n - size, BLOCKS).astype(np.int64)])
 
 
 def measure(function: func.FuncOp, weights: WeightStore, tokens: Sequence[int]) -> list[dict[llm.Compute, float] | None]:
@@ -129,36 +125,38 @@ def measure(function: func.FuncOp, weights: WeightStore, tokens: Sequence[int]) 
 
 
 def _measure(function: func.FuncOp, weights: WeightStore, tokens: Sequence[int]) -> list[dict[llm.Compute, float] | None]:
-    weights = WeightStore(weights.source, weights.entries)  # its own caches: the float weights go when it ends
+    # a store that keeps no float weights: each lives from its `llm.weight` to its last reader
+    weights = WeightStore(weights.source, weights.entries, cache=False)
     twin = function.clone()
-    projections = [op for op in twin.walk() if isinstance(op, llm.Projection)]
-    for op in projections:
-        op.properties.pop("compute", None)
+    for op in twin.walk():
+        if isinstance(op, llm.Projection):
+            op.properties.pop("compute", None)
     tokens = np.asarray(tokens, np.int32)
     cache_type = twin.function_type.inputs.data[2]
     assert isinstance(cache_type, llm.KVCacheType)
-    args = twin.body.block.args
-    known = {args[0]: tokens, args[1]: np.arange(tokens.size, dtype=np.int32),
-             args[2]: KVCache.for_type(cache_type, tokens.size)}
-    measured = [op for op in projections if weight_ops(op)]
-    inputs = dict(zip(measured, evaluate([op.input for op in measured], known, weights), strict=True))
     rows = np.unique(np.linspace(0, tokens.size - 1, min(tokens.size, SAMPLE_ROWS)).round().astype(np.int64))
     errors: list[dict[llm.Compute, float] | None] = []
-    for op in projections:
-        if op not in inputs:
+
+    def observe(op, operands: list) -> None:
+        if not isinstance(op, llm.Projection):
+            return
+        if not weight_ops(op):
             errors.append(None)
-            continue
-        x = inputs[op][rows]
+            return
+        value = dict(zip(op.operands, operands, strict=True))
+        x = value[op.input][rows]
         norm = getattr(op, "norm", None)
         if norm is not None:
-            (g,) = evaluate([norm], known, weights)
-            x = rms_norm(x, g, op.eps.value.data)  # type: ignore[attr-defined]
+            x = rms_norm(x, value[norm], op.eps.value.data)  # type: ignore[attr-defined]
         stacked = np.concatenate([x] + [fake_quantized(x, BITS[mode]) - x for mode in MODES])
         energy = np.zeros(1 + len(MODES))
         for w in weight_ops(op):
-            y = (stacked @ sampled_rows(weights, w).T).astype(np.float64)
+            y = (stacked @ sampled_rows(value[w.result]).T).astype(np.float64)
             energy += np.square(y).reshape(1 + len(MODES), -1).sum(-1)
         errors.append({mode: float(e / energy[0]) if energy[0] > 0 else 0.0 for mode, e in zip(MODES, energy[1:])})
+
+    run(twin, weights, tokens, np.arange(tokens.size, dtype=np.int32), KVCache.for_type(cache_type, tokens.size),
+        observe=observe)
     return errors
 
 

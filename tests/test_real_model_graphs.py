@@ -3,7 +3,7 @@
 
 Both are raised to the GGUF path's ops: compiled with that path's storage (`--quant q4_1
 --quant-output q8_0`, the file's own types, which requantizing the dequantized weights
-reproduces) they generate the GGUF artifact's 32 greedy tokens, and `llmc verify` holds
+reproduces) they generate the GGUF artifact's greedy tokens (up to 32), and `llmc verify` holds
 every stage of the ONNX form to onnxruntime.
 """
 
@@ -44,7 +44,7 @@ def graph(request, graphs) -> Path:
 
 @pytest.fixture(scope="module")
 def gguf_tokens(smollm2_path, tmp_path_factory) -> tuple[list[int], Path]:
-    """The GGUF artifact's 32 greedy tokens, and the artifact."""
+    """The GGUF artifact's greedy tokens (up to 32), and the artifact."""
     out = compile_model(str(smollm2_path), tmp_path_factory.mktemp("smollm2-gguf") / "a", CompileOptions(max_seq=256),
                         BackendOptions(), progress=lambda _: None)
     assert isinstance(out, Path)
@@ -67,7 +67,7 @@ def test_graph_artifact_generates_the_gguf_artifacts_tokens(graph, gguf_tokens, 
     assert isinstance(ours, Path)
     optimize = next(line for line in progress if line.startswith("optimize"))
     assert "raised 30 attention, 60 rope, 61 rms_norm, 210 matmul" in optimize and "left" not in optimize
-    assert len(expected) == 32
+    assert len(expected) >= 16  # (32, or fewer where the text ends: the default build's ends after 29)
     assert _greedy(ours) == expected
     if graph.suffix == ".onnx":  # the same weights, packed the same way
         assert (ours / "weights.bin").read_bytes() == (gguf / "weights.bin").read_bytes()

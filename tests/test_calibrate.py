@@ -81,16 +81,16 @@ def test_the_measured_error_is_the_interpreters_and_a16s_is_far_below_a8s(tiny) 
 
 def test_auto_widens_within_the_decode_budget_and_one_input_gets_one_mode(tiny, monkeypatch) -> None:
     path = tiny(MIXED, "gguf")
-    _, cheap = quantized(path)  # AVX2: a16 costs 1.05× a8 in decode, within the 5% budget: every integer matmul
+    _, cheap = quantized(path)  # AVX2: a16 costs 1.2× a8 in decode, within the 20% budget: every integer matmul
     integer = [op for op in projections(cheap) if not op.weight.owner.storage.data.is_float]
     assert {op.mode for op in integer} == {llm.Compute.A16}
     assert {op.mode for op in projections(cheap)} - {llm.Compute.A16} == {llm.Compute.A32}  # f16 ffn_down
-    monkeypatch.setitem(cpu.A16_COST, tgt.Isa.AVX2, (1.5, 1.2))  # a target where a16 costs more: 25% of the bytes
-    assert a16_cost(cpu_target("x86-64-v3")) == (1.5, 1.2)
+    monkeypatch.setitem(cpu.A16_COST, tgt.Isa.AVX2, (1.5, 1.8))  # a target where a16 costs more: 25% of the bytes
+    assert a16_cost(cpu_target("x86-64-v3")) == (1.5, 1.8)
     _, dear = quantized(path)
     ops = projections(dear)
     wide = sum(weight_bytes(op) for op in ops if op.mode is llm.Compute.A16)
-    assert 0 < 0.2 * wide <= 0.05 * sum(weight_bytes(op) for op in ops)
+    assert 0 < 0.8 * wide <= 0.2 * sum(weight_bytes(op) for op in ops)
     assert 0.5 * sum(weight_elements(op) for op in ops if op.mode is llm.Compute.A16) \
         <= 0.25 * sum(weight_elements(op) for op in ops)  # and prefill within its 25%
     assert {op.mode for op in ops} == {llm.Compute.A8, llm.Compute.A16, llm.Compute.A32}

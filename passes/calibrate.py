@@ -155,9 +155,23 @@ def _measure(function: func.FuncOp, weights: WeightStore, tokens: Sequence[int])
             energy += np.square(y).reshape(1 + len(MODES), -1).sum(-1)
         errors.append({mode: float(e / energy[0]) if energy[0] > 0 else 0.0 for mode, e in zip(MODES, energy[1:])})
 
-    run(twin, weights, tokens, np.arange(tokens.size, dtype=np.int32), KVCache.for_type(cache_type, tokens.size),
-        observe=observe)
+    projections = sum(isinstance(op, llm.Projection) for op in twin.walk())
+
+    def observe_until_done(op, operands: list) -> None:
+        observe(op, operands)
+        if len(errors) == projections:
+            raise _Measured  # (the LM head's own product over the whole vocabulary is not needed)
+
+    try:
+        run(twin, weights, tokens, np.arange(tokens.size, dtype=np.int32), KVCache.for_type(cache_type, tokens.size),
+            observe=observe_until_done)
+    except _Measured:
+        pass
     return errors
+
+
+class _Measured(Exception):
+    """Every projection is measured: the run can stop."""
 
 
 def calibration_for(model: Model, options: CompileOptions, target: TargetAttr) -> list[int]:

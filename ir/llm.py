@@ -120,6 +120,11 @@ class Compute(StrEnum):
         """Whether the mode reads quantized rows (integer dot products)."""
         return self is not Compute.A32
 
+    @property
+    def bits(self) -> int:
+        """The width of the activations the mode reads: 8, 16 or 32 (float)."""
+        return int(self.value[1:])
+
 
 @irdl_attr_definition
 class ComputeAttr(EnumAttribute[Compute], SpacedOpaqueSyntaxAttribute):

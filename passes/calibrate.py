@@ -38,12 +38,11 @@ if TYPE_CHECKING:
     from llmc.ir.tgt import TargetAttr
     from llmc.passes.pipeline import CompileOptions
 
-MAX_TOKENS = 128  # one float forward of SmolLM2-135M over these: ~3 s, most of it dequantizing the weights
+MAX_TOKENS = 128  # SmolLM2-135M's measurement over these: ~1.5 s, half of it dequantizing the weights
 SAMPLE_ROWS = 16  # rows of each projection's input whose error is measured (positions spread evenly)
 MAX_OUTPUTS = 2048  # outputs of a wider projection (an LM head) whose error is measured: 8 blocks of rows
 BLOCKS = 8
 MODES = (llm.Compute.A8, llm.Compute.A16)
-BITS = {llm.Compute.A8: 8, llm.Compute.A16: 16}
 
 
 def read_calibration(path: str) -> str:
@@ -116,8 +115,9 @@ def sampled_rows(w: np.ndarray) -> np.ndarray:
 def measure(function: func.FuncOp, weights: WeightStore, tokens: Sequence[int]) -> list[dict[llm.Compute, float] | None]:
     """The relative output error of `a8` and `a16` for each projection of `function` (walk
     order; None for one whose weight is computed), from a float run (the modes already set are
-    ignored) of `@forward`-like `function(tokens, positions, cache)` on `tokens`. It holds every
-    weight in float32 while it runs (4 bytes a weight), and runs BLAS on one thread: its products
+    ignored) of `@forward`-like `function(tokens, positions, cache)` on `tokens`, which stops
+    once the last projection is measured. It holds one weight in float32 at a time and runs BLAS
+    on one thread: its products
     are small, and BLAS threads spinning against a busy machine's other work (a server, a test
     run) made it 3–7× slower."""
     with threadpool_limits(limits=1, user_api="blas"):
@@ -137,37 +137,35 @@ def _measure(function: func.FuncOp, weights: WeightStore, tokens: Sequence[int])
     rows = np.unique(np.linspace(0, tokens.size - 1, min(tokens.size, SAMPLE_ROWS)).round().astype(np.int64))
     errors: list[dict[llm.Compute, float] | None] = []
 
+    projections = sum(isinstance(op, llm.Projection) for op in twin.walk())
+
     def observe(op, operands: list) -> None:
         if not isinstance(op, llm.Projection):
             return
-        if not weight_ops(op):
-            errors.append(None)
-            return
-        value = dict(zip(op.operands, operands, strict=True))
-        x = value[op.input][rows]
-        norm = getattr(op, "norm", None)
-        if norm is not None:
-            x = rms_norm(x, value[norm], op.eps.value.data)  # type: ignore[attr-defined]
-        stacked = np.concatenate([x] + [fake_quantized(x, BITS[mode]) - x for mode in MODES])
-        energy = np.zeros(1 + len(MODES))
-        for w in weight_ops(op):
-            y = (stacked @ sampled_rows(value[w.result]).T).astype(np.float64)
-            energy += np.square(y).reshape(1 + len(MODES), -1).sum(-1)
-        errors.append({mode: float(e / energy[0]) if energy[0] > 0 else 0.0 for mode, e in zip(MODES, energy[1:])})
-
-    projections = sum(isinstance(op, llm.Projection) for op in twin.walk())
-
-    def observe_until_done(op, operands: list) -> None:
-        observe(op, operands)
+        errors.append(_errors(op, dict(zip(op.operands, operands, strict=True)), rows) if weight_ops(op) else None)
         if len(errors) == projections:
             raise _Measured  # (the LM head's own product over the whole vocabulary is not needed)
 
     try:
         run(twin, weights, tokens, np.arange(tokens.size, dtype=np.int32), KVCache.for_type(cache_type, tokens.size),
-            observe=observe_until_done)
+            observe=observe)
     except _Measured:
         pass
     return errors
+
+
+def _errors(op: llm.Projection, value: dict, rows: np.ndarray) -> dict[llm.Compute, float]:
+    """`op`'s relative output error per integer mode, on `rows` of its input (`value`: its operands')."""
+    x = value[op.input][rows]
+    norm = getattr(op, "norm", None)
+    if norm is not None:
+        x = rms_norm(x, value[norm], op.eps.value.data)  # type: ignore[attr-defined]
+    stacked = np.concatenate([x] + [fake_quantized(x, mode.bits) - x for mode in MODES])
+    energy = np.zeros(1 + len(MODES))
+    for w in weight_ops(op):
+        y = (stacked @ sampled_rows(value[w.result]).T).astype(np.float64)
+        energy += np.square(y).reshape(1 + len(MODES), -1).sum(-1)
+    return {mode: float(e / energy[0]) if energy[0] > 0 else 0.0 for mode, e in zip(MODES, energy[1:])}
 
 
 class _Measured(Exception):

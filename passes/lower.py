@@ -45,7 +45,7 @@ from llmc.passes.group import single_user, users
 
 def _bits(op: llm.Projection) -> int | None:
     """The width of the quantized rows a projection reads: 8 (`a8`), 16 (`a16`), None (float rows)."""
-    return {llm.Compute.A8: 8, llm.Compute.A16: 16}.get(op.mode)
+    return op.mode.bits if op.mode.integer else None
 
 
 def _reads_quantized(value: SSAValue) -> int | None:

@@ -139,7 +139,7 @@ class QuantizePass(LlmcPass):
     requantize: bool = False  # also convert tensors that are already quantized
     compute: str = "auto"
     weights: WeightStore | None = field(default=None, compare=False, hash=False)  # for calibration
-    tokens: tuple[int, ...] = ()  # calibration tokens (`calibrate.calibration_tokens`); none: `auto` is a8
+    tokens: tuple[int, ...] = ()  # calibration tokens (`calibrate.calibration_tokens`); none: `auto` ranks by width
 
     def storage_for(self, name: str, source: Storage, shape: tuple[int, ...], output: bool = False) -> Storage:
         """The storage a weight gets under this pass's options (`output`: the embedding or LM head's)."""
@@ -271,11 +271,12 @@ def choose_wider(items: list[tuple[float, tuple[float, ...]]], budgets: tuple[fl
 
         choose_wider([(3.0, (2.0,)), (1.0, (2.0,)), (0.5, (0.0,))], (3.0,))   # [2, 0]
     """
-    def share(costs: tuple[float, ...]) -> float:
-        return max((c / b if b > 0 else (float("inf") if c > 0 else 0.0)) for c, b in zip(costs, budgets, strict=True))
+    def priority(item: tuple[float, tuple[float, ...]]) -> float:
+        value, costs = item
+        share = max((c / b if b > 0 else (math.inf if c > 0 else 0.0)) for c, b in zip(costs, budgets, strict=True))
+        return value / share if share > 0 else math.inf
 
-    order = sorted(range(len(items)), key=lambda i: -items[i][0] / share(items[i][1]) if share(items[i][1]) > 0
-                   else -float("inf"))
+    order = sorted(range(len(items)), key=lambda i: -priority(items[i]))
     taken, spent = [], [0.0] * len(budgets)
     for i in order:
         value, costs = items[i]

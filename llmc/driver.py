@@ -28,12 +28,11 @@ from llmc.errors import UsageError
 from llmc.frontend import import_model, load_model
 from llmc.frontend.model import Model
 from llmc.ir import llm, tgt
+from llmc.ir.target import description_class, module_target, target_description
 from llmc.ir.text import print_module
 from llmc.package import check_output_directory
 from llmc.passes.pipeline import PHASES, CompileOptions, IRDumper, check_raisings, run_phase
-from llmc.passes.quantize import check_calibrate, check_compute, module_target
-
-TARGETS = ("cpu", "cuda")
+from llmc.passes.quantize import check_calibrate, check_compute
 
 
 @dataclass(frozen=True)
@@ -65,13 +64,7 @@ def _split_report(module: ModuleOp) -> str:
 
 def target_attr(backend: BackendOptions) -> tgt.TargetAttr:
     """The `tgt.target` of the backend options (`--target`, `--cpu`, `--gpu`)."""
-    if backend.target == "cuda":
-        from llmc.backends.cuda.target import cuda_target
-
-        return cuda_target(backend.gpu)
-    from llmc.backends.cpu.target import cpu_target
-
-    return cpu_target(backend.cpu)
+    return description_class(backend.target).target_for(backend)
 
 
 def run_phases(model: Model, options: CompileOptions, last: str, dump: IRDumper | None,
@@ -83,6 +76,7 @@ def run_phases(model: Model, options: CompileOptions, last: str, dump: IRDumper 
     start = time.perf_counter()
     module = import_model(model)
     module.attributes[tgt.TARGET] = target
+    target_description(target).check_ops(module)  # an op the target has no kernel for: refused before the work
     run_phase(module, "import", dump, options)
     progress(f"{'import':<10} {time.perf_counter() - start:6.2f} s")
     for phase in list(PHASES)[1:]:
@@ -106,89 +100,25 @@ def run_phases(model: Model, options: CompileOptions, last: str, dump: IRDumper 
     return module
 
 
-def build_cpu_artifact(module: ModuleOp, model: Model, out: Path, backend: BackendOptions, compile_options: dict,
-                       progress: Callable[[str], None]) -> Path:
-    from llmc.backends.cpu.codegen import ENTRY_PREFIX, emit_module
-    from llmc.backends.cpu.target import target_machine_for
-    from llmc.backends.cpu.toolchain import compile_objects, link_shared
-    from llmc.package import content_name, cpu_facts, describe, staged_directory, weight_layout
+def build_artifact(module: ModuleOp, model: Model, out: Path, backend: BackendOptions, compile_options: dict,
+                   progress: Callable[[str], None]) -> Path:
+    """The artifact of a planned module in `out`: the target's kernels (its description builds them),
+    then the weights, tokenizer and manifest, written to a staging folder that becomes `out`."""
+    from llmc.package import describe, staged_directory, weight_layout, write_artifact, write_weights
 
     start = time.perf_counter()
-    target = module_target(module)
     layout = weight_layout(module)
-    description = describe(module, layout, *cpu_facts(module))
-    llvm_modules, barriers = emit_module(module, layout.offsets, description)
-    objects, cached = compile_objects(llvm_modules, target_machine_for(target))
     with staged_directory(out) as stage:
-        kernels = link_shared(objects, stage / content_name("kernels", b"".join(objects), ".so"), exports=ENTRY_PREFIX)
-        progress(f"{'codegen':<10} {time.perf_counter() - start:6.2f} s   {kernels.name} (cpu {target.cpu.data}"
-                 f"{_isa_note(module)}; {len(objects) - 1} kernels, {cached} of {len(objects)} modules from the cache; "
-                 f"barriers per call: decode {barriers.get('decode', 0)})")
-        _package(stage, out, model, layout, description, {"kernels": kernels}, compile_options, progress)
+        built = target_description(module_target(module)).build(
+            module, layout.offsets, lambda facts, entries: describe(module, layout, facts, entries), stage, backend)
+        progress(f"{'codegen':<10} {time.perf_counter() - start:6.2f} s   {built.note}")
+        start = time.perf_counter()
+        write_weights(model, layout, stage / "weights.bin")
+        write_artifact(stage, built.description, model, built.files, compile_options)
+        total = sum(p.stat().st_size for p in stage.iterdir() if p.name != "tokenizer.json")
+        progress(f"{'package':<10} {time.perf_counter() - start:6.2f} s   {out} (weights.bin {layout.size / 1e6:.1f} "
+                 f"MB, {total / 1e6:.1f} MB with kernels and manifest)")
     return out
-
-
-def _package(stage: Path, out: Path, model: Model, layout, description: dict, kernel_files: dict[str, Path],
-             compile_options: dict, progress: Callable[[str], None]) -> None:
-    """The weights, tokenizer and manifest beside the kernels already in `stage` (which becomes `out`)."""
-    from llmc.package import write_artifact, write_weights
-
-    start = time.perf_counter()
-    write_weights(model, layout, stage / "weights.bin")
-    write_artifact(stage, description, model, kernel_files, compile_options)
-    total = sum(p.stat().st_size for p in stage.iterdir() if p.name != "tokenizer.json")
-    progress(f"{'package':<10} {time.perf_counter() - start:6.2f} s   {out} (weights.bin {layout.size / 1e6:.1f} MB, "
-             f"{total / 1e6:.1f} MB with kernels and manifest)")
-
-
-def build_cuda_artifact(module: ModuleOp, model: Model, out: Path, backend: BackendOptions, compile_options: dict,
-                        progress: Callable[[str], None]) -> Path:
-    """PTX for the oldest `--gpu` architecture and, with ptxas on PATH, a cubin for each."""
-    from llmc.backends.cuda.codegen import described, emit_module
-    from llmc.backends.cuda.target import parse_gpus
-    from llmc.backends.cuda.toolchain import assemble, have_ptxas, ptx
-    from llmc.package import content_name, describe, staged_directory, weight_layout
-
-    start = time.perf_counter()
-    target = module_target(module)
-    layout = weight_layout(module)
-    llvm_module, plans, argmax = emit_module(module, layout.offsets)
-    facts = {"target": "cuda", "gpu": {"arch": target.cpu.data, "features": sorted(target.features), "argmax": argmax}}
-    description = describe(module, layout, facts, {stage: {"launches": plan} for stage, plan in plans.items()})
-    text = described(ptx(llvm_module, target), description).encode()
-    with staged_directory(out) as stage:
-        kernels = stage / content_name("kernels", text, ".ptx")
-        kernels.write_bytes(text)
-        files, cubins, notes = {"kernels": kernels}, {}, []
-        if have_ptxas():
-            for arch in parse_gpus(backend.gpu):
-                cubin = stage / f"{kernels.stem}.{arch}.cubin"
-                report = assemble(kernels, arch, cubin)
-                files[f"cubin_{arch}"] = cubin
-                cubins[arch] = f"cubin_{arch}"
-                most = max(r.registers for r in report.values())
-                spills = sum(r.spill_bytes for r in report.values())
-                notes.append(f"{arch}: ≤{most} registers, {spills} spill bytes")
-        else:
-            notes.append("no ptxas on PATH: PTX only, the driver compiles it at load")
-        kernel_count = sum(not fn.is_declaration for fn in llvm_module.functions)
-        progress(f"{'codegen':<10} {time.perf_counter() - start:6.2f} s   {kernels.name} (cuda {target.cpu.data}, "
-                 f"{kernel_count} kernels; {'; '.join(notes)}; launches per decode: {len(plans['decode'])})")
-        manifest_facts = {**description, "gpu": {**description["gpu"], "cubins": cubins}}
-        _package(stage, out, model, layout, manifest_facts, files, compile_options, progress)
-    return out
-
-
-def _isa_note(module: ModuleOp) -> str:
-    """`, a16+a8 on avx2`: the integer modes of the kernels (by the width of the rows they read), and the
-    dot product they use."""
-    isa, modes = "", set()
-    for op in module.walk():
-        if isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and op.isa is not None:
-            isa = isa or op.isa.data.value
-            rows = op.operands[0].type
-            modes.add(f"a{rows.bits}" if isinstance(rows, tgt.QRowsType) else "a8")
-    return f", {'+'.join(sorted(modes, reverse=True))} on {isa}" if isa else ""
 
 
 def describe_graph(model: Model, module: ModuleOp, needed: bool = True) -> str:
@@ -220,8 +150,6 @@ RAISED_OPS = {"llm.weight", "llm.embedding", "llm.rms_norm", "llm.matmul", "llm.
 def check_backend(options: CompileOptions, backend: BackendOptions, compile_to: str | None,
                   out: Path | None) -> tgt.TargetAttr:
     """The target of `backend`, after checking the options that need no model."""
-    if backend.target not in TARGETS:
-        raise UsageError(f"unknown target '{backend.target}' (targets: {', '.join(TARGETS)})")
     target = target_attr(backend)
     check_compute(options.compute, target)  # before the model loads, not after the first phases
     check_calibrate(options)
@@ -253,10 +181,7 @@ def compile_loaded(model: Model, out: Path | None, options: CompileOptions, back
     if compile_to is not None:
         return print_module(module)
     assert out is not None
-    compile_options = asdict(options) | asdict(backend)
-    if backend.target == "cuda":
-        return build_cuda_artifact(module, model, out, backend, compile_options, progress)
-    return build_cpu_artifact(module, model, out, backend, compile_options, progress)
+    return build_artifact(module, model, out, backend, asdict(options) | asdict(backend), progress)
 
 
 def compile_torch(module, example_inputs: tuple, out: Path, tokenizer: str, options: CompileOptions,

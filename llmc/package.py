@@ -10,7 +10,6 @@ every file (see `llmc.runtime.artifact`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -25,7 +24,6 @@ import numpy as np
 from xdsl.dialects.builtin import IntegerAttr, ModuleOp
 
 from llmc import __version__
-from llmc.backends.cpu.codegen import READ_PROBE, entry_arguments, entry_symbol
 from llmc.errors import UsageError, printable
 from llmc.frontend.model import Model
 from llmc.ir import entry_functions, llm, tgt
@@ -90,20 +88,9 @@ def _int(attr: object) -> int:
     return attr.value.data
 
 
-def cpu_facts(module: ModuleOp) -> tuple[dict, dict[str, dict]]:
-    """The CPU parts of a manifest: the target facts, and each entry point's exported symbol and arguments."""
-    target = module.attributes[tgt.TARGET]
-    assert isinstance(target, tgt.TargetAttr)
-    entries = {stage: {"symbol": entry_symbol(stage), "arguments": entry_arguments(function)}
-               for stage, function in entry_functions(module).items()}
-    facts = {"target": "cpu", "cpu": {"name": target.cpu.data, "features": sorted(target.features)},
-             "max_threads": tgt.MAX_THREADS, "read_probe": READ_PROBE}
-    return facts, entries
-
-
 def describe(module: ModuleOp, layout: WeightLayout, target_facts: dict, entries: dict[str, dict]) -> dict:
     """What the kernels are compiled for, in the manifest's own fields: the target's facts
-    (`cpu_facts`, or the CUDA backend's), each entry point (its target part from `entries`: a
+    (`backends/cpu/codegen.py`'s `cpu_facts`, or the CUDA backend's), each entry point (its target part from `entries`: a
     symbol and arguments, or a launch plan; rows, arena bytes, logits), the KV cache, where each
     weight is and the size of `weights.bin`. The kernels embed it and the runtime checks the manifest against it
     (`llmc.runtime.artifact.check_description`)."""
@@ -165,11 +152,6 @@ def write_artifact(directory: Path, description: dict, model: Model, kernel_file
     }
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return directory
-
-
-def content_name(stem: str, data: bytes, suffix: str) -> str:
-    """A file name unique to its content (ctypes returns a cached library for a seen path)."""
-    return f"{stem}-{hashlib.sha256(data).hexdigest()[:16]}{suffix}"
 
 
 _MAX_MANIFEST_BYTES = 1 << 28

@@ -176,8 +176,8 @@ def calibration_for(model: Model, options: CompileOptions, target: TargetAttr) -
     """The tokens `quantize` calibrates on under `options` for `target`: none
     unless `--compute auto` chooses between integer modes there; `model`'s tokenizer encodes them,
     at most `MAX_TOKENS` and the model's context."""
-    from llmc.passes.quantize import has_integer_dot
+    from llmc.ir.target import target_description
 
-    if options.compute != "auto" or not has_integer_dot(target):
+    if options.compute != "auto" or not target_description(target).has_integer_dot():
         return []
     return calibration_tokens(model.tokenizer, options.calibrate, min(MAX_TOKENS, model.config.context_length))

@@ -19,7 +19,7 @@ the same weight bytes); `a32` otherwise, and for float weights. `--compute auto`
 default) calibrates (`calibrate`: the error each mode adds to each projection's output) and
 gives `a16` to the projections where it removes the most error, within a budget:
 decode reads every weight once per token, so with `a16` costing `f` times `a8` on the target
-(`backends.cpu.target.a16_cost`), `Σ (f − 1) · weight bytes ≤ 20% · Σ weight bytes` (and
+(the target description's `a16_cost`), `Σ (f − 1) · weight bytes ≤ 20% · Σ weight bytes` (and
 prefill, by multiply-adds, within 25%). It
 chooses per group of projections that read one value (q, k and v; gate and up), so one
 kernel quantizes the rows they share; the error `a16` removes ranks them (`gain`). Without
@@ -45,9 +45,10 @@ from xdsl.context import Context
 from xdsl.dialects.builtin import DictionaryAttr, FloatAttr, IntegerAttr, ModuleOp, f64, i64
 from xdsl.ir import Operation, SSAValue
 
-from llmc.errors import LlmcError, UsageError
+from llmc.errors import UsageError
 from llmc.ir import llm, tgt
 from llmc.ir.formats import FORMATS, Storage
+from llmc.ir.target import TargetDescription, module_target, target_description
 from llmc.ir.weights import WeightStore
 from llmc.passes.base import LlmcPass
 from llmc.passes.calibrate import measure, read_calibration, weight_ops
@@ -81,26 +82,9 @@ ERROR = "llm.error"  # a projection's measured relative output error per mode (d
 CALIBRATED = "llm.calibration_tokens"  # on the module: the tokens `auto` calibrated on
 
 
-def module_target(module: ModuleOp) -> tgt.TargetAttr:
-    target = module.attributes.get(tgt.TARGET)
-    if not isinstance(target, tgt.TargetAttr):
-        raise LlmcError("the module has no tgt.target attribute: compile with --target, or add one to the IR")
-    return target
-
-
-def has_integer_dot(target: tgt.TargetAttr) -> bool:
-    """Whether `a8` is the faster mode on `target` (an integer dot-product instruction)."""
-    if target.kind.data == "cpu":
-        from llmc.backends.cpu.target import integer_isa
-
-        return integer_isa(target) is not tgt.Isa.GENERIC
-    return False
-
-
 def check_compute(compute: str, target: tgt.TargetAttr) -> None:
-    """`--compute` for `target`: `a8` and `a16` need the CPU's integer kernels (CUDA kernels take float rows)."""
-    if target.kind.data == "cuda" and compute in ("a8", "a16"):
-        raise UsageError(f"--compute {compute} is for CPU targets: the CUDA kernels take float activations (a32)")
+    """`--compute` for `target`: one of the modes its kernels run (CUDA kernels take float rows)."""
+    target_description(target).check_compute(compute)
 
 
 def check_calibrate(options: CompileOptions) -> None:
@@ -109,15 +93,6 @@ def check_calibrate(options: CompileOptions) -> None:
         if options.compute != "auto":
             raise UsageError(f"--calibrate is for --compute auto (--compute {options.compute} calibrates nothing)")
         read_calibration(options.calibrate)
-
-
-def a16_cost(target: tgt.TargetAttr) -> tuple[float, float]:
-    """`a16`'s cost over `a8`'s on `target`, (prefill, decode); (1, 1) where no integer mode runs."""
-    if not has_integer_dot(target):
-        return 1.0, 1.0
-    from llmc.backends.cpu.target import a16_cost as cpu_a16_cost
-
-    return cpu_a16_cost(target)
 
 
 def _parse(text: str, option: str) -> Storage | None:
@@ -164,9 +139,9 @@ class QuantizePass(LlmcPass):
     def run(self, ctx: Context, module: ModuleOp) -> None:
         if self.compute not in COMPUTE_CHOICES:
             raise UsageError(f"--compute must be one of {', '.join(COMPUTE_CHOICES)}, got '{self.compute}'")
-        target = module_target(module)
-        check_compute(self.compute, target)
-        integer_dot = has_integer_dot(target)
+        target = target_description(module_target(module))
+        target.check_compute(self.compute)
+        integer_dot = target.has_integer_dot()
         measurable = self.weights is not None and bool(self.tokens)
         auto = self.compute == "auto" and integer_dot
         calibrated = False
@@ -208,7 +183,7 @@ class QuantizePass(LlmcPass):
 
 
 def auto_modes(projections: list[llm.Projection], modes: list[llm.Compute],
-               errors: list[dict[llm.Compute, float] | None], target: tgt.TargetAttr) -> list[llm.Compute]:
+               errors: list[dict[llm.Compute, float] | None], target: TargetDescription) -> list[llm.Compute]:
     """`auto`'s modes: `a16` for the groups of integer projections (one group per input value) that
     gain the most (`gain`) within the decode and prefill budgets (decode reads each weight once per
     token; prefill multiplies each once per row), `modes` for the rest."""
@@ -216,7 +191,7 @@ def auto_modes(projections: list[llm.Projection], modes: list[llm.Compute],
     for i, op in enumerate(projections):
         if modes[i].integer:
             groups.setdefault(op.input, []).append(i)
-    prefill, decode = a16_cost(target)
+    prefill, decode = target.a16_cost()
     members = list(groups.values())
     items = [(sum(gain(projections[i], errors[i]) for i in group),
               ((decode - 1) * sum(weight_bytes(projections[i]) for i in group),
@@ -306,7 +281,7 @@ def summary(module: ModuleOp) -> str:
     text = f"{weights}; " + ", ".join(f"{m} ×{c}" for m, c in modes.most_common())
     target = module.attributes.get(tgt.TARGET)
     if modes[llm.Compute.A16.value] and isinstance(target, tgt.TargetAttr):
-        prefill, decode = a16_cost(target)
+        prefill, decode = target_description(target).a16_cost()
         estimates = [f"{what} {_relative(projections, size, factor):.2f}×"
                      for what, size, factor in (("decode", weight_bytes, decode), ("prefill", weight_elements, prefill))]
         text += f"; est. {', '.join(estimates)} of a8"

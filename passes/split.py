@@ -43,13 +43,13 @@ from xdsl.ir import Attribute, Block, Region, SSAValue
 
 from llmc.errors import UsageError
 from llmc.ir import find_function, llm, tgt
+from llmc.ir.target import target_description
 from llmc.passes.base import LlmcPass
 
 STAGES = ("prefill", "prefill_kv", "decode", "score")
 DEFAULT_MAX_SEQ_CAP = 4096
-DEFAULT_PREFILL_CHUNK = 128
+DEFAULT_PREFILL_CHUNK = 128  # without a target (a target's description has its own: `prefill_chunk`)
 MAX_BATCH = 64  # sequences a cache may hold (decode's rows; attention's partials scale with it)
-DEFAULT_PREFILL_CHUNK_GPU = 512  # a GPU fills its SMs with more rows, and a chunk is one graph replay
 
 
 def retyped(function: func.FuncOp, name: str, subst: Callable[[Attribute], Attribute]) -> func.FuncOp:
@@ -116,7 +116,7 @@ class SplitPass(LlmcPass):
     name = "split"
     requires_phase = "quantize"
 
-    prefill_chunk: int = 0  # 0: DEFAULT_PREFILL_CHUNK (on a GPU, DEFAULT_PREFILL_CHUNK_GPU), at most max_seq
+    prefill_chunk: int = 0  # 0: the target's default (`TargetDescription.prefill_chunk`), at most max_seq
     max_seq: int = 0  # 0: the model's context length, capped at DEFAULT_MAX_SEQ_CAP
     kv_type: str = "f32"  # the cache's element type: f32, f16 or q8_0
     max_batch: int = 1  # sequences the cache holds, and decode's rows
@@ -130,8 +130,9 @@ class SplitPass(LlmcPass):
         if not 1 <= max_seq <= context_length:
             raise UsageError(f"--max-seq must be in 1..{context_length} (the model's context length), got {max_seq}")
         target = module.attributes.get(tgt.TARGET)
-        gpu = isinstance(target, tgt.TargetAttr) and target.kind.data == "cuda"
-        chunk = self.prefill_chunk or min(DEFAULT_PREFILL_CHUNK_GPU if gpu else DEFAULT_PREFILL_CHUNK, max_seq)
+        default = target_description(target).prefill_chunk if isinstance(target, tgt.TargetAttr) \
+            else DEFAULT_PREFILL_CHUNK
+        chunk = self.prefill_chunk or min(default, max_seq)
         if not 1 <= chunk <= max_seq:
             raise UsageError(f"--prefill-chunk must be in 1..{max_seq} (--max-seq), got {chunk}")
         if self.kv_type not in llm.KV_TYPES:

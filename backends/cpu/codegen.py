@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from pathlib import Path
 
 from llvmlite import ir
 from xdsl.dialects import func
@@ -38,6 +39,7 @@ from llmc.backends.cpu.quant import I8PTR, prefetch
 from llmc.errors import LlmcError
 from llmc.ir import entry_functions, tgt
 from llmc.ir.layouts import Layout
+from llmc.ir.target import Built, Describe, content_name, module_target
 from llmc.runtime.artifact import DESCRIPTION
 
 # after the function's own arguments: what every entry point also takes
@@ -209,3 +211,41 @@ def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int], description
     read_probe(llvm_module)
     describe(llvm_module, description)
     return [llvm_module, *lib.modules], barriers
+
+
+def cpu_facts(module: ModuleOp) -> tuple[dict, dict[str, dict]]:
+    """The CPU parts of a manifest: the target facts, and each entry point's exported symbol and arguments."""
+    target = module_target(module)
+    entries = {stage: {"symbol": entry_symbol(stage), "arguments": entry_arguments(function)}
+               for stage, function in entry_functions(module).items()}
+    facts = {"target": "cpu", "cpu": {"name": target.cpu.data, "features": sorted(target.features)},
+             "max_threads": tgt.MAX_THREADS, "read_probe": READ_PROBE}
+    return facts, entries
+
+
+def build(module: ModuleOp, weight_offsets: Mapping[str, int], describe: Describe, stage: Path, options) -> Built:
+    """The kernels library of a planned module, `kernels-<digest>.so` in `stage`, each kernel compiled
+    (or taken from the kernel cache) for exactly the recorded CPU and features (`options` add nothing)."""
+    from llmc.backends.cpu.target import target_machine_for
+    from llmc.backends.cpu.toolchain import compile_objects, link_shared
+
+    target = module_target(module)
+    description = describe(*cpu_facts(module))
+    llvm_modules, barriers = emit_module(module, weight_offsets, description)
+    objects, cached = compile_objects(llvm_modules, target_machine_for(target))
+    kernels = link_shared(objects, stage / content_name("kernels", b"".join(objects), ".so"), exports=ENTRY_PREFIX)
+    note = (f"{kernels.name} (cpu {target.cpu.data}{_isa_note(module)}; {len(objects) - 1} kernels, {cached} of "
+            f"{len(objects)} modules from the cache; barriers per call: decode {barriers.get('decode', 0)})")
+    return Built(description, {"kernels": kernels}, note)
+
+
+def _isa_note(module: ModuleOp) -> str:
+    """`, a16+a8 on avx2`: the integer modes of the kernels (by the width of the rows they read), and the
+    dot product they use."""
+    isa, modes = "", set()
+    for op in module.walk():
+        if isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and op.isa is not None:
+            isa = isa or op.isa.data.value
+            rows = op.operands[0].type
+            modes.add(f"a{rows.bits}" if isinstance(rows, tgt.QRowsType) else "a8")
+    return f", {'+'.join(sorted(modes, reverse=True))} on {isa}" if isa else ""

@@ -6,11 +6,22 @@ come from the table below. Code generation builds for exactly what was recorded:
 CPU name's defaults, with every feature of `FEATURES` switched on or off as recorded.
 
     cpu_target("x86-64-v3")   # #tgt.target<cpu, "x86_64", "x86-64-v3", ["avx2", "bmi2", "f16c", "fma"]>
+
+`CpuTarget` is what the passes and the driver ask (`llmc.ir.target`): the integer dot product of
+`a8` kernels, `a16`'s cost, the weight layouts and kernel instructions `pack` gives, and the build.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from xdsl.dialects.builtin import ModuleOp
+
 from llmc.errors import UsageError
+from llmc.ir import tgt
+from llmc.ir.layouts import Layout
+from llmc.ir.target import Built, Describe, TargetDescription
 from llmc.ir.tgt import Isa, TargetAttr
 
 # The features recorded in a CPU target (LLVM's names).
@@ -93,3 +104,68 @@ def a16_cost(target: TargetAttr) -> tuple[float, float]:
     prefill, decode = A16_COST[isa]
     amx = isa is Isa.VNNI512 and target.has("amx-tile", "amx-int8")  # where `pack` gives a8's prefill AMX tiles
     return (A16_PREFILL_ON_AMX if amx else prefill), decode
+
+
+AMX_MIN_ROWS = 16  # entry points of at least this many rows get AMX tiles (one tile of rows)
+
+
+class CpuTarget(TargetDescription):
+    """An x86-64 CPU: `a8`/`a16` kernels on its integer dot product; on AVX-512 VNNI the `tiles` layout
+    for weights only quantized-row kernels (and the embedding) read, `split` for the rest; AMX tiles
+    for the `a8` matmuls of entry points of `AMX_MIN_ROWS` rows or more."""
+
+    kind = "cpu"
+    prefill_chunk = 128
+    refused_ops: Mapping[str, str] = {}
+
+    @staticmethod
+    def target_for(options) -> TargetAttr:
+        return cpu_target(options.cpu)
+
+    def integer_isa(self) -> Isa:
+        return integer_isa(self.target)
+
+    def check_compute(self, compute: str) -> None:
+        """Every mode runs on a CPU (`a8` and `a16` with generic code where it has no integer dot product)."""
+
+    def a16_cost(self) -> tuple[float, float]:
+        return a16_cost(self.target) if self.has_integer_dot() else (1.0, 1.0)
+
+    def weight_layout(self, readers: Sequence[tgt.Kernel]) -> Layout:
+        """`tiles` where the target has AVX-512 VNNI and every reader takes quantized rows (or gathers
+        rows: the embedding), `split` otherwise."""
+        tiles = self.integer_isa() is Isa.VNNI512 and all(_reads_tiles(k) for k in readers)
+        return Layout.TILES if tiles else Layout.SPLIT
+
+    def kernel_isa(self, op: tgt.Kernel, rows: int) -> Isa | None:
+        """A matmul reading quantized rows: the integer dot product, or `amx` for `a8` rows in whole
+        16-row blocks when every weight format's scales are constant over 32-value blocks."""
+        from llmc.backends.cpu.amx import supports
+
+        if not (isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and tgt.is_quantized(op.x)):
+            return None
+        isa = self.integer_isa()
+        amx = isa is Isa.VNNI512 and self.target.has("amx-tile", "amx-int8")
+        tiles = amx and rows >= AMX_MIN_ROWS and getattr(op, "last_row", None) is None \
+            and op.x.type.bits == 8 and all(supports(w.storage) for w in _matrices(op))
+        return Isa.AMX if tiles else isa
+
+    def kernels(self) -> frozenset[type[tgt.Kernel]]:
+        from llmc.backends.cpu.kernels import _EMITTERS
+
+        return frozenset(_EMITTERS)
+
+    def build(self, module: ModuleOp, weight_offsets: Mapping[str, int], describe: Describe, stage: Path,
+              options) -> Built:
+        from llmc.backends.cpu.codegen import build
+
+        return build(module, weight_offsets, describe, stage, options)
+
+
+def _matrices(op: tgt.Kernel) -> list[tgt.WeightType]:
+    return [v.type for _, v in op.abi() if isinstance(v.type, tgt.WeightType) and len(v.type.shape) == 2]
+
+
+def _reads_tiles(op: tgt.Kernel) -> bool:
+    """Whether a kernel reads its integer weights in the tiles layout (on AVX-512 VNNI)."""
+    return isinstance(op, tgt.EmbeddingOp) or (isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and tgt.is_quantized(op.x))

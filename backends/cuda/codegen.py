@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from pathlib import Path
 
 from llvmlite import ir
 from xdsl.dialects import func
@@ -30,6 +31,7 @@ from llmc.backends.cuda.device import Emulated, Ptx
 from llmc.backends.cuda.kernels import KernelLibrary, Launch, PerRows, argmax_kernel
 from llmc.errors import LlmcError
 from llmc.ir import entry_functions, tgt
+from llmc.ir.target import Built, Describe, content_name, module_target
 from llmc.runtime.artifact import PTX_DESCRIPTION
 
 
@@ -100,3 +102,33 @@ def described(ptx: str, description: dict) -> str:
     manifest's own fields, `llmc.package.describe`) as a last comment line, for the runtime to check
     the manifest against before any launch (`llmc.runtime.cuda.check_kernels`)."""
     return f"{ptx.rstrip()}\n{PTX_DESCRIPTION}{json.dumps(description, sort_keys=True)}\n"
+
+
+def build(module: ModuleOp, weight_offsets: Mapping[str, int], describe: Describe, stage: Path, options) -> Built:
+    """PTX for the oldest `--gpu` architecture (`options.gpu`) and, with ptxas on PATH, a cubin for each."""
+    from llmc.backends.cuda.target import parse_gpus
+    from llmc.backends.cuda.toolchain import assemble, have_ptxas, ptx
+
+    target = module_target(module)
+    llvm_module, plans, argmax = emit_module(module, weight_offsets)
+    facts = {"target": "cuda", "gpu": {"arch": target.cpu.data, "features": sorted(target.features), "argmax": argmax}}
+    description = describe(facts, {name: {"launches": plan} for name, plan in plans.items()})
+    text = described(ptx(llvm_module, target), description).encode()
+    kernels = stage / content_name("kernels", text, ".ptx")
+    kernels.write_bytes(text)
+    files, cubins, notes = {"kernels": kernels}, {}, []
+    if have_ptxas():
+        for arch in parse_gpus(options.gpu):
+            cubin = stage / f"{kernels.stem}.{arch}.cubin"
+            report = assemble(kernels, arch, cubin)
+            files[f"cubin_{arch}"] = cubin
+            cubins[arch] = f"cubin_{arch}"
+            most = max(r.registers for r in report.values())
+            spills = sum(r.spill_bytes for r in report.values())
+            notes.append(f"{arch}: ≤{most} registers, {spills} spill bytes")
+    else:
+        notes.append("no ptxas on PATH: PTX only, the driver compiles it at load")
+    kernel_count = sum(not fn.is_declaration for fn in llvm_module.functions)
+    note = (f"{kernels.name} (cuda {target.cpu.data}, {kernel_count} kernels; {'; '.join(notes)}; "
+            f"launches per decode: {len(plans['decode'])})")
+    return Built({**description, "gpu": {**description["gpu"], "cubins": cubins}}, files, note)

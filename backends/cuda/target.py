@@ -10,14 +10,22 @@ records what the oldest one has, the features that change a choice:
 Kernels choose block sizes and shared memory from it (`shared_memory`); `quantize`
 keeps float activations (`a32`: weights dequantized in registers, the GEMVs are
 bandwidth-bound) and `pack` the `split` layout (coalesced 4-byte code loads per lane,
-scales in planes of their own).
+scales in planes of their own). `CudaTarget` gives those answers to the passes and the driver
+(`llmc.ir.target`), and builds the PTX and cubins.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+from xdsl.dialects.builtin import ModuleOp
 
 from llmc.errors import UsageError
+from llmc.ir import tgt
+from llmc.ir.layouts import Layout
+from llmc.ir.target import Built, Describe, TargetDescription
 from llmc.ir.tgt import TargetAttr
 
 ARCH = "nvptx64"
@@ -73,3 +81,51 @@ def ptx_target_machine(target: TargetAttr):
     if target.kind.data != "cuda":
         raise UsageError(f"the CUDA backend cannot build for a '{target.kind.data}' target")
     return target_machine(target.cpu.data, features=GPUS[target.cpu.data].ptx, triple=TRIPLE)
+
+
+MMA_MIN_ROWS = 16  # entry points of at least this many rows get tensor-core GEMMs
+
+
+class CudaTarget(TargetDescription):
+    """An NVIDIA GPU: float activations only (`a32`), every integer weight in the `split` layout, tensor
+    cores for the matmuls of entry points of `MMA_MIN_ROWS` rows or more, a larger prompt chunk."""
+
+    kind = "cuda"
+    prefill_chunk = 512  # a GPU fills its SMs with more rows, and a chunk is one graph replay
+    refused_ops: Mapping[str, str] = {"llm.moe": "mixture of experts"}
+
+    @staticmethod
+    def target_for(options) -> TargetAttr:
+        return cuda_target(options.gpu)
+
+    def integer_isa(self) -> tgt.Isa:
+        return tgt.Isa.GENERIC  # (the kernels take float rows)
+
+    def check_compute(self, compute: str) -> None:
+        if compute in ("a8", "a16"):
+            raise UsageError(f"--compute {compute} is for CPU targets: the CUDA kernels take float activations (a32)")
+
+    def a16_cost(self) -> tuple[float, float]:
+        return 1.0, 1.0
+
+    def weight_layout(self, readers: Sequence[tgt.Kernel]) -> Layout:
+        """`split`: a lane reads one 4-byte word of codes, a warp 128 consecutive bytes (`weights.py`)."""
+        return Layout.SPLIT
+
+    def kernel_isa(self, op: tgt.Kernel, rows: int) -> tgt.Isa | None:
+        """`mma_f16` (tensor cores) for the matmuls of prefill and score; GEMVs (as lowered) otherwise."""
+        if isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and getattr(op, "last_row", None) is None \
+                and rows >= MMA_MIN_ROWS and self.target.has("mma.m16n8k16.f16"):
+            return tgt.Isa.MMA_F16
+        return None
+
+    def kernels(self) -> frozenset[type[tgt.Kernel]]:
+        from llmc.backends.cuda.kernels import _EMITTERS
+
+        return frozenset(_EMITTERS)
+
+    def build(self, module: ModuleOp, weight_offsets: Mapping[str, int], describe: Describe, stage: Path,
+              options) -> Built:
+        from llmc.backends.cuda.codegen import build
+
+        return build(module, weight_offsets, describe, stage, options)

@@ -1,8 +1,8 @@
 """The OpenAPI 3.1 description of `llmc serve`'s routes (served at `GET /openapi.json`).
 
-Written by hand to match what `llmc.runtime.server` accepts and answers: request bodies
-take no other fields, OpenAI fields llmc does not implement only at their neutral values,
-and every refusal is OpenAI's error body. Fuzzers (schemathesis) generate requests from it.
+Written by hand to match what `llmc.runtime.server` accepts (`llmc.runtime.api_requests`) and
+answers: request bodies take no other fields, OpenAI fields llmc does not implement only at
+their neutral values, and every refusal is OpenAI's error body. Fuzzers (schemathesis) generate requests from it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from llmc.runtime.server import Limits
+    from llmc.runtime.api_requests import Limits
 
 
 def _nullable(schema: dict) -> dict:

@@ -21,7 +21,8 @@ comes from `split`, after `optimize` has raised the attention), and any other ou
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,28 @@ from llmc.ir.weights import Weight, WeightStore
 from llmc.runtime.codec import TextCodec
 
 _FLOAT_STORAGE = {np.dtype(np.float32): Storage.F32, np.dtype(np.float16): Storage.F16}
+
+
+def registrar(table: dict) -> Callable[..., Callable]:
+    """`@maps(key, …)`: a decorator entering the function it decorates into `table` under each key,
+    how each frontend fills its op table (`@_maps("Gelu")`, `@_maps(aten.gelu)`)."""
+    def maps(*keys: object) -> Callable:
+        def enter(fn: Callable) -> Callable:
+            for key in keys:
+                table[key] = fn
+            return fn
+
+        return enter
+
+    return maps
+
+
+def exact_gelu(x: SSAValue, emit: Callable[[Operation], SSAValue], scalar: Callable[[float], SSAValue]) -> SSAValue:
+    """GELU without the tanh approximation, `x/2 · (1 + erf(x/√2))`, of primitive ops; `emit`
+    appends an op and `scalar` makes a constant of `x`'s element type."""
+    erf = emit(llm.ErfOp(emit(llm.MulOp(x, scalar(1 / math.sqrt(2))))))
+    half = emit(llm.MulOp(x, scalar(0.5)))
+    return emit(llm.MulOp(half, emit(llm.AddOp(erf, scalar(1)))))
 
 
 class GraphBuilder:

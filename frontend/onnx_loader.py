@@ -6,15 +6,25 @@ count them, and each node costs the import and the passes milliseconds. `count_i
 walks the file's wire format first (no objects made, messages entered through onnx's own
 descriptors) and `load_model` refuses a file with more nodes, messages or fields than any
 exported decoder has, or nesting deeper than protobuf parses, in one line.
+
+What the file declares is checked before it is used: `check_opset` refuses opsets older than
+llmc reads, `element_dtype` element types it does not import, and `tensor_array` reads a
+tensor only after its declared size (at most 2**40 elements) matches its data; external data
+must be a regular file inside the model's directory, read through a bounds-checked memory map.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import stat
 from pathlib import Path
 
+import numpy as np
 import onnx
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError
+from onnx import TensorProto, numpy_helper
 
 from llmc.errors import ModelFormatError
 
@@ -23,6 +33,14 @@ MAX_NODES = 2**16  # SmolLM2-135M (30 layers) exported unoptimized has 5,955
 MAX_MESSAGES = 2**19  # nodes, attributes, tensors, value infos, dimensions, … (SmolLM2: 60,000)
 MAX_FIELDS = 2**20  # every field of every message, names and dimensions included (SmolLM2: 175,000)
 MAX_DEPTH = 64  # nested messages (protobuf refuses 100); subgraphs of subgraphs of …
+OPSET = 17  # the oldest default-domain opset llmc reads
+MAX_ELEMENTS = 2**40  # more elements than any tensor llmc could hold
+
+DTYPES = {
+    TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64,
+    TensorProto.INT64: np.int64, TensorProto.INT32: np.int32, TensorProto.INT16: np.int16,
+    TensorProto.INT8: np.int8, TensorProto.UINT8: np.uint8, TensorProto.BOOL: np.bool_,
+}
 
 
 _TEXT = "text"  # a string field: protobuf hands invalid UTF-8 to Python as bytes, so it is refused here
@@ -137,3 +155,85 @@ def load_model(path: Path) -> onnx.ModelProto:
     if not model.HasField("graph") or model.ir_version <= 0:
         raise ModelFormatError(path, "not an ONNX model (no graph or IR version)")
     return model
+
+
+def check_opset(model: onnx.ModelProto, source: Path) -> None:
+    """Refuse a model whose default-domain opset is missing or older than `OPSET`."""
+    versions = {o.domain: o.version for o in model.opset_import}
+    opset = versions.get("", versions.get("ai.onnx"))
+    if opset is None or opset < OPSET:
+        raise ModelFormatError(source, f"opset {opset if opset is not None else 'missing'}: llmc reads opset "
+                                       f"{OPSET} and later (re-export, or convert with onnx.version_converter)")
+
+
+def element_dtype(source: Path, elem: int, what: str) -> np.dtype:
+    found = DTYPES.get(elem)
+    if found is None:
+        kind = TensorProto.DataType.Name(elem) if elem in TensorProto.DataType.values() else str(elem)
+        raise ModelFormatError(source, f"{what} has element type {kind}, which llmc does not import "
+                                       f"(float, float16, double, int8/16/32/64, uint8, bool)")
+    return np.dtype(found)
+
+
+def _inside(source: Path, directory: Path, location: str, name: str) -> Path:
+    """The external-data file `location` of tensor `name`, refused unless it is inside `directory`."""
+    parts = location.replace("\\", "/").split("/")
+    if not location or "\0" in location or os.path.isabs(location) or location.startswith(("/", "\\")) \
+            or ":" in parts[0]:
+        raise ModelFormatError(source, f"tensor '{name}': external data location '{location}' is not a path "
+                                       f"relative to the model's directory; refusing to read it")
+    if ".." in parts:
+        raise ModelFormatError(source, f"tensor '{name}': external data location '{location}' leaves the model's "
+                                       f"directory; refusing to read it")
+    root = os.path.realpath(directory)
+    resolved = os.path.realpath(os.path.join(root, location))
+    if os.path.commonpath([root, resolved]) != root:
+        raise ModelFormatError(source, f"tensor '{name}': external data '{location}' resolves outside the model's "
+                                       f"directory ({resolved}); refusing to read it")
+    return Path(resolved)
+
+
+def tensor_array(t: TensorProto, source: Path, directory: Path) -> np.ndarray:
+    """The values of `t`, its declared size checked against its data (a memory map for external data)."""
+    name = t.name or "<unnamed>"
+    dtype = element_dtype(source, t.data_type, f"tensor '{name}'")
+    if any(d < 0 for d in t.dims):
+        raise ModelFormatError(source, f"tensor '{name}' has a negative dimension in {list(t.dims)}")
+    count = math.prod(t.dims)
+    if count > MAX_ELEMENTS:
+        raise ModelFormatError(source, f"tensor '{name}' declares {list(t.dims)} = {count} elements, more than "
+                                       f"2**40")
+    shape = tuple(t.dims)
+    if t.data_location == TensorProto.EXTERNAL:
+        info = {e.key: e.value for e in t.external_data}
+        path = _inside(source, directory, info.get("location", ""), name)
+        try:
+            offset, length = int(info.get("offset", 0)), int(info.get("length", count * dtype.itemsize))
+            found = path.stat()
+        except ValueError as e:
+            raise ModelFormatError(source, f"tensor '{name}': malformed external data offset or length") from e
+        except OSError as e:
+            raise ModelFormatError(source, f"tensor '{name}': cannot read external data '{path.name}': "
+                                           f"{e.strerror}") from e
+        if not stat.S_ISREG(found.st_mode):  # a folder, a FIFO (opening it waits for a writer), a device
+            raise ModelFormatError(source, f"tensor '{name}': external data '{path.name}' is not a regular file")
+        size = found.st_size
+        if offset < 0 or length != count * dtype.itemsize or offset + length > size:
+            raise ModelFormatError(source, f"tensor '{name}': external data at offset {offset}, length {length} "
+                                           f"does not hold {shape} {dtype} inside '{path.name}' ({size} bytes)")
+        if count == 0:
+            return np.zeros(shape, dtype)
+        try:
+            return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
+        except (OSError, ValueError) as e:
+            raise ModelFormatError(source, f"tensor '{name}': cannot map external data '{path.name}': {e}") from e
+    stored = len(t.raw_data) // dtype.itemsize if t.HasField("raw_data") else _field_count(t)
+    if stored != count or (t.HasField("raw_data") and len(t.raw_data) != count * dtype.itemsize):
+        raise ModelFormatError(source, f"tensor '{name}' declares {list(t.dims)} = {count} elements but holds "
+                                       f"{stored}")
+    return numpy_helper.to_array(t).astype(dtype, copy=False).reshape(shape)
+
+
+def _field_count(t: TensorProto) -> int:
+    fields = {TensorProto.FLOAT: t.float_data, TensorProto.DOUBLE: t.double_data, TensorProto.INT64: t.int64_data}
+    return len(fields.get(t.data_type, t.int32_data))

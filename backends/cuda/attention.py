@@ -68,7 +68,7 @@ class _Cache:
         self.f, self.d = f, head_dim
         kv_heads, self.capacity, self.row = tgt.dims(memref)[-3:]
         self.element = str(memref.element_type)
-        self.size = {"f32": 4, "f16": 2, "i8": 1}[self.element]
+        self.size = tgt.ELEMENT_BYTES[self.element]
         self.base = base if slot is None else f.b.gep(base, [f.mul(slot, kv_heads * self.capacity * self.row * self.size)])
 
     def _row(self, head: ir.Value, position: ir.Value) -> ir.Value:

@@ -64,10 +64,12 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> dict:
+        """OpenAI's error body."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def invalid(param: str, message: str, code: str | None = None) -> ApiError:
+def invalid(param: str | None, message: str, code: str | None = None) -> ApiError:
+    """A 400 naming the request's field `param` (None: the body as a whole)."""
     return ApiError(400, message, param=param, code=code)
 
 
@@ -280,6 +282,7 @@ class RequestParser:
         self.check_prompt = check_prompt
 
     def check_model(self, model: object) -> None:
+        """`model` as a request names it: absent, or a name this server answers to (404 otherwise)."""
         if model is None:
             return
         if not isinstance(model, str):

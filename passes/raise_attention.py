@@ -35,6 +35,7 @@ from llmc.passes.raising import (
     RaisePass,
     constant_ints,
     evaluate_at,
+    has_kv_cache,
     heads_back,
     heads_first,
     insert_before,
@@ -186,8 +187,8 @@ class RaiseAttentionPass(RaisePass):
 
     def raise_function(self, function: func.FuncOp) -> None:
         block = function.body.block
-        if any(isinstance(a.type, llm.KVCacheType) for a in block.args):
-            return  # built with its cache already
+        if has_kv_cache(block):
+            return
         seen: dict = {}  # each mask's verdict, computed once for all the layers that add it
         matches = [m for op in list(block.ops) if isinstance(op, llm.BatchMatmulOp)
                    if (m := _match(block, op, self.weights, seen)) is not None]

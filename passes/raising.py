@@ -80,6 +80,11 @@ def position_only(value: SSAValue, tokens: BlockArgument) -> bool:
     return True
 
 
+def has_kv_cache(block: Block) -> bool:
+    """Whether the function takes a KV cache already: built by a weight-file frontend, or raised."""
+    return any(isinstance(a.type, llm.KVCacheType) for a in block.args)
+
+
 def evaluate_at(values: list[SSAValue], block: Block, count: int, weights: WeightStore | None, start: int = 0
                 ) -> list[np.ndarray] | None:
     """`values` for `count` tokens at positions start.. (tokens all 0), or None where they

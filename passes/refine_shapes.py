@@ -29,7 +29,7 @@ from xdsl.rewriter import Rewriter
 
 from llmc.ir import llm
 from llmc.ir.interpreter import dense, numpy_dtype
-from llmc.passes.raising import RaisePass, evaluate_at, position_only
+from llmc.passes.raising import RaisePass, evaluate_at, has_kv_cache, position_only
 
 PROBES = ((5, 0), (7, 0), (5, 11))  # (token count, first position)
 FOLDED_ELEMENTS = 64  # the most elements of an integer value folded to a constant
@@ -41,7 +41,7 @@ class RefineShapesPass(RaisePass):
 
     def raise_function(self, function: func.FuncOp) -> None:
         block = function.body.block
-        if any(isinstance(a.type, llm.KVCacheType) for a in block.args):
+        if has_kv_cache(block):
             return
         values = [r for op in block.ops for r in op.results if isinstance(r.type, TensorType)
                   and (None in llm.shape_of(r) or _foldable(r))]

@@ -269,10 +269,12 @@ def _identifier(name: str) -> str:
 
 
 def node_name(node: onnx.NodeProto) -> str:
+    """What error messages call `node`: its name, else its first output, else its op type."""
     return node.name or (node.output[0] if node.output else node.op_type)
 
 
 def attr(node: onnx.NodeProto, name: str, default: object = None) -> object:
+    """The value of `node`'s attribute `name`, or `default`."""
     for a in node.attribute:
         if a.name == name:
             return helper.get_attribute_value(a)
@@ -280,6 +282,7 @@ def attr(node: onnx.NodeProto, name: str, default: object = None) -> object:
 
 
 def dtype_of(value: SSAValue) -> np.dtype:
+    """The numpy dtype of `value`'s elements."""
     return numpy_dtype(llm.element_type(value))
 
 

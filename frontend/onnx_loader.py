@@ -36,7 +36,7 @@ MAX_DEPTH = 64  # nested messages (protobuf refuses 100); subgraphs of subgraphs
 OPSET = 17  # the oldest default-domain opset llmc reads
 MAX_ELEMENTS = 2**40  # more elements than any tensor llmc could hold
 
-DTYPES = {
+DTYPES = {  # the element types llmc imports
     TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64,
     TensorProto.INT64: np.int64, TensorProto.INT32: np.int32, TensorProto.INT16: np.int16,
     TensorProto.INT8: np.int8, TensorProto.UINT8: np.uint8, TensorProto.BOOL: np.bool_,
@@ -167,6 +167,7 @@ def check_opset(model: onnx.ModelProto, source: Path) -> None:
 
 
 def element_dtype(source: Path, elem: int, what: str) -> np.dtype:
+    """The numpy dtype of ONNX element type `elem` (of `what`: a tensor, a value, a Cast's target)."""
     found = DTYPES.get(elem)
     if found is None:
         kind = TensorProto.DataType.Name(elem) if elem in TensorProto.DataType.values() else str(elem)

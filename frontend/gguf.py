@@ -21,6 +21,7 @@ from llmc.errors import ModelFormatError
 from llmc.frontend import tokenizer as tok
 from llmc.frontend.gguf_reader import GGUFFile, read_gguf
 from llmc.frontend.model import Model, ModelConfig, check_declared_sizes, split_fused
+from llmc.ir.activations import Activation
 from llmc.ir.formats import GGUF_STORAGE, Storage
 from llmc.ir.weights import Weight, WeightStore
 from llmc.runtime.codec import TextCodec
@@ -210,7 +211,8 @@ def load_gguf(path: Path) -> Model:
             sliding = tuple(i for i in range(layers) if not pattern or (i + 1) % pattern) if window else ()
         else:
             raise ModelFormatError(path, f"attention.sliding_window_pattern must be a count or per-layer flags, got {pattern!r}")
-        family = {"embedding_scale": float(np.float32(hidden ** 0.5)), "gelu": True, "post_norms": True,
+        family = {"embedding_scale": float(np.float32(hidden ** 0.5)), "activation": Activation.GELU_TANH,
+                 "post_norms": True,
                  "attn_scale": (hidden / heads if layers == layers_27b else head_dim) ** -0.5,
                  # llama.cpp's defaults: Gemma 2 soft-caps at 50 and 30, Gemma 3 does not
                  "attn_softcap": meta.get(a + "attn_logit_softcapping", float, 50.0) if arch == "gemma2" else None,

@@ -30,6 +30,7 @@ from llmc.frontend.model import (
     split_fused,
 )
 from llmc.frontend.rope_scaling import hf_rope_scaling
+from llmc.ir.activations import Activation
 from llmc.ir.formats import Storage
 from llmc.ir.weights import Weight, WeightStore
 from llmc.runtime.codec import TextCodec, read_tokenizer
@@ -40,6 +41,7 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral",
 }
 GEMMA = ("gemma2", "gemma3")
+HF_ACTIVATIONS = {"silu": Activation.SILU, "gelu_pytorch_tanh": Activation.GELU_TANH}  # `hidden_act` → the gate's
 MOE = ("qwen3moe", "mixtral")
 
 _DTYPES = {"F32": (np.float32, Storage.F32), "F16": (np.float16, Storage.F16), "BF16": (np.uint16, Storage.BF16)}
@@ -359,10 +361,12 @@ def _config(path: Path, cfg: dict, arch: str, weights: WeightStore) -> ModelConf
     context = _int(path, cfg, "max_position_embeddings", 2048, at_least=1, at_most=MAX_POSITIONS)
     sliding = _sliding_layers(path, cfg, arch, layers)
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if arch in GEMMA else "silu")
-    if act != ("gelu_pytorch_tanh" if arch in GEMMA else "silu"):
+    activation = HF_ACTIVATIONS.get(act) if isinstance(act, str) else None
+    if activation is None:
         raise ModelFormatError(path, f"config.json: activation {act!r} is not supported for {arch}")
+    family["activation"] = activation
     if arch in GEMMA:
-        family = {"embedding_scale": float(np.float32(hidden ** 0.5)), "gelu": True, "post_norms": True,
+        family |= {"embedding_scale": float(np.float32(hidden ** 0.5)), "post_norms": True,
                  "attn_scale": _float(path, cfg, "query_pre_attn_scalar", 256, positive=True) ** -0.5,  # transformers' defaults
                  "attn_softcap": _optional_float(path, cfg, "attn_logit_softcapping", 50.0 if arch == "gemma2" else None),
                  "final_softcap": _optional_float(path, cfg, "final_logit_softcapping",

@@ -6,7 +6,7 @@ names without the `.weight` suffix (`@blk.3.attn_q`, `@blk.3.attn_q.bias`).
 
 One block, as the IR shows it (Qwen2 adds `bias` operands to the Q/K/V matmuls, Qwen3 an
 `llm.rms_norm` of each head of q and k before RoPE, Mistral a `window` to the attention,
-Gemma a scaled embedding, `llm.gelu`, norms after attention and after the feed-forward,
+Gemma a scaled embedding, `llm.gelu_tanh`, norms after attention and after the feed-forward,
 attention `scale` and `softcap`, and a `softcap` on the logits; a mixture of experts an
 `llm.moe` for the feed-forward):
 
@@ -150,7 +150,7 @@ def build_module(config: ModelConfig, weights: WeightStore) -> builtin.ModuleOp:
             down = g.add(llm.MoeOp(h, *experts, c.experts_used, c.experts_normalized), n + "experts")
         else:
             gate = g.linear(h, b + "ffn_gate", False, n + "gate")
-            gate = g.add(llm.GeluOp(gate) if c.gelu else llm.SiluOp(gate), n + "gate_act")
+            gate = g.add(llm.ACTIVATION_OPS[c.activation](gate), n + "gate_act")
             up = g.linear(h, b + "ffn_up", False, n + "up")
             down = g.linear(g.add(llm.MulOp(gate, up), n + "gated"), b + "ffn_down", False, n + "down")
         if c.post_norms:

@@ -18,6 +18,7 @@ from xdsl.dialects.builtin import ModuleOp
 
 from llmc.errors import ModelFormatError
 from llmc.ir import llm
+from llmc.ir.activations import Activation
 from llmc.ir.weights import WeightStore
 from llmc.runtime.codec import TextCodec
 
@@ -67,9 +68,10 @@ class ModelConfig:
     What the families add to Llama's block is optional here: RoPE scaling and partial
     rotary (`rope_dims`, `rope_factors`, `rope_mscale`, as `#llm.rope` carries them),
     per-head q/k RMSNorm (`qk_norm`), sliding-window attention in `sliding_layers` (with
-    their own RoPE base, `local_rope_theta`), and Gemma's: the embedding scaled, GeGLU
-    (`gelu`), norms after attention and after the feed-forward (`post_norms`), attention
-    scores scaled by `attn_scale` and soft-capped, final logits soft-capped; a mixture of
+    their own RoPE base, `local_rope_theta`), the gate's `activation` (Gemma's GeGLU:
+    `gelu_tanh`), and Gemma's: the embedding scaled, norms after attention and after the
+    feed-forward (`post_norms`), attention scores scaled by `attn_scale` and soft-capped,
+    final logits soft-capped; a mixture of
     experts' `experts`, `experts_used` per token, `expert_ffn` wide, their weights
     `experts_normalized` or not.
     """
@@ -95,7 +97,7 @@ class ModelConfig:
     sliding_layers: tuple[int, ...] = ()  # the layers that attend within `sliding_window`
     local_rope_theta: float | None = None  # the RoPE base of the sliding layers, where it differs
     embedding_scale: float | None = None
-    gelu: bool = False
+    activation: Activation = Activation.SILU
     post_norms: bool = False
     attn_scale: float | None = None
     attn_softcap: float | None = None

@@ -1,6 +1,7 @@
 """Numpy reference semantics for every `llm` op, and a runner for whole functions.
 
-Each op's meaning is one small function registered with `@semantics(OpClass)`; `run`
+Each op's meaning is one small function registered with `@semantics(OpClass)` (the
+`SEMANTICS` interface, `llmc.ir.interfaces`); `run`
 walks a function's ops in order. This is the yardstick later stages are checked
 against (`llmc verify`), so it favours plain float32 numpy over speed.
 
@@ -19,23 +20,14 @@ from xdsl.dialects.builtin import DenseIntOrFPElementsAttr, IntegerType, ModuleO
 from xdsl.ir import Attribute, Operation, SSAValue
 
 from llmc.ir import find_function, llm, named_operands
+from llmc.ir.activations import ACTIVATIONS, activation_of, erf, silu
 from llmc.ir.formats import SLICE, integer_matmul, quantize_rows
+from llmc.ir.interfaces import OpInterface
 from llmc.ir.weights import WeightStore
 
 
-class OpTable(dict):
-    """Numpy meanings of ops by op class; `@table.register(OpClass)` adds one."""
-
-    def register(self, op_type: type[Operation]) -> Callable[[Callable], Callable]:
-        def add(fn: Callable) -> Callable:
-            self[op_type] = fn
-            return fn
-
-        return add
-
-
-_SEMANTICS = OpTable()
-semantics = _SEMANTICS.register  # `fn(op, env, *operand_values) -> result`
+SEMANTICS = OpInterface("llm interpreter", "numpy semantics")
+semantics = SEMANTICS.implement  # `fn(op, env, *operand_values) -> result`
 
 
 @dataclass
@@ -98,24 +90,14 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * w).astype(np.float32)
 
 
-def silu(x: np.ndarray) -> np.ndarray:
-    return x / (np.float32(1) + np.exp(-x))
-
-
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """GELU's tanh approximation, as `llm.gelu`."""
-    inner = np.float32(np.sqrt(2 / np.pi)) * (x + np.float32(0.044715) * x * x * x)
-    return (np.float32(0.5) * x * (np.float32(1) + np.tanh(inner))).astype(np.float32)
-
-
 def soft_capped(x: np.ndarray, cap: float | None) -> np.ndarray:
     """`cap · tanh(x / cap)`, or x without a cap."""
     return x if cap is None else (np.float32(cap) * np.tanh(x / np.float32(cap))).astype(np.float32)
 
 
-def activation(op: Operation) -> Callable[[np.ndarray], np.ndarray]:
-    """The gate's activation of an `llm.swiglu` or `tgt.swiglu`: silu, or gelu with `gelu`."""
-    return gelu_tanh if op.properties.get("gelu") is not None else silu
+def gate_activation(op: Operation) -> Callable[[np.ndarray], np.ndarray]:
+    """The numpy meaning of the gate activation of an `llm.swiglu` or `tgt.swiglu`."""
+    return ACTIVATIONS[activation_of(op)].numpy
 
 
 @semantics(llm.RMSNormOp)
@@ -162,7 +144,7 @@ def _logits(op: llm.LogitsOp, env: Env, *values: np.ndarray) -> np.ndarray:
 def _swiglu(op: llm.SwigluOp, env: Env, *values: np.ndarray) -> np.ndarray:
     v = _operands(op, values)
     gate = _product(op, env, v["input"], v["norm"], op.gate, v["gate"])
-    return activation(op)(gate) * _product(op, env, v["input"], v["norm"], op.up, v["up"])
+    return gate_activation(op)(gate) * _product(op, env, v["input"], v["norm"], op.up, v["up"])
 
 
 @semantics(llm.ReshapeOp)
@@ -254,11 +236,6 @@ def _last_token(op: llm.LastTokenOp, env: Env, x: np.ndarray) -> np.ndarray:
     return x[-1:]
 
 
-@semantics(llm.SiluOp)
-def _silu(op: llm.SiluOp, env: Env, x: np.ndarray) -> np.ndarray:
-    return silu(x)
-
-
 def route(x: np.ndarray, router: np.ndarray, top_k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
     """Each row's `top_k` experts (most probable first; ties to the lower index) and their weights."""
     logits = x @ router.T
@@ -288,9 +265,9 @@ def _moe(op: llm.MoeOp, env: Env, x: np.ndarray, router: np.ndarray, gate: np.nd
     return moe(op, x, router, lambda e: gate[e], lambda e: up[e], lambda e: down[e])
 
 
-@semantics(llm.GeluOp)
-def _gelu(op: llm.GeluOp, env: Env, x: np.ndarray) -> np.ndarray:
-    return gelu_tanh(x)
+@semantics(*llm.ACTIVATION_OPS.values())
+def _activation(op: Operation, env: Env, x: np.ndarray) -> np.ndarray:
+    return ACTIVATIONS[op.ACTIVATION].numpy(x)  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------ primitive ops' numpy meaning
@@ -345,8 +322,6 @@ def _divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return a / b
 
 
-def _erf(x: np.ndarray) -> np.ndarray:
-    return np.vectorize(math.erf, otypes=[np.float64])(x)
 
 
 _BINARY: dict[type[Operation], Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
@@ -359,9 +334,8 @@ _BINARY: dict[type[Operation], Callable[[np.ndarray, np.ndarray], np.ndarray]] =
 _UNARY: dict[type[Operation], Callable[[np.ndarray], np.ndarray]] = {
     llm.NegOp: np.negative, llm.AbsOp: np.abs, llm.SqrtOp: np.sqrt, llm.RsqrtOp: lambda x: 1 / np.sqrt(x),
     llm.ReciprocalOp: lambda x: 1 / x, llm.ExpOp: np.exp, llm.LogOp: np.log, llm.TanhOp: np.tanh, llm.CosOp: np.cos,
-    llm.SinOp: np.sin, llm.ErfOp: _erf, llm.SigmoidOp: lambda x: 1 / (1 + np.exp(-x)),
+    llm.SinOp: np.sin, llm.ErfOp: erf, llm.SigmoidOp: lambda x: 1 / (1 + np.exp(-x)),
     llm.ReluOp: lambda x: np.maximum(x, 0), llm.FloorOp: np.floor, llm.CeilOp: np.ceil, llm.NotOp: np.logical_not,
-    llm.IsNanOp: np.isnan,
 }
 _REDUCE: dict[type[Operation], Callable[..., np.ndarray]] = {
     llm.ReduceSumOp: np.sum, llm.ReduceMeanOp: np.mean, llm.ReduceMaxOp: np.max, llm.ReduceMinOp: np.min,
@@ -370,9 +344,9 @@ _REDUCE: dict[type[Operation], Callable[..., np.ndarray]] = {
 
 
 def by_kind(table: dict[type[Operation], Callable[..., np.ndarray]]) -> dict[str, Callable[..., np.ndarray]]:
-    """A table of numpy meanings keyed by op name without `llm.` (`sub`): the `kind` of `tgt`'s
+    """A table of numpy meanings keyed by the ops' `KIND` (`sub`, `mean`): the `kind` of `tgt`'s
     generic kernels (`tgt.binary "sub"`, `tgt.reduce "mean"`)."""
-    return {op_type.name.removeprefix("llm.").removeprefix("reduce_"): fn for op_type, fn in table.items()}
+    return {op_type.KIND: fn for op_type, fn in table.items()}  # type: ignore[attr-defined]
 
 
 BINARY, UNARY, REDUCE = by_kind(_BINARY), by_kind(_UNARY), by_kind(_REDUCE)
@@ -400,6 +374,7 @@ for _op_type, _fn in _UNARY.items():
     semantics(_op_type)(_elementwise(_fn))
 for _op_type, _fn in _REDUCE.items():
     semantics(_op_type)(_reduction(_fn))
+semantics(llm.IsNanOp)(_elementwise(np.isnan))
 semantics(llm.CastOp)(_elementwise(lambda x: x))
 semantics(llm.WhereOp)(_elementwise(np.where))
 semantics(llm.BatchMatmulOp)(_elementwise(np.matmul))
@@ -541,10 +516,7 @@ def run(function: func.FuncOp, weights: WeightStore, *args: object,
             return operands  # type: ignore[return-value]
         if observe is not None:
             observe(op, operands)
-        impl = _SEMANTICS.get(type(op))
-        if impl is None:
-            raise NotImplementedError(f"no numpy semantics for {op.name}")
-        values[op.results[0]] = impl(op, env, *operands)
+        values[op.results[0]] = SEMANTICS.lookup(op)(op, env, *operands)
         for v in op.operands:
             if last_use[v] == i:
                 values.pop(v, None)  # (an op may read one value twice)
@@ -562,10 +534,7 @@ def evaluate(targets: list[SSAValue], known: dict[SSAValue, object], weights: We
             op = v.owner
             if not isinstance(op, Operation):
                 raise ValueError(f"no value given for argument %{v.name_hint}")
-            impl = _SEMANTICS.get(type(op))
-            if impl is None:
-                raise NotImplementedError(f"no numpy semantics for {op.name}")
-            values[v] = impl(op, env, *(value(o) for o in op.operands))
+            values[v] = SEMANTICS.lookup(op)(op, env, *(value(o) for o in op.operands))
         return values[v]
 
     return [value(t) for t in targets]  # type: ignore[misc]

@@ -23,29 +23,29 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import IntegerAttr, MemRefType
 from xdsl.ir import SSAValue
 
+from llmc.abi import kv_q8_head_dim
 from llmc.ir import llm, tgt
+from llmc.ir.activations import ACTIVATIONS
 from llmc.ir.formats import QuantizedTensor, integer_matmul, join_planes, quantize_rows, split_planes
+from llmc.ir.interfaces import OpInterface
 from llmc.ir.interpreter import (
     BINARY,
     REDUCE,
     UNARY,
     KVCache,
-    OpTable,
-    activation,
     attention,
     attention_in_slots,
-    gelu_tanh,
+    gate_activation,
     moe,
     rms_norm,
     rope,
-    silu,
     soft_capped,
 )
 from llmc.ir.layouts import Layout, pack, unpack
 from llmc.ir.weights import WeightStore
 
-_KERNELS = OpTable()
-kernel = _KERNELS.register  # `fn(op, get)`: `get(value)` gives a value's array; writes its `out`
+SEMANTICS = OpInterface("tgt interpreter", "numpy semantics")
+kernel = SEMANTICS.implement  # `fn(op, get)`: `get(value)` gives a value's array; writes its `out`
 
 @dataclass
 class QRows:
@@ -173,7 +173,7 @@ def _matmul(op: tgt.MatmulOp, get: _State) -> None:
 
 @kernel(tgt.SwigluOp)
 def _swiglu(op: tgt.SwigluOp, get: _State) -> None:
-    _store(get, op.out, activation(op)(_project(get, op, op.gate, get.n)) * _project(get, op, op.up, get.n))
+    _store(get, op.out, gate_activation(op)(_project(get, op, op.gate, get.n)) * _project(get, op, op.up, get.n))
 
 
 @kernel(tgt.RopeOp)
@@ -233,11 +233,6 @@ def _reduce(op: tgt.ReduceOp, get: _State) -> None:
     _store(get, op.out, REDUCE[op.kind.data](get(op.x)[: get.n], axis=1, keepdims=True).astype(np.float32))
 
 
-@kernel(tgt.SiluOp)
-def _silu(op: tgt.SiluOp, get: _State) -> None:
-    get(op.out)[: get.n] = silu(get(op.x)[: get.n])
-
-
 @kernel(tgt.MoeOp)
 def _moe(op: tgt.MoeOp, get: _State) -> None:
     gate, up, down = (get(w).reshape(op.experts, -1, get(w).shape[-1]) for w in (op.gate, op.up, op.down))
@@ -246,9 +241,9 @@ def _moe(op: tgt.MoeOp, get: _State) -> None:
                             lambda i: down[i]))
 
 
-@kernel(tgt.GeluOp)
-def _gelu(op: tgt.GeluOp, get: _State) -> None:
-    get(op.out)[: get.n] = gelu_tanh(get(op.x)[: get.n])
+@kernel(*tgt.ACTIVATION_KERNELS.values())
+def _activation(op: tgt.Kernel, get: _State) -> None:
+    get(op.out)[: get.n] = ACTIVATIONS[op.ACTIVATION].numpy(get(op.x)[: get.n])  # type: ignore[attr-defined]
 
 
 def cache_element(memref: MemRefType) -> str:
@@ -260,7 +255,7 @@ def cache_for(memref: MemRefType) -> KVCache:
     """A zeroed `KVCache` for an entry point's cache argument (q8_0 rows held as their float values)."""
     *dims, width = tgt.dims(memref)  # layers(, slots), kv_heads, capacity
     element = cache_element(memref)
-    head_dim = width * 32 // (32 + tgt.KV_Q8_SCALES) if element == "q8_0" else width
+    head_dim = kv_q8_head_dim(width) if element == "q8_0" else width
     return KVCache.zeros((*dims, head_dim), element)
 
 
@@ -284,7 +279,7 @@ def run_entry(function: func.FuncOp, weights: KernelWeights, tokens: np.ndarray,
               cache: KVCache, slots: np.ndarray | None = None) -> np.ndarray:
     """Run one entry point on `tokens` at positions `start..` (or at the positions `start`, in cache
     `slots` where it holds several sequences); returns its logits `[rows, vocab]`."""
-    args = {arg.name_hint: arg for arg in function.body.block.args}  # passes.lower.ENTRY_ARGUMENTS
+    args = {arg.name_hint: arg for arg in function.body.block.args}  # llmc.abi.ENTRY_ARGUMENTS
     arena = np.zeros(arena_bytes(function), np.uint8)
     n = len(tokens)
     state = _State(n)
@@ -312,5 +307,5 @@ def run_entry(function: func.FuncOp, weights: KernelWeights, tokens: np.ndarray,
         elif isinstance(op, func.ReturnOp):
             break
         else:
-            _KERNELS[type(op)](op, state)
+            SEMANTICS.lookup(op)(op, state)
     return logits[: len(tokens)] if logits.shape[0] > 1 else logits

@@ -4,7 +4,7 @@ Each fused op becomes one `tgt` kernel in `lower`, which then matches one op at 
 
 | chain                                         | fused op                                   |
 |-----------------------------------------------|--------------------------------------------|
-| `mul(silu(matmul(h, wg)), matmul(h, wu))`     | `llm.swiglu %h, %wg, %wu` (`gelu`: GeGLU)  |
+| `mul(silu(matmul(h, wg)), matmul(h, wu))`     | `llm.swiglu %h, %wg, %wu` (any activation) |
 | `rope(q)`, `rope(k)` into `attention`         | `llm.attention ... rope <theta …>`         |
 | `add(x, matmul(a, w))`, x dead after the add  | `llm.matmul %a, %w residual %x` (in place) |
 | `rms_norm(x)` read only by `a32` projections  | `norm %g eps E` on each of them            |
@@ -31,6 +31,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Block, Operation, SSAValue
 
 from llmc.ir import llm
+from llmc.ir.activations import activation_of
 from llmc.passes.base import LlmcPass
 
 
@@ -53,18 +54,18 @@ def _replace(block: Block, old: Operation, new: Operation, *dead: Operation) -> 
 
 
 def fuse_swiglu(block: Block, mul: llm.MulOp) -> None:
-    silu, up = mul.lhs.owner, mul.rhs.owner  # silu: or gelu (GeGLU)
-    if not (isinstance(silu, (llm.SiluOp, llm.GeluOp)) and isinstance(up, llm.MatmulOp)):
+    act, up = mul.lhs.owner, mul.rhs.owner  # silu, or another activation (gelu_tanh: GeGLU)
+    if not (isinstance(act, tuple(llm.ACTIVATION_OPS.values())) and isinstance(up, llm.MatmulOp)):
         return
-    gate = silu.input.owner
+    gate = act.input.owner
     if not isinstance(gate, llm.MatmulOp) or gate.input != up.input or gate.mode is not up.mode:
         return
     if any(m.bias or m.norm or m.residual for m in (gate, up)):
         return
-    if not (single_user(gate.result) is silu and single_user(silu.result) is mul and single_user(up.result) is mul):
+    if not (single_user(gate.result) is act and single_user(act.result) is mul and single_user(up.result) is mul):
         return
-    fused = llm.SwigluOp(gate.input, gate.weight, up.weight, compute=gate.mode, gelu=isinstance(silu, llm.GeluOp))
-    _replace(block, mul, fused, silu, gate, up)
+    fused = llm.SwigluOp(gate.input, gate.weight, up.weight, compute=gate.mode, activation=act.ACTIVATION)
+    _replace(block, mul, fused, act, gate, up)
 
 
 def fuse_rope(block: Block, attention: llm.AttentionOp) -> None:
@@ -145,7 +146,7 @@ def _with_norm(op: Operation, x: SSAValue, g: SSAValue, eps: float) -> Operation
     if isinstance(op, llm.MatmulOp):
         return llm.MatmulOp(x, op.weight, op.bias, norm=g, eps=eps, residual=op.residual, compute=op.mode)
     if isinstance(op, llm.SwigluOp):
-        return llm.SwigluOp(x, op.gate, op.up, norm=g, eps=eps, compute=op.mode, gelu=op.gelu is not None)
+        return llm.SwigluOp(x, op.gate, op.up, norm=g, eps=eps, compute=op.mode, activation=activation_of(op))
     assert isinstance(op, llm.LogitsOp)
     return llm.LogitsOp(x, op.weight, norm=g, eps=eps, compute=op.mode, softcap=op.cap)
 

@@ -8,7 +8,7 @@ its output (RMSNorm, SwiGLU, attention). Otherwise the producer writes float row
 each integer width reading them gets them through one `tgt.quantize` of its own.
 Reshapes become views; the token positions become `%positions`, one per row (and their
 sequences `%slots`, where the cache holds several); the KV cache becomes `%k_cache` /
-`%v_cache` in the layout `tgt.kv_layout` (`tgt.KV_LAYOUT`, or `tgt.KV_LAYOUT_SLOTS`), one
+`%v_cache` in the layout `tgt.kv_layout` (`llmc.abi.KV_LAYOUT`, or `KV_LAYOUT_SLOTS`), one
 `tgt.subview` per layer; logits are written to the `%logits` argument. Weights keep
 the storage `quantize` chose, in the `stored` layout (`pack` chooses the target's).
 
@@ -27,7 +27,6 @@ the storage `quantize` chose, in the `stored` layout (`pack` chooses the target'
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from xdsl.context import Context
@@ -35,8 +34,11 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import IndexType, IntegerAttr, ModuleOp, StringAttr, i32, i64
 from xdsl.ir import Attribute, Block, Operation, Region, SSAValue
 
+from llmc.abi import KV_LAYOUT, KV_LAYOUT_SLOTS, entry_arguments
 from llmc.errors import LlmcError
 from llmc.ir import llm, tgt
+from llmc.ir.activations import activation_of
+from llmc.ir.interfaces import OpInterface
 from llmc.ir.interpreter import scalar
 from llmc.ir.layouts import Layout
 from llmc.passes.base import LlmcPass
@@ -139,16 +141,8 @@ class _Lowering:
         return self.layers[layer]
 
 
-Lowering = Callable[[_Lowering, Operation], None]
-_LOWERINGS: dict[type[Operation], Lowering] = {}
-
-
-def lowering(op_type: type[Operation]) -> Callable[[Lowering], Lowering]:
-    def register(fn: Lowering) -> Lowering:
-        _LOWERINGS[op_type] = fn
-        return fn
-
-    return register
+LOWERINGS = OpInterface("lower", "lowering")
+lowering = LOWERINGS.implement  # `fn(lo, op)` emits the kernels of `op`
 
 
 @lowering(llm.WeightOp)
@@ -195,7 +189,7 @@ def _logits(lo: _Lowering, op: llm.LogitsOp) -> None:
 @lowering(llm.SwigluOp)
 def _swiglu(lo: _Lowering, op: llm.SwigluOp) -> None:
     out = lo.out(op.result, can_quantize=True)
-    lo.emit(tgt.SwigluOp(lo.x(op), lo.buffers[op.gate], lo.buffers[op.up], out, lo.n, gelu=op.gelu is not None,
+    lo.emit(tgt.SwigluOp(lo.x(op), lo.buffers[op.gate], lo.buffers[op.up], out, lo.n, activation=activation_of(op),
                          **lo.norm(op)))
 
 
@@ -246,16 +240,10 @@ def _last_token(lo: _Lowering, op: llm.LastTokenOp) -> None:
     lo.alias(op.result, op.input)  # the head reads the last row itself (`last_row`)
 
 
-def _elementwise(kernel: type[tgt.Kernel]) -> Lowering:
-    def lower(lo: _Lowering, op: Operation) -> None:
-        ins = [lo.buffers[v] for v in op.operands]
-        lo.emit(kernel(*ins, lo.out(op.results[0]), lo.n))
-
-    return lower
-
-
-for _llm_op, _kernel in ((llm.SiluOp, tgt.SiluOp), (llm.GeluOp, tgt.GeluOp)):
-    lowering(_llm_op)(_elementwise(_kernel))
+@lowering(*llm.ACTIVATION_OPS.values())
+def _activation(lo: _Lowering, op: Operation) -> None:
+    kernel = tgt.ACTIVATION_KERNELS[op.ACTIVATION]  # type: ignore[attr-defined]
+    lo.emit(kernel(lo.buffers[op.operands[0]], lo.out(op.results[0]), lo.n))
 
 
 # ---------------------------------------------------- primitive ops left unraised: generic kernels
@@ -298,12 +286,13 @@ def _broadcast_input(lo: _Lowering, op: Operation, value: SSAValue, width: int) 
     return _rows_buffer(lo, op, value)
 
 
-def _binary(lo: _Lowering, op: llm._BinaryOp) -> None:
+@lowering(*llm.BINARY_OPS)
+def _binary(lo: _Lowering, op: Operation) -> None:
     if isinstance(op, (llm.AddOp, llm.MulOp)) and op.lhs.type == op.rhs.type == op.result.type:
         kernel = tgt.AddOp if isinstance(op, llm.AddOp) else tgt.MulOp
         lo.emit(kernel(_rows_buffer(lo, op, op.lhs), _rows_buffer(lo, op, op.rhs), lo.out(op.result), lo.n))
         return
-    kind = op.name.removeprefix("llm.")
+    kind = op.KIND
     _rows_value(op, op.result)
     if kind not in tgt.BINARY_KINDS:
         raise _unsupported(op, f"generic kernels compute {', '.join(tgt.BINARY_KINDS)}")
@@ -321,16 +310,18 @@ def _binary(lo: _Lowering, op: llm._BinaryOp) -> None:
     lo.emit(tgt.BinaryOp(kind, *ins, lo.out(op.result), lo.n))
 
 
+@lowering(*llm.UNARY_OPS)
 def _unary(lo: _Lowering, op: Operation) -> None:
-    kind = op.name.removeprefix("llm.")
+    kind = op.KIND
     _rows_value(op, op.results[0])
     if kind not in tgt.UNARY_KINDS:
         raise _unsupported(op, f"generic kernels compute {', '.join(tgt.UNARY_KINDS)}")
     lo.emit(tgt.UnaryOp(kind, _rows_buffer(lo, op, op.operands[0]), lo.out(op.results[0]), lo.n))
 
 
-def _reduce(lo: _Lowering, op: llm._ReduceOp) -> None:
-    kind = op.name.removeprefix("llm.reduce_")
+@lowering(*llm.REDUCE_OPS)
+def _reduce(lo: _Lowering, op: Operation) -> None:
+    kind = op.KIND
     _rows_value(op, op.input)
     if kind not in tgt.REDUCE_KINDS or op.axis_list != (1,) or op.keepdims is None:
         raise _unsupported(op, f"generic kernels reduce each row ({', '.join(tgt.REDUCE_KINDS)}, keepdims)")
@@ -344,22 +335,16 @@ def _cast(lo: _Lowering, op: llm.CastOp) -> None:
     lo.alias(op.result, op.input)
 
 
-for _op_type in llm.LLM.operations:
-    if issubclass(_op_type, llm._BinaryOp):
-        lowering(_op_type)(_binary)
-    elif issubclass(_op_type, llm._UnaryOp) and _op_type not in _LOWERINGS:
-        lowering(_op_type)(_unary)
-    elif issubclass(_op_type, llm._ReduceOp):
-        lowering(_op_type)(_reduce)
+for _op_type in (llm.IsNanOp, llm.SoftmaxOp, llm.CumsumOp, llm.ConcatOp, llm.GatherOp, llm.GatherNdOp,
+                 llm.TransposeOp, llm.UnsqueezeOp, llm.SqueezeOp, llm.SliceOp, llm.ShapeOfOp, llm.ExpandOp, llm.FillOp,
+                 llm.RangeOp, llm.TriluOp, llm.WhereOp, llm.BatchMatmulOp):
+    LOWERINGS.refuse(_op_type, "(a primitive op without a generic kernel: it must be raised into an llm op with "
+                               "a kernel of its own; see --compile-to optimize)")
 
 
 @lowering(func.ReturnOp)
 def _return(lo: _Lowering, op: func.ReturnOp) -> None:
     lo.emit(func.ReturnOp())
-
-
-# the arguments of every lowered entry point, in order (`slots` only where the cache holds several sequences)
-ENTRY_ARGUMENTS = ("tokens", "positions", "slots", "n", "k_cache", "v_cache", "logits")
 
 
 def lower_function(function: func.FuncOp) -> func.FuncOp:
@@ -378,7 +363,7 @@ def lower_function(function: func.FuncOp) -> func.FuncOp:
     ids = tgt.memref(rows, element_type=i32)
     logits_buffer = tgt.memref(*(d if d is not None else rows for d in llm.shape_of(logits_type)))
     block = Block(arg_types=[*(ids for _ in ids_args), IndexType(), cache, cache, logits_buffer])
-    names = [name for name in ENTRY_ARGUMENTS if name != "slots" or kv.slots > 1]
+    names = entry_arguments(kv.slots)
     for arg, name in zip(block.args, names):
         arg.name_hint = name
     args = dict(zip(names, block.args))
@@ -388,15 +373,12 @@ def lower_function(function: func.FuncOp) -> func.FuncOp:
     for old, new in zip(ids_args, block.args):
         lo.buffers[old] = new
     for op in function.body.block.ops:
-        lower_op = _LOWERINGS.get(type(op))
-        if lower_op is None:
-            raise LlmcError(f"lower: no lowering for {op.name}")
-        lower_op(lo, op)
+        LOWERINGS.lookup(op)(lo, op)
     lowered = func.FuncOp(function.sym_name.data, (block.arg_types, []), Region(block))
     lowered.attributes |= {
         "llm.stage": stage,
         "tgt.max_tokens": IntegerAttr(rows, i64),
-        "tgt.kv_layout": StringAttr(tgt.KV_LAYOUT_SLOTS if kv.slots > 1 else tgt.KV_LAYOUT),
+        "tgt.kv_layout": StringAttr(KV_LAYOUT_SLOTS if kv.slots > 1 else KV_LAYOUT),
     }
     return lowered
 

@@ -41,10 +41,13 @@ from llmc.backends.cpu.quant import (
 )
 from llmc.backends.kernel_names import kernel_key, kernel_name, rope_table
 from llmc.ir import llm, tgt
+from llmc.ir.activations import ACTIVATIONS, activation_of
 from llmc.ir.formats import ACT_BLOCK, GROUP, SLICE
+from llmc.ir.interfaces import OpInterface
 from llmc.ir.layouts import STRIP, TILE_K, Layout
 
 I64PTR = I64.as_pointer()
+EMITTERS = OpInterface("cpu", "kernel emitter")  # `fn(lib, f, op, args)` emits the body of `op`'s function
 
 
 class KernelLibrary:
@@ -79,9 +82,7 @@ class KernelLibrary:
         return self._cache[key]
 
     def _emit(self, key: tuple, op: tgt.Kernel, fn_name: str) -> ir.Function:
-        emitter = _EMITTERS.get(type(op))
-        if emitter is None:
-            raise NotImplementedError(f"cpu: no kernel emitter for {op.name}")
+        emitter = EMITTERS.lookup(op)
         params = [(name, I64 if not isinstance(v.type, (MemRefType, tgt.QRowsType, tgt.WeightType)) else I8PTR)
                   for name, v in op.abi()]
         params += [("tid", I64), ("nth", I64)]
@@ -196,6 +197,7 @@ def _weight_row(f: KernelBuilder, ptr: ir.Value, weight: tgt.WeightType, row: ir
             f.store(load_weight(f, src_base, f.add(src, d), weight.storage), dst, d)
 
 
+@EMITTERS.implement(tgt.EmbeddingOp)
 def _embedding(lib: KernelLibrary, f: KernelBuilder, op: tgt.EmbeddingOp, a: dict) -> None:
     """out[t] = table[tokens[t]] (times `scale`), dequantizing the row."""
     table_type = _weight_type(op.table)
@@ -240,6 +242,7 @@ def _tiles_row(f: KernelBuilder, w: TiledWeight, j: ir.Value, D: int, dst: ir.Va
 # ------------------------------------------------------------------------ rms_norm, quantize
 
 
+@EMITTERS.implement(tgt.RMSNormOp)
 def _rms_norm(lib: KernelLibrary, f: KernelBuilder, op: tgt.RMSNormOp, a: dict) -> None:
     """out[t] = x[t] / rms(x[t]) * w, into float rows or quantized rows; with `groups`, each
     group of the weight's width in a row on its own (float rows)."""
@@ -271,6 +274,7 @@ def _rms_norm(lib: KernelLibrary, f: KernelBuilder, op: tgt.RMSNormOp, a: dict) 
             q.store_block(t, blk, v0, v1)
 
 
+@EMITTERS.implement(tgt.QuantizeOp)
 def _quantize(lib: KernelLibrary, f: KernelBuilder, op: tgt.QuantizeOp, a: dict) -> None:
     """out = x quantized to int8 per 32 values."""
     D = tgt.row_width(op.x)
@@ -285,6 +289,7 @@ def _quantize(lib: KernelLibrary, f: KernelBuilder, op: tgt.QuantizeOp, a: dict)
 
 # ------------------------------------------------------------------------ the matmul family
 
+@EMITTERS.implement(tgt.MatmulOp)
 def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> None:
     """out[t, j] (+)= x̂[t] · w[j] (+ bias[j]); `last_row`: only row rows-1, into out row 0."""
     N, K = tgt.dims(op.weight)
@@ -312,8 +317,10 @@ def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> 
     gemm(f, rows, N, [(a["weight"], _weight_type(op.weight))], finish, a["tid"], a["nth"], isa)
 
 
+@EMITTERS.implement(tgt.SwigluOp)
 def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> None:
-    """out[t, j] = silu(x̂[t]·w_gate[j]) * (x̂[t]·w_up[j]) (`gelu`: gelu), into float rows or quantized rows.
+    """out[t, j] = act(x̂[t]·w_gate[j]) * (x̂[t]·w_up[j]) (act: silu or the op's `activation`), into float
+    rows or quantized rows.
 
     Quantized rows are written a block of 32 columns at a time: the thread computing
     the block keeps it in `block` (one tile of rows) and quantizes it when it is full.
@@ -325,13 +332,13 @@ def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> 
     out = floats(f, a["out"]) if q is None else None
 
     def finish(ts: list[ir.Value], js: list[ir.Value], vals: list[list[list[ir.Value]]]) -> None:
-        # the tile's gate values go through one vector silu (exp is the costly part)
+        # the tile's gate values go through one vector activation (exp is the costly part)
         b = f.b
         cells = [(ri, ci) for ri in range(len(ts)) for ci in range(len(js))]
         g = ir.Constant(ir.VectorType(F32, len(cells)), None)
         for i, (ri, ci) in enumerate(cells):
             g = b.insert_element(g, vals[0][ri][ci], ir.Constant(I32, i))
-        act = f.gelu_tanh(g) if op.gelu is not None else f.silu(g)
+        act = getattr(f, ACTIVATIONS[activation_of(op)].builder)(g)
         for i, (ri, ci) in enumerate(cells):
             y = b.fmul(b.extract_element(act, ir.Constant(I32, i)), vals[1][ri][ci])
             if block is not None:
@@ -355,6 +362,7 @@ def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> 
 # ------------------------------------------------------------------------ mixture of experts
 
 
+@EMITTERS.implement(tgt.MoeOp)
 def _moe(lib: KernelLibrary, f: KernelBuilder, op: tgt.MoeOp, a: dict) -> None:
     """A mixture of experts in three phases, a barrier between them. Only the chosen experts'
     weight rows are read, each dequantized once per call into a row on the stack and dotted
@@ -537,11 +545,13 @@ def _each_element(f: KernelBuilder, op: tgt.Kernel, a: dict, compute: Callable[[
             f.store(compute(t, c), out, f.add(f.mul(t, W), c))
 
 
+@EMITTERS.implement(tgt.BinaryOp)
 def _binary(lib: KernelLibrary, f: KernelBuilder, op: tgt.BinaryOp, a: dict) -> None:
     fn = _binary_kind(f, op.kind.data)
     _each_element(f, op, a, lambda t, c: fn(_element(f, op, a, "lhs", t, c), _element(f, op, a, "rhs", t, c)))
 
 
+@EMITTERS.implement(tgt.ScalarOp)
 def _scalar(lib: KernelLibrary, f: KernelBuilder, op: tgt.ScalarOp, a: dict) -> None:
     value = op.value.value.data
     if op.kind.data == "pow":
@@ -553,11 +563,13 @@ def _scalar(lib: KernelLibrary, f: KernelBuilder, op: tgt.ScalarOp, a: dict) -> 
                   else fn(_element(f, op, a, "x", t, c), s))
 
 
+@EMITTERS.implement(tgt.UnaryOp)
 def _unary(lib: KernelLibrary, f: KernelBuilder, op: tgt.UnaryOp, a: dict) -> None:
     fn = _unary_kind(f, op.kind.data)
     _each_element(f, op, a, lambda t, c: fn(_element(f, op, a, "x", t, c)))
 
 
+@EMITTERS.implement(tgt.ReduceOp)
 def _reduce(lib: KernelLibrary, f: KernelBuilder, op: tgt.ReduceOp, a: dict) -> None:
     W, kind, b = tgt.row_width(op.x), op.kind.data, f.b
     x, out = floats(f, a["x"]), floats(f, a["out"])
@@ -576,22 +588,15 @@ def _reduce(lib: KernelLibrary, f: KernelBuilder, op: tgt.ReduceOp, a: dict) -> 
         f.store(result, out, t)
 
 
-_EMITTERS: dict[type[tgt.Kernel], Callable] = {
-    tgt.EmbeddingOp: _embedding,
-    tgt.RMSNormOp: _rms_norm,
-    tgt.QuantizeOp: _quantize,
-    tgt.MatmulOp: _matmul,
-    tgt.SwigluOp: _swiglu,
-    tgt.RopeOp: attention.rope,
-    tgt.AttentionOp: attention.attention,
-    tgt.AddOp: _elementwise(lambda f, v: f.b.fadd(v[0], v[1]), ("lhs", "rhs")),
-    tgt.MulOp: _elementwise(lambda f, v: f.b.fmul(v[0], v[1]), ("lhs", "rhs")),
-    tgt.SiluOp: _elementwise(lambda f, v: f.silu(v[0]), ("x",)),
-    tgt.GeluOp: _elementwise(lambda f, v: f.gelu_tanh(v[0]), ("x",)),
-    tgt.MoeOp: _moe,
-    tgt.BinaryOp: _binary,
-    tgt.ScalarOp: _scalar,
-    tgt.UnaryOp: _unary,
-    tgt.ReduceOp: _reduce,
-}
+@EMITTERS.implement(*tgt.ACTIVATION_KERNELS.values())
+def _activation(lib: KernelLibrary, f: KernelBuilder, op: tgt.Kernel, a: dict) -> None:
+    """`out = act(x)` for an activation kernel (`tgt.silu`, `tgt.gelu_tanh`): its builder method, vectorised."""
+    builder = ACTIVATIONS[op.ACTIVATION].builder  # type: ignore[attr-defined]
+    _elementwise(lambda f, v: getattr(f, builder)(v[0]), ("x",))(lib, f, op, a)
+
+
+EMITTERS.implement(tgt.AddOp)(_elementwise(lambda f, v: f.b.fadd(v[0], v[1]), ("lhs", "rhs")))
+EMITTERS.implement(tgt.MulOp)(_elementwise(lambda f, v: f.b.fmul(v[0], v[1]), ("lhs", "rhs")))
+EMITTERS.implement(tgt.RopeOp)(attention.rope)
+EMITTERS.implement(tgt.AttentionOp)(attention.attention)
 

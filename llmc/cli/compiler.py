@@ -1,0 +1,108 @@
+"""The compiler's commands: `llmc ir`, `opt`, `verify`, `compile`."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+from llmc.cli.common import compile_options, progress
+from llmc.errors import UsageError
+
+
+def _out(text: str, path: str | None) -> None:
+    if path is None or path == "-":
+        sys.stdout.write(text)
+    else:
+        Path(path).write_text(text)
+
+
+def _dumper(args: argparse.Namespace):
+    from llmc.passes.pipeline import IRDumper
+
+    return IRDumper(
+        print_to=(lambda s: print(s, file=sys.stderr, end="")) if args.print_ir_after_all else None,
+        directory=Path(args.dump_ir) if getattr(args, "dump_ir", None) else None,
+    )
+
+
+def cmd_ir(args: argparse.Namespace) -> int:
+    """Import a model and print its IR after the given phase."""
+    from llmc.driver import BackendOptions, target_attr
+    from llmc.frontend import import_model, load_model
+    from llmc.ir import tgt
+    from llmc.ir.text import print_module
+    from llmc.passes.pipeline import phases_through, run_phase
+
+    dump = _dumper(args)
+    model = load_model(args.model, args.allow_pickle, args.tokenizer)
+    module = import_model(model)
+    module.attributes[tgt.TARGET] = target_attr(BackendOptions(cpu=args.cpu))
+    for phase in phases_through(args.phase):
+        run_phase(module, phase, dump, weights=model.weights)
+    _out(print_module(module, generic=args.generic), args.output)
+    return 0
+
+
+def cmd_opt(args: argparse.Namespace) -> int:
+    """Parse an .mlir file of llmc's dialects, verify it, run passes, print the result. A pass that ends a
+    phase moves the module's `llm.phase` on, so phase passes chain: `llmc opt q.mlir -p split,group`."""
+    from llmc.ir.text import parse_module, print_module, verify_module
+    from llmc.passes.pipeline import run_passes
+    from llmc.passes.registry import parse_passes
+
+    if args.file == "-":
+        text, source = sys.stdin.read(), "<stdin>"
+    else:
+        try:
+            text, source = Path(args.file).read_text(), args.file
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"cannot read {args.file}: {e}") from e
+    passes = parse_passes(args.passes or "")
+    module = parse_module(text, source)
+    verify_module(module)
+    dump = _dumper(args)
+    run_passes(module, passes, dump)
+    _out(print_module(module, generic=args.generic), args.output)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Run the source model's reference (transformers fp32) and each llmc stage on the same tokens; print
+    cosine similarity, max abs error and top-1 agreement per stage. Exits 1 when a stage's cosine is below the
+    tolerance."""
+    os.environ.setdefault("TQDM_DISABLE", "1")  # before tqdm is imported: transformers' GGUF loading draws bars
+    from llmc.verify import verify_model
+
+    artifact = Path(args.artifact) if args.artifact else None
+    reference = Path(args.reference) if args.reference else None
+    ok = verify_model(args.model, args.prompt, args.tolerance, artifact, print, progress, args.allow_pickle,
+                      compile_options(args), args.cpu, reference, args.tokenizer, args.per_layer)
+    if not ok:
+        print("FAILED: a stage's cosine is below what it needs", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def _default_output(model: str) -> Path:
+    return Path(Path(model.rstrip("/")).stem + ".llmc")
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    """Compile a model through every phase into an artifact directory (manifest.json, weights.bin, kernels.so
+    or kernels.ptx, tokenizer.json) that 'llmc run' executes."""
+    from llmc.driver import BackendOptions, compile_model
+
+    options = compile_options(args)
+    dump = _dumper(args)
+    out = Path(args.output) if args.output else (None if args.compile_to else _default_output(args.model))
+    backend = BackendOptions(args.target, args.cpu, args.gpu)
+    from llmc.backends import kernel_cache
+
+    with kernel_cache.disabled() if args.no_cache else contextlib.nullcontext():
+        result = compile_model(args.model, out, options, backend, args.compile_to, dump,
+                               progress=progress, allow_pickle=args.allow_pickle, tokenizer=args.tokenizer)
+    if isinstance(result, str):
+        _out(result, args.output)
+    return 0

@@ -1,0 +1,161 @@
+"""The commands that measure: `llmc tokenize`, `bench`, `perplexity`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from llmc.cli.common import compile_options, progress
+from llmc.errors import UsageError
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    """Tokenize TEXT with a model's tokenizer and print each token (id and piece), or only the ids (--ids);
+    with --jsonl, each line of FILE is a JSON string and each output line the JSON list of its ids. MODEL is a
+    .gguf file (a vocabulary-only one too: only the tokenizer metadata is read), a Hugging Face directory, an
+    artifact directory, or a known model name. The beginning-of-text token is added where the model says so
+    (--no-bos leaves it out)."""
+    import json
+
+    from llmc.frontend import load_tokenizer
+
+    if (args.text is None) == (args.jsonl is None):
+        raise UsageError("give the TEXT to tokenize, or --jsonl FILE (one JSON string per line), not both")
+    codec = load_tokenizer(args.model)
+
+    if args.text is not None:
+        ids = codec.encode(args.text, bos=not args.no_bos)
+        if args.ids:
+            print(json.dumps(ids))
+        else:
+            for i in ids:
+                print(f"{i:6d} -> {codec.piece(i)!r}")
+        return 0
+    lines = sys.stdin if args.jsonl == "-" else _open_text(args.jsonl)
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{args.jsonl}:{number}: not JSON ({e.msg})") from None
+        if not isinstance(text, str):
+            raise UsageError(f"{args.jsonl}:{number}: a JSON string per line, got {type(text).__name__}")
+        print(json.dumps(codec.encode(text, bos=not args.no_bos)))
+    return 0
+
+
+def _open_text(path: str):
+    try:
+        return open(path, encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from None
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Prefill tokens/s of each --prompt-tokens prompt and decode tokens/s over --decode-tokens greedy steps,
+    each with --depth tokens already in the KV cache (as llama-bench's -p, -n, -d), best of --repeat runs;
+    then the weight bytes a decode step reads and the machine's streaming read bandwidth over them. --vs
+    measures llama.cpp (llama-bench, default path and --repack 0; or the llama_cpp package) and transformers
+    fp32 on the artifact's source model, skipping any that is not installed."""
+    from llmc.runtime.artifact import load_manifest
+    from llmc.runtime.bench import bandwidth_report, benchmark, decode_weight_bytes, fit_defaults, table
+
+    directory = Path(args.artifact)
+    if args.plot:
+        from llmc.plot import check_matplotlib
+
+        check_matplotlib()
+    manifest = load_manifest(directory, check_files=False)  # (the session checks the files)
+    prompts, depths, notes = fit_defaults(manifest.kv_cache["shape"][2], args.prompt_tokens, args.depth,
+                                          args.decode_tokens)
+    for note in notes:
+        progress(f"note: {note}")
+    if not args.vs and (args.model or args.llama_bench):
+        progress("note: --model and --llama-bench apply to --vs only")
+    if args.vs:  # the peers' model first: a bad --model ends the run before anything is measured
+        from llmc import peers
+
+        source, why = peers.source_model(args.model, manifest.data)
+    progress(f"measuring llmc on {directory}")
+    result = benchmark(directory, prompts, args.decode_tokens, args.repeat, args.threads, depths)
+    engines, notes = [result.speeds], []
+    if args.vs:
+        plan = peers.Plan(prompts, depths, args.decode_tokens, args.repeat, result.threads, result.vocab_size,
+                          device=manifest.target)
+        found = peers.measure_all(args.vs, source, why, plan, args.llama_bench, progress)
+        engines += found.engines
+        notes = found.notes
+    for note in notes:
+        print(note)
+    print(table(engines, prompts, depths, args.decode_tokens, result.where))
+    nbytes, where = decode_weight_bytes(manifest)
+    print(bandwidth_report(nbytes, where, result))
+    if args.plot:
+        from llmc.plot import plot_bench
+
+        plot_bench(Path(args.plot), engines, prompts, depths, args.decode_tokens, result.where,
+                   title=f"{directory.name} ({manifest.model.get('source', '')})")
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def _compile_options_given(args: argparse.Namespace) -> bool:
+    return bool(args.quant or args.quant_output or args.requantize or args.compute != "auto" or args.calibrate
+                or args.cpu != "native"
+                or args.max_seq or args.prefill_chunk or args.no_group or args.kv_type != "f16" or args.max_batch != 1)
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    """Perplexity by llama.cpp's method: the text in chunks of --ctx tokens, each from an empty cache, the
+    second half of each chunk scored. MODEL is an artifact directory, or a model that is compiled first (with
+    the compile options below). --kl-base adds the mean KL divergence and top-token agreement against a base
+    (e.g. the --quant f32 build)."""
+    import tempfile
+
+    from llmc.runtime.artifact import MANIFEST
+    from llmc.runtime.codec import TextCodec
+    from llmc.runtime.perplexity import chunk_tokens, perplexity
+    from llmc.runtime.session import Conversation, open_session
+
+    try:
+        text = Path(args.text).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read --text {args.text}: {e}") from e
+    text = text[:-1] if text.endswith("\n") else text  # as llama-perplexity -f does
+    with tempfile.TemporaryDirectory(prefix="llmc-perplexity-") as tmp:
+
+        def session_of(spec: str, name: str) -> Conversation:
+            path = Path(spec)
+            if path.is_dir() and (path / MANIFEST).exists():
+                if _compile_options_given(args):
+                    progress(f"note: {spec} is an artifact; the compile options do not apply to it")
+            else:
+                try:
+                    from llmc.driver import BackendOptions, compile_model
+                except ImportError as e:
+                    raise UsageError(f"{spec} is not an artifact directory, and compiling it needs the compiler "
+                                     f"({e.name} is not installed)") from e
+                progress(f"compiling {spec} (--ctx {args.ctx})")
+                options = replace(compile_options(args), max_seq=max(args.ctx, args.max_seq or 0),
+                                  prefill_chunk=args.prefill_chunk or min(128, args.ctx))
+                path = compile_model(spec, Path(tmp) / name, options, BackendOptions(cpu=args.cpu),
+                                     progress=progress, allow_pickle=args.allow_pickle, tokenizer=args.tokenizer)
+            return open_session(path, threads=args.threads)
+
+        session = session_of(args.model, "model")
+        base = session_of(args.kl_base, "base") if args.kl_base else None
+        if base is not None and base.vocab_size != session.vocab_size:
+            raise UsageError(f"--kl-base has a vocabulary of {base.vocab_size}, the model {session.vocab_size}: "
+                             f"KL divergence needs the same vocabulary")
+        codec = TextCodec.from_artifact(session.manifest)
+        chunks = chunk_tokens(codec.encode(text), args.ctx, args.chunks, codec.bos_id, codec.add_bos)
+        progress(f"{sum(c.size for c in chunks)} tokens in {len(chunks)} chunks of {args.ctx}")
+        result = perplexity(session, chunks, base, progress)
+        print(result.report())
+        session.close()
+        if base is not None:
+            base.close()
+    return 0

@@ -1,0 +1,337 @@
+"""The `llmc` argument parser and `main`: each command's options, run by its `cmd_*` function."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from llmc import __version__
+from llmc.cli.artifact import cmd_chat, cmd_run, cmd_serve
+from llmc.cli.compiler import cmd_compile, cmd_ir, cmd_opt, cmd_verify
+from llmc.cli.measure import cmd_bench, cmd_perplexity, cmd_tokenize
+from llmc.errors import LlmcError, printable
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad options end in one line, like every other llmc error."""
+
+    def error(self, message: str) -> None:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _positive(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be in (0, 3600] seconds, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {text}")
+    return value
+
+
+# the storage types of `llmc.ir.formats.Storage` (not imported here: `llmc run` needs no compiler)
+
+
+# the storage types of `llmc.ir.formats.Storage` (not imported here: `llmc run` needs no compiler)
+QUANT_TYPES = ("f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, int4-g32, int4-g64, int4-g128, "
+               "int4-g256")
+
+
+def _add_quant_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cpu", default="native", metavar="NAME",
+                   help="CPU to generate code for: 'native' (this machine) or a CPU name such as x86-64-v3, "
+                        "sapphirerapids, znver4")
+    p.add_argument("--quant", metavar="TYPE",
+                   help=f"storage of the matmul weights ({QUANT_TYPES}); applies to float tensors, and to "
+                        "quantized ones with --requantize (default: the model's own types)")
+    p.add_argument("--quant-output", metavar="TYPE",
+                   help="storage of the token embedding and the LM head (default: --quant, but not below q8_0)")
+    p.add_argument("--requantize", action="store_true",
+                   help="let --quant convert tensors that the model file already stores quantized")
+    p.add_argument("--compute", choices=["auto", "a32", "a8", "a16"], default="auto",
+                   help="matmul compute mode: a8 (int8 activations, integer dot products), a16 (int16 "
+                        "activations as two int8 planes: near a32's accuracy, decode near a8's speed), a32 (float "
+                        "activations), or auto (default): a8 or a16 per matmul, from a calibration, keeping "
+                        "decode within 20%% and prefill within 25%% of all-a8")
+    p.add_argument("--calibrate", metavar="FILE",
+                   help="--compute auto: calibrate on the first 128 tokens of this UTF-8 text (default: a built-in "
+                        "set of chat conversations in the model's template and plain text)")
+
+
+def _add_kv_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-type", choices=["f32", "f16", "q8_0"], default="f16",
+                   help="element type of the KV cache: f16 (default) reads half the bytes of f32, q8_0 "
+                        "(int8 and a scale per 32) 0.56 of f16")
+
+
+def _add_compile_options(p: argparse.ArgumentParser) -> None:
+    _add_quant_options(p)
+    _add_kv_option(p)
+    p.add_argument("--no-group", action="store_true", help="skip layer grouping: one kernel per op (to compare)")
+    p.add_argument("--max-seq", type=_positive, metavar="N",
+                   help="KV cache capacity in tokens (default: the model's context length, at most 4096)")
+    p.add_argument("--prefill-chunk", type=_positive, metavar="N",
+                   help="most tokens one prefill call takes; longer prompts go in chunks (default: 128, 512 "
+                        "for --target cuda; at most --max-seq)")
+    p.add_argument("--max-batch", type=_positive, metavar="B", default=1,
+                   help="sequences decoded together: the KV cache holds B of them (each --max-seq tokens) and "
+                        "one decode call takes a token of each, reading the weights once (`llmc serve`; "
+                        "default 1)")
+    _add_raise_option(p)
+
+
+def _add_raise_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-raise", action="append", metavar="NAME",
+                   help="for a .pt2/.onnx graph: leave this pattern unraised, its primitive ops compiled by "
+                        "generic kernels (to compare; repeatable; one of embedding, linear, rms-norm, swiglu, "
+                        "rope, attention, lm-head)")
+
+
+def _add_dump_options(p: argparse.ArgumentParser, to_directory: bool = True) -> None:
+    p.add_argument("--print-ir-after-all", action="store_true", help="print the IR to stderr after every pass")
+    if to_directory:
+        p.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass to DIR as numbered .mlir files")
+
+
+def _add_ir_output_options(p: argparse.ArgumentParser, to_directory: bool = True) -> None:
+    """Where the IR a command prints goes, in which form, and the dumps after every pass."""
+    p.add_argument("-o", "--output", metavar="FILE", help="write the IR to FILE instead of stdout")
+    p.add_argument("--generic", action="store_true", help="print the generic op form instead of the custom one")
+    _add_dump_options(p, to_directory)
+
+
+def _int_list(minimum: int):
+    """An argparse type: comma-separated integers >= `minimum`, duplicates dropped, order kept."""
+
+    def parse(text: str) -> list[int]:
+        values = []
+        for part in text.split(","):
+            value = _int(part.strip())
+            if value < minimum:
+                raise argparse.ArgumentTypeError(f"each value must be >= {minimum}, got {part.strip()}")
+            values.append(value)
+        return list(dict.fromkeys(values))
+
+    return parse
+
+
+def _peer_list(text: str) -> list[str]:
+    from llmc.peers import PEERS
+
+    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PEERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown peer {unknown[0]!r} (peers: {', '.join(PEERS)})" if unknown
+                                         else f"no peer named (peers: {', '.join(PEERS)})")
+    return list(dict.fromkeys(names))
+
+
+def _command(sub, run, parents: list[argparse.ArgumentParser], help: str) -> argparse.ArgumentParser:
+    """The subcommand `run` implements (`cmd_bench`: `llmc bench`), its docstring the description."""
+    p = sub.add_parser(run.__name__.removeprefix("cmd_"), parents=parents, help=help, description=run.__doc__)
+    p.set_defaults(run=run)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the full traceback on errors")
+    model_help = ("a .gguf file, a Hugging Face model directory, an exported graph (.pt2 from torch.export.save, "
+                  ".onnx), or a known model name (smollm2-135m)")
+    model_args = argparse.ArgumentParser(add_help=False)
+    model_args.add_argument("model", metavar="MODEL", help=model_help)
+    model_args.add_argument("--allow-pickle", action="store_true",
+                            help="load pickle checkpoints (*.bin, *.pt) of a Hugging Face directory, through "
+                                 "torch's weights-only loader, and .pt2 files whose loading can run code "
+                                 "(pickled parts, guard code, compiled packages); without it they are refused")
+    model_args.add_argument("--tokenizer", metavar="PATH",
+                            help="for a .pt2/.onnx graph: its tokenizer (a tokenizer.json, its directory, a .gguf "
+                                 "file or a known model name; default: the tokenizer.json beside the graph)")
+
+    parser = _Parser(
+        prog="llmc",
+        description="llmc: an ahead-of-time compiler for large language models.",
+        epilog="Run 'llmc COMMAND --help' for the options of a command.",
+    )
+    parser.add_argument("--version", action="version", version=f"llmc {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = _command(sub, cmd_ir, [common, model_args], "print a model's IR after a phase")
+    p.add_argument("--phase", choices=["import", "optimize"], default="import",
+                   help="the last phase to run (default: import; 'llmc compile --compile-to' runs later ones)")
+    p.add_argument("--cpu", default="native", metavar="NAME",
+                   help="the CPU recorded as the module's target (default: native)")
+    _add_ir_output_options(p)
+
+    p = _command(sub, cmd_opt, [common], "parse, verify, transform and print IR")
+    p.add_argument("file", metavar="FILE.mlir", help="IR text to read ('-' for stdin)")
+    p.add_argument("-p", "--passes", metavar="PASS,PASS",
+                   help="comma-separated passes to run in order, options in braces as xDSL writes them: "
+                        "'canonicalize,dce', 'quantize{compute=a16},split{prefill_chunk=4 max_seq=16},group' "
+                        "(an unknown name lists the passes)")
+    _add_ir_output_options(p, to_directory=False)
+
+    p = _command(sub, cmd_verify, [common, model_args], "compare every stage's logits with the source model")
+    p.add_argument("--prompt", default="The capital of France is", help="text to run (default: %(default)r)")
+    p.add_argument("--tolerance", type=float, default=0.9999, metavar="COS",
+                   help="lowest acceptable cosine similarity per stage (default: %(default)s)")
+    p.add_argument("--artifact", metavar="DIR",
+                   help="check this compiled artifact of MODEL, with the options it was compiled with "
+                        "(default: compile one to a temporary directory)")
+    p.add_argument("--reference", metavar="DIR",
+                   help="take the reference from this Hugging Face directory of the same model (the checkpoint "
+                        "a GGUF file was converted from; transformers reads few GGUF features) "
+                        "(default: MODEL itself)")
+    p.add_argument("--per-layer", action="store_true",
+                   help="after the stages, one row per projection: the compute mode quantize chose and the relative "
+                        "output error of a8 and a16 activations on the prompt (why a layer was kept wider)")
+    _add_quant_options(p)
+    _add_kv_option(p)
+    _add_raise_option(p)
+
+    p = _command(sub, cmd_compile, [common, model_args], "compile a model to an artifact")
+    p.add_argument("--target", default="cpu", choices=["cpu", "cuda"], help="code generation target (default: cpu)")
+    p.add_argument("--gpu", default="sm_80,sm_90", metavar="SM[,SM]",
+                   help="with --target cuda: GPU architectures (sm_80, sm_86, sm_89, sm_90); PTX for the oldest, "
+                        "a cubin for each when ptxas is on PATH (default: %(default)s)")
+    p.add_argument("-o", "--output", metavar="DIR",
+                   help="artifact directory (default: MODEL's name + .llmc): a new or empty folder, or an artifact, "
+                        "replaced once the compile succeeds; with --compile-to, the IR file")
+    _add_compile_options(p)
+    p.add_argument("--compile-to", metavar="PHASE",
+                   choices=["import", "optimize", "quantize", "split", "group", "lower"],
+                   help="stop after PHASE and print its IR (to -o FILE if given)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="compile every kernel with LLVM, neither reading nor writing the kernel cache "
+                        "($LLMC_CACHE_DIR, else ~/.cache/llmc; LLMC_CACHE_DIR=off turns it off for good)")
+    _add_dump_options(p)
+
+    # what every command that runs an artifact takes, and what those that sample take
+    artifact_args = argparse.ArgumentParser(add_help=False)
+    artifact_args.add_argument("artifact", metavar="DIR", help="an artifact directory from 'llmc compile'")
+    artifact_args.add_argument("--no-verify", action="store_true",
+                               help="skip the sha256 check of the artifact's files (their sizes and places, and "
+                                    "the manifest against its kernels, are checked still)")
+    artifact_args.add_argument("--threads", type=_positive, metavar="N",
+                               help="threads to run on (default: every CPU available)")
+    artifact_args.add_argument("--template-seconds", type=_seconds, default=1.0, metavar="S",
+                               help="the most time one rendering of the chat template may take; a template "
+                                    "that needs more is refused (default: %(default)s)")
+    artifact_args.add_argument("--template-chars", type=_positive, default=1_000_000, metavar="N",
+                               help="the most characters a rendering of the chat template may write or build "
+                                    "(default: %(default)s)")
+    sampling_args = argparse.ArgumentParser(add_help=False)
+    sampling_args.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: 0)")
+    sampling_args.add_argument("--top-k", type=_int, default=0, metavar="K",
+                               help="sample among the K likeliest (0 = all)")
+    sampling_args.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                               help="nucleus sampling mass in (0, 1] (default: 1)")
+    sampling_args.add_argument("--seed", type=_int, metavar="S", help="random seed for sampling")
+
+    p = _command(sub, cmd_run, [common, artifact_args, sampling_args], "generate text with a compiled artifact")
+    p.add_argument("-p", "--prompt", required=True, help="the prompt text")
+    p.add_argument("-n", type=_non_negative, default=128, metavar="N", help="most tokens to generate (default: 128)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+
+    p = _command(sub, cmd_serve, [common, artifact_args], "serve an artifact over an OpenAI-compatible HTTP API")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on; 0 = any free one "
+                                                                     "(default: %(default)s)")
+    p.add_argument("--max-batch", type=_positive, metavar="N",
+                   help="most sequences generating at once (default: every slot the artifact's cache holds)")
+    p.add_argument("--queue", type=_non_negative, default=64, metavar="N",
+                   help="requests that may wait for a slot; beyond them the server answers 429 (default: 64)")
+    for part, default, slower in (("head", 10.0, "are disconnected"), ("body", 30.0, "get 408")):
+        p.add_argument(f"--{part}-timeout", type=_seconds, default=default, metavar="S",
+                       help=f"seconds a client has to send a whole request {part}; slower ones {slower} "
+                            "(default: %(default)s)")
+
+    p = _command(sub, cmd_chat, [common, artifact_args, sampling_args], "chat with an artifact in the terminal")
+    p.add_argument("--system", metavar="TEXT", help="the system prompt")
+    p.add_argument("-n", type=_positive, default=512, metavar="N", help="most tokens per reply (default: 512)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="after each reply, a line of token counts (reused from the cache, fed, generated)")
+
+    p = _command(sub, cmd_tokenize, [common], "print a text's tokens, as llama-tokenize does")
+    p.add_argument("model", metavar="MODEL", help="a .gguf file, a Hugging Face or artifact directory, or a known "
+                                                  "model name (smollm2-135m)")
+    p.add_argument("text", metavar="TEXT", nargs="?", help="the text to tokenize")
+    p.add_argument("--ids", action="store_true", help="print only the ids, as a JSON list")
+    p.add_argument("--jsonl", metavar="FILE", help="tokenize each line of FILE (- for standard input), a JSON string")
+    p.add_argument("--no-bos", action="store_true", help="leave out the beginning-of-text token")
+
+    p = _command(sub, cmd_bench, [common], "measure prefill and decode speed, next to other engines")
+    p.add_argument("artifact", metavar="DIR", help="an artifact directory from 'llmc compile'")
+    p.add_argument("--prompt-tokens", type=_int_list(1), metavar="N,N",
+                   help="prefill lengths (default: 128,512,2048, those that fit the KV cache)")
+    p.add_argument("--depth", type=_int_list(0), metavar="D,D",
+                   help="tokens already in the KV cache for each test (default: 0,2048, those that fit)")
+    p.add_argument("--decode-tokens", type=_positive, default=128, metavar="N", help="decode steps (default: 128)")
+    p.add_argument("--repeat", type=_positive, default=3, metavar="N", help="runs; the best is reported (default: 3)")
+    p.add_argument("--threads", type=_positive, metavar="N",
+                   help="threads to run on, for every engine (default: every CPU available)")
+    p.add_argument("--vs", type=_peer_list, metavar="PEER,PEER",
+                   help="also measure these engines: llama.cpp, transformers")
+    p.add_argument("--model", metavar="GGUF_OR_HF_DIR",
+                   help="the model the peers run (default: the artifact's source, if the manifest records one)")
+    p.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench binary (default: on PATH)")
+    p.add_argument("--plot", metavar="FILE.png", help="write a bar chart of the tokens/s (needs matplotlib)")
+
+    p = _command(sub, cmd_perplexity, [common, model_args], "perplexity of a model on a text")
+    p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score")
+    p.add_argument("--ctx", type=_positive, default=512, metavar="N", help="tokens per chunk (default: 512)")
+    p.add_argument("--chunks", type=_positive, metavar="N", help="score only the first N chunks")
+    p.add_argument("--kl-base", metavar="MODEL|DIR", help="an artifact (or model) to compare the distributions with")
+    p.add_argument("--threads", type=_positive, metavar="N", help="threads to run on (default: every CPU available)")
+    _add_compile_options(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except LlmcError as e:
+        if args.debug:
+            raise
+        print(f"llmc: error: {printable(e, 1000)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        if args.debug:
+            raise
+        print(f"llmc: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 1

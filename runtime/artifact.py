@@ -23,20 +23,24 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmc.abi import (
+    ARGMAX_TOKEN,
+    BATCH_ARGUMENTS,
+    DESCRIPTION,
+    ENTRY_ARGUMENTS,
+    ENTRY_POINTS,
+    IMPLICIT_ARGUMENTS,
+    KV_DTYPES,
+    KV_LAYOUT,
+    KV_LAYOUT_SLOTS,
+    POINTER,
+    entry_arguments,
+    entry_symbol,
+)
 from llmc.errors import LlmcError, printable
 
 SCHEMA_VERSION = 5
 MANIFEST = "manifest.json"
-DESCRIPTION = "llmc_description"  # the kernels library's own description, a NUL-terminated JSON string
-PTX_DESCRIPTION = f"// {DESCRIPTION} "  # the start of the PTX's last line, which holds the same
-ENTRY_POINTS = ("prefill", "prefill_kv", "decode", "score")
-KV_LAYOUT = "layer,kv_head,position,dim"  # the KV cache's dimensions (as `tgt.KV_LAYOUT`)
-KV_LAYOUT_SLOTS = "layer,slot,kv_head,position,dim"  # a cache of several sequences (`tgt.KV_LAYOUT_SLOTS`)
-# what the runtime passes for each argument an entry point may name in the manifest
-KV_DTYPES = {"f32": "float32", "f16": "float16", "q8_0": "int8"}  # the KV cache's types, as numpy arrays
-ARGUMENTS = ("tokens", "positions", "n", "k_cache", "v_cache", "logits", "arena", "weights", "tid", "nth", "sync")
-BATCH_ARGUMENTS = ("slots",)  # what artifacts whose cache holds several sequences take too
-INTEGER_ARGUMENTS = ("n", "tid", "nth")
 # /proc/cpuinfo flag of each CPU feature a kernel may need
 _CPU_FLAGS = {
     "avx2": "avx2", "fma": "fma", "f16c": "f16c", "bmi2": "bmi2", "avx512f": "avx512f", "avx512bw": "avx512bw",
@@ -171,16 +175,18 @@ def _check_schema(path: Path, data: dict) -> None:
 
 
 def _check_cpu_entry(name: str, entry: dict) -> None:
-    if entry["symbol"] != f"llmc_{name}":
+    if entry["symbol"] != entry_symbol(name):
         raise ValueError(f"entry point {name} has symbol {entry['symbol']!r}")
     arguments = entry["arguments"]
-    if not (isinstance(arguments, list) and sorted(set(arguments) - set(BATCH_ARGUMENTS)) == sorted(ARGUMENTS)
+    passed = (*entry_arguments(slots=1), *IMPLICIT_ARGUMENTS)
+    if not (isinstance(arguments, list) and sorted(set(arguments) - set(BATCH_ARGUMENTS)) == sorted(passed)
             and len(set(arguments)) == len(arguments)):
         raise ValueError(f"entry point {name} takes arguments {arguments!r}; this runtime passes "
-                         f"{', '.join(ARGUMENTS)}")
+                         f"{', '.join(passed)}")
 
 
-_LAUNCH_ARGUMENTS = ("tokens", "positions", "slots", "k_cache", "v_cache", "logits", "token")
+# the buffers a CUDA launch may name: the entry's own, and the argmax's token
+_LAUNCH_ARGUMENTS = (*(name for name, kind in ENTRY_ARGUMENTS.items() if kind == POINTER), ARGMAX_TOKEN)
 _MAX_GRID = 1 << 31
 
 

@@ -26,10 +26,9 @@ from typing import Protocol
 
 import numpy as np
 
+from llmc.abi import ARGMAX_TOKEN, KV_DTYPES, PTX_DESCRIPTION
 from llmc.errors import LlmcError, printable
 from llmc.runtime.artifact import (
-    KV_DTYPES,
-    PTX_DESCRIPTION,
     ArtifactError,
     Manifest,
     check_description,
@@ -231,7 +230,7 @@ class CudaSession(Conversation):
             "tokens": dev.alloc(self.tokens.nbytes), "positions": dev.alloc(self.positions.nbytes),
             "slots": dev.alloc(self.slot_ids.nbytes),
             "logits": dev.alloc(max(int(np.prod(e["logits"])) for e in manifest.entry_points.values()) * 4),
-            "token": dev.alloc(4),
+            ARGMAX_TOKEN: dev.alloc(4),
         }
         dev.upload(self.buffers["weights"], weights)
         argmax = manifest.data["gpu"]["argmax"]
@@ -321,7 +320,7 @@ class CudaSession(Conversation):
         """The argmax of the logits on the device (row 0)."""
         self.device.launch(*self._argmax)
         token = np.zeros(1, np.int32)
-        self.device.download(self.buffers["token"], token)
+        self.device.download(self.buffers[ARGMAX_TOKEN], token)
         return int(token[0])
 
     @property

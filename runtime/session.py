@@ -20,12 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+from llmc.abi import ENTRY_POINTS, INT64, KV_DTYPES, READ_PROBE_ARGUMENTS, READ_PROBE_STEP, argument_kind
 from llmc.errors import LlmcError
 from llmc.runtime import amx
 from llmc.runtime.artifact import (
-    ENTRY_POINTS,
-    INTEGER_ARGUMENTS,
-    KV_DTYPES,
     ArtifactError,
     Manifest,
     check_description,
@@ -82,6 +80,11 @@ class _Team:
 
 def _ptr(a: np.ndarray) -> int:
     return a.ctypes.data
+
+
+def _ctype(kind: str) -> type:
+    """How ctypes passes an argument of `kind` (`llmc.abi`): an int64, or an address."""
+    return ctypes.c_int64 if kind == INT64 else ctypes.c_void_p
 
 
 class CapacityError(LlmcError):
@@ -245,7 +248,7 @@ class Session(Conversation):
         for name in ENTRY_POINTS:
             entry = self.manifest.entry_points[name]
             fn = getattr(self.library, entry["symbol"])
-            fn.argtypes = [ctypes.c_int64 if a in INTEGER_ARGUMENTS else ctypes.c_void_p for a in entry["arguments"]]
+            fn.argtypes = [_ctype(argument_kind(a)) for a in entry["arguments"]]
             fn.restype = None
             self.entries[name] = (fn, entry["arguments"])
         kv = self.manifest.kv_cache
@@ -293,7 +296,7 @@ class Session(Conversation):
         """GB/s at which this session's threads read the weights once (the kernels' read
         probe, as a decode step streams them), best of `repeat` passes after a warm one."""
         probe = getattr(self.library, self.manifest.data["read_probe"])
-        probe.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        probe.argtypes = [_ctype(kind) for kind in READ_PROBE_ARGUMENTS.values()]
         probe.restype = None
         out = np.zeros(self.threads, np.int64)
         size = self.weights.size
@@ -302,4 +305,4 @@ class Session(Conversation):
             start = time.perf_counter()
             self.team.run(lambda tid: probe(self.weights.ctypes.data, size, tid, self.threads, _ptr(out)))
             best = min(best, time.perf_counter() - start)
-        return size // 256 * 256 / best / 1e9
+        return size // READ_PROBE_STEP * READ_PROBE_STEP / best / 1e9

@@ -64,7 +64,6 @@ from llmc.ir.tgt.kernels import (
 )
 from llmc.ir.tgt.types import *  # noqa: F403
 from llmc.ir.tgt.types import IsaAttr, LayoutAttr, QRowsType, StorageType, TargetAttr, WeightType
-from llmc.runtime.artifact import KV_LAYOUT, KV_LAYOUT_SLOTS  # noqa: F401 (the cache's layouts, as the runtime reads them)
 
 KERNELS: tuple[type[Kernel], ...] = (
     EmbeddingOp, RMSNormOp, QuantizeOp, MatmulOp, SwigluOp, RopeOp, AttentionOp, AddOp, MulOp, SiluOp, GeluOp,

@@ -33,6 +33,7 @@ from xdsl.parser import AttrParser
 from xdsl.printer import Printer
 from xdsl.utils.exceptions import VerifyException
 
+from llmc.abi import ELEMENT_BYTES, kv_q8_row_bytes
 from llmc.ir.formats import FORMATS, Storage
 from llmc.ir.layouts import Layout, QRowLayout, weight_nbytes
 
@@ -87,7 +88,6 @@ class TargetAttr(ParametrizedAttribute):
 
 
 TARGET = "tgt.target"
-KV_Q8_SCALES = 4  # bytes of f32 scale per 32 values of a q8_0 cache row
 MAX_THREADS = 64  # the most threads an entry point runs on (the runtime caps its team)
 ATTENTION_SPLIT_ROWS = 4  # up to this many rows, attention's threads share cache positions
 
@@ -272,13 +272,10 @@ def row_width(value: SSAValue) -> int:
     return math.prod(dims(value)[1:])
 
 
-ELEMENT_BYTES = {"f32": 4, "i32": 4, "f16": 2, "i8": 1}
-
-
 def kv_row_width(head_dim: int, element: Attribute) -> int:
     """Elements of one cache row: `head_dim`, or for an i8 (q8_0) cache the int8 values
-    followed by one f32 scale per 32 (`head_dim + head_dim / 8` bytes)."""
-    return head_dim + head_dim // 32 * KV_Q8_SCALES if str(element) == "i8" else head_dim
+    followed by one f32 scale per 32 (`llmc.abi.kv_q8_row_bytes`)."""
+    return kv_q8_row_bytes(head_dim) if str(element) == "i8" else head_dim
 
 
 def nbytes(t: Attribute) -> int:

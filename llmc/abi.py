@@ -1,0 +1,104 @@
+"""The contract between the compiler and the runtime: what an artifact's entry points are called,
+what they take, how their KV cache is laid out, and what the kernels library exports besides.
+
+The compiler writes artifacts to it (`lower` names the entry arguments, codegen emits the
+functions, the probe and the description, the interpreters read the cache rows) and the runtime
+reads them by it (`runtime.artifact` checks a manifest against it, the sessions pass arguments
+by it). Each fact is here once. This module must stay dependency-free (the standard library
+only): the runtime imports it where the compiler stack (xdsl, llvmlite) is not installed.
+
+A CPU entry point, as exported by `kernels.so` (`slots` only where the cache holds several sequences):
+
+```c
+void llmc_decode(int32_t *tokens, int32_t *positions, int32_t *slots, int64_t n, void *k_cache, void *v_cache,
+                 float *logits, uint8_t *arena, uint8_t *weights, int64_t tid, int64_t nth, int64_t *sync);
+```
+"""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------- entry points
+
+ENTRY_POINTS = ("prefill", "prefill_kv", "decode", "score")  # every artifact has each
+ENTRY_PREFIX = "llmc_"  # what a kernels library exports: entry points, the read probe, the AMX flag, its description
+
+# An argument's kind: an int64 by value, or a pointer (to what, for the reader; the call passes an address).
+INT64, POINTER = "i64", "ptr"
+
+# The arguments of every lowered entry point, in order: the tgt function's own (`BATCH_ARGUMENTS`
+# only where the cache holds several sequences) ...
+ENTRY_ARGUMENTS: dict[str, str] = {
+    "tokens": POINTER,  # int32 token ids, one per row
+    "positions": POINTER,  # int32 cache position of each row
+    "slots": POINTER,  # int32 cache slot (sequence) of each row
+    "n": INT64,  # the rows in this call
+    "k_cache": POINTER,  # the caches, `KV_LAYOUT` or `KV_LAYOUT_SLOTS`, rows of the cache's type
+    "v_cache": POINTER,
+    "logits": POINTER,  # float32 [rows, vocabulary]
+}
+BATCH_ARGUMENTS = ("slots",)
+# ... then, on the CPU, what every entry point also takes.
+IMPLICIT_ARGUMENTS: dict[str, str] = {
+    "arena": POINTER,  # the activations' arena (`arena_bytes`)
+    "weights": POINTER,  # the mapped weights file
+    "tid": INT64,  # this thread's index, of
+    "nth": INT64,  # this many threads (at most `max_threads`)
+    "sync": POINTER,  # the threads' barrier: two int64, zeroed once
+}
+# The most threads an entry point runs on: the manifest's `max_threads`, the runtime's cap on its team, and the
+# rows of `tgt.attention`'s partials (one per CPU thread or CUDA block sharing a row's cache positions).
+MAX_THREADS = 64
+ARGMAX_TOKEN = "token"  # CUDA: the int32 the decoding argmax writes (a launch argument besides the entry's own)
+
+
+def entry_symbol(stage: str) -> str:
+    """The exported function of entry point `stage` (`llmc_decode`)."""
+    return f"{ENTRY_PREFIX}{stage}"
+
+
+def entry_arguments(slots: int) -> tuple[str, ...]:
+    """The own arguments of an entry point whose cache holds `slots` sequences, in order."""
+    return tuple(name for name in ENTRY_ARGUMENTS if name not in BATCH_ARGUMENTS or slots > 1)
+
+
+def argument_kind(name: str) -> str:
+    """`INT64` or `POINTER`: how an entry point's argument `name` is passed."""
+    return {**ENTRY_ARGUMENTS, **IMPLICIT_ARGUMENTS}[name]
+
+
+# ---------------------------------------------------------------- the KV cache
+
+KV_LAYOUT = "layer,kv_head,position,dim"  # the KV cache's dimensions
+KV_LAYOUT_SLOTS = "layer,slot,kv_head,position,dim"  # a cache of several sequences
+KV_DTYPES = {"f32": "float32", "f16": "float16", "q8_0": "int8"}  # `--kv-type` → the cache's numpy element type
+
+# A q8_0 cache row: the head's `head_dim` values as int8, then one float32 scale per block of
+# `KV_Q8_BLOCK` values (block b's at byte `head_dim + KV_Q8_SCALE_BYTES * b`); a value is its
+# int8 times its block's scale (scale = amax / 127).
+KV_Q8_BLOCK = 32
+KV_Q8_SCALE_BYTES = 4
+
+
+def kv_q8_row_bytes(head_dim: int) -> int:
+    """Bytes of one q8_0 cache row of `head_dim` values (`head_dim` a multiple of `KV_Q8_BLOCK`)."""
+    return head_dim + head_dim // KV_Q8_BLOCK * KV_Q8_SCALE_BYTES
+
+
+def kv_q8_head_dim(row_bytes: int) -> int:
+    """The values a q8_0 cache row of `row_bytes` holds (the inverse of `kv_q8_row_bytes`)."""
+    return row_bytes * KV_Q8_BLOCK // (KV_Q8_BLOCK + KV_Q8_SCALE_BYTES)
+
+
+ELEMENT_BYTES = {"f32": 4, "i32": 4, "f16": 2, "i8": 1}  # bytes of a buffer element, by its IR type
+
+# ---------------------------------------------------------------- what else a kernels library exports
+
+DESCRIPTION = f"{ENTRY_PREFIX}description"  # the library's own description, a NUL-terminated JSON string
+PTX_DESCRIPTION = f"// {DESCRIPTION} "  # CUDA: the start of the PTX's last line, which holds the same
+
+# `void llmc_read(uint8_t *p, int64_t bytes, int64_t tid, int64_t nth, int64_t *out)`: thread `tid` of
+# `nth` reads its share of `bytes` (whole `READ_PROBE_STEP`s) once and leaves the xor of it in out[tid].
+READ_PROBE = f"{ENTRY_PREFIX}read"
+READ_PROBE_ARGUMENTS: dict[str, str] = {"p": POINTER, "bytes": INT64, "tid": INT64, "nth": INT64, "out": POINTER}
+READ_PROBE_STEP = 256  # bytes per iteration: four 64-byte loads
+AMX_FLAG = f"{ENTRY_PREFIX}amx"  # an int32 the runtime sets to 1 once the process may use AMX tiles

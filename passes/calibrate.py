@@ -29,6 +29,7 @@ from llmc.errors import LlmcError, UsageError
 from llmc.ir import llm
 from llmc.ir.formats import SLICE, quantize_rows
 from llmc.ir.interpreter import KVCache, rms_norm, run
+from llmc.ir.target import target_description
 from llmc.ir.weights import WeightStore
 from llmc.passes.calibration_text import CONVERSATIONS, PLAIN
 from llmc.runtime.codec import TextCodec
@@ -176,8 +177,6 @@ def calibration_for(model: Model, options: CompileOptions, target: TargetAttr) -
     """The tokens `quantize` calibrates on under `options` for `target`: none
     unless `--compute auto` chooses between integer modes there; `model`'s tokenizer encodes them,
     at most `MAX_TOKENS` and the model's context."""
-    from llmc.ir.target import target_description
-
     if options.compute != "auto" or not target_description(target).has_integer_dot():
         return []
     return calibration_tokens(model.tokenizer, options.calibrate, min(MAX_TOKENS, model.config.context_length))

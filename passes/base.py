@@ -34,9 +34,8 @@ class LlmcPass(ModulePass):
         phase = module_phase(op)
         if self.requires_phase and phase in PHASE_ORDER:
             if PHASE_ORDER.index(phase) < PHASE_ORDER.index(self.requires_phase):
-                raise LlmcError(
-                    f"pass '{self.name}' needs IR after phase '{self.requires_phase}'; this module is at phase '{phase}'"
-                )
+                raise LlmcError(f"pass '{self.name}' needs IR after phase '{self.requires_phase}'; "
+                                f"this module is at phase '{phase}'")
         self.run(ctx, op)
 
     def run(self, ctx: Context, module: ModuleOp) -> None:

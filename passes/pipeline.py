@@ -10,7 +10,9 @@
 | lower    | lower, pack, plan-memory, verify  | `tgt`                                        |
 
 The module records the last phase it went through in its `llm.phase` attribute, and
-the target it is compiled for in `tgt.target` (set before any phase runs).
+the target it is compiled for in `tgt.target` (set before any phase runs). A phase's last
+pass but `verify` ends it (`dce`, `quantize`, `split`, `group`, `plan-memory`): passes run
+one by one (`llmc opt -p split,group`) move the module's phase on as the phases would.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from xdsl.passes import ModulePass
 from llmc.errors import UsageError
 from llmc.ir.text import context, print_module
 from llmc.ir.weights import WeightStore
-from llmc.passes.base import PHASE_ORDER
+from llmc.passes.base import PHASE_ORDER, module_phase
 from llmc.passes.registry import get_pass, pass_class
 
 
@@ -52,14 +54,18 @@ RAISINGS = ("embedding", "linear", "rms-norm", "swiglu", "rope", "attention", "l
 
 PHASES: dict[str, tuple[str, ...]] = {
     "import": (),
-    "optimize": ("verify", "refine-shapes", "canonicalize", "raise-embedding", "raise-linear", "canonicalize", "raise-rms-norm",
-                 "raise-swiglu", "raise-rope", "raise-attention", "canonicalize", "raise-lm-head", "dce", "verify"),
+    "optimize": ("verify", "refine-shapes", "canonicalize", "raise-embedding", "raise-linear", "canonicalize",
+                 "raise-rms-norm", "raise-swiglu", "raise-rope", "raise-attention", "canonicalize", "raise-lm-head",
+                 "dce", "verify"),
     "quantize": ("quantize", "verify"),
     "split": ("split",),
     "group": ("group",),
     "lower": ("lower", "pack", "plan-memory", "verify"),
 }
 assert tuple(PHASES) == PHASE_ORDER
+# the pass that ends each phase that has passes: its last one but `verify`
+PHASE_ENDED_BY = {[name for name in passes if name != "verify"][-1]: phase
+                  for phase, passes in PHASES.items() if passes}
 
 
 def check_raisings(options: CompileOptions) -> None:
@@ -125,10 +131,20 @@ class IRDumper:
         self.count += 1
 
 
+def record_phase(module: ModuleOp, phase: str) -> None:
+    """Set the module's `llm.phase` to `phase` unless it is at a later one already."""
+    current = module_phase(module)
+    if current not in PHASE_ORDER or PHASE_ORDER.index(current) <= PHASE_ORDER.index(phase):
+        module.attributes["llm.phase"] = StringAttr(phase)
+
+
 def run_passes(module: ModuleOp, passes: Sequence[ModulePass], dump: IRDumper | None = None) -> None:
+    """Apply `passes` in order; a pass that ends a phase records it (`PHASE_ENDED_BY`)."""
     ctx = context()
     for p in passes:
         p.apply(ctx, module)
+        if p.name in PHASE_ENDED_BY:
+            record_phase(module, PHASE_ENDED_BY[p.name])
         if dump:
             dump(p.name, module)
 

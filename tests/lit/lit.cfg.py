@@ -4,6 +4,7 @@
 
 import os
 import sys
+import tempfile
 
 import lit.formats
 
@@ -11,7 +12,10 @@ config.name = "llmc"
 config.test_format = lit.formats.ShTest(execute_external=False)
 config.suffixes = [".mlir"]
 config.test_source_root = os.path.dirname(__file__)
-# the Python lit runs in is the one with llmc and filecheck installed (`.venv/bin/lit`, `python -m lit`)
+# lit's outputs (its test-times file) go outside the source tree
+config.test_exec_root = os.path.join(tempfile.gettempdir(), "llmc-lit")
+os.makedirs(config.test_exec_root, exist_ok=True)
+# the Python lit runs in is the one with llmc and filecheck installed (`.venv/bin/lit`)
 config.substitutions.append(("llmc-opt", f"{sys.executable} -m llmc opt"))
 config.substitutions.append(("filecheck", f"{sys.executable} -m filecheck"))
 if "PYTHONPATH" in os.environ:

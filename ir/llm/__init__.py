@@ -29,7 +29,7 @@ permutation of Q and K so that both frontends meet here).
 from xdsl.ir import Dialect
 
 from llmc.ir.llm.attributes import *  # noqa: F403 (the dialect's names are its modules' names)
-from llmc.ir.llm.attributes import ComputeAttr, KVCacheType, RopeAttr, StorageAttr
+from llmc.ir.llm.attributes import ActivationAttr, ComputeAttr, KVCacheType, RopeAttr, StorageAttr
 from llmc.ir.llm.model_ops import *  # noqa: F403
 from llmc.ir.llm.model_ops import MODEL_OPS, _UnaryOp  # noqa: F401 (lower and canonicalize dispatch on the bases)
 from llmc.ir.llm.primitive_ops import *  # noqa: F403
@@ -37,4 +37,5 @@ from llmc.ir.llm.primitive_ops import PRIMITIVE_OPS, _BinaryOp, _ReduceOp  # noq
 from llmc.ir.llm.shape_ops import *  # noqa: F403
 from llmc.ir.llm.shape_ops import SHAPE_OPS
 
-LLM = Dialect("llm", [*MODEL_OPS, *PRIMITIVE_OPS, *SHAPE_OPS], [StorageAttr, ComputeAttr, KVCacheType, RopeAttr])
+LLM = Dialect("llm", [*MODEL_OPS, *PRIMITIVE_OPS, *SHAPE_OPS],
+              [StorageAttr, ComputeAttr, ActivationAttr, KVCacheType, RopeAttr])

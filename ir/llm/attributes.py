@@ -25,6 +25,7 @@ from xdsl.dialects.builtin import (
     TensorType,
     f16,
     i8,
+    i64,
 )
 from xdsl.dialects.utils.enum_attribute import EnumAttribute
 from xdsl.ir import (
@@ -44,6 +45,7 @@ from xdsl.parser import AttrParser
 from xdsl.printer import Printer
 from xdsl.utils.exceptions import VerifyException
 
+from llmc.ir.activations import Activation
 from llmc.ir.formats import Storage
 
 f32 = Float32Type()
@@ -89,6 +91,14 @@ class ComputeAttr(EnumAttribute[Compute], SpacedOpaqueSyntaxAttribute):
     """A matmul's compute mode: `#llm<compute a8>` (just `compute a8` inside the op)."""
 
     name = "llm.compute"
+
+
+@irdl_attr_definition
+class ActivationAttr(EnumAttribute[Activation], SpacedOpaqueSyntaxAttribute):
+    """The gate activation of a gated feed-forward (`llmc.ir.activations`): `activation gelu_tanh` inside
+    `llm.swiglu` and `tgt.swiglu`."""
+
+    name = "llm.activation"
 
 
 KV_TYPES = {"f32": f32, "f16": f16, "q8_0": i8}  # the cache's element types; i8: int8 and a scale per 32
@@ -324,6 +334,12 @@ class _ShapeChecks:
     def _same(self, what: str, a: int | None, b: int | None) -> None:
         if a != b:
             self._fail(f"{what} mismatch: {'?' if a is None else a} vs {'?' if b is None else b}")
+
+    def _shape_length(self, value: SSAValue) -> int | None:
+        """The length of a shape operand, a 1-D i64 tensor (`llm.expand`, `llm.fill`); None where dynamic."""
+        (n,) = self._rank("shape", value, 1)
+        self._element("shape", value, i64)
+        return n
 
 
 def optional_value(op: Operation, name: str) -> int | float | None:

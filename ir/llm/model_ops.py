@@ -44,9 +44,11 @@ from xdsl.irdl import (
 )
 from xdsl.traits import Pure
 
+from llmc.ir.activations import ACTIVATIONS, Activation
 from llmc.ir.formats import Storage
 from llmc.ir.llm.attributes import (
     SCORING,
+    ActivationAttr,
     Compute,
     ComputeAttr,
     KVCacheType,
@@ -301,12 +303,12 @@ class LogitsOp(Projection):
 
 @irdl_op_definition
 class SwigluOp(Projection):
-    """The gated feed-forward input, fused by `group`: `silu(x · w_gateᵀ) * (x · w_upᵀ)`;
-    with `gelu`, GeGLU: `gelu(x · w_gateᵀ) * (x · w_upᵀ)` (`llm.gelu`'s tanh approximation).
+    """The gated feed-forward input, fused by `group`: `silu(x · w_gateᵀ) * (x · w_upᵀ)`; with an
+    `activation`, that one instead of silu (`gelu_tanh`: Gemma's GeGLU).
 
     ```mlir
     %h = llm.swiglu %x, %wg, %wu compute a8 : (tensor<?x576xf32>, tensor<1536x576xf32>, tensor<1536x576xf32>) -> tensor<?x1536xf32>
-    %h = llm.swiglu %x, %wg, %wu gelu : (tensor<?x2304xf32>, tensor<9216x2304xf32>, tensor<9216x2304xf32>) -> tensor<?x9216xf32>
+    %h = llm.swiglu %x, %wg, %wu activation gelu_tanh : (tensor<?x2304xf32>, tensor<9216x2304xf32>, tensor<9216x2304xf32>) -> tensor<?x9216xf32>
     ```
     """
 
@@ -316,19 +318,21 @@ class SwigluOp(Projection):
     up = operand_def(TensorType)
     norm = opt_operand_def(TensorType)
     eps = opt_prop_def(FloatAttr[Float32Type])
-    gelu = opt_prop_def(UnitAttr)
+    activation = opt_prop_def(ActivationAttr)  # none: silu
     result = result_def(TensorType)
     traits = traits_def(Pure())
     assembly_format = (
-        "$input `,` $gate `,` $up (`norm` $norm^ `eps` $eps)? (`compute` $compute^)? (`gelu` $gelu^)? attr-dict `:` "
+        "$input `,` $gate `,` $up (`norm` $norm^ `eps` $eps)? (`compute` $compute^)? (`activation` $activation^)? "
+        "attr-dict `:` "
         "`(` type($input) `,` type($gate) `,` type($up) (`norm` type($norm)^)? `)` `->` type($result)"
     )
 
     def __init__(self, x: SSAValue, gate: SSAValue, up: SSAValue, *, norm: SSAValue | None = None,
-                 eps: float | None = None, compute: Compute | None = None, gelu: bool = False):
+                 eps: float | None = None, compute: Compute | None = None,
+                 activation: Activation = Activation.SILU):
         props = _norm_props(eps if norm is not None else None, compute)
-        if gelu:
-            props["gelu"] = UnitAttr()
+        if activation is not Activation.SILU:
+            props["activation"] = ActivationAttr(activation)
         super().__init__(operands=[x, gate, up, [norm] if norm else []], properties=props,
                          result_types=[tensor(shape_of(x)[0], shape_of(gate)[0])])
 
@@ -560,18 +564,6 @@ class _UnaryOp(IRDLOperation, _ShapeChecks):
 
 
 @irdl_op_definition
-class SiluOp(_UnaryOp):
-    """The SiLU activation, `x · sigmoid(x)`.
-
-    ```mlir
-    %g = llm.silu %gate : tensor<?x1536xf32>
-    ```
-    """
-
-    name = "llm.silu"
-
-
-@irdl_op_definition
 class MoeOp(IRDLOperation, _ShapeChecks):
     """A mixture-of-experts feed-forward: each token's `top_k` experts by router score, their
     gated feed-forwards summed, weighted by the router's probabilities.
@@ -623,19 +615,30 @@ class MoeOp(IRDLOperation, _ShapeChecks):
             self._fail(f"top_k must be in 1..{e} experts, got {self.top_k.value.data}")
 
 
-@irdl_op_definition
-class GeluOp(_UnaryOp):
-    """GELU, tanh approximation (`gelu_pytorch_tanh`): `x/2 · (1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+class _ActivationOp(_UnaryOp):
+    """A gate activation, elementwise: one op per row of `llmc.ir.activations.ACTIVATIONS`."""
+
+    ACTIVATION: ClassVar[Activation]
+
+
+def _activation_op(activation: Activation) -> type[_ActivationOp]:
+    """`llm.<activation>` (`llm.gelu_tanh`: `GeluTanhOp`), documented by its table row."""
+    doc = f"""The {activation} activation, `{ACTIVATIONS[activation].formula}`; `group` fuses it into `llm.swiglu`.
 
     ```mlir
-    %g = llm.gelu %gate : tensor<?x9216xf32>
+    %g = llm.{activation} %gate : tensor<?x1536xf32>
     ```
     """
+    cls = type(activation.title().replace("_", "") + "Op", (_ActivationOp,),
+               {"name": f"llm.{activation}", "ACTIVATION": activation, "__doc__": doc, "__module__": __name__,
+                "__annotations__": {"ACTIVATION": ClassVar[Activation]}})
+    return irdl_op_definition(cls)
 
-    name = "llm.gelu"
 
+ACTIVATION_OPS = {activation: _activation_op(activation) for activation in Activation}
+SiluOp = ACTIVATION_OPS[Activation.SILU]
 
 MODEL_OPS = (
     WeightOp, EmbeddingOp, RMSNormOp, MatmulOp, LogitsOp, SwigluOp, ReshapeOp, RopeOp, AttentionOp, LastTokenOp,
-    SiluOp, GeluOp, MoeOp,
+    *ACTIVATION_OPS.values(), MoeOp,
 )

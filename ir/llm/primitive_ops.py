@@ -140,10 +140,13 @@ class _LogicOp(_PredicateOp):
 
 
 def _named_op(base: type[IRDLOperation], op_name: str, doc: str) -> type[IRDLOperation]:
-    """A subclass of `base` named after `op_name` (`llm.less_equal`: `LessEqualOp`) with `doc`;
-    its numpy meaning is in `llmc.ir.interpreter`."""
+    """A subclass of `base` named after `op_name` (`llm.less_equal`: `LessEqualOp`) with `doc`, its `KIND`
+    the name without the dialect and family (`less_equal`, `llm.reduce_sum`: `sum`): the kind of the
+    generic `tgt` kernel it lowers to. Its numpy meaning is in `llmc.ir.interpreter`."""
+    kind = op_name.split(".")[1].removeprefix("reduce_")
     cls = type(op_name.split(".")[1].title().replace("_", "") + "Op", (base,),
-               {"name": op_name, "__doc__": doc, "__module__": __name__})
+               {"name": op_name, "KIND": kind, "__doc__": doc, "__module__": __name__,
+                "__annotations__": {"KIND": ClassVar[str]}})
     return irdl_op_definition(cls)
 
 
@@ -356,6 +359,7 @@ class AddOp(_BinaryOp):
     """
 
     name = "llm.add"
+    KIND: ClassVar[str] = "add"
 
 
 @irdl_op_definition
@@ -368,7 +372,15 @@ class MulOp(_BinaryOp):
     """
 
     name = "llm.mul"
+    KIND: ClassVar[str] = "mul"
 
+
+# the elementwise and reduction families, each op with its `KIND`
+BINARY_OPS = (AddOp, MulOp, SubOp, DivOp, PowOp, MaximumOp, MinimumOp, ModOp, EqualOp, LessOp, LessEqualOp, GreaterOp,
+              GreaterEqualOp, AndOp, OrOp, XorOp)
+UNARY_OPS = (NegOp, AbsOp, SqrtOp, RsqrtOp, ReciprocalOp, ExpOp, LogOp, TanhOp, CosOp, SinOp, ErfOp, SigmoidOp, ReluOp,
+             FloorOp, CeilOp, NotOp)
+REDUCE_OPS = (ReduceSumOp, ReduceMeanOp, ReduceMaxOp, ReduceMinOp, ReduceProdOp)
 
 PRIMITIVE_OPS = (
     AddOp, MulOp, SubOp, DivOp, PowOp, MaximumOp, MinimumOp, ModOp, EqualOp, LessOp, LessEqualOp, GreaterOp,

@@ -400,8 +400,7 @@ class ExpandOp(_TypedOp):
         super().__init__(operands=[x, shape], result_types=[result_type])
 
     def verify_(self) -> None:
-        (n,) = self._rank("shape", self.shape, 1)
-        self._element("shape", self.shape, i64)
+        n = self._shape_length(self.shape)
         if n is not None and len(shape_of(self.result)) != max(n, len(shape_of(self.input))):
             self._fail("the result's rank is the larger of the input's and the shape's length")
         if element_type(self.input) != element_type(self.result):
@@ -427,8 +426,7 @@ class FillOp(_TypedOp):
         super().__init__(operands=[shape, value], result_types=[result_type])
 
     def verify_(self) -> None:
-        (n,) = self._rank("shape", self.shape, 1)
-        self._element("shape", self.shape, i64)
+        n = self._shape_length(self.shape)
         if n is not None and len(shape_of(self.result)) != n:
             self._fail(f"the result's rank must be the shape's length {n}")
         if int(math.prod(d or 1 for d in shape_of(self.value))) != 1 or element_type(self.value) != element_type(

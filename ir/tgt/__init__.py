@@ -48,10 +48,10 @@ from llmc.ir.tgt.generic_kernels import *  # noqa: F403
 from llmc.ir.tgt.generic_kernels import BinaryOp, ReduceOp, ScalarOp, UnaryOp
 from llmc.ir.tgt.kernels import *  # noqa: F403
 from llmc.ir.tgt.kernels import (
+    ACTIVATION_KERNELS,
     AddOp,
     AttentionOp,
     EmbeddingOp,
-    GeluOp,
     Kernel,
     MatmulOp,
     MoeOp,
@@ -59,15 +59,14 @@ from llmc.ir.tgt.kernels import (
     QuantizeOp,
     RMSNormOp,
     RopeOp,
-    SiluOp,
     SwigluOp,
 )
 from llmc.ir.tgt.types import *  # noqa: F403
 from llmc.ir.tgt.types import IsaAttr, LayoutAttr, QRowsType, StorageType, TargetAttr, WeightType
 
 KERNELS: tuple[type[Kernel], ...] = (
-    EmbeddingOp, RMSNormOp, QuantizeOp, MatmulOp, SwigluOp, RopeOp, AttentionOp, AddOp, MulOp, SiluOp, GeluOp,
-    MoeOp, BinaryOp, ScalarOp, UnaryOp, ReduceOp,
+    EmbeddingOp, RMSNormOp, QuantizeOp, MatmulOp, SwigluOp, RopeOp, AttentionOp, AddOp, MulOp,
+    *ACTIVATION_KERNELS.values(), MoeOp, BinaryOp, ScalarOp, UnaryOp, ReduceOp,
 )
 
 TGT = Dialect(

@@ -36,14 +36,15 @@ from xdsl.irdl import (
 )
 from xdsl.utils.exceptions import VerifyException
 
+from llmc.abi import MAX_THREADS
 from llmc.ir import named_operands
+from llmc.ir.activations import ACTIVATIONS, Activation
 from llmc.ir.formats import Storage
 from llmc.ir.layouts import Layout
-from llmc.ir.llm import RopeAttr
+from llmc.ir.llm import ActivationAttr, RopeAttr
 from llmc.ir.tgt.buffers import root
 from llmc.ir.tgt.types import (
     ATTENTION_SPLIT_ROWS,
-    MAX_THREADS,
     Activations,
     Isa,
     IsaAttr,
@@ -283,8 +284,8 @@ class MatmulOp(Kernel):
 
 @irdl_op_definition
 class SwigluOp(Kernel):
-    """The gated feed-forward input: `out[t] = silu(x[t]·w_gateᵀ) * (x[t]·w_upᵀ)` (with `gelu`:
-    GELU's tanh approximation instead of silu), norm optional.
+    """The gated feed-forward input: `out[t] = silu(x[t]·w_gateᵀ) * (x[t]·w_upᵀ)` (with an `activation`,
+    that one instead of silu: `activation gelu_tanh`), norm optional.
 
     Writes float or quantized rows (quantized 32 columns at a time by the thread that
     computed them).
@@ -301,18 +302,18 @@ class SwigluOp(Kernel):
     rows = operand_def(IndexType)
     norm = opt_operand_def(WeightType)
     eps = opt_prop_def(FloatAttr[Float32Type])
-    gelu = opt_prop_def(UnitAttr)
+    activation = opt_prop_def(ActivationAttr)  # none: silu
     isa = opt_prop_def(IsaAttr)
     assembly_format = (
-        "$x `,` $gate `,` $up `->` $out `rows` $rows (`norm` $norm^ `eps` $eps)? (`gelu` $gelu^)? (`isa` $isa^)? "
-        "attr-dict `:` type($x) `,` type($gate) `,` type($up) (`norm` type($norm)^)? `->` type($out)"
+        "$x `,` $gate `,` $up `->` $out `rows` $rows (`norm` $norm^ `eps` $eps)? (`activation` $activation^)? "
+        "(`isa` $isa^)? attr-dict `:` type($x) `,` type($gate) `,` type($up) (`norm` type($norm)^)? `->` type($out)"
     )
 
     def __init__(self, x: SSAValue, gate: SSAValue, up: SSAValue, out: SSAValue, rows: SSAValue, *,
-                 norm: SSAValue | None = None, eps: float | None = None, gelu: bool = False):
+                 norm: SSAValue | None = None, eps: float | None = None, activation: Activation = Activation.SILU):
         props = _eps_props(eps if norm is not None else None)
-        if gelu:
-            props["gelu"] = UnitAttr()
+        if activation is not Activation.SILU:
+            props["activation"] = ActivationAttr(activation)
         super().__init__(operands=[x, gate, up, out, rows, [norm] if norm else []], properties=props)
 
     def verify_(self) -> None:
@@ -489,18 +490,18 @@ class _Unary(Kernel):
         super().__init__(operands=[x, out, rows])
 
 
-@irdl_op_definition
-class SiluOp(_Unary):
-    """`out = x · sigmoid(x)` on the first `rows` rows: `tgt.silu %g -> %s rows %n : memref<128x1536xf32>`."""
+def _activation_kernel(activation: Activation) -> type[_Unary]:
+    """`tgt.<activation>` (`tgt.gelu_tanh`: `GeluTanhOp`), documented by its table row."""
+    doc = f"""`out = {ACTIVATIONS[activation].formula}` ({activation}) on the first `rows` rows:
+    `tgt.{activation} %g -> %s rows %n : memref<128x1536xf32>`."""
+    cls = type(activation.title().replace("_", "") + "Op", (_Unary,),
+               {"name": f"tgt.{activation}", "ACTIVATION": activation, "__doc__": doc, "__module__": __name__,
+                "__annotations__": {"ACTIVATION": ClassVar[Activation]}})
+    return irdl_op_definition(cls)
 
-    name = "tgt.silu"
 
-
-@irdl_op_definition
-class GeluOp(_Unary):
-    """`out = gelu(x)` (tanh approximation) on the first `rows` rows: `tgt.gelu %g -> %s rows %n : memref<128x9216xf32>`."""
-
-    name = "tgt.gelu"
+ACTIVATION_KERNELS = {activation: _activation_kernel(activation) for activation in Activation}  # one per table row
+SiluOp = ACTIVATION_KERNELS[Activation.SILU]
 
 
 @irdl_op_definition

@@ -88,7 +88,6 @@ class TargetAttr(ParametrizedAttribute):
 
 
 TARGET = "tgt.target"
-MAX_THREADS = 64  # the most threads an entry point runs on (the runtime caps its team)
 ATTENTION_SPLIT_ROWS = 4  # up to this many rows, attention's threads share cache positions
 
 

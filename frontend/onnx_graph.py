@@ -55,7 +55,8 @@ class OnnxGraph:
             inferred = onnx.shape_inference.infer_shapes(_for_inference(model), data_prop=False)
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, ValueError, RuntimeError,
                 MemoryError) as e:
-            raise ModelFormatError(source, f"ONNX shape inference fails: {(str(e).splitlines() or [type(e).__name__])[0]}") from e
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            raise ModelFormatError(source, f"ONNX shape inference fails: {first}") from e
         g = inferred.graph
         self.types = {v.name: v.type for v in (*g.input, *g.value_info, *g.output) if v.type.HasField("tensor_type")}
         # Matrices multiplied from the right: stored `[out, in]`.

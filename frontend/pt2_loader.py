@@ -307,13 +307,15 @@ def _payloads(path: Path, archive: zipfile.ZipFile, root: str, allow_pickle: boo
             raise ModelFormatError(path, f"data/{folder}/model_{folder}_config.json has no config object")
         for key, payload in config.items():
             file = str(payload.get("path_name", "")) if isinstance(payload, dict) else ""
-            if not isinstance(payload, dict) or payload.get("use_pickle") or not file.startswith(("weight_", "tensor_")):
+            pickled = not isinstance(payload, dict) or payload.get("use_pickle")
+            if pickled or not file.startswith(("weight_", "tensor_")):
                 if allow_pickle:
                     continue
                 raise ModelFormatError(path, f"has {kind} '{key[:80]}' is pickled, which {_CODE}")
             meta = payload.get("tensor_meta")
             sizes = meta.get("sizes") if isinstance(meta, dict) else None
-            dims = [s.get("as_int") if isinstance(s, dict) else None for s in sizes] if isinstance(sizes, list) else [None]
+            dims = [s.get("as_int") if isinstance(s, dict) else None for s in sizes] \
+                if isinstance(sizes, list) else [None]
             if not all(type(d) is int and 0 <= d <= MAX_INT for d in dims):
                 raise ModelFormatError(path, f"{kind} '{key[:80]}' has no plain sizes: {str(sizes)[:80]}")
             try:

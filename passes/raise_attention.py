@@ -13,8 +13,9 @@ which reads and writes the KV cache; the entry point gains the cache argument `%
 ```
 Matched: the scale on the scores or on q and k (any product of constants; `scale` is set
 where it is not `1/sqrt(head_dim)`), the mask added (0 / -inf) or chosen with `llm.where` (a band
-of the last W positions becomes `window W`, for W below 1024), NaN rows of the softmax zeroed, and grouped-query keys and values repeated by
-unsqueeze → expand → reshape or by a gather of heads (their shared KV heads are what is cached). The mask must
+of the last W positions becomes `window W`, for W below 1024), NaN rows of the softmax zeroed, and
+grouped-query keys and values repeated by unsqueeze → expand → reshape or by a gather of heads (their
+shared KV heads are what is cached). The mask must
 depend on the positions only, and is computed for a few token counts and checked to be
 causal. Layers are numbered in order; all must share KV heads and head dimension.
 """
@@ -31,6 +32,7 @@ from xdsl.ir import Block, SSAValue
 from llmc.errors import LlmcError
 from llmc.ir import llm
 from llmc.ir.interpreter import scalar
+from llmc.ir.weights import WeightStore
 from llmc.passes.raising import (
     RaisePass,
     constant_ints,
@@ -102,7 +104,8 @@ def _scaled(value: SSAValue) -> tuple[SSAValue, float]:
             return value, factor
 
 
-def _window(block: Block, mask: SSAValue, weights, additive: bool, seen: dict) -> tuple[bool, int | None]:  # noqa: ANN001
+def _window(block: Block, mask: SSAValue, weights: WeightStore | None, additive: bool, seen: dict
+            ) -> tuple[bool, int | None]:
     """Whether `mask` (added to the scores, or true where attending) is causal for every token
     count tried, and the sliding window it keeps to (None: every earlier position)."""
     if mask in seen:

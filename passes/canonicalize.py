@@ -166,7 +166,8 @@ class SinkReshape(RewritePattern):
         a, b = _plain_reshape(op.lhs), _plain_reshape(op.rhs)
         if a is not None and b is not None:
             same = a.input.type == b.input.type and op.lhs.type == op.rhs.type and _same_last(a.input, op.lhs)
-            if same or (_ones_before(a) and _ones_before(b) and len(llm.shape_of(a.input)) == len(llm.shape_of(b.input))):
+            ranks_match = len(llm.shape_of(a.input)) == len(llm.shape_of(b.input))
+            if same or (_ones_before(a) and _ones_before(b) and ranks_match):
                 inner = type(op)(a.input, b.input)
                 rewriter.replace(op, [inner, _reshaped(inner.result, op.result)])
             return
@@ -251,8 +252,8 @@ class DropEmptyConcat(RewritePattern):
             rewriter.replace(op, llm.ConcatOp(kept, op.axis_index, op.result.type))
 
 
-PATTERNS = (EraseIdentity(), FoldConstants(), StaticReshape(), FoldReshapeChain(), FoldTransposeChain(), UnsqueezeAsReshape(), SinkReshape(),
-            TransposeThroughReshape(), DropEmptyConcat())
+PATTERNS = (EraseIdentity(), FoldConstants(), StaticReshape(), FoldReshapeChain(), FoldTransposeChain(),
+            UnsqueezeAsReshape(), SinkReshape(), TransposeThroughReshape(), DropEmptyConcat())
 
 
 @dataclass(frozen=True)

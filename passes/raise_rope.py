@@ -30,6 +30,7 @@ from xdsl.ir import Block, SSAValue
 
 from llmc.ir import llm
 from llmc.ir.interpreter import rope_inv_freq
+from llmc.ir.weights import WeightStore
 from llmc.passes.raising import (
     RaisePass,
     constant_ints,
@@ -106,7 +107,8 @@ def fit_rope(cos: np.ndarray, sin: np.ndarray) -> llm.RopeAttr | None:
     return rope
 
 
-def _tables(block: Block, x: SSAValue, cos: SSAValue, sin: SSAValue, weights) -> tuple[np.ndarray, np.ndarray] | None:  # noqa: ANN001
+def _tables(block: Block, x: SSAValue, cos: SSAValue, sin: SSAValue, weights: WeightStore | None
+            ) -> tuple[np.ndarray, np.ndarray] | None:
     """cos and sin as `[positions, head_dim]`, one table for every head, or None."""
     if not (position_only(cos, block.args[0]) and position_only(sin, block.args[0])):
         return None

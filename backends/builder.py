@@ -303,6 +303,23 @@ class KernelBuilder:
         inner = self.fmul(c(0.7978845608028654), self.fadd(x, self.fmul(c(0.044715), self.fmul(x, self.fmul(x, x)))))
         return self.fmul(self.fmul(c(0.5), x), self.fadd(c(1.0), self.tanh(inner)))
 
+    def erf(self, x: ir.Value) -> ir.Value:
+        """erf x by Abramowitz–Stegun 7.1.26: 1 - t·(a1 + t·(a2 + … + t·a5))·e**-x² with t = 1/(1 + p|x|),
+        the sign of x (max abs error 1.5e-7; 3e-7 in f32 with `exp`)."""
+        c = lambda v: self.const(x.type, v)  # noqa: E731
+        ax = self.intrinsic("llvm.fabs", x)
+        t = self.b.fdiv(c(1.0), self.fadd(c(1.0), self.fmul(c(0.3275911), ax)))
+        poly = c(1.061405429)
+        for a in (-1.453152027, 1.421413741, -0.284496736, 0.254829592):
+            poly = self.fadd(c(a), self.fmul(t, poly))
+        y = self.b.fsub(c(1.0), self.fmul(self.fmul(t, poly), self.exp(self.b.fneg(self.fmul(ax, ax)))))
+        return self.intrinsic("llvm.copysign", y, x)
+
+    def gelu(self, x: ir.Value) -> ir.Value:
+        """GELU: x/2 · (1 + erf(x/√2))."""
+        c = lambda v: self.const(x.type, v)  # noqa: E731
+        return self.fmul(self.fmul(c(0.5), x), self.fadd(c(1.0), self.erf(self.fmul(x, c(0.7071067811865476)))))
+
     # control flow ---------------------------------------------------------------------
 
     def _no_unroll(self) -> _LoopID:

@@ -21,7 +21,6 @@ comes from `split`, after `optimize` has raised the attention), and any other ou
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -53,14 +52,6 @@ def registrar(table: dict) -> Callable[..., Callable]:
         return enter
 
     return maps
-
-
-def exact_gelu(x: SSAValue, emit: Callable[[Operation], SSAValue], scalar: Callable[[float], SSAValue]) -> SSAValue:
-    """GELU without the tanh approximation, `x/2 · (1 + erf(x/√2))`, of primitive ops; `emit`
-    appends an op and `scalar` makes a constant of `x`'s element type."""
-    erf = emit(llm.ErfOp(emit(llm.MulOp(x, scalar(1 / math.sqrt(2))))))
-    half = emit(llm.MulOp(x, scalar(0.5)))
-    return emit(llm.MulOp(half, emit(llm.AddOp(erf, scalar(1)))))
 
 
 class GraphBuilder:
@@ -201,7 +192,8 @@ def graph_tokenizer(source: Path, tokenizer: str | None) -> TextCodec:
 
 def graph_model(source: Path, module: ModuleOp, weights: WeightStore, tokenizer: str | None) -> Model:
     """The `Model` of an imported graph; its config is read from the raised IR (`graph_config`)."""
-    return Model(source, None, weights, lambda: graph_tokenizer(source, tokenizer), graph=module)  # type: ignore[arg-type]
+    return Model(source, None, weights, lambda: graph_tokenizer(source, tokenizer),  # type: ignore[arg-type]
+                 graph=module)
 
 
 def graph_config(module: ModuleOp, source: Path) -> ModelConfig:

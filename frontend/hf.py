@@ -41,7 +41,7 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral",
 }
 GEMMA = ("gemma2", "gemma3")
-HF_ACTIVATIONS = {"silu": Activation.SILU, "gelu_pytorch_tanh": Activation.GELU_TANH}  # `hidden_act` → the gate's
+HF_ACTIVATIONS = {"silu": Activation.SILU, "gelu_pytorch_tanh": Activation.GELU_TANH, "gelu": Activation.GELU}
 MOE = ("qwen3moe", "mixtral")
 
 _DTYPES = {"F32": (np.float32, Storage.F32), "F16": (np.float16, Storage.F16), "BF16": (np.uint16, Storage.BF16)}

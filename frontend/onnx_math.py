@@ -18,7 +18,7 @@ import onnx
 from xdsl.dialects.builtin import i1
 from xdsl.ir import SSAValue
 
-from llmc.frontend.graph import exact_gelu, registrar, tensor_type
+from llmc.frontend.graph import registrar, tensor_type
 from llmc.frontend.onnx_graph import OnnxGraph, OpMapping, Shape, attr, dtype_of, node_name
 from llmc.frontend.onnx_loader import element_dtype
 from llmc.ir import llm
@@ -78,10 +78,8 @@ def _unary(g: OnnxGraph, node: onnx.NodeProto) -> list[SSAValue]:
 
 @_maps("Gelu")
 def _gelu(g: OnnxGraph, node: onnx.NodeProto) -> list[SSAValue]:
-    x = g.input(node, 0)
-    if attr(node, "approximate", b"none") in (b"tanh", "tanh"):
-        return [g.emit(llm.GeluOp(x))]
-    return [exact_gelu(x, g.emit, lambda v: g.scalar(v, x))]
+    tanh = attr(node, "approximate", b"none") in (b"tanh", "tanh")
+    return [g.emit(llm.ACTIVATION_OPS[llm.Activation.GELU_TANH if tanh else llm.Activation.GELU](g.input(node, 0)))]
 
 
 @_maps("Identity")
@@ -144,7 +142,8 @@ def _composed_reduce(g: OnnxGraph, node: onnx.NodeProto) -> list[SSAValue]:
 
 
 @_maps(*_REDUCE)
-def _reduce(g: OnnxGraph, node: onnx.NodeProto, op_type: str | None = None, x: SSAValue | None = None) -> list[SSAValue]:
+def _reduce(g: OnnxGraph, node: onnx.NodeProto, op_type: str | None = None,
+            x: SSAValue | None = None) -> list[SSAValue]:
     op_type = op_type or node.op_type
     x = g.input(node, 0) if x is None else x
     shape = llm.shape_of(x)

@@ -19,7 +19,7 @@ from torch import fx
 from xdsl.dialects.builtin import IntegerType, TensorType, i1, i64
 from xdsl.ir import SSAValue
 
-from llmc.frontend.graph import exact_gelu, registrar
+from llmc.frontend.graph import registrar
 from llmc.frontend.torch_importer import SLICE_END, AtenMapping, ProgramImporter, axis_index
 from llmc.ir import llm
 
@@ -144,11 +144,8 @@ def _isnan(im: ProgramImporter, node: fx.Node, a: dict) -> SSAValue:
 
 @_maps(aten.gelu)
 def _gelu(im: ProgramImporter, node: fx.Node, a: dict) -> SSAValue:
-    x = im.tensor(a["self"])
-    if a["approximate"] == "tanh":
-        return im.add(llm.GeluOp(x))
-    dtype = im.dtype(node)
-    return exact_gelu(x, im.add, lambda v: im.const(v, dtype))
+    tanh = a["approximate"] == "tanh"
+    return im.add(llm.ACTIVATION_OPS[llm.Activation.GELU_TANH if tanh else llm.Activation.GELU](im.tensor(a["self"])))
 
 
 @_maps(aten.alias, aten.clone, aten.contiguous, aten.detach, aten.detach_, aten.lift_fresh_copy, aten._to_copy, aten.to,

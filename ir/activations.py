@@ -28,6 +28,7 @@ from xdsl.ir import Operation
 class Activation(StrEnum):
     SILU = "silu"
     GELU_TANH = "gelu_tanh"
+    GELU = "gelu"
 
 
 _ERF = np.frompyfunc(math.erf, 1, 1)
@@ -48,6 +49,12 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     return (np.float32(0.5) * x * (np.float32(1) + np.tanh(inner))).astype(np.float32)
 
 
+def gelu(x: np.ndarray) -> np.ndarray:
+    """GELU, `x/2 · (1 + erf(x/√2))`, computed in float64, in x's type."""
+    x64 = np.asarray(x, np.float64)
+    return (0.5 * x64 * (1 + erf(x64 * math.sqrt(0.5)))).astype(np.asarray(x).dtype)
+
+
 @dataclass(frozen=True)
 class ActivationSpec:
     """What an activation is: its formula (the ops' docs), numpy meaning, and the name of the
@@ -62,6 +69,7 @@ ACTIVATIONS: dict[Activation, ActivationSpec] = {
     Activation.SILU: ActivationSpec("x · sigmoid(x)", silu, "silu"),
     Activation.GELU_TANH: ActivationSpec("GELU, tanh approximation: x/2 · (1 + tanh(√(2/π)·(x + 0.044715·x³)))",
                                          gelu_tanh, "gelu_tanh"),
+    Activation.GELU: ActivationSpec("GELU: x/2 · (1 + erf(x/√2))", gelu, "gelu"),
 }
 
 

@@ -4,16 +4,26 @@ at run time on the model that first uses it."""
 
 from __future__ import annotations
 
+import ctypes
+import json
+import math
+import re
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
+from llvmlite import ir
+from tiny_models import TinySpec
 from xdsl.dialects.builtin import IndexType
 from xdsl.ir import Block
 
-from llmc.backends.builder import KernelBuilder
+from llmc.backends.builder import FPTR, I64, KernelBuilder
+from llmc.backends.cpu import compile_to_object, link_shared, target_machine
 from llmc.backends.cpu import kernels as cpu_kernels
 from llmc.backends.cuda import kernels as cuda_kernels
+from llmc.cli import main
 from llmc.errors import LlmcError
 from llmc.ir import activations, find_function, interpreter, llm, tgt, tgt_interpreter
 from llmc.ir.activations import ACTIVATIONS, Activation
@@ -113,3 +123,74 @@ def test_activation_ops_print_and_run(activation: Activation) -> None:
     act = ACTIVATIONS[activation].numpy
     a = act(x)
     np.testing.assert_allclose(h, act(a @ wg.T) * (a @ wu.T), rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------- exact GELU (the erf one)
+
+def _erf_reference(x: np.ndarray) -> np.ndarray:
+    return np.array([math.erf(v) for v in x.astype(np.float64).tolist()])
+
+
+def test_gelu_numpy_is_erf_gelu() -> None:
+    x = np.linspace(-12, 12, 4801, dtype=np.float32)
+    ref = 0.5 * x.astype(np.float64) * (1 + _erf_reference(x / np.float32(math.sqrt(2))))
+    got = activations.gelu(x)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+    assert activations.gelu(x.astype(np.float64)).dtype == np.float64  # a graph's f64 tensor stays f64
+
+
+def _compiled(tmp_path: Path, name: str, body: Callable[[KernelBuilder, list[ir.Value]], ir.Value]) -> Callable:
+    """`out[i] = body(x[i])` for i < n, compiled for this CPU: `fn(x) -> out`."""
+    module = ir.Module(name="m")
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [FPTR, FPTR, I64]), name=name)
+    f = KernelBuilder(module, fn)
+    x, out, n = fn.args
+    f.vec_map(n, [x], out, lambda v: body(f, v))
+    f.finish()
+    library = ctypes.CDLL(str(link_shared([compile_to_object(module, target_machine("native"))], tmp_path / f"{name}.so")))
+
+    def run(values: np.ndarray) -> np.ndarray:
+        values = np.ascontiguousarray(values, np.float32)
+        result = np.empty_like(values)
+        getattr(library, name)(ctypes.c_void_p(values.ctypes.data), ctypes.c_void_p(result.ctypes.data),
+                               ctypes.c_int64(values.size))
+        return result
+
+    return run
+
+
+def test_builder_erf_within_1e_6_of_libm(tmp_path: Path) -> None:
+    """`KernelBuilder.erf` (vectors and the scalar tail) against math.erf on a fine grid and far out."""
+    x = np.concatenate([np.linspace(-6, 6, 24001, dtype=np.float32), [-1e30, -50, 50, 1e30, 0.0, -0.0]])
+    erf = _compiled(tmp_path, "erf_f32", lambda f, v: f.erf(v[0]))(x)
+    assert np.abs(erf - _erf_reference(x)).max() <= 1e-6
+    assert np.array_equal(np.signbit(erf), np.signbit(x))  # odd, -0 included
+
+
+def test_gelu_kernel_matches_numpy(tmp_path: Path) -> None:
+    """The CPU kernel of `tgt.gelu` (the builder's, vectorised) against the interpreter's gelu."""
+    x = np.random.default_rng(1).standard_normal(4099).astype(np.float32) * 4
+    x[:4] = [-40.0, 40.0, 0.0, -3.0]
+    got = _compiled(tmp_path, "gelu_f32", lambda f, v: getattr(f, ACTIVATIONS[Activation.GELU].builder)(v[0]))(x)
+    np.testing.assert_allclose(got, activations.gelu(x), rtol=0, atol=2e-6)
+
+
+@pytest.mark.reference
+def test_llama_with_exact_gelu_compiles_and_verifies(tiny: Callable[..., Path], tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A tiny HF Llama with `hidden_act: "gelu"` (GeGLU, exact): transformers, both interpreters and the
+    compiled CPU artifact agree (`llmc verify`, every stage at 100% top-1)."""
+    pytest.importorskip("transformers")
+    directory = shutil.copytree(tiny(TinySpec(), "hf"), tmp_path / "llama-gelu")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"hidden_act": "gelu"}))
+    assert main(["ir", str(directory)]) == 0
+    assert " = llm.gelu %" in capsys.readouterr().out
+    code = main(["verify", str(directory), "--quant", "f32", "--compute", "a32", "--kv-type", "f32", "--prompt",
+                 "The capital of France is Paris, and 2018 was a year."])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = [re.match(r"(llm|quantize|tgt|artifact) +[0-9.]+ .* (\d+)/(\d+) \(", line) for line in out.splitlines()]
+    top1 = {m.group(1): (m.group(2), m.group(3)) for m in rows if m}
+    assert set(top1) == {"llm", "quantize", "tgt", "artifact"} and all(a == b for a, b in top1.values()), out

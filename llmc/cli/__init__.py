@@ -13,7 +13,9 @@
 
 MODEL is a `.gguf` file, a Hugging Face directory, or a known name (`smollm2-135m`).
 Errors in the input or options print one line and exit with code 2; `--debug` shows
-the traceback instead.
+the traceback instead. `parser.py` holds every command's options and `main`; each command
+is a `cmd_*` function of `compiler.py` (ir, opt, verify, compile), `artifact.py` (run,
+serve, chat) or `measure.py` (tokenize, bench, perplexity), its docstring its description.
 """
 
 from llmc.cli.parser import build_parser, main

@@ -15,6 +15,7 @@ import numpy as np
 from llvmlite import ir
 from xdsl.dialects.builtin import MemRefType
 
+from llmc.abi import ELEMENT_BYTES, KV_Q8_BLOCK, KV_Q8_SCALE_BYTES
 from llmc.backends.builder import F32, F64, FPTR, KernelBuilder, f32_table
 from llmc.backends.cuda.device import WARP
 from llmc.backends.cuda.emit import THREADS, WARPS, Emit, Launch, PerRows, fptr, load_index, lt, strided
@@ -22,7 +23,7 @@ from llmc.backends.cuda.weights import F16, I8, load_f16, typed
 from llmc.backends.kernel_names import rope_table
 from llmc.ir import llm, tgt
 
-SPLITS = 32  # decode attention: blocks per head over the cache positions (≤ tgt.MAX_THREADS partials)
+SPLITS = 32  # decode attention: blocks per head over the cache positions (≤ abi.MAX_THREADS partials)
 NO_SCORE = -1e30  # the running maximum before any position (finite: no inf − inf)
 
 
@@ -68,7 +69,7 @@ class _Cache:
         self.f, self.d = f, head_dim
         kv_heads, self.capacity, self.row = tgt.dims(memref)[-3:]
         self.element = str(memref.element_type)
-        self.size = tgt.ELEMENT_BYTES[self.element]
+        self.size = ELEMENT_BYTES[self.element]
         self.base = base if slot is None else f.b.gep(base, [f.mul(slot, kv_heads * self.capacity * self.row * self.size)])
 
     def _row(self, head: ir.Value, position: ir.Value) -> ir.Value:
@@ -82,7 +83,8 @@ class _Cache:
         if self.element == "f16":
             return load_f16(f, f.b.gep(self.base, [row]), i)
         code = f.b.sitofp(f.b.load(typed(f, self.base, f.add(row, i), I8)), F32)
-        scale = f.b.load(typed(f, self.base, f.add(f.add(row, self.d), f.mul(f.b.udiv(i, f.i64(32)), 4)), F32))
+        at = f.add(f.add(row, self.d), f.mul(f.b.udiv(i, f.i64(KV_Q8_BLOCK)), KV_Q8_SCALE_BYTES))
+        scale = f.b.load(typed(f, self.base, at, F32))
         return f.fmul(code, scale)
 
     def store_row(self, dev, head: ir.Value, position: ir.Value, src: ir.Value, lane_start: ir.Value,
@@ -98,17 +100,19 @@ class _Cache:
                 else:
                     b.store(b.fptrunc(v, F16), typed(f, self.base, f.add(row, f.mul(i, 2)), F16), align=2)
             return
-        with strided(f, lane_start, self.d // 32, step, "q") as blk:
+        with strided(f, lane_start, self.d // KV_Q8_BLOCK, step, "q") as blk:
             amax = f.f32(0.0)
-            for i in range(32):
-                amax = f.intrinsic("llvm.maxnum", amax, f.intrinsic("llvm.fabs", f.load(src, f.add(f.mul(blk, 32), i))))
+            for i in range(KV_Q8_BLOCK):
+                x = f.load(src, f.add(f.mul(blk, KV_Q8_BLOCK), i))
+                amax = f.intrinsic("llvm.maxnum", amax, f.intrinsic("llvm.fabs", x))
             scale = b.fdiv(amax, f.f32(127.0))
             inv = b.select(b.fcmp_ordered(">", amax, f.f32(0.0)), b.fdiv(f.f32(127.0), amax), f.f32(0.0))
-            for i in range(32):
-                at = f.add(f.mul(blk, 32), i)
+            for i in range(KV_Q8_BLOCK):
+                at = f.add(f.mul(blk, KV_Q8_BLOCK), i)
                 q = f.intrinsic("llvm.roundeven", b.fmul(f.load(src, at), inv))
                 b.store(b.fptosi(q, I8), typed(f, self.base, f.add(row, at), I8))
-            b.store(scale, typed(f, self.base, f.add(f.add(row, self.d), f.mul(blk, 4)), F32), align=4)
+            at = f.add(f.add(row, self.d), f.mul(blk, KV_Q8_SCALE_BYTES))
+            b.store(scale, typed(f, self.base, at, F32), align=4)
 
 
 def attention(e: Emit) -> list[Launch]:

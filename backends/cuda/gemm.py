@@ -7,7 +7,7 @@ them (`isa mma_f16`).
 | `_mma` | (N / 64, rows / 32) | f16 tiles of x and the dequantized weights in shared memory, `mma.sync.m16n8k16` per warp |
 
 Both fuse RMSNorm (`norm`), bias, soft-capping, the residual add (`accumulate`) and SwiGLU's
-`silu(gate) · up` (or gelu's) into the store of each output (`_epilogue`).
+`act(gate) · up` (its activation's) into the store of each output (`_epilogue`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from llmc.backends.cuda.device import WARP
 from llmc.backends.cuda.emit import THREADS, WARPS, Emit, Launch, PerRows, fptr, inv_rms, lt, strided
 from llmc.backends.cuda.weights import F16, WeightRows
 from llmc.ir import llm, tgt
+from llmc.ir.activations import ACTIVATIONS, activation_of
 
 ROW_TILE = 8  # rows a GEMV block computes at once in prefill: each weight dequantized once for them
 
@@ -43,10 +44,10 @@ def _matrices(op: tgt.Kernel) -> list:
 def _epilogue(f: KernelBuilder, op: tgt.Kernel, a: dict[str, ir.Value], totals: list[ir.Value], dest: ir.Value,
               feature: ir.Value) -> None:
     """Store one output of a matmul (`+ bias`, soft-capped, `+=` with `accumulate`) or of SwiGLU
-    (`silu(gate) · up`, or gelu's)."""
+    (`act(gate) · up`, act its `activation`)."""
     out = fptr(f, a["out"])
     if isinstance(op, tgt.SwigluOp):
-        value = f.fmul(f.gelu_tanh(totals[0]) if op.gelu is not None else f.silu(totals[0]), totals[1])
+        value = f.fmul(getattr(f, ACTIVATIONS[activation_of(op)].builder)(totals[0]), totals[1])
     else:
         value = totals[0]
         if a.get("bias") is not None:

@@ -37,6 +37,8 @@ from llmc.backends.cuda.weights import I8PTR, WeightRows
 from llmc.backends.kernel_names import kernel_key, kernel_name
 from llmc.errors import LlmcError
 from llmc.ir import tgt
+from llmc.ir.activations import ACTIVATIONS
+from llmc.ir.interfaces import OpInterface
 
 
 def _max_rows(op: tgt.Kernel) -> int:
@@ -60,9 +62,7 @@ class KernelLibrary:
         rows = _max_rows(op)
         key = (kernel_key(op), rows)
         if key not in self._cache:
-            emitter = _EMITTERS.get(type(op))
-            if emitter is None:
-                raise LlmcError(f"cuda: no kernel for {op.name} yet; --target cpu compiles it")
+            emitter = EMITTERS.lookup(op)
             quantized = [name for name, value in op.abi() if isinstance(value.type, tgt.QRowsType)]
             if quantized:
                 raise LlmcError(f"cuda: {op.name} takes quantized rows ({', '.join(quantized)}); CUDA kernels "
@@ -189,15 +189,15 @@ def argmax_kernel(module: ir.Module, dev) -> Launch:
     return Launch(ARGMAX, (1, 1, 1))
 
 
-_EMITTERS: dict[type, Callable[[Emit], list[Launch]]] = {
-    tgt.MatmulOp: gemm.matmul,
-    tgt.SwigluOp: gemm.matmul,
-    tgt.EmbeddingOp: _embedding,
-    tgt.RMSNormOp: _rms_norm,
-    tgt.RopeOp: attention.rope,
-    tgt.AttentionOp: attention.attention,
-    tgt.AddOp: lambda e: _elementwise(e, ("lhs", "rhs"), lambda f, x, y: f.fadd(x, y)),
-    tgt.MulOp: lambda e: _elementwise(e, ("lhs", "rhs"), lambda f, x, y: f.fmul(x, y)),
-    tgt.SiluOp: lambda e: _elementwise(e, ("x",), lambda f, x: f.silu(x)),
-    tgt.GeluOp: lambda e: _elementwise(e, ("x",), lambda f, x: f.gelu_tanh(x)),
-}
+EMITTERS = OpInterface("cuda", "kernel")  # `fn(emit) -> launches`
+EMITTERS.implement(tgt.MatmulOp, tgt.SwigluOp)(gemm.matmul)
+EMITTERS.implement(tgt.EmbeddingOp)(_embedding)
+EMITTERS.implement(tgt.RMSNormOp)(_rms_norm)
+EMITTERS.implement(tgt.RopeOp)(attention.rope)
+EMITTERS.implement(tgt.AttentionOp)(attention.attention)
+EMITTERS.implement(tgt.AddOp)(lambda e: _elementwise(e, ("lhs", "rhs"), lambda f, x, y: f.fadd(x, y)))
+EMITTERS.implement(tgt.MulOp)(lambda e: _elementwise(e, ("lhs", "rhs"), lambda f, x, y: f.fmul(x, y)))
+EMITTERS.implement(*tgt.ACTIVATION_KERNELS.values())(
+    lambda e: _elementwise(e, ("x",), lambda f, x: getattr(f, ACTIVATIONS[e.op.ACTIVATION].builder)(x)))
+for _op_type in (tgt.QuantizeOp, tgt.MoeOp, tgt.BinaryOp, tgt.ScalarOp, tgt.UnaryOp, tgt.ReduceOp):
+    EMITTERS.refuse(_op_type, "yet; --target cpu compiles it")

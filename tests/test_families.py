@@ -104,7 +104,11 @@ def test_compiled_artifact_passes_verify(tiny: Callable[..., Path], name: str, c
     the compiled CPU artifact on one prompt (longer than the windows), every stage at cosine ≥ 0.9999
     and 100% top-1 — prefill then teacher-forced decode through the KV cache."""
     pytest.importorskip("transformers")
-    path = tiny(FAMILIES[name], "hf")
+    assert_float_verify_passes(tiny(FAMILIES[name], "hf"), capsys)
+
+
+def assert_float_verify_passes(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`llmc verify` in float of the model at `path` passes, every stage at 100% top-1."""
     code = main(["verify", str(path), "--quant", "f32", "--compute", "a32", "--kv-type", "f32", "--prompt",
                  "The capital of France is Paris, and 2018 was a year."])
     out = capsys.readouterr().out
@@ -216,7 +220,7 @@ def test_family_verifiers_name_the_problem(tiny: Callable[..., Path], name: str,
 
 REFUSED = {
     "dynamic-rope": ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "RoPE scaling 'dynamic' is not supported"),
-    "llama-gelu": ({"hidden_act": "gelu"}, "activation 'gelu' is not supported for llama"),
+    "llama-relu": ({"hidden_act": "relu"}, "activation 'relu' is not supported for llama"),
     "partial-rotary-zero": ({"partial_rotary_factor": 0.0}, "partial_rotary_factor must be in (0, 1]"),
     "llama3-no-factor": ({"rope_scaling": {"rope_type": "llama3", "low_freq_factor": 1.0}}, "factor must be a number"),
     "bad-layer-types": ({"layer_types": ["sliding_attention"], "sliding_window": 4}, "layer_types must list 2"),

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ctypes
 import json
 import math
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from llvmlite import ir
+from test_families import assert_float_verify_passes
 from tiny_models import TinySpec
 from xdsl.dialects.builtin import IndexType
 from xdsl.ir import Block
@@ -187,10 +187,4 @@ def test_llama_with_exact_gelu_compiles_and_verifies(tiny: Callable[..., Path], 
     (directory / "config.json").write_text(json.dumps(config | {"hidden_act": "gelu"}))
     assert main(["ir", str(directory)]) == 0
     assert " = llm.gelu %" in capsys.readouterr().out
-    code = main(["verify", str(directory), "--quant", "f32", "--compute", "a32", "--kv-type", "f32", "--prompt",
-                 "The capital of France is Paris, and 2018 was a year."])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    rows = [re.match(r"(llm|quantize|tgt|artifact) +[0-9.]+ .* (\d+)/(\d+) \(", line) for line in out.splitlines()]
-    top1 = {m.group(1): (m.group(2), m.group(3)) for m in rows if m}
-    assert set(top1) == {"llm", "quantize", "tgt", "artifact"} and all(a == b for a, b in top1.values()), out
+    assert_float_verify_passes(directory, capsys)

@@ -142,9 +142,9 @@ def describe_graph(model: Model, module: ModuleOp, needed: bool = True) -> str:
     return f"raised {raised}" + (f"; {left} primitive ops left" if left else "")
 
 
-# what the graph frontends' primitive ops are raised to (the ops the GGUF path builds)
-RAISED_OPS = {"llm.weight", "llm.embedding", "llm.rms_norm", "llm.matmul", "llm.logits", "llm.reshape", "llm.rope",
-              "llm.attention", "llm.add", "llm.mul", "llm.silu", "llm.gelu", "llm.swiglu", "llm.last_token"}
+# what the graph frontends' primitive ops are raised to (the ops the GGUF path builds): the model ops, and the
+# residuals' and gates' add and mul
+RAISED_OPS = {op.name for op in (*llm.MODEL_OPS, llm.AddOp, llm.MulOp)}
 
 
 def check_backend(options: CompileOptions, backend: BackendOptions, compile_to: str | None,

@@ -24,6 +24,7 @@ import numpy as np
 from xdsl.dialects.builtin import IntegerAttr, ModuleOp
 
 from llmc import __version__
+from llmc.abi import KV_LAYOUT_SLOTS
 from llmc.errors import UsageError, printable
 from llmc.frontend.model import Model
 from llmc.ir import entry_functions, llm, tgt
@@ -97,11 +98,11 @@ def describe(module: ModuleOp, layout: WeightLayout, target_facts: dict, entries
     entry_points = {}
     kv: dict = {}
     for stage, function in entry_functions(module).items():
-        args = {arg.name_hint: arg for arg in function.body.block.args}  # passes.lower.ENTRY_ARGUMENTS
+        args = {arg.name_hint: arg for arg in function.body.block.args}  # llmc.abi.ENTRY_ARGUMENTS
         tokens, k_cache, logits = args["tokens"], args["k_cache"], args["logits"]
         kv_layout, shape = function.attributes["tgt.kv_layout"].data, list(tgt.dims(k_cache))
         kv = {"layout": kv_layout, "shape": shape, "dtype": llm.kv_type_name(k_cache.type.element_type),
-              "slots": shape[1] if kv_layout == tgt.KV_LAYOUT_SLOTS else 1, "capacity": shape[-2],
+              "slots": shape[1] if kv_layout == KV_LAYOUT_SLOTS else 1, "capacity": shape[-2],
               "tensors": ["keys", "values"]}
         entry_points[stage] = {
             **entries[stage],

@@ -41,12 +41,12 @@ from xdsl.dialects import builtin, func
 from xdsl.dialects.builtin import DYNAMIC_INDEX, IntegerAttr, ModuleOp, StringAttr, TensorType, i64
 from xdsl.ir import Attribute, Block, Region, SSAValue
 
+from llmc.abi import ENTRY_POINTS
 from llmc.errors import UsageError
 from llmc.ir import find_function, llm, tgt
 from llmc.ir.target import target_description
 from llmc.passes.base import LlmcPass
 
-STAGES = ("prefill", "prefill_kv", "decode", "score")
 DEFAULT_MAX_SEQ_CAP = 4096
 DEFAULT_PREFILL_CHUNK = 128  # without a target (a target's description has its own: `prefill_chunk`)
 MAX_BATCH = 64  # sequences a cache may hold (decode's rows; attention's partials scale with it)
@@ -144,7 +144,7 @@ class SplitPass(LlmcPass):
         batched = self.max_batch > 1
         new_cache = llm.KVCacheType(layers, kv_heads, max_seq, head_dim, llm.KV_TYPES[self.kv_type], self.max_batch)
 
-        for stage in STAGES:
+        for stage in ENTRY_POINTS:
             tokens = 1 if stage == "decode" and not batched else None
 
             def subst(t: Attribute, tokens: int | None = tokens) -> Attribute:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
+from llmc.abi import AMX_FLAG
 from llmc.backends.builder import F32, I32, I64, KernelBuilder
 from llmc.backends.cpu.quant import I8, I8PTR, QRowsAccess, TiledWeight, declare, scaled_block, vec
 from llmc.ir.formats import FORMATS, SLICE, Storage
@@ -29,7 +30,6 @@ from llmc.ir.layouts import QUADS, STRIP, TILE_K
 
 I16 = ir.IntType(16)
 TILE = 16  # rows per tile
-FLAG = "llmc_amx"  # i32 the runtime sets to 1 once the process may use the tiles
 
 
 class _AMXType(ir.Type):
@@ -56,9 +56,9 @@ def supports(storage: Storage) -> bool:
 
 def enabled(f: KernelBuilder) -> ir.Value:
     """An i1: whether the runtime has allowed the tiles (`llmc_amx` is 1)."""
-    flag = f.module.globals.get(FLAG)
+    flag = f.module.globals.get(AMX_FLAG)
     if flag is None:  # weak: kernels compiled one module each share the one flag of their library
-        flag = ir.GlobalVariable(f.module, I32, name=FLAG)
+        flag = ir.GlobalVariable(f.module, I32, name=AMX_FLAG)
         flag.linkage = "weak"
         flag.initializer = ir.Constant(I32, 0)
     return f.b.icmp_signed("!=", f.b.load(flag, align=4), ir.Constant(I32, 0))

@@ -33,6 +33,17 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import IndexType, ModuleOp
 from xdsl.ir import SSAValue
 
+from llmc.abi import (
+    DESCRIPTION,
+    ENTRY_PREFIX,
+    IMPLICIT_ARGUMENTS,
+    INT64,
+    MAX_THREADS,
+    READ_PROBE,
+    READ_PROBE_ARGUMENTS,
+    READ_PROBE_STEP,
+    entry_symbol,
+)
 from llmc.backends.builder import I64, VOID, KernelBuilder
 from llmc.backends.cpu.kernels import I64PTR, KernelLibrary
 from llmc.backends.cpu.quant import I8PTR, prefetch
@@ -40,28 +51,24 @@ from llmc.errors import LlmcError
 from llmc.ir import entry_functions, tgt
 from llmc.ir.layouts import Layout
 from llmc.ir.target import Built, Describe, content_name, module_target
-from llmc.runtime.artifact import DESCRIPTION
 
-# after the function's own arguments: what every entry point also takes
-IMPLICIT_ARGUMENTS = (("arena", I8PTR), ("weights", I8PTR), ("tid", I64), ("nth", I64), ("sync", I64PTR))
+I64_ARRAYS = ("sync", "out")  # the pointer arguments (`llmc.abi`) indexed as int64: the barrier, the probe's results
+
+
+def _parameter_type(name: str, kind: str) -> ir.Type:
+    return I64 if kind == INT64 else I64PTR if name in I64_ARRAYS else I8PTR
 
 
 def _entry_parameters(function: func.FuncOp) -> list[tuple[str, ir.Type]]:
+    """The function's own arguments, then what every entry point also takes (`llmc.abi.IMPLICIT_ARGUMENTS`)."""
     own = [(arg.name_hint or f"arg{i}", I64 if isinstance(arg.type, IndexType) else I8PTR)
            for i, arg in enumerate(function.body.block.args)]
-    return own + list(IMPLICIT_ARGUMENTS)
+    return own + [(name, _parameter_type(name, kind)) for name, kind in IMPLICIT_ARGUMENTS.items()]
 
 
 def entry_arguments(function: func.FuncOp) -> list[str]:
     """The argument names of an entry point's exported function, in order (for the manifest)."""
     return [name for name, _ in _entry_parameters(function)]
-
-
-ENTRY_PREFIX = "llmc_"  # what a kernels library exports: entry points, the read probe, the AMX flag, its description
-
-
-def entry_symbol(stage: str) -> str:
-    return f"{ENTRY_PREFIX}{stage}"
 
 
 Region = tuple[str, int, int]  # a buffer's bytes: (what it is in, first byte, end)
@@ -143,25 +150,22 @@ class _EntryEmitter:
             raise LlmcError(f"cpu codegen: no emitter for {op.name}")
 
 
-READ_PROBE = f"{ENTRY_PREFIX}read"
-READ_STEP = 256  # bytes per iteration: four 64-byte loads into four accumulators
-
-
 def read_probe(module: ir.Module) -> ir.Function:
     """`void llmc_read(i8* p, i64 bytes, i64 tid, i64 nth, i64* out)`: thread `tid` of `nth`
     reads its share of `bytes` (whole 256-byte steps) once, as a decode step streams the
     weights, and leaves the xor of what it read in out[tid]. `llmc bench` times it: the
     read bandwidth the decode kernels are measured against."""
-    fn = ir.Function(module, ir.FunctionType(VOID, [I8PTR, I64, I64, I64, I64PTR]), name=READ_PROBE)
+    types = [_parameter_type(name, kind) for name, kind in READ_PROBE_ARGUMENTS.items()]
+    fn = ir.Function(module, ir.FunctionType(VOID, types), name=READ_PROBE)
     f = KernelBuilder(module, fn)
     p, nbytes, tid, nth, out = fn.args
     lanes = ir.VectorType(ir.IntType(32), 16)
-    accs = [f.alloca(lanes, name=f"acc{i}") for i in range(READ_STEP // 64)]
+    accs = [f.alloca(lanes, name=f"acc{i}") for i in range(READ_PROBE_STEP // 64)]
     for acc in accs:
         f.b.store(ir.Constant(lanes, [0] * 16), acc)
-    lo, hi = f.share(f.b.sdiv(nbytes, f.i64(READ_STEP)), tid, nth)
+    lo, hi = f.share(f.b.sdiv(nbytes, f.i64(READ_PROBE_STEP)), tid, nth)
     with f.loop(lo, hi, name="c", unroll=False) as c:
-        base = f.mul(c, READ_STEP)
+        base = f.mul(c, READ_PROBE_STEP)
         prefetch(f, p, f.add(base, 4096))
         for i, acc in enumerate(accs):
             v = f.b.load(f.b.bitcast(f.b.gep(p, [f.add(base, 64 * i)]), lanes.as_pointer()), align=64)
@@ -219,7 +223,7 @@ def cpu_facts(module: ModuleOp) -> tuple[dict, dict[str, dict]]:
     entries = {stage: {"symbol": entry_symbol(stage), "arguments": entry_arguments(function)}
                for stage, function in entry_functions(module).items()}
     facts = {"target": "cpu", "cpu": {"name": target.cpu.data, "features": sorted(target.features)},
-             "max_threads": tgt.MAX_THREADS, "read_probe": READ_PROBE}
+             "max_threads": MAX_THREADS, "read_probe": READ_PROBE}
     return facts, entries
 
 

@@ -116,7 +116,7 @@ class CpuTarget(TargetDescription):
 
     kind = "cpu"
     prefill_chunk = 128
-    refused_ops: Mapping[str, str] = {}
+    refused_ops: Mapping[str, str] = {}  # every llm op has its kernels
 
     @staticmethod
     def target_for(options) -> TargetAttr:
@@ -151,9 +151,9 @@ class CpuTarget(TargetDescription):
         return Isa.AMX if tiles else isa
 
     def kernels(self) -> frozenset[type[tgt.Kernel]]:
-        from llmc.backends.cpu.kernels import _EMITTERS
+        from llmc.backends.cpu.kernels import EMITTERS
 
-        return frozenset(_EMITTERS)
+        return EMITTERS.implemented()
 
     def build(self, module: ModuleOp, weight_offsets: Mapping[str, int], describe: Describe, stage: Path,
               options) -> Built:

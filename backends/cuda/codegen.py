@@ -27,12 +27,12 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import IndexType, ModuleOp
 from xdsl.ir import SSAValue
 
+from llmc.abi import ARGMAX_TOKEN, PTX_DESCRIPTION
 from llmc.backends.cuda.device import Emulated, Ptx
 from llmc.backends.cuda.kernels import KernelLibrary, Launch, PerRows, argmax_kernel
 from llmc.errors import LlmcError
 from llmc.ir import entry_functions, tgt
 from llmc.ir.target import Built, Describe, content_name, module_target
-from llmc.runtime.artifact import PTX_DESCRIPTION
 
 
 def _dim(d: int | PerRows) -> int | dict:
@@ -93,7 +93,7 @@ def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int], emulated: b
             plan.emit(op)
         plans[stage] = plan.launches
     vocab = tgt.dims(function.body.block.args[-1])[1]  # the logits of any entry point
-    args = [{"argument": "logits", "offset": 0}, {"argument": "token", "offset": 0}, {"count": vocab}]
+    args = [{"argument": "logits", "offset": 0}, {"argument": ARGMAX_TOKEN, "offset": 0}, {"count": vocab}]
     return llvm_module, plans, _launch_entry(argmax_kernel(llvm_module, device), args)
 
 

@@ -120,9 +120,9 @@ class CudaTarget(TargetDescription):
         return None
 
     def kernels(self) -> frozenset[type[tgt.Kernel]]:
-        from llmc.backends.cuda.kernels import _EMITTERS
+        from llmc.backends.cuda.kernels import EMITTERS
 
-        return frozenset(_EMITTERS)
+        return EMITTERS.implemented()
 
     def build(self, module: ModuleOp, weight_offsets: Mapping[str, int], describe: Describe, stage: Path,
               options) -> Built:

@@ -1,4 +1,4 @@
-"""Model families beyond Llama: RoPE scaling (llama3, linear, YaRN, LongRoPE), partial rotary,
+"""Model families beyond Llama: exact-GELU GeGLU, RoPE scaling (llama3, linear, YaRN, LongRoPE), partial rotary,
 head_dim ≠ hidden/heads, Qwen3's per-head q/k norms, sliding-window attention (Mistral,
 Phi-3), Phi-3's fused tensors, and Gemma 2/3 ((1 + w) norms, GeGLU, sandwich norms,
 soft-capping, query_pre_attn_scalar, alternating local and global layers with their own
@@ -37,6 +37,7 @@ FAMILIES = {
     "linear-rope": TinySpec(rope_scaling=(("rope_type", "linear"), ("factor", 4.0))),
     "yarn-rope": TinySpec(hidden=32, heads=2, kv_heads=1, head_dim=16,
                           rope_scaling=(("rope_type", "yarn"), ("factor", 4.0), ("original_max_position_embeddings", 16))),
+    "llama-gelu": TinySpec(hidden_act="gelu"),  # GeGLU with exact GELU (erf)
     "qwen3": TinySpec(arch="qwen3", head_dim=16, tied=False),  # head_dim 16 ≠ 32 / 4 heads
     "qwen3-mha-odd": TinySpec(arch="qwen3", hidden=24, heads=3, kv_heads=3, head_dim=8, layers=3),
     "mistral-window4": TinySpec(arch="mistral", sliding_window=4, tied=False),
@@ -306,7 +307,7 @@ def test_moe_on_cuda_is_one_line(tiny: Callable[..., Path], tmp_path: Path, caps
     """The CUDA backend has no mixture-of-experts kernel yet: compiling for it says so in one line."""
     assert main(["compile", str(tiny(MOE_SPARSE, "hf")), "--target", "cuda", "-o", str(tmp_path / "a")]) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == "llmc: error: cuda: no kernel for tgt.moe yet; --target cpu compiles it"
+    assert err[-1] == "llmc: error: target cuda has no kernel for llm.moe (mixture of experts); use --target cpu"
 
 
 # configs as older checkpoints or other writers leave them: what is absent takes transformers' defaults

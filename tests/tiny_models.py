@@ -50,6 +50,7 @@ class TinySpec:
     experts: int = 0  # Qwen3-MoE, Mixtral: experts per layer, `experts_used` per token, `ffn` wide each
     experts_used: int = 2
     norm_topk: bool = True  # Qwen3-MoE's norm_topk_prob (Mixtral always renormalizes)
+    hidden_act: str = "silu"  # the gate's activation, as transformers names it (Gemma: always gelu_pytorch_tanh)
 
     @property
     def qkv_bias(self) -> bool:
@@ -187,7 +188,7 @@ def write_hf(spec: TinySpec, weights: dict[str, np.ndarray], directory: Path) ->
         "rope_theta": spec.rope_theta,
         "max_position_embeddings": spec.context_length,
         "tie_word_embeddings": spec.tied,
-        "hidden_act": "silu",
+        "hidden_act": spec.hidden_act,
         "torch_dtype": "float32",
         "bos_token_id": 0,
         "eos_token_id": 0,

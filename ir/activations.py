@@ -15,11 +15,10 @@ names for it:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-
-import math
 
 import numpy as np
 from xdsl.ir import Operation
@@ -57,7 +56,7 @@ def gelu(x: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ActivationSpec:
-    """What an activation is: its formula (the ops' docs), numpy meaning, and the name of the
+    """What an activation is: its formula of x (the ops' docs), numpy meaning, and the name of the
     `KernelBuilder` method that emits it."""
 
     formula: str
@@ -67,9 +66,8 @@ class ActivationSpec:
 
 ACTIVATIONS: dict[Activation, ActivationSpec] = {
     Activation.SILU: ActivationSpec("x · sigmoid(x)", silu, "silu"),
-    Activation.GELU_TANH: ActivationSpec("GELU, tanh approximation: x/2 · (1 + tanh(√(2/π)·(x + 0.044715·x³)))",
-                                         gelu_tanh, "gelu_tanh"),
-    Activation.GELU: ActivationSpec("GELU: x/2 · (1 + erf(x/√2))", gelu, "gelu"),
+    Activation.GELU_TANH: ActivationSpec("x/2 · (1 + tanh(√(2/π)·(x + 0.044715·x³)))", gelu_tanh, "gelu_tanh"),
+    Activation.GELU: ActivationSpec("x/2 · (1 + erf(x/√2))", gelu, "gelu"),
 }
 
 

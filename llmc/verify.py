@@ -183,7 +183,7 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
     is transformers on the model's own file, or on `reference_source` (an HF directory of it); for
     an exported graph, torch eager (`.pt2`) or onnxruntime (`.onnx`) on the graph. With `per_layer`,
     then one row per projection (`per_layer_rows`)."""
-    from llmc.driver import BackendOptions, build_cpu_artifact, describe_graph, target_attr
+    from llmc.driver import BackendOptions, build_artifact, describe_graph, target_attr
     from llmc.errors import UsageError
     from llmc.frontend import import_model, load_model
     from llmc.frontend.reference import reference_logits, reference_name
@@ -266,7 +266,7 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
     ]
     with tempfile.TemporaryDirectory(prefix="llmc-verify-") as tmp:
         if artifact is None:
-            artifact = build_cpu_artifact(module, model, Path(tmp) / "artifact", backend, {}, progress)
+            artifact = build_artifact(module, model, Path(tmp) / "artifact", backend, {}, progress)
         session = open_session(artifact)
         stages.append(Stage("artifact", q_tolerance, tolerance if exact else None, why,
                             lambda: teacher_forced(lambda chunk, start: session.feed(chunk), tokens)))

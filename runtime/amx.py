@@ -12,10 +12,11 @@ import ctypes
 import ctypes.util
 import platform
 
+from llmc.abi import AMX_FLAG
+
 SYS_ARCH_PRCTL = 158  # x86-64
 ARCH_REQ_XCOMP_PERM = 0x1023
 XFEATURE_XTILEDATA = 18
-FLAG = "llmc_amx"  # the i32 in kernels.so (backends/cpu/amx.py)
 
 _answer: tuple[bool, str] | None = None  # the kernel's, asked once per process
 
@@ -38,7 +39,7 @@ def request() -> tuple[bool, str]:
 def enable(library: ctypes.CDLL) -> tuple[bool, str]:
     """Let `library`'s kernels use the tiles if the process may: (enabled, why not)."""
     try:
-        flag = ctypes.c_int32.in_dll(library, FLAG)
+        flag = ctypes.c_int32.in_dll(library, AMX_FLAG)
     except ValueError:
         return False, "the kernels use no AMX tiles"
     granted, why = request()

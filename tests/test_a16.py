@@ -374,7 +374,7 @@ def test_a16_model_matches_its_stage_and_is_closer_to_fp32_than_a8(tiny, tmp_pat
     are far closer than a8's."""
     from dataclasses import asdict
 
-    from llmc.driver import BackendOptions, build_cpu_artifact
+    from llmc.driver import BackendOptions, build_artifact
     from llmc.runtime.session import Session
 
     model = load_model(str(tiny(SPEC, "gguf")))
@@ -384,8 +384,8 @@ def test_a16_model_matches_its_stage_and_is_closer_to_fp32_than_a8(tiny, tmp_pat
     a16 = stage_logits(model, all_a16)
     assert np.abs(tgt_logits(model, module) - a16).max() <= 1e-4 * np.abs(a16).max()
     backend = BackendOptions(cpu="native")
-    out = build_cpu_artifact(module, model, Path(tmp_path) / "a16", backend, asdict(OPTIONS) | asdict(backend),
-                             lambda _: None)
+    out = build_artifact(module, model, Path(tmp_path) / "a16", backend, asdict(OPTIONS) | asdict(backend),
+                         lambda _: None)
     session = Session(out)
     ours = teacher_forced(lambda chunk, start: session.feed(chunk), TOKENS)
     session.close()

@@ -15,6 +15,7 @@ import pytest
 from runtime_only import runtime_only
 from tiny_models import TinySpec
 
+from llmc.abi import AMX_FLAG
 from llmc.cli import main
 from llmc.driver import BackendOptions, compile_model
 from llmc.errors import LlmcError
@@ -22,7 +23,6 @@ from llmc.frontend import import_model, load_model
 from llmc.ir import find_function, tgt
 from llmc.ir.interpreter import KVCache, forward_logits
 from llmc.passes.pipeline import CompileOptions
-from llmc.runtime import amx as amx_permission
 from llmc.runtime.artifact import ArtifactError
 from llmc.runtime.session import CapacityError, Session
 from llmc.verify import teacher_forced
@@ -441,7 +441,7 @@ def test_prefill_for_amx_takes_tiles_and_decode_keeps_vnni(tiny, artifact, spec:
     directory = artifact(spec, chunk=32, max_seq=64, cpu=cpu, compute="a8")
     manifest = json.loads((directory / "manifest.json").read_text())
     library = ctypes.CDLL(str(directory / manifest["files"]["kernels"]["path"]))  # loading runs no kernel
-    assert ctypes.c_int32.in_dll(library, amx_permission.FLAG).value == 0  # tiles off until the runtime asks
+    assert ctypes.c_int32.in_dll(library, AMX_FLAG).value == 0  # tiles off until the runtime asks
     if not host.runs(cpu):
         with pytest.raises(ArtifactError, match="lacks"):
             Session(directory)
@@ -467,7 +467,7 @@ def test_prefill_on_amx_tiles_agrees_with_the_quantize_stage(tiny, artifact, spe
     reference = forward_logits(module, model.weights, LONG)
     assert _cosines(ours, reference).min() > 0.999
     assert (ours.argmax(-1) == reference.argmax(-1)).mean() >= 0.9
-    flag = ctypes.c_int32.in_dll(session.library, amx_permission.FLAG)
+    flag = ctypes.c_int32.in_dll(session.library, AMX_FLAG)
     flag.value = 0
     session.reset()
     vnni = session.score(LONG)  # (sums in another order: an int8 rounding may flip, so cosines again)

@@ -28,6 +28,7 @@ from xdsl.dialects.builtin import f16 as F16_ATTR
 from xdsl.dialects.builtin import f32 as F32_ATTR
 from xdsl.ir import Attribute, Block
 
+from llmc.abi import AMX_FLAG
 from llmc.backends.builder import FPTR, I64
 from llmc.backends.cpu import (
     KernelLibrary,
@@ -520,7 +521,7 @@ def test_matmul_amx_equals_the_integer_reference(tmp_path, host_amx, storage, N,
     buf, rows = qrows_of(rand(rng, R, K, scale=3.0), R)
     k = Kernel(tmp_path, tm, matmul_op(isa=tgt.Isa.AMX), [tgt.QRowsType(R, K), wtype, tgt.memref(R, N), IDX])
     assert k.amx
-    flag = ctypes.c_int32.in_dll(k.library, amx_tiles.FLAG)
+    flag = ctypes.c_int32.in_dll(k.library, AMX_FLAG)
     for tiles, n, nth in ((1, 16, 1), (1, 37, 1), (1, 48, 3), (0, 37, 2)):
         flag.value = tiles
         out = np.zeros((R, N), f32)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from llvmlite import ir
 
+from llmc.abi import KV_Q8_BLOCK
 from llmc.backends.builder import F32, F64, FPTR, I32, I64, KernelBuilder, _chunks
 from llmc.backends.cpu.gemm import floats
 from llmc.backends.cpu.quant import F16, I8, QRowsAccess, q8_block, vec
@@ -158,8 +159,8 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
             return rows
         if element is F16:
             return [b.fpext(r, vec(F32, r.type.count)) for r in rows]
-        scales = b.bitcast(f.ptr(p, D), FPTR)  # q8_0: one f32 per 32 values after the D int8 values
-        return [f.fmul(b.sitofp(r, vec(F32, w)), f.splat(f.load(scales, o // ACT_BLOCK), vec(F32, w)))
+        scales = b.bitcast(f.ptr(p, D), FPTR)  # q8_0 (`llmc.abi`): an f32 per KV_Q8_BLOCK after the D int8 values
+        return [f.fmul(b.sitofp(r, vec(F32, w)), f.splat(f.load(scales, o // KV_Q8_BLOCK), vec(F32, w)))
                 for r, (o, w) in zip(rows, chunks)]
 
     def store_row(cache: ir.Value, index: ir.Value, row: list[ir.Value]) -> None:
@@ -167,11 +168,11 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
         p = f.ptr(cache, index)
         if element is I8:
             scales = b.bitcast(f.ptr(p, D), FPTR)
-            for blk in range(D // ACT_BLOCK):
+            for blk in range(D // KV_Q8_BLOCK):
                 d, halves = q8_block(f, row[2 * blk], row[2 * blk + 1])
                 f.store(d, scales, blk)
                 for h, qv in enumerate(halves):
-                    b.store(b.trunc(qv, vec(I8, 16)), b.bitcast(f.ptr(p, blk * ACT_BLOCK + 16 * h),
+                    b.store(b.trunc(qv, vec(I8, 16)), b.bitcast(f.ptr(p, blk * KV_Q8_BLOCK + 16 * h),
                                                                 vec(I8, 16).as_pointer()), align=1)
             return
         for (o, w), x in zip(chunks, row):

@@ -90,9 +90,12 @@ def target_machine_for(target: TargetAttr):
 # all-a8 on a quiet machine (`llmc bench --prompt-tokens 128,512 --decode-tokens 64`, 2
 # threads): prefill 0.85–0.90×, decode 0.81–0.84× — both do twice the integer dot products on
 # the same weight bytes, and a8's decode here is near enough to compute-bound that it shows.
-# VNNI-256/512: not measured, AVX2's factors until they are.
-A16_COST = {Isa.AVX2: (1.15, 1.2), Isa.VNNI256: (1.15, 1.2), Isa.VNNI512: (1.15, 1.2)}
-A16_PREFILL_ON_AMX = 3.0  # a16 never uses AMX tiles, which a8's prefill does: an estimate, not measured
+# VNNI-512: measured on a 2-core AMX Xeon, the same command at --repeat 5 with `--cpu
+# icelake-server`: prefill 0.78–0.81×, decode 0.95×. AMX: a16 takes no tiles (its prefill runs
+# on VNNI-512) where a8's prefill does: prefill 0.65–0.68× of a8 on tiles, decode 1.0× (both
+# VNNI-512). VNNI-256: not measured, AVX2's factors until it is.
+A16_COST = {Isa.AVX2: (1.15, 1.2), Isa.VNNI256: (1.15, 1.2), Isa.VNNI512: (1.25, 1.05)}
+A16_PREFILL_ON_AMX = 1.5
 
 
 def a16_cost(target: TargetAttr) -> tuple[float, float]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 # ---------------------------------------------------------------- entry points
 
 ENTRY_POINTS = ("prefill", "prefill_kv", "decode", "score")  # every artifact has each
+OPTIONAL_ENTRY_POINTS = ("verify",)  # an artifact may have these (`--speculate 0` and older artifacts: no `verify`)
 ENTRY_PREFIX = "llmc_"  # what a kernels library exports: entry points, the read probe, the AMX flag, its description
 
 # An argument's kind: an int64 by value, or a pointer (to what, for the reader; the call passes an address).

@@ -33,6 +33,7 @@ from llmc.abi import (
     KV_DTYPES,
     KV_LAYOUT,
     KV_LAYOUT_SLOTS,
+    OPTIONAL_ENTRY_POINTS,
     POINTER,
     entry_arguments,
     entry_symbol,
@@ -111,13 +112,17 @@ def _check_schema(path: Path, data: dict) -> None:
             if not (isinstance(entry["path"], str) and type(entry["bytes"]) is int and isinstance(entry["sha256"], str)):
                 raise ValueError(f"files.{role} is malformed")
         cpu = data["target"] == "cpu"
-        for name in ENTRY_POINTS:
+        names = set(data["entry_points"])
+        if not set(ENTRY_POINTS) <= names <= {*ENTRY_POINTS, *OPTIONAL_ENTRY_POINTS}:
+            raise ValueError(f"entry points {', '.join(sorted(names))}: not {', '.join(ENTRY_POINTS)} "
+                             f"(and optionally {', '.join(OPTIONAL_ENTRY_POINTS)})")
+        for name in data["entry_points"]:
             entry = data["entry_points"][name]
             if cpu:
                 _check_cpu_entry(name, entry)
             else:
                 _check_launches(name, entry["launches"])
-            rows = entry["max_tokens"] if name in ("score", "decode") else 1
+            rows = entry["max_tokens"] if name in ("score", "decode", "verify") else 1
             if entry["logits"] != [rows, data["model"]["vocab_size"]]:
                 raise ValueError(f"entry point {name} writes logits {entry['logits']!r}, not {rows} x vocabulary")
             if not (positive_ints([entry["max_tokens"]]) and type(entry["arena_bytes"]) is int
@@ -135,7 +140,7 @@ def _check_schema(path: Path, data: dict) -> None:
                              "slots), matching kv_cache.capacity and kv_cache.slots")
         if kv["layout"] != (KV_LAYOUT_SLOTS if batched else KV_LAYOUT):
             raise ValueError(f"kv_cache.layout {kv['layout']!r} is not this runtime's for {kv['slots']} slots")
-        for name in ENTRY_POINTS:
+        for name in data["entry_points"]:
             entry = data["entry_points"][name]
             takes = ("slots" in entry["arguments"]) if cpu else any(
                 a.get("argument") == "slots" for launch in entry["launches"] for a in launch["args"])

@@ -3,7 +3,8 @@
 `Session.feed(tokens)` runs a prompt through `prefill` (first chunk of an empty cache)
 and `prefill_kv` (every later chunk), or one token through `decode`, and returns the
 logits of the last token; `Session.score(tokens)` runs them through `score` and returns
-every row's logits (perplexity, KL divergence). Each chunk or token is one native call
+every row's logits (perplexity, KL divergence); `Session.verify(tokens)` checks drafted tokens in one
+call (speculative decoding) and `Session.rewind(position)` drops the rejected ones. Each chunk or token is one native call
 into `kernels.so` per thread: the threads start once, enter the entry point together,
 and synchronise inside native code.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc.abi import ENTRY_POINTS, INT64, KV_DTYPES, READ_PROBE_ARGUMENTS, READ_PROBE_STEP, argument_kind
+from llmc.abi import INT64, KV_DTYPES, READ_PROBE_ARGUMENTS, READ_PROBE_STEP, argument_kind
 from llmc.errors import LlmcError
 from llmc.runtime import amx
 from llmc.runtime.artifact import (
@@ -114,8 +115,8 @@ class Conversation:
         self.chunk = manifest.entry_points["prefill"]["max_tokens"]
         self.batch = manifest.entry_points["decode"]["max_tokens"]
         self.logits = np.zeros((1, self.vocab_size), np.float32)
-        self._all_logits: np.ndarray | None = None  # `score`'s rows, allocated when first scored
-        rows = max(self.chunk, self.batch)
+        self._row_logits: dict[str, np.ndarray] = {}  # every row's logits of `score` and `verify`, when first run
+        rows = max(entry["max_tokens"] for entry in manifest.entry_points.values())
         self.tokens = np.zeros(rows, np.int32)
         self.positions = np.zeros(rows, np.int32)
         self.slot_ids = np.zeros(rows, np.int32)
@@ -130,7 +131,11 @@ class Conversation:
         self.rewind(0)
 
     def rewind(self, position: int) -> None:
-        """Forget the tokens from `position` on: the next ones are fed after the first `position`."""
+        """Forget the tokens from `position` on: the next ones are fed after the first `position` (their
+        cache rows stay and are overwritten; attention never reads past a row's own position).
+
+        >>> logits = session.verify([last, *draft]); session.rewind(start + accepted)  # doctest: +SKIP
+        """
         if not 0 <= position <= self.position:
             raise ValueError(f"cannot rewind to {position}: the cache holds {self.position} tokens")
         self.position = position
@@ -150,12 +155,16 @@ class Conversation:
         """`_stage` at this conversation's position and slot."""
         return self._stage(tokens, np.arange(self.position, self.position + tokens.size), self.slot)
 
+    def _entry(self, name: str) -> str:
+        """The entry point that runs `name`: `score` stands in for `verify` where the artifact has none."""
+        return "score" if name == "verify" and name not in self.manifest.entry_points else name
+
     def run(self, entry: str, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
             logits: np.ndarray | None) -> None:
         """Run `entry` on rows `tokens` at `positions` of cache `slots` (the caller checks them: a
-        chunk's rows are consecutive positions of one slot, decode's rows distinct slots); the
-        logits go to `logits` (None: a target may leave them on the device)."""
-        self._call(entry, self._stage(tokens, positions, slots), logits)
+        chunk's rows are consecutive positions of one slot, decode's rows distinct slots, verify's
+        rows one slot's); the logits go to `logits` (None: a target may leave them on the device)."""
+        self._call(self._entry(entry), self._stage(tokens, positions, slots), logits)
 
     def _run_here(self, entry: str, tokens: np.ndarray, logits: np.ndarray | None) -> None:
         """`run` at this conversation's position and slot."""
@@ -194,19 +203,40 @@ class Conversation:
                 self._run_here(entry, chunk, logits)
                 self.position += chunk.size
 
-    def score(self, tokens: list[int] | np.ndarray) -> np.ndarray:
-        """Run `tokens` after the ones already fed; returns every token's logits `[T, vocab]`."""
+    def _rows(self, tokens: list[int] | np.ndarray, entry: str) -> np.ndarray:
+        """Run `tokens` after the ones already fed through `entry`, in chunks of its rows; every token's logits."""
         tokens = np.asarray(tokens, dtype=np.int32)
         self._check(tokens)
-        if self._all_logits is None:
-            self._all_logits = np.zeros(self.manifest.entry_points["score"]["logits"], np.float32)
+        if entry not in self._row_logits:
+            self._row_logits[entry] = np.zeros(self.manifest.entry_points[entry]["logits"], np.float32)
+        logits, rows = self._row_logits[entry], self.manifest.entry_points[entry]["max_tokens"]
         out = np.empty((tokens.size, self.vocab_size), np.float32)
-        for begin in range(0, tokens.size, self.chunk):
-            chunk = tokens[begin : begin + self.chunk]
-            self._run_here("score", chunk, self._all_logits)
+        for begin in range(0, tokens.size, rows):
+            chunk = tokens[begin : begin + rows]
+            self._run_here(entry, chunk, logits)
             self.position += chunk.size
-            out[begin : begin + chunk.size] = self._all_logits[: chunk.size]
+            out[begin : begin + chunk.size] = logits[: chunk.size]
         return out
+
+    def score(self, tokens: list[int] | np.ndarray) -> np.ndarray:
+        """Run `tokens` after the ones already fed; returns every token's logits `[T, vocab]`."""
+        return self._rows(tokens, "score")
+
+    @property
+    def max_verify(self) -> int:
+        """The most tokens one `verify` call takes: the last accepted token and up to `max_verify - 1` drafts."""
+        return self.manifest.entry_points[self._entry("verify")]["max_tokens"]
+
+    def verify(self, tokens: list[int] | np.ndarray) -> np.ndarray:
+        """Run up to `max_verify` tokens after the ones already fed in one call; returns every token's logits
+        `[n, vocab]` (row i predicts the token after tokens[i]). `rewind` then drops the rejected rows.
+
+        >>> logits = session.verify([last, *draft])  # doctest: +SKIP
+        >>> accepted = next((i for i, t in enumerate(draft) if logits[i].argmax() != t), len(draft))  # doctest: +SKIP
+        """
+        if len(tokens) > self.max_verify:
+            raise TokenError(f"{len(tokens)} tokens to verify, more than the artifact's {self.max_verify}")
+        return self._rows(tokens, self._entry("verify"))
 
 
 def open_session(directory: Path, check_files: bool = True, threads: int | None = None) -> Conversation:
@@ -245,8 +275,7 @@ class Session(Conversation):
         if not self.amx and "failed" in why:
             print(f"llmc: AMX tiles unavailable ({why}): prefill runs on VNNI", file=sys.stderr)
         self.entries = {}  # entry point → (function, its argument names in order)
-        for name in ENTRY_POINTS:
-            entry = self.manifest.entry_points[name]
+        for name, entry in self.manifest.entry_points.items():
             fn = getattr(self.library, entry["symbol"])
             fn.argtypes = [_ctype(argument_kind(a)) for a in entry["arguments"]]
             fn.restype = None

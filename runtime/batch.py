@@ -11,6 +11,13 @@ read once for all of them. `Engine` schedules requests onto the slots:
 - a request ends at its end-of-sequence token, at `max_tokens`, at the cache's capacity
   or when cancelled; its slot is free for the next step.
 
+With `speculate`, each generating sequence has a prompt-lookup drafter
+(`llmc.runtime.speculate`): a sequence whose drafter proposes tokens runs them after its
+own in a `verify` call of its own (the artifact's `score` where it has no `verify`), and
+keeps the drafts the model agrees with plus the model's next token (several tokens per
+step; rejected rows are left in the cache to be overwritten); the others share the
+batched `decode` call. A sequence whose drafts are rejected drafts less, then not at all.
+
 Tokens reach a request through its `emit` callback, and its end through `finish`, both
 called on the engine's thread. Only numpy and the standard library here.
 """
@@ -28,6 +35,7 @@ import numpy as np
 from llmc.errors import LlmcError
 from llmc.runtime.sampling import Sampler, SamplingOptions
 from llmc.runtime.session import CapacityError, Conversation
+from llmc.runtime.speculate import PromptLookup, Speculation, _accept
 
 SWITCH_INTERVAL = 2e-4  # seconds: how long a thread waits for the GIL before the holder is asked to let go
 
@@ -65,6 +73,7 @@ class _Sequence:
     position: int = 0
     token: int | None = None  # the sampled token not yet fed (None while the prompt is being fed)
     generated: int = 0
+    speculation: Speculation | None = None
 
 
 def _finish(request: Request, reason: str) -> None:
@@ -78,9 +87,10 @@ def _finish(request: Request, reason: str) -> None:
 class Engine:
     """Schedules requests onto the slots of one session's KV cache (see the module docstring)."""
 
-    def __init__(self, session: Conversation, eos_id: int | None, queue_size: int = 64, max_active: int | None = None):
+    def __init__(self, session: Conversation, eos_id: int | None, queue_size: int = 64, max_active: int | None = None,
+                 speculate: bool = False):
         """`max_active` sequences at once (default: every slot of the cache); `queue_size` requests
-        waiting beyond them."""
+        waiting beyond them; `speculate`: draft by prompt lookup and verify (see the module docstring)."""
         active = session.slot_count if max_active is None else max_active
         if not 1 <= active <= session.slot_count:
             raise LlmcError(f"--max-batch must be in 1..{session.slot_count} (the sequences this artifact's cache "
@@ -95,6 +105,11 @@ class Engine:
         self.logits = np.zeros((session.batch, session.vocab_size), np.float32)
         self.steps = 0  # decode calls so far
         self.decoded_rows = 0  # sequences' tokens those calls produced
+        self.speculate = speculate
+        self.verify_logits = np.zeros((session.max_verify, session.vocab_size), np.float32)
+        self.verify_calls = 0
+        self.drafted = 0  # draft tokens verified
+        self.accepted = 0  # of them, those the model agreed with
         self._wake = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -134,7 +149,9 @@ class Engine:
         tokens they produced."""
         with self._wake:
             return {"slots": self.max_active, "running": len(self.running), "waiting": len(self.waiting),
-                    "queue_size": self.queue_size, "decode_steps": self.steps, "decoded_tokens": self.decoded_rows}
+                    "queue_size": self.queue_size, "decode_steps": self.steps, "decoded_tokens": self.decoded_rows,
+                    "speculate": self.speculate, "verify_calls": self.verify_calls, "drafted_tokens": self.drafted,
+                    "accepted_tokens": self.accepted}
 
     @property
     def busy(self) -> bool:
@@ -155,30 +172,44 @@ class Engine:
                 self.waiting.remove(request)
             while self.free and self.waiting:
                 request = self.waiting.popleft()
-                self.running.append(_Sequence(request, self.free.pop(), Sampler(request.sampling)))
+                seq = _Sequence(request, self.free.pop(), Sampler(request.sampling))
+                if self.speculate:
+                    seq.speculation = Speculation(PromptLookup())
+                    seq.speculation.start(self.session, request.prompt)
+                self.running.append(seq)
         for request in dropped:  # (outside the lock, on this thread, as every callback)
             _finish(request, "cancelled")
 
     def _next(self, seq: _Sequence, logits: np.ndarray) -> None:
-        """Sample after `logits`; emit the token or end the sequence (a failure ends this one only)."""
+        """Sample after `logits`, then `_take` the token (a failure ends this sequence only)."""
         try:
             token = seq.sampler(logits)
         except Exception as e:
             self._end(seq, f"error: {e}")
             return
-        if token == self.eos_id:
-            self._end(seq, "stop")
-            return
-        seq.generated += 1
-        try:
-            seq.request.emit(token)
-        except Exception as e:  # a failing receiver ends its own request only
-            self._end(seq, f"error: {e}")
-            return
-        if seq.generated >= seq.request.max_tokens or seq.position >= self.session.capacity:
+        self._take(seq, [token])
+
+    def _take(self, seq: _Sequence, tokens: list[int]) -> None:
+        """Emit `tokens` in order (all but the last already fed) or end the sequence at the first that ends it."""
+        for token in tokens:
+            if token == self.eos_id:
+                self._end(seq, "stop")
+                return
+            seq.generated += 1
+            try:
+                seq.request.emit(token)
+            except Exception as e:  # a failing receiver ends its own request only
+                self._end(seq, f"error: {e}")
+                return
+            if seq.generated >= seq.request.max_tokens:
+                self._end(seq, "length")
+                return
+        if seq.position >= self.session.capacity:
             self._end(seq, "length")
             return
-        seq.token = token
+        seq.token = tokens[-1]
+        if seq.speculation is not None:
+            seq.speculation.drafter.extend(tokens)
 
     def _prefill_one(self) -> None:
         """One prompt chunk of the first sequence still feeding its prompt."""
@@ -195,9 +226,44 @@ class Engine:
         if seq.fed == len(seq.request.prompt):
             self._next(seq, self.logits[0])
 
+    def _draft(self, seq: _Sequence) -> list[int]:
+        """The tokens `seq`'s drafter proposes after its next one: no more than its draft length, the tokens it
+        may still emit after the next one, and the cache rows left after it."""
+        speculation = seq.speculation
+        if speculation is None:
+            return []
+        room = min(seq.request.max_tokens - seq.generated - 1, self.session.capacity - seq.position - 1)
+        k = min(speculation.length.next(), room)
+        return speculation.drafter.draft(k) if k > 0 else []
+
+    def _verify(self, seq: _Sequence, draft: list[int]) -> None:
+        """Run `seq`'s next token and `draft` in one call; take the drafts the model agrees with and its next token."""
+        tokens = np.array([seq.token, *draft], np.int32)
+        n = tokens.size
+        logits = self.verify_logits[:n]
+        self.session.run("verify", tokens, np.arange(seq.position, seq.position + n), np.full(n, seq.slot), logits)
+        try:
+            accepted, token = _accept(seq.sampler, logits, draft)
+        except Exception as e:
+            self._end(seq, f"error: {e}")
+            return
+        self.verify_calls += 1
+        self.drafted += len(draft)
+        self.accepted += accepted
+        seq.speculation.length.update(len(draft), accepted)
+        seq.position += 1 + accepted  # the fed token and the accepted drafts; the rows after them are discarded
+        self._take(seq, draft[:accepted] + [token])
+
     def _decode(self) -> None:
-        """One `decode` over every generating sequence (at most one per slot: decode's rows)."""
-        ready = [s for s in self.running if s.token is not None]
+        """A `verify` call for each generating sequence with a draft, then one `decode` over the others (at most
+        one per slot: decode's rows)."""
+        ready = []
+        for seq in [s for s in self.running if s.token is not None]:
+            draft = self._draft(seq)
+            if draft:
+                self._verify(seq, draft)
+            else:
+                ready.append(seq)
         if not ready:
             return
         tokens = np.array([s.token for s in ready], np.int32)

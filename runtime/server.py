@@ -3,8 +3,8 @@
     POST /v1/completions        a prompt (text or token ids) → its continuation
     POST /v1/chat/completions   messages, rendered with the model's chat template → the reply
     GET  /v1/models             the one model served (the artifact's name)
-    GET  /health                the engine's state: slots, running and waiting requests, counts; requests
-                                being prepared
+    GET  /health                the engine's state: slots, running and waiting requests, counts (decode and
+                                verify calls, tokens drafted and accepted); requests being prepared
     GET  /openapi.json          the OpenAPI description of these routes
 
 Both generation endpoints stream as server-sent events in OpenAI's chunk format (ending
@@ -111,14 +111,15 @@ class Server:
     """The ASGI app (`self.app`) over one session's engine."""
 
     def __init__(self, session: Conversation, codec: TextCodec, name: str, queue_size: int = 64,
-                 max_active: int | None = None, aliases: tuple[str, ...] = (), limits: Limits | None = None):
+                 max_active: int | None = None, aliases: tuple[str, ...] = (), limits: Limits | None = None,
+                 speculate: bool = False):
         self.session = session
         self.codec = codec
         self.name = name
         self.names = {name, *aliases}
         self.capacity = session.capacity
         self.limits = limits or Limits.for_capacity(self.capacity)
-        self.engine = Engine(session, codec.eos_id, queue_size, max_active)
+        self.engine = Engine(session, codec.eos_id, queue_size, max_active, speculate)
         self.requests = RequestParser(codec, self.limits, self.capacity, name, self.names, self.engine.check_prompt)
         self.workers = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="llmc-request",
                                           initializer=_yield_to_generation)

@@ -273,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most sequences generating at once (default: every slot the artifact's cache holds)")
     p.add_argument("--queue", type=_non_negative, default=64, metavar="N",
                    help="requests that may wait for a slot; beyond them the server answers 429 (default: 64)")
+    p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True,
+                   help="draft each sequence's next tokens by prompt lookup and check them in one verify call "
+                        "(greedy text is unchanged; drafting backs off where drafts are rejected) (default: on)")
     for part, default, slower in (("head", 10.0, "are disconnected"), ("body", 30.0, "get 408")):
         p.add_argument(f"--{part}-timeout", type=_seconds, default=default, metavar="S",
                        help=f"seconds a client has to send a whole request {part}; slower ones {slower} "

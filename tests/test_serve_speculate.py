@@ -1,0 +1,162 @@
+"""Speculative decoding in the batching engine and `llmc serve`: each sequence drafts by prompt lookup and
+checks its drafts in a `verify` call of its own, beside the others' batched `decode` rows.
+
+The bar is plain decode's text: every greedy stream, alone or several at once, must be the same token for
+token, and end the same way (end of sequence mid-draft, `max_tokens`, the cache's capacity, stop strings).
+Tiny random models repeat themselves greedily, so their drafts are accepted.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from test_batch import PROMPTS, SPEC
+from tiny_models import TinySpec
+
+from llmc.runtime.batch import Engine, Request
+from llmc.runtime.sampling import SamplingOptions
+from llmc.runtime.session import Session
+
+CAPACITY = 64
+COPIES = [[5, 17, 42, 9, 5, 17, 42], [100, 150, 7, 100, 150], [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]]
+
+
+def _streams(session: Session, requests: list[tuple[list[int], int]], speculate: bool, eos: int | None = None,
+             sampling: SamplingOptions = SamplingOptions()) -> tuple[list[tuple[list[int], str]], Engine]:
+    """Each request's (tokens, finish reason), all submitted at once to one engine."""
+    engine = Engine(session, eos_id=eos, speculate=speculate)
+    out: list[tuple[list[int], list[str]]] = [([], []) for _ in requests]
+    for (prompt, max_tokens), (tokens, reasons) in zip(requests, out):
+        engine.submit(Request(prompt, max_tokens, sampling, emit=tokens.append, finish=reasons.append))
+    while engine.busy:
+        engine.step()
+    assert all(len(reasons) == 1 for _, reasons in out)
+    return [(tokens, reasons[0]) for tokens, reasons in out], engine
+
+
+@pytest.mark.parametrize("spec", [SPEC, TinySpec(hidden=64, heads=4, kv_heads=2, head_dim=32, ffn=128,
+                                                 context_length=64)], ids=["small", "gqa"])
+def test_greedy_streams_with_speculation_are_plain_decodes(artifact, spec: TinySpec) -> None:
+    """More requests than slots, several drafting at once beside plain decode rows; then alone."""
+    session = Session(artifact(spec, max_batch=4, max_seq=CAPACITY))
+    requests = [(prompt, 12 + i) for i, prompt in enumerate(PROMPTS + COPIES)]
+    plain, _ = _streams(session, requests, speculate=False)
+    speculated, engine = _streams(session, requests, speculate=True)
+    assert speculated == plain
+    stats = engine.stats()
+    assert stats["accepted_tokens"] > 0 and stats["verify_calls"] > 0 and stats["speculate"]
+    assert all(reason == "length" and len(tokens) == n for (tokens, reason), (_, n) in zip(plain, requests))
+    for request in requests[-3:]:
+        assert _streams(session, [request], speculate=True)[0] == _streams(session, [request], speculate=False)[0]
+    session.close()
+
+
+def test_ends_mid_draft_are_plain_decodes(artifact) -> None:
+    """An end-of-sequence token, `max_tokens` and the cache's capacity each cut a stream where plain decode
+    does, whatever the draft beyond them."""
+    session = Session(artifact(SPEC, max_batch=4, max_seq=CAPACITY))
+    stream, _ = _streams(session, [(COPIES[2], 40)], speculate=False)
+    tokens = stream[0][0]
+    eos = next(t for t in tokens[3:] if t not in tokens[:3])  # first met a few tokens in
+    cut = [(COPIES[2], 40)] + [(COPIES[2], n) for n in (1, 2, 3, 5, 8)] + [(PROMPTS[6], 100), ([9] * 60, 10)]
+    for eos_id in (None, eos):
+        plain, _ = _streams(session, cut, speculate=False, eos=eos_id)
+        speculated, engine = _streams(session, cut, speculate=True, eos=eos_id)
+        assert speculated == plain and engine.accepted > 0
+    assert plain[0] == (tokens[: tokens.index(eos)], "stop")
+    assert [len(t) for t, _ in plain[1:6]] == [1, 2, 3, 5, 8]
+    assert plain[6][1] == "length" and len(plain[6][0]) == CAPACITY - len(PROMPTS[6]) + 1  # to the last row
+    session.close()
+
+
+def test_sampled_requests_speculate_within_their_limits(artifact) -> None:
+    session = Session(artifact(SPEC, max_batch=4, max_seq=CAPACITY))
+    requests = [(prompt, 20) for prompt in COPIES]
+    for seed in range(3):
+        sampled, engine = _streams(session, requests, speculate=True, sampling=SamplingOptions(0.5, seed=seed))
+        assert [(len(t), r) for t, r in sampled] == [(20, "length")] * 3
+        assert all(0 <= t < session.vocab_size for tokens, _ in sampled for t in tokens)
+    assert engine.verify_calls > 0
+    session.close()
+
+
+# ------------------------------------------------------------------ through `llmc serve`
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+from test_serve import LETTERS, REPEATS, SLOTS, complete, start_server, stream  # noqa: E402
+from test_serve import SPEC as SERVED_SPEC  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def served_artifact(tiny, tmp_path_factory) -> Path:
+    """test_serve's artifact (served as "tiny"): a long cache, so that tiny prompts' continuations never end."""
+    from llmc.driver import BackendOptions, compile_model
+    from llmc.passes.pipeline import CompileOptions
+
+    options = CompileOptions(prefill_chunk=16, max_seq=SERVED_SPEC.context_length, max_batch=SLOTS)
+    return compile_model(str(tiny(SERVED_SPEC, "gguf")), tmp_path_factory.mktemp("serve") / "tiny.llmc", options,
+                         BackendOptions(), progress=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def clients(served_artifact: Path):
+    """{True: a client of a speculating server, False: of a plain one} (both greedy-identical by the bar)."""
+    servers = {speculate: start_server(served_artifact, "--speculate" if speculate else "--no-speculate")
+               for speculate in (True, False)}
+    clients = {speculate: openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=60)
+               for speculate, served in servers.items()}
+    yield clients, servers
+    for speculate, served in servers.items():
+        clients[speculate].close()
+        if served.process.poll() is None:
+            served.stop()
+
+
+def test_served_text_is_plain_decodes(clients) -> None:
+    """Whole and streamed, alone and several at once (more than the slots), with stop strings and
+    `max_tokens`: the same text, finish reason and usage; the speculating server reports accepted drafts."""
+    clients, servers = clients
+    cases = [(REPEATS, {"max_tokens": 40}), (LETTERS, {"max_tokens": 33}), (REPEATS, {"max_tokens": 1}),
+             (REPEATS, {"max_tokens": 3}), (LETTERS, {"max_tokens": 30, "stop": ["pa"]}),
+             (REPEATS, {"max_tokens": 30, "stop": [" the the the"]}), ("x y x y x", {"max_tokens": 17})]
+    for prompt, options in cases:
+        with_drafts, without = (complete(clients[s], prompt, **options) for s in (True, False))
+        assert with_drafts[:2] == without[:2] and with_drafts[2].completion_tokens == without[2].completion_tokens
+        assert stream(clients[True], prompt, **options) == stream(clients[False], prompt, **options)
+    with ThreadPoolExecutor(len(cases)) as pool:
+        together = list(pool.map(lambda case: complete(clients[True], case[0], **case[1])[:2], cases))
+    assert together == [complete(clients[False], prompt, **options)[:2] for prompt, options in cases]
+    health = servers[True].health()
+    assert health["speculate"] and health["accepted_tokens"] > 0 and health["verify_calls"] > 0
+    assert health["drafted_tokens"] >= health["accepted_tokens"]
+    plain = servers[False].health()
+    assert not plain["speculate"] and plain["verify_calls"] == plain["drafted_tokens"] == 0
+
+
+# ------------------------------------------------------------------ the real model
+
+
+@pytest.mark.real_model
+def test_smollm2_copying_a_passage_accepts_drafts_and_keeps_its_text(smollm2_path, tmp_path) -> None:
+    from llmc.driver import BackendOptions, compile_model
+    from llmc.passes.pipeline import CompileOptions
+    from llmc.runtime.codec import TextCodec
+
+    out = compile_model("smollm2-135m", tmp_path / "s.llmc", CompileOptions(max_seq=1024, max_batch=2),
+                        BackendOptions(), progress=lambda _: None)
+    session = Session(out)
+    codec = TextCodec.from_artifact(session.manifest)
+    passage = ("The river Wensum rises near the village of Whissonsett and flows east through Fakenham and "
+               "Norwich, where it joins the river Yare. Its chalk bed makes it one of the purest lowland rivers "
+               "in England, home to brown trout, otters and the rare white-clawed crayfish.")
+    prompt = codec.encode(codec.render_chat([{"role": "user", "content": f"Repeat this text exactly:\n\n{passage}"}]))
+    requests = [(prompt, 60), (codec.encode(codec.render_chat([{"role": "user", "content": "Write a poem."}])), 30)]
+    plain, _ = _streams(session, requests, speculate=False, eos=codec.eos_id)
+    speculated, engine = _streams(session, requests, speculate=True, eos=codec.eos_id)
+    assert speculated == plain
+    assert engine.accepted > 20 and engine.verify_calls < len(plain[0][0])
+    session.close()

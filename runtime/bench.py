@@ -14,7 +14,7 @@ decode step that reads every weight once. Only numpy here, like the rest of the 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +22,7 @@ import numpy as np
 
 from llmc.runtime.artifact import Manifest
 from llmc.runtime.session import CapacityError, open_session
+from llmc.runtime.speculate import SpeculationStats
 
 DEFAULT_PROMPTS = (128, 512, 2048)
 DEFAULT_DEPTHS = (0, 2048)
@@ -125,6 +126,91 @@ def benchmark(directory: Path, prompts: int | Sequence[int] = (512,), decode_tok
         session.close()
     return BenchResult(session.vocab_size, session.threads, session.where, session.capacity, prompts, depths,
                        decode_tokens, speeds, read, session.weights.size, session.bandwidth_probe)
+
+
+# ------------------------------------------------------------------ speculative decoding
+
+
+@dataclass
+class SpeculationRun:
+    """One prompt set's greedy decode, plain and speculative: tokens, seconds (best of the repeats, each
+    prompt's first token — the prefill's — left out), the drafts' stats, and whether the texts agree."""
+
+    name: str
+    prompts: int
+    tokens: int
+    plain_seconds: float
+    speculative_seconds: float
+    stats: SpeculationStats
+    identical: bool
+
+    @property
+    def speedup(self) -> float:
+        return self.plain_seconds / self.speculative_seconds
+
+
+def _decode_seconds(tokens: Iterator[int]) -> tuple[list[int], float]:
+    """The tokens, and the seconds from the first one to the last (decode, without the prefill)."""
+    out, first = [], 0.0
+    for token in tokens:
+        out.append(token)
+        if len(out) == 1:
+            first = time.perf_counter()
+    return out, time.perf_counter() - first
+
+
+def speculation_benchmark(directory: Path, prompt_sets: dict[str, Sequence[str]], max_tokens: int = 128,
+                          repeat: int = 2, threads: int | None = None, draft: Path | None = None,
+                          most: int = 8) -> list[SpeculationRun]:
+    """Greedy decode tokens/s of each set's prompts (chat template applied), plain and speculative (prompt
+    lookup, or the `draft` artifact), alternating prompt by prompt, best of `repeat` each."""
+    from llmc.runtime.codec import TextCodec
+    from llmc.runtime.generate import generate
+    from llmc.runtime.sampling import SamplingOptions
+    from llmc.runtime.speculate import DraftModel, PromptLookup, Speculation
+
+    session = open_session(directory, threads=threads)
+    drafting = open_session(draft, threads=threads) if draft else None
+    try:
+        codec = TextCodec.from_artifact(session.manifest)
+        drafter = DraftModel(drafting, session, draft) if drafting else PromptLookup()
+        greedy = SamplingOptions()
+        session.feed(codec.encode(codec.chat("hello")))  # warm-up: weights paged in
+        runs = []
+        for name, prompts in prompt_sets.items():
+            stats = SpeculationStats()
+            tokens = plain_total = fast_total = 0
+            identical = True
+            for text in prompts:
+                ids = codec.encode(codec.chat(text))
+                plain_best = fast_best = float("inf")
+                for _ in range(repeat):
+                    plain, seconds = _decode_seconds(generate(session, codec, ids, max_tokens, greedy))
+                    plain_best = min(plain_best, seconds)
+                    speculation = Speculation(drafter, most, stats)
+                    fast, seconds = _decode_seconds(generate(session, codec, ids, max_tokens, greedy, speculation))
+                    fast_best = min(fast_best, seconds)
+                    identical &= fast == plain
+                tokens += len(plain) - 1
+                plain_total += plain_best
+                fast_total += fast_best
+            runs.append(SpeculationRun(name, len(prompts), tokens, plain_total, fast_total, stats, identical))
+    finally:
+        session.close()
+        if drafting:
+            drafting.close()
+    return runs
+
+
+def speculation_table(runs: Sequence[SpeculationRun], where: str, drafter: str) -> str:
+    """One line per prompt set: decode tokens/s plain and speculative, the ratio, acceptance, tokens per call."""
+    lines = [f"| prompts ({where}) | decode tokens | plain tok/s | {drafter} tok/s | × | accepted | "
+             f"tokens/call | text |", "|---|--:|--:|--:|--:|--:|--:|---|"]
+    for r in runs:
+        lines.append(f"| {r.name} ({r.prompts}) | {r.tokens} | {r.tokens / r.plain_seconds:.1f} | "
+                     f"{r.tokens / r.speculative_seconds:.1f} | {r.speedup:.2f}x | {r.stats.acceptance:.0%} | "
+                     f"{r.stats.tokens_per_call:.2f} | {'identical' if r.identical else 'DIFFERS'} |")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ bandwidth

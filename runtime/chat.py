@@ -19,10 +19,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TextIO
 
-from llmc.runtime.codec import TextCodec
-from llmc.runtime.generate import next_token
+from llmc.runtime.codec import TextCodec, TextStream
 from llmc.runtime.sampling import Sampler, SamplingOptions
 from llmc.runtime.session import CapacityError, Conversation
+from llmc.runtime.speculate import Speculation, step
 
 
 @dataclass
@@ -57,12 +57,14 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 class Chat:
     """One conversation on `session`: `messages` (the system prompt first, if any) and `cached`,
-    the token ids in the session's KV cache in order (`session.position == len(cached)`)."""
+    the token ids in the session's KV cache in order (`session.position == len(cached)`). With
+    `speculation`, replies are drafted and verified several tokens at a time (greedy: the same text)."""
 
     def __init__(self, session: Conversation, codec: TextCodec, system: str | None = None,
                  sampling: SamplingOptions = SamplingOptions(), max_tokens: int = 512,
-                 note: Callable[[str], None] = lambda text: None):
+                 note: Callable[[str], None] = lambda text: None, speculation: Speculation | None = None):
         self.session = session
+        self.speculation = speculation
         self.codec = codec
         self.sampler = Sampler(sampling)
         self.max_tokens = max_tokens
@@ -123,34 +125,47 @@ class Chat:
                           f"feeding from there again]")
             self.cached = self.cached[:keep]
         session.rewind(keep)  # (the rows past it are overwritten as the new tokens arrive)
+        if self.speculation is not None:
+            self.speculation.start(session, self.cached)
 
-        def step(tokens: list[int]) -> int:
-            token = next_token(session, self.sampler, tokens)
-            self.cached.extend(tokens)
-            return token
+        def feed(tokens: list[int]) -> list[int]:
+            produced = step(session, self.sampler, tokens, self.max_tokens - len(generated), self.speculation)
+            self.cached.extend(tokens + produced[:-1])
+            return produced
 
-        token = step(ids[keep:])
         decoder = self.codec.text_stream(ids)
         generated: list[int] = []
+        produced = feed(ids[keep:])
         while True:
+            *fed, token = produced  # `fed` are in the cache already, `token` is not
+            reason = self._push(fed, generated, decoder, write)
+            if reason:
+                break
             if interrupted():
                 reason = "interrupted"
                 break
-            if token == self.codec.eos_id:
-                reason = "stop"
-                break
-            generated.append(token)
-            write(decoder.push(token))
-            if len(generated) >= self.max_tokens:
-                reason = "length"
+            reason = self._push([token], generated, decoder, write)
+            if reason:
                 break
             if session.position >= session.capacity:
                 reason = "full"
                 break
-            token = step([token])
+            produced = feed([token])
         write(decoder.flush())
         self.messages.append({"role": "assistant", "content": self.codec.decode(generated)})
         return Turn(keep, len(ids) - keep, len(generated), reason, time.perf_counter() - start, session.position)
+
+    def _push(self, tokens: list[int], generated: list[int], decoder: TextStream,
+              write: Callable[[str], None]) -> str | None:
+        """Write `tokens` of the reply; why it ends ("stop", "length") where one of them ends it."""
+        for token in tokens:
+            if token == self.codec.eos_id:
+                return "stop"
+            generated.append(token)
+            write(decoder.push(token))
+            if len(generated) >= self.max_tokens:
+                return "length"
+        return None
 
 
 @contextmanager

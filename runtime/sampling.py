@@ -37,9 +37,14 @@ class Sampler:
         return self.options.temperature == 0 or self.options.top_k == 1
 
     def __call__(self, logits: np.ndarray) -> int:
-        o = self.options
-        if o.temperature == 0:
+        if self.options.temperature == 0:
             return int(np.argmax(logits))
+        return self.draw(*self.distribution(logits))
+
+    def distribution(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The ids this sampler may choose from `logits` (temperature > 0) and their probabilities, after
+        temperature, top-k and top-p: e.g. `ids, probs = sampler.distribution(logits)`, `probs.sum() == 1`."""
+        o = self.options
         logits = logits.astype(np.float64)
         with np.errstate(over="ignore"):  # ≤ 0, and -inf far below the top at a tiny temperature
             scores = (logits - logits.max()) / o.temperature
@@ -51,4 +56,8 @@ class Sampler:
         if o.top_p < 1:
             keep = int(np.searchsorted(np.cumsum(probs), o.top_p) + 1)
             order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
-        return int(order[self.rng.choice(len(order), p=probs)])
+        return order, probs
+
+    def draw(self, ids: np.ndarray, probs: np.ndarray) -> int:
+        """One of `ids`, drawn with `probs`."""
+        return int(ids[self.rng.choice(len(ids), p=probs)])

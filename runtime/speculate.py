@@ -1,0 +1,248 @@
+"""Speculative decoding: draft a few tokens cheaply, check them all in one `verify` call.
+
+A decode step reads every weight once for one token; `verify` reads them once for up to
+`session.max_verify` rows, so checking k drafted tokens costs little more than one step.
+Greedy: the drafts are accepted while each equals the model's argmax at its row, and the
+model's own token at the first mismatch (or after the last draft) comes free; the rows
+past the accepted ones are discarded by `session.rewind` (no copy). Sampled: a draft `x` is
+accepted with probability min(1, p(x)/q(x)), and on rejection the token is drawn from
+norm(max(p - q, 0)) (Leviathan et al. 2023, Chen et al. 2023), which keeps the target
+distribution `p`; the drafters here are deterministic, so q is one-hot at `x`.
+
+Drafters: `PromptLookup` (the continuation of the latest earlier occurrence of the last few
+tokens, in the prompt or the text so far; no second model) and `DraftModel` (a smaller
+artifact with the same vocabulary, drafting greedily on its own session). `DraftLength`
+backs off where drafts are rejected, so text the drafter cannot predict runs as plain decode.
+
+    speculation = Speculation(PromptLookup())
+    text = list(generate(session, codec, ids, 128, SamplingOptions(), speculation))
+    print(speculation.stats.line())   # 91 of 120 drafted tokens accepted (76%), 2.9 tokens per call
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from llmc.errors import LlmcError
+from llmc.runtime.sampling import Sampler
+from llmc.runtime.session import Conversation
+
+
+def next_token(session: Conversation, sampler: Sampler, tokens: list[int]) -> int:
+    """Feed `tokens` and choose the next one (greedy: the session's argmax, on a GPU where the logits are)."""
+    return session.greedy(tokens) if sampler.greedy else sampler(session.feed(tokens))
+
+
+class Drafter(Protocol):
+    """What proposes tokens: told the context (`start`), each token the model took (`extend`)."""
+
+    def start(self, tokens: list[int]) -> None: ...
+
+    def extend(self, tokens: list[int]) -> None: ...
+
+    def draft(self, k: int) -> list[int]: ...
+
+
+class PromptLookup:
+    """Prompt lookup (llama.cpp's lookup, vLLM's ngram): the up-to-k tokens that followed the latest
+    earlier occurrence of the last n tokens, n from `max_ngram` down to `min_ngram`. An index of
+    every n-gram's latest continuation is kept as tokens arrive: O(max_ngram) work per token.
+
+    >>> lookup = PromptLookup(); lookup.start([5, 6, 7, 8, 9, 1, 6, 7])
+    >>> lookup.draft(3)
+    [8, 9, 1]
+    """
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tokens: list[int] = []
+        self.index: dict[tuple[int, ...], int] = {}  # n-gram → where the token after its latest occurrence is
+
+    def start(self, tokens: list[int]) -> None:
+        self.tokens, self.index = [], {}
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        seen, index = self.tokens, self.index
+        for token in tokens:
+            end = len(seen)
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                index[tuple(seen[end - n : end])] = end
+            seen.append(token)
+
+    def draft(self, k: int) -> list[int]:
+        seen, end = self.tokens, len(self.tokens)
+        for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
+            follows = self.index.get(tuple(seen[end - n :]))
+            if follows is not None:
+                return seen[follows : follows + k]
+        return []
+
+
+def _same_vocabulary(draft: Conversation, target: Conversation) -> str | None:
+    """Why two artifacts' tokenizers differ (None where they agree: the same size, the same token ids)."""
+    from llmc.runtime.codec import TextCodec
+
+    if draft.vocab_size != target.vocab_size:
+        return f"a vocabulary of {draft.vocab_size} tokens, the model's has {target.vocab_size}"
+    mine, theirs = (TextCodec.from_artifact(s.manifest).tokenizer.get_vocab(with_added_tokens=True)
+                    for s in (draft, target))
+    if mine != theirs:
+        differ = sorted(set(mine.items()) ^ set(theirs.items()))
+        return f"a different tokenizer ({len(differ)} token ids differ, e.g. {differ[0]})"
+    return None
+
+
+class DraftModel:
+    """A smaller artifact with the same vocabulary drafting greedily on its own session. Its cache holds
+    `held` (the context and the drafts fed last time); each `draft` rewinds it to where that agrees with
+    the context, feeds the rest, and decodes k tokens."""
+
+    def __init__(self, session: Conversation, target: Conversation, directory: Path | str = "the draft"):
+        why = _same_vocabulary(session, target)
+        if why:
+            raise LlmcError(f"{directory}: cannot draft for this model: {why}")
+        self.session = session
+        self.tokens: list[int] = []
+        self.held: list[int] = []
+        self.agree = 0  # `held` and `tokens` agree on at least this many tokens
+
+    def start(self, tokens: list[int]) -> None:
+        self.tokens, self.agree = list(tokens), 0
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def draft(self, k: int) -> list[int]:
+        session, tokens, held = self.session, self.tokens, self.held
+        keep = self.agree
+        while keep < min(len(held), len(tokens)) and held[keep] == tokens[keep]:
+            keep += 1
+        keep = min(keep, len(tokens) - 1)  # (at least one token to feed)
+        k = min(k, session.capacity - len(tokens) + 1)
+        if k < 1:
+            return []
+        session.rewind(keep)
+        drafts = [session.greedy(tokens[keep:])]
+        while len(drafts) < k:
+            drafts.append(session.greedy(drafts[-1:]))
+        self.held, self.agree = tokens + drafts[:-1], len(tokens)
+        return drafts
+
+
+class DraftLength:
+    """How many tokens to draft next: up to `most`, doubled after a draft fully accepted, halved after
+    one mostly rejected; at 0, plain decode for `pause` tokens (doubling, up to `longest_pause`, each
+    time it comes back to 0), then a probe of one token.
+
+    >>> length = DraftLength(8); length.update(8, 0); length.k
+    4
+    """
+
+    def __init__(self, most: int, longest_pause: int = 64):
+        self.most, self.k, self.longest_pause = most, most, longest_pause
+        self.pause, self.waiting = 4, 0
+
+    def next(self) -> int:
+        """The draft length for this step (0: a plain decode step)."""
+        if self.waiting:
+            self.waiting -= 1
+            return 0
+        return max(self.k, 1)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if accepted == drafted:
+            self.k, self.pause = min(self.most, 2 * max(self.k, 1)), 4
+        elif 2 * accepted < drafted:
+            self.k //= 2
+            if self.k == 0:
+                self.waiting, self.pause = self.pause, min(2 * self.pause, self.longest_pause)
+
+
+@dataclass
+class SpeculationStats:
+    """Drafted and accepted tokens, verify calls, and the tokens they gave (accepted + the model's own)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    verify_calls: int = 0
+    decode_calls: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_call(self) -> float:
+        """Tokens each model call gave after the prompt (plain decode: 1)."""
+        calls = self.verify_calls + self.decode_calls
+        return (self.accepted + calls) / calls if calls else 0.0
+
+    def line(self) -> str:
+        return (f"{self.accepted} of {self.drafted} drafted tokens accepted ({self.acceptance:.0%}), "
+                f"{self.tokens_per_call:.2f} tokens per call")
+
+
+@dataclass
+class Speculation:
+    """A drafter, its adaptive draft length (at most `most` tokens, and what `verify` takes) and stats."""
+
+    drafter: Drafter
+    most: int = 8
+    stats: SpeculationStats = field(default_factory=SpeculationStats)
+    length: DraftLength | None = None
+
+    def start(self, session: Conversation, context: list[int]) -> None:
+        """Begin a generation after `context`, the tokens already in the session's cache."""
+        if self.length is None:
+            self.length = DraftLength(min(self.most, session.max_verify - 1))
+        self.drafter.start(context)
+
+
+def step(session: Conversation, sampler: Sampler, tokens: list[int], most: int,
+         speculation: Speculation | None = None) -> list[int]:
+    """Feed `tokens` and return the next ones (up to `most`): with `speculation`, the accepted drafts (fed
+    too) then the model's own token; else (or where nothing is drafted) the one next token, not yet fed."""
+    if speculation is None:
+        return [next_token(session, sampler, tokens)]
+    assert speculation.length is not None, "Speculation.start first"
+    k = min(speculation.length.next(), most - 1, session.capacity - session.position - len(tokens))
+    speculation.drafter.extend(tokens)
+    drafts = speculation.drafter.draft(k) if len(tokens) == 1 and k > 0 else []
+    if not drafts:
+        speculation.stats.decode_calls += len(tokens) == 1
+        return [next_token(session, sampler, tokens)]
+    start = session.position
+    rows = session.verify(tokens + drafts)
+    accepted, token = _accept(sampler, rows, drafts)
+    session.rewind(start + 1 + accepted)
+    speculation.drafter.extend(drafts[:accepted])
+    speculation.length.update(len(drafts), accepted)
+    stats = speculation.stats
+    stats.drafted += len(drafts)
+    stats.accepted += accepted
+    stats.verify_calls += 1
+    return drafts[:accepted] + [token]
+
+
+def _accept(sampler: Sampler, rows: np.ndarray, drafts: list[int]) -> tuple[int, int]:
+    """How many `drafts` to accept given the model's logits `rows` (row i follows draft i - 1), and the
+    token after them: the standard acceptance rule with a one-hot draft distribution."""
+    if sampler.greedy:
+        best = rows.argmax(axis=1)
+        accepted = 0
+        while accepted < len(drafts) and best[accepted] == drafts[accepted]:
+            accepted += 1
+        return accepted, int(best[accepted])
+    for i, x in enumerate(drafts):
+        ids, probs = sampler.distribution(rows[i])
+        p = probs[ids == x].sum()
+        if sampler.rng.random() < p:
+            continue
+        residual = np.where(ids == x, 0.0, probs)  # norm(max(p - q, 0)), q one-hot at x
+        return i, sampler.draw(ids, residual / residual.sum())
+    return len(drafts), sampler(rows[len(drafts)])

@@ -1,0 +1,256 @@
+"""Speculative decoding (`llmc.runtime.speculate`): the drafters, greedy text identical to plain decode
+(tiny models and SmolLM2), sampled tokens keeping the target distribution, a draft artifact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tiny_models import TinySpec
+
+from llmc.errors import LlmcError
+from llmc.runtime import speculate
+from llmc.runtime.chat import Chat
+from llmc.runtime.codec import TextCodec
+from llmc.runtime.generate import generate
+from llmc.runtime.sampling import Sampler, SamplingOptions
+from llmc.runtime.session import Session
+from llmc.runtime.speculate import DraftLength, DraftModel, PromptLookup, Speculation, step
+
+TARGET = TinySpec(context_length=64, tied=False)  # (untied: random weights then say varied text, not one token)
+OTHER = TinySpec(context_length=64, tied=False, layers=1, seed=3)  # the same vocabulary, other weights
+GREEDY = SamplingOptions()
+
+
+def _session(artifact, spec: TinySpec = TARGET, **options) -> Session:
+    return Session(artifact(spec, chunk=8, max_seq=64, **options), threads=1)
+
+
+def test_prompt_lookup_drafts_what_followed_the_last_ngram() -> None:
+    lookup = PromptLookup(max_ngram=3, min_ngram=1)
+    lookup.start([1, 2, 3, 4, 5, 9, 2, 3])
+    assert lookup.draft(2) == [4, 5]  # "2 3" was followed by "4 5"
+    lookup.extend([7])
+    assert lookup.draft(4) == []  # 7 is new
+    lookup.extend([1, 2])
+    assert lookup.draft(4) == [3, 4, 5, 9]  # "1 2" (the longest match) was followed by "3 4 5 9"
+    assert PromptLookup().draft(3) == []
+
+
+def test_prompt_lookup_prefers_the_longest_and_latest_match() -> None:
+    lookup = PromptLookup(max_ngram=2, min_ngram=1)
+    lookup.start([5, 1, 6, 8, 1, 7, 5, 1])
+    assert lookup.draft(1) == [6]  # "5 1" → 6, though the latest "1" was followed by 7
+    lookup.start([1, 6, 1, 7, 1])
+    assert lookup.draft(1) == [7]
+
+
+def test_prompt_lookup_updates_in_constant_work_per_token() -> None:
+    class Counting(dict):
+        writes = 0
+
+        def __setitem__(self, key, value) -> None:
+            Counting.writes += 1
+            super().__setitem__(key, value)
+
+    lookup = PromptLookup(max_ngram=4, min_ngram=2)
+    lookup.start(list(range(1000)) * 5)
+    lookup.index = Counting(lookup.index)
+    lookup.extend(list(range(100)))
+    assert Counting.writes == 100 * 3  # one write per n-gram length, not a rescan of the 5000 tokens before
+
+
+def test_draft_length_backs_off_to_plain_decode_and_probes_again() -> None:
+    length = DraftLength(8)
+    assert length.next() == 8
+    for _ in range(4):
+        length.update(length.next(), 0)
+    assert [length.next() for _ in range(5)] == [0, 0, 0, 0, 1]  # a pause of 4 plain steps, then a probe
+    length.update(1, 1)
+    assert length.next() == 2
+    length.update(2, 1)  # half accepted: the length stays
+    assert length.next() == 2
+
+
+def _plain_and_speculative(session, codec, prompt: list[int], n: int, speculation: Speculation):
+    plain = list(generate(session, codec, prompt, n, GREEDY))
+    fast = list(generate(session, codec, prompt, n, GREEDY, speculation))
+    return plain, fast
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 100])
+def test_greedy_prompt_lookup_gives_the_plain_tokens(artifact, n) -> None:
+    session = _session(artifact)
+    codec = TextCodec.from_artifact(session.manifest)
+    for text in ("one two three one two three one two", "hello world, hello world, hello", "abc"):
+        speculation = Speculation(PromptLookup(min_ngram=1))
+        plain, fast = _plain_and_speculative(session, codec, codec.encode(text), n, speculation)
+        assert fast == plain
+    if n == 100:  # up to the cache's capacity: the random model repeats itself, and the drafts are taken
+        assert speculation.stats.accepted > 0 and speculation.stats.verify_calls > 0
+
+
+class _Oracle:
+    """A drafter that knows the text (`truth`, the prompt and the plain tokens) and drafts it, except that
+    every `wrong`-th drafted token is off by one."""
+
+    def __init__(self, truth: list[int], wrong: int):
+        self.truth, self.wrong, self.seen = truth, wrong, 0
+
+    def start(self, tokens: list[int]) -> None:
+        self.seen = len(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        self.seen += len(tokens)
+
+    def draft(self, k: int) -> list[int]:
+        drafts = self.truth[self.seen : self.seen + k]
+        return [t + 1 if (self.seen + i) % self.wrong == 0 else t for i, t in enumerate(drafts)]
+
+
+@pytest.mark.parametrize("n", [1, 3, 20, 100])
+@pytest.mark.parametrize("wrong", [2, 5, 1000])
+def test_greedy_accepts_up_to_the_first_wrong_draft(artifact, n, wrong) -> None:
+    session = _session(artifact)
+    codec = TextCodec.from_artifact(session.manifest)
+    prompt = codec.encode("the quick brown fox jumps over the lazy dog")
+    plain = list(generate(session, codec, prompt, n, GREEDY))
+    speculation = Speculation(_Oracle(prompt + plain, wrong))
+    assert list(generate(session, codec, prompt, n, GREEDY, speculation)) == plain
+    stats = speculation.stats
+    assert len(set(plain)) > min(n, 10) // 2
+    assert stats.accepted + stats.verify_calls + stats.decode_calls == len(plain) - 1  # one token per call, + accepted
+    if wrong == 1000 and n > 1:
+        assert stats.acceptance == 1
+
+
+def test_greedy_through_the_verify_entry_and_the_score_fallback(artifact) -> None:
+    session = _session(artifact)
+    assert session.max_verify >= 2
+    codec = TextCodec.from_artifact(session.manifest)
+    prompt = codec.encode("the cat sat on the mat, the cat sat on the mat, the cat")
+    speculation = Speculation(PromptLookup(min_ngram=1), most=3)
+    plain, fast = _plain_and_speculative(session, codec, prompt, 40, speculation)
+    assert fast == plain and speculation.stats.drafted <= 2 * speculation.stats.verify_calls
+
+
+def test_chat_speculates_the_same_replies(artifact) -> None:
+    session = _session(artifact)
+    codec = TextCodec.from_artifact(session.manifest)
+    replies = []
+    for speculation in (None, Speculation(PromptLookup(min_ngram=1))):
+        chat = Chat(session, codec, "be brief", GREEDY, 10, speculation=speculation)
+        replies.append([(chat.reply(text, lambda s: None), chat.messages[-1]) for text in ("hi there", "again")])
+    assert [m for _, m in replies[0]] == [m for _, m in replies[1]]
+    assert [(t.generated, t.reason) for t, _ in replies[0]] == [(t.generated, t.reason) for t, _ in replies[1]]
+
+
+class _Fixed:
+    """A drafter that always proposes `tokens`."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+
+    def start(self, tokens: list[int]) -> None:
+        pass
+
+    def extend(self, tokens: list[int]) -> None:
+        pass
+
+    def draft(self, k: int) -> list[int]:
+        return self.tokens[:k]
+
+
+def _sampled_pairs(session, prompt: list[int], last: int, drafts: list[int], options: SamplingOptions,
+                   runs: int) -> dict[tuple[int, int | None], int]:
+    """How often speculation gives each (first token, second token where the first was drafts[0])."""
+    counts: dict[tuple[int, int | None], int] = {}
+    for seed in range(runs):
+        session.reset()
+        session.feed(prompt)
+        speculation = Speculation(_Fixed(drafts), most=len(drafts) + 1)
+        speculation.start(session, prompt)
+        produced = step(session, Sampler(SamplingOptions(**{**options.__dict__, "seed": seed})), [last],
+                        len(drafts) + 1, speculation)
+        key = (produced[0], produced[1] if produced[0] == drafts[0] else None)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _target_pairs(session, prompt: list[int], last: int, first_draft: int, sampler: Sampler) -> dict:
+    """The exact probabilities of `_sampled_pairs`'s outcomes under the model (plain sampling)."""
+    session.reset()
+    ids, probs = sampler.distribution(session.feed([*prompt, last]))
+    exact = {(int(t), None): float(p) for t, p in zip(ids, probs) if t != first_draft}
+    after_ids, after = sampler.distribution(session.feed([first_draft]))
+    p_first = float(probs[ids == first_draft].sum())
+    exact.update({(first_draft, int(t)): p_first * float(p) for t, p in zip(after_ids, after)})
+    return exact
+
+
+def test_sampled_speculation_keeps_the_target_distribution(artifact, monkeypatch) -> None:
+    session = _session(artifact)
+    codec = TextCodec.from_artifact(session.manifest)
+    prompt, last = codec.encode("one two three"), codec.encode(" four")[-1]
+    options = SamplingOptions(temperature=1.5, top_k=4)
+    sampler = Sampler(options)
+    session.feed([*prompt, last])
+    ids, probs = sampler.distribution(session.logits[0])
+    first = int(ids[1])  # a likely draft that is not the only choice
+    session.reset()
+    session.feed([*prompt, last, first])
+    second = int(sampler.distribution(session.logits[0])[0][0])
+    exact = _target_pairs(session, prompt, last, first, sampler)
+    runs = 3000
+
+    def distance(counts: dict) -> float:
+        keys = set(counts) | set(exact)
+        return 0.5 * sum(abs(counts.get(k, 0) / runs - exact.get(k, 0.0)) for k in keys)
+
+    tv = distance(_sampled_pairs(session, prompt, last, [first, second], options, runs))
+    assert tv < 0.05, f"total variation {tv:.3f} from the target distribution"
+
+    # a wrong rule (always take the draft) is caught by the same bound
+    monkeypatch.setattr(speculate, "_accept", lambda sampler, rows, drafts: (len(drafts), sampler(rows[-1])))
+    wrong = distance(_sampled_pairs(session, prompt, last, [first, second], options, runs))
+    assert wrong > 0.2, f"always accepting is only {wrong:.3f} from the target distribution"
+
+
+def test_draft_model_gives_the_plain_tokens(artifact) -> None:
+    session = _session(artifact)
+    codec = TextCodec.from_artifact(session.manifest)
+    prompt = codec.encode("the quick brown fox jumps over the lazy dog")
+    for spec, least in ((TARGET, 1.0), (OTHER, 0.0)):
+        draft = DraftModel(_session(artifact, spec), session)
+        speculation = Speculation(draft)
+        plain, fast = _plain_and_speculative(session, codec, prompt, 40, speculation)
+        assert fast == plain and len(set(plain)) > 3
+        stats = speculation.stats
+        print(f"draft {spec.layers} layer(s), seed {spec.seed}: {stats.line()}")  # the acceptance, with -s
+        assert stats.verify_calls > 0 and stats.acceptance >= least
+
+
+def test_draft_model_refuses_another_vocabulary(artifact, monkeypatch) -> None:
+    session = _session(artifact)
+    other = _session(artifact, OTHER)
+    monkeypatch.setattr(other, "vocab_size", session.vocab_size + 1)
+    with pytest.raises(LlmcError, match="cannot draft for this model: a vocabulary of"):
+        DraftModel(other, session, "draft")
+
+
+@pytest.mark.real_model
+def test_smollm2_greedy_speculation_is_plain_decode(smollm2_path, tmp_path) -> None:
+    from llmc.driver import BackendOptions, compile_model
+    from llmc.passes.pipeline import CompileOptions
+
+    directory = compile_model("smollm2-135m", tmp_path / "s", CompileOptions(max_seq=512), BackendOptions(),
+                              progress=lambda _: None)
+    session = Session(directory)
+    codec = TextCodec.from_artifact(session.manifest)
+    passage = ("def area(width, height):\n    return width * height\n\n"
+               "def perimeter(width, height):\n    return 2 * (width + height)\n")
+    prompt = codec.encode(codec.chat(f"Rename width to w and height to h in this code:\n\n{passage}"))
+    speculation = Speculation(PromptLookup())
+    plain, fast = _plain_and_speculative(session, codec, prompt, 80, speculation)
+    assert fast == plain
+    assert speculation.stats.acceptance > 0.5, speculation.stats.line()
+    assert np.isfinite(speculation.stats.tokens_per_call) and speculation.stats.tokens_per_call > 1.5

@@ -3,6 +3,12 @@ aggregate decode tokens/s against one stream alone (issue: ≥ 4× with 8 stream
 
     .venv/bin/llmc compile smollm2-135m --max-batch 8 -o smollm2-b8.llmc
     .venv/bin/python benchmarks/serve_bench.py smollm2-b8.llmc --streams 8 --tokens 64 [--vs-llama-server B/llama-server]
+    .venv/bin/python benchmarks/serve_bench.py smollm2-b8.llmc --streams 4 --prompts copy --speculate
+
+`--speculate` measures the server without speculative decoding and with it (prompt lookup), one
+after the other in the same run, and checks the texts are the same; `--prompts copy` sends prompts
+whose continuation copies a passage they hold (where drafts are accepted), `open` (the default)
+open-ended ones.
 
 It starts `llmc serve` on a free loopback port, sends every prompt alone (streaming, greedy,
 `max_tokens` = --tokens, end of sequence ignored by choosing prompts that run long), then all of
@@ -45,6 +51,20 @@ PROMPTS = [
     "How to train for a marathon in twelve weeks:",
     "The story of the Silk Road begins",
 ]
+PASSAGES = [
+    "The river Wensum rises near the village of Whissonsett and flows east through Fakenham and Norwich, where "
+    "it joins the river Yare. Its chalk bed makes it one of the purest lowland rivers in England, home to brown "
+    "trout, otters and the rare white-clawed crayfish.",
+    "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n    return total / "
+    "len(values)\n\n\ndef variance(values):\n    m = mean(values)\n    return sum((v - m) ** 2 for v in values) "
+    "/ len(values)\n",
+    "Order 4471 was placed on 3 March by Dana Whitfield, 18 Elm Street, Leeds. It holds two boxes of green tea, "
+    "one ceramic teapot and a set of six cups, and ships by courier within five working days.",
+    "Photosynthesis turns light into chemical energy: chlorophyll in the chloroplasts absorbs light, water is "
+    "split into oxygen and hydrogen, and the Calvin cycle fixes carbon dioxide into sugars the plant can use.",
+]
+# a passage, then the start of it again: the continuation copies the rest (prompt lookup drafts it)
+COPY_PROMPTS = [f"{p}\n\nThe same text, word for word:\n\n{p[:40]}" for p in PASSAGES]
 
 
 @dataclass
@@ -121,24 +141,27 @@ def measure(base_url: str, prompts: list[str], tokens: int, repeat: int) -> dict
     alone_rate = statistics.median(decode_rate([s]) for rep in alone for s in rep)
     best = max(together, key=decode_rate)
     same = all(together[r][i].text == alone[0][i].text for r in range(repeat) for i in range(len(prompts)))
-    return {"alone": alone_rate, "together": decode_rate(best), "same_text": same,
+    return {"alone": alone_rate, "together": decode_rate(best), "same_text": same, "text": [s.text for s in alone[0]],
             "tokens": [s.tokens for s in best], "wall": max(s.last for s in best) - min(s.start for s in best)}
 
 
 def measured(process: subprocess.Popen, url: str, prompts: list[str], tokens: int, repeat: int) -> dict:
     """`measure` on the server `process` listens at `url`, which is stopped after."""
     try:
+        import httpx
+
         wait_ready(url + "/health", process)
-        return measure(url + "/v1", prompts, tokens, repeat)
+        return measure(url + "/v1", prompts, tokens, repeat) | {"health": httpx.get(url + "/health").json()}
     finally:
         process.terminate()
         process.wait(30)
 
 
-def serve_llmc(artifact: Path, streams: int, threads: int | None) -> tuple[subprocess.Popen, str]:
+def serve_llmc(artifact: Path, streams: int, threads: int | None, speculate: bool) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [str(Path(sys.executable).parent / "llmc"), "serve", str(artifact), "--port", str(port),
-               "--max-batch", str(streams), "--queue", str(4 * streams)]
+               "--max-batch", str(streams), "--queue", str(4 * streams),
+               "--speculate" if speculate else "--no-speculate"]
     if threads:
         command += ["--threads", str(threads)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -161,13 +184,19 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--prompts", choices=("open", "copy"), default="open",
+                   help="open-ended prompts, or ones that copy a passage they hold (default: open)")
+    p.add_argument("--speculate", action="store_true", help="llmc serve without and with speculative decoding")
     p.add_argument("--vs-llama-server", metavar="PATH", help="llama.cpp's llama-server, run on the artifact's GGUF")
     args = p.parse_args()
-    if not 1 <= args.streams <= len(PROMPTS):
-        raise SystemExit(f"--streams must be in 1..{len(PROMPTS)}")
-    prompts = PROMPTS[: args.streams]
-    rows = [(f"llmc serve {args.artifact.name}",
-             measured(*serve_llmc(args.artifact, args.streams, args.threads), prompts, args.tokens, args.repeat))]
+    prompts = PROMPTS if args.prompts == "open" else COPY_PROMPTS
+    if not 1 <= args.streams <= len(prompts):
+        raise SystemExit(f"--streams must be in 1..{len(prompts)} with --prompts {args.prompts}")
+    prompts = prompts[: args.streams]
+    rows = [(f"llmc serve {args.artifact.name}{' --speculate' if speculate else ''}",
+             measured(*serve_llmc(args.artifact, args.streams, args.threads, speculate), prompts, args.tokens,
+                      args.repeat))
+            for speculate in ((False, True) if args.speculate else (False,))]
     if args.vs_llama_server:
         manifest = json.loads((args.artifact / "manifest.json").read_text())
         threads = args.threads or len(os.sched_getaffinity(0))
@@ -180,6 +209,15 @@ def main() -> int:
         tokens = sorted(set(r["tokens"]))
         print(f"| {name} | {r['alone']:.1f} | {r['together']:.1f} | {r['together'] / r['alone']:.2f}x "
               f"| {'yes' if r['same_text'] else 'NO'} | {','.join(map(str, tokens))} | {r['wall']:.2f} |")
+    if args.speculate:
+        same = rows[0][1]["text"] == rows[1][1]["text"]
+        print(f"\nspeculative / plain: 1 stream {rows[1][1]['alone'] / rows[0][1]['alone']:.2f}x, {args.streams} "
+              f"streams {rows[1][1]['together'] / rows[0][1]['together']:.2f}x; texts equal: {'yes' if same else 'NO'}")
+        health = rows[1][1]["health"]
+        print(f"drafts: {health['accepted_tokens']} of {health['drafted_tokens']} accepted in "
+              f"{health['verify_calls']} verify calls, beside {health['decode_steps']} decode calls")
+        if not same:
+            return 1
     return 0 if all(r["same_text"] for name, r in rows if name.startswith("llmc")) else 1
 
 

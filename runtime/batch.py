@@ -17,6 +17,10 @@ own in a `verify` call of its own (the artifact's `score` where it has no `verif
 keeps the drafts the model agrees with plus the model's next token (several tokens per
 step; rejected rows are left in the cache to be overwritten); the others share the
 batched `decode` call. A sequence whose drafts are rejected drafts less, then not at all.
+Each verify call costs about as much as a decode call of as many rows: the engine times its
+calls (`CallCost`) and, each step, verifies the drafts (likeliest first) only as far as they
+raise the tokens per second it expects, so that several sequences decoding together, which
+share one call, are not slowed by drafts they could not pay for.
 
 Tokens reach a request through its `emit` callback, and its end through `finish`, both
 called on the engine's thread. Only numpy and the standard library here.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +43,7 @@ from llmc.runtime.session import CapacityError, Conversation
 from llmc.runtime.speculate import PromptLookup, Speculation, _accept
 
 SWITCH_INTERVAL = 2e-4  # seconds: how long a thread waits for the GIL before the holder is asked to let go
+ROW_COST = 0.2  # a call's cost per row after its first, relative to a one-row call, until calls are timed
 
 
 class QueueFull(LlmcError):
@@ -74,6 +80,31 @@ class _Sequence:
     token: int | None = None  # the sampled token not yet fed (None while the prompt is being fed)
     generated: int = 0
     speculation: Speculation | None = None
+    accepting: float | None = None  # drafts accepted per verify call, recent ones weighing most
+
+
+class CallCost:
+    """Seconds a call of n rows (`decode` or `verify`) is expected to take: a + b·n fitted to the mean time of
+    each size timed so far (recent calls weigh most), or `ROW_COST`'s line through the one size timed.
+
+    >>> cost = CallCost(); cost.record(1, 0.030); cost.record(9, 0.078); round(cost(5), 3)
+    0.054
+    """
+
+    def __init__(self):
+        self.seconds: dict[int, float] = {}  # rows → mean seconds
+
+    def record(self, rows: int, seconds: float) -> None:
+        mean = self.seconds.get(rows)
+        self.seconds[rows] = seconds if mean is None else 0.9 * mean + 0.1 * seconds
+
+    def __call__(self, rows: int) -> float:
+        if len(self.seconds) < 2:
+            ((known, seconds),) = self.seconds.items() or ((1, 1.0),)
+            return seconds * (1 + ROW_COST * (rows - 1)) / (1 + ROW_COST * (known - 1))
+        slope, intercept = np.polyfit(list(self.seconds), list(self.seconds.values()), 1)
+        slope = max(slope, 0.0)
+        return max(intercept + slope * rows, min(self.seconds.values()))
 
 
 def _finish(request: Request, reason: str) -> None:
@@ -107,6 +138,7 @@ class Engine:
         self.decoded_rows = 0  # sequences' tokens those calls produced
         self.speculate = speculate
         self.verify_logits = np.zeros((session.max_verify, session.vocab_size), np.float32)
+        self.cost = CallCost()
         self.verify_calls = 0
         self.drafted = 0  # draft tokens verified
         self.accepted = 0  # of them, those the model agreed with
@@ -241,7 +273,9 @@ class Engine:
         tokens = np.array([seq.token, *draft], np.int32)
         n = tokens.size
         logits = self.verify_logits[:n]
+        start = time.perf_counter()
         self.session.run("verify", tokens, np.arange(seq.position, seq.position + n), np.full(n, seq.slot), logits)
+        self.cost.record(n, time.perf_counter() - start)
         try:
             accepted, token = _accept(seq.sampler, logits, draft)
         except Exception as e:
@@ -251,25 +285,52 @@ class Engine:
         self.drafted += len(draft)
         self.accepted += accepted
         seq.speculation.length.update(len(draft), accepted)
+        seq.accepting = accepted if seq.accepting is None else 0.7 * seq.accepting + 0.3 * accepted
         seq.position += 1 + accepted  # the fed token and the accepted drafts; the rows after them are discarded
         self._take(seq, draft[:accepted] + [token])
 
+    def _expected(self, seq: _Sequence, draft: list[int]) -> float:
+        """Tokens a verify call of `draft` is expected to give: its accepted drafts (half the draft before any
+        was verified) and the model's own token."""
+        return 1 + min(len(draft), len(draft) / 2 if seq.accepting is None else seq.accepting)
+
+    def _worth_verifying(self, drafted: list[tuple[_Sequence, list[int]]], others: int) -> int:
+        """How many of `drafted` (best first) to verify, beside a decode call of the rest and `others`: the
+        number that gives the most tokens per second expected."""
+        best, best_rate = 0, (others + len(drafted)) / self.cost(others + len(drafted))
+        seconds = tokens = 0.0
+        for count, (seq, draft) in enumerate(drafted, 1):
+            seconds += self.cost(1 + len(draft))
+            tokens += self._expected(seq, draft)
+            rest = others + len(drafted) - count
+            rate = (tokens + rest) / (seconds + (self.cost(rest) if rest else 0))
+            if rate > best_rate:
+                best, best_rate = count, rate
+        return best
+
     def _decode(self) -> None:
-        """A `verify` call for each generating sequence with a draft, then one `decode` over the others (at most
-        one per slot: decode's rows)."""
-        ready = []
+        """A `verify` call for each generating sequence whose draft is worth it (`_worth_verifying`), then one
+        `decode` over the others (at most one per slot: decode's rows)."""
+        ready, drafted = [], []
         for seq in [s for s in self.running if s.token is not None]:
             draft = self._draft(seq)
             if draft:
-                self._verify(seq, draft)
+                drafted.append((seq, draft))
             else:
                 ready.append(seq)
+        drafted.sort(key=lambda pair: -self._expected(*pair) / self.cost(1 + len(pair[1])))
+        verified = self._worth_verifying(drafted, len(ready))
+        for seq, draft in drafted[:verified]:
+            self._verify(seq, draft)
+        ready += [seq for seq, _ in drafted[verified:]]
         if not ready:
             return
         tokens = np.array([s.token for s in ready], np.int32)
         positions = np.array([s.position for s in ready], np.int32)
         slots = np.array([s.slot for s in ready], np.int32)
+        start = time.perf_counter()
         self.session.run("decode", tokens, positions, slots, self.logits[: len(ready)])
+        self.cost.record(len(ready), time.perf_counter() - start)
         self.steps += 1
         self.decoded_rows += len(ready)
         for row, seq in enumerate(ready):

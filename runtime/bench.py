@@ -161,9 +161,9 @@ def _decode_seconds(tokens: Iterator[int]) -> tuple[list[int], float]:
 
 def speculation_benchmark(directory: Path, prompt_sets: dict[str, Sequence[str]], max_tokens: int = 128,
                           repeat: int = 2, threads: int | None = None, draft: Path | None = None,
-                          most: int = 8) -> list[SpeculationRun]:
+                          most: int = 8) -> tuple[list[SpeculationRun], str]:
     """Greedy decode tokens/s of each set's prompts (chat template applied), plain and speculative (prompt
-    lookup, or the `draft` artifact), alternating prompt by prompt, best of `repeat` each."""
+    lookup, or the `draft` artifact), alternating prompt by prompt, best of `repeat` each; and where they ran."""
     from llmc.runtime.codec import TextCodec
     from llmc.runtime.generate import generate
     from llmc.runtime.sampling import SamplingOptions
@@ -199,7 +199,7 @@ def speculation_benchmark(directory: Path, prompt_sets: dict[str, Sequence[str]]
         session.close()
         if drafting:
             drafting.close()
-    return runs
+    return runs, session.where
 
 
 def speculation_table(runs: Sequence[SpeculationRun], where: str, drafter: str) -> str:

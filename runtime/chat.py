@@ -245,3 +245,5 @@ def run_chat(chat: Chat, read: Callable[[str], str] = input, out: TextIO = sys.s
             note("[the KV cache is full: /reset to start over]")
         if verbose:
             note(turn.line(capacity))
+            if chat.speculation is not None:
+                note(f"[speculative decoding so far: {chat.speculation.stats.line()}]")

@@ -237,6 +237,21 @@ def test_draft_model_refuses_another_vocabulary(artifact, monkeypatch) -> None:
         DraftModel(other, session, "draft")
 
 
+def test_llmc_run_speculates_and_reports_acceptance(artifact, capsys) -> None:
+    from llmc.cli import main
+
+    directory = artifact(TARGET, chunk=8, max_seq=64)
+    outputs = []
+    for flags in ([], ["--no-speculate"], ["--draft", str(directory)]):
+        assert main(["run", str(directory), "-p", "one two three one two three", "-n", "20", *flags]) == 0
+        outputs.append(capsys.readouterr())
+    assert outputs[0].out == outputs[1].out == outputs[2].out
+    assert "drafted tokens accepted" in outputs[0].err and "drafted" not in outputs[1].err
+    assert "20 of 20 drafted tokens accepted" in outputs[2].err or "(100%)" in outputs[2].err
+    assert main(["run", str(directory), "-p", "hi", "--draft", str(directory), "--no-speculate"]) != 0
+    assert "--draft is for speculative decoding" in capsys.readouterr().err
+
+
 @pytest.mark.real_model
 def test_smollm2_greedy_speculation_is_plain_decode(smollm2_path, tmp_path) -> None:
     from llmc.driver import BackendOptions, compile_model

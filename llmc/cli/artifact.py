@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,8 +34,30 @@ def _codec(session, args: argparse.Namespace):
     return codec
 
 
+@contextmanager
+def _speculation(session, args: argparse.Namespace):
+    """The run's `Speculation` (None with --no-speculate, or without --draft where the artifact has no
+    verify entry: the score fallback is slower than decode); a --draft artifact's session, closed after."""
+    from llmc.runtime.session import open_session
+    from llmc.runtime.speculate import DraftModel, PromptLookup, Speculation
+
+    if not args.speculate:
+        if args.draft:
+            raise UsageError("--draft is for speculative decoding; leave out --no-speculate")
+        yield None
+    elif args.draft:
+        draft = open_session(Path(args.draft), check_files=not args.no_verify, threads=args.threads)
+        try:
+            yield Speculation(DraftModel(draft, session, args.draft))
+        finally:
+            draft.close()
+    else:
+        yield Speculation(PromptLookup()) if "verify" in session.manifest.entry_points else None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    """Load an artifact and generate text, streaming it as it comes."""
+    """Load an artifact and generate text, streaming it as it comes. Greedy decoding speculates by default
+    (prompt lookup, or a --draft artifact): the same text, several tokens per call where the drafts hold."""
     from llmc.runtime.generate import generate, stream_text
     from llmc.runtime.session import open_session
 
@@ -45,12 +68,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     ids = codec.encode(prompt)
     if not ids:
         raise UsageError("the prompt gives no tokens")
-    start = time.perf_counter()
-    tokens = stream_text(codec, generate(session, codec, ids, args.n, sampling),
-                         lambda s: (sys.stdout.write(s), sys.stdout.flush()), ids)
-    elapsed = time.perf_counter() - start
+    with _speculation(session, args) as speculation:
+        start = time.perf_counter()
+        tokens = stream_text(codec, generate(session, codec, ids, args.n, sampling, speculation),
+                             lambda s: (sys.stdout.write(s), sys.stdout.flush()), ids)
+        elapsed = time.perf_counter() - start
     print()
-    progress(f"[{len(ids)} prompt tokens, {len(tokens)} generated in {elapsed:.2f} s]")
+    drafts = f"; {speculation.stats.line()}" if speculation else ""
+    progress(f"[{len(ids)} prompt tokens, {len(tokens)} generated in {elapsed:.2f} s{drafts}]")
     return 0
 
 
@@ -75,7 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name = model_name(directory)
         limits = Limits.for_capacity(session.capacity, head_seconds=args.head_timeout, body_seconds=args.body_timeout)
         server = Server(session, codec, name, args.queue, args.max_batch, aliases=(directory.resolve().name,),
-                        limits=limits)
+                        limits=limits, speculate=args.speculate)
 
         def ready(url: str) -> None:
             print(f"llmc serve: listening on {url} (model '{name}', {server.engine.max_active} sequences at once, "
@@ -104,11 +129,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
         codec = _codec(session, args)
         if not codec.chat_template:
             raise UsageError("this model has no chat template; use 'llmc run' for plain completion")
-        chat = Chat(session, codec, args.system, sampling, args.n)
-        # Ctrl-C at the prompt ends the chat even where SIGINT came ignored from the parent (Python then
-        # installs no KeyboardInterrupt handler, and a reply's own handler would restore the ignoring)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        run_chat(chat, verbose=args.verbose)
+        with _speculation(session, args) as speculation:
+            chat = Chat(session, codec, args.system, sampling, args.n, speculation=speculation)
+            # Ctrl-C at the prompt ends the chat even where SIGINT came ignored from the parent (Python then
+            # installs no KeyboardInterrupt handler, and a reply's own handler would restore the ignoring)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            run_chat(chat, verbose=args.verbose)
     finally:
         session.close()
     return 0

@@ -64,6 +64,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from llmc.runtime.bench import bandwidth_report, benchmark, decode_weight_bytes, fit_defaults, table
 
     directory = Path(args.artifact)
+    if args.speculate:
+        return _bench_speculation(directory, args)
+    if args.draft:
+        raise UsageError("--draft is for --speculate")
     if args.plot:
         from llmc.plot import check_matplotlib
 
@@ -100,6 +104,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
                    title=f"{directory.name} ({manifest.model.get('source', '')})")
         print(f"plot: {args.plot}")
     return 0
+
+
+def _bench_speculation(directory: Path, args: argparse.Namespace) -> int:
+    """`llmc bench --speculate`: greedy decode with speculation against plain decode, on the built-in prompts."""
+    from llmc.runtime.bench import speculation_benchmark, speculation_table
+    from llmc.runtime.speculate_prompts import GROUNDED, OPEN_ENDED
+
+    progress(f"measuring speculative decoding on {directory} ({len(GROUNDED) + len(OPEN_ENDED)} prompts, up to "
+             f"{args.decode_tokens} tokens each, best of {args.repeat}, plain and speculative alternating)")
+    draft = Path(args.draft) if args.draft else None
+    runs, where = speculation_benchmark(directory, {"input-grounded": GROUNDED, "open-ended": OPEN_ENDED},
+                                 args.decode_tokens, args.repeat, args.threads, draft)
+    print(speculation_table(runs, where, f"draft {draft.name}" if draft else "prompt lookup"))
+    return 0 if all(r.identical for r in runs) else 1
 
 
 def _compile_options_given(args: argparse.Namespace) -> bool:

@@ -259,8 +259,17 @@ def build_parser() -> argparse.ArgumentParser:
     sampling_args.add_argument("--top-p", type=float, default=1.0, metavar="P",
                                help="nucleus sampling mass in (0, 1] (default: 1)")
     sampling_args.add_argument("--seed", type=_int, metavar="S", help="random seed for sampling")
+    speculate_args = argparse.ArgumentParser(add_help=False)
+    speculate_args.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True,
+                                help="draft the next tokens by prompt lookup (or --draft) and check them in one "
+                                     "verify call: greedy text is unchanged, drafting backs off where drafts are "
+                                     "rejected (default: on)")
+    speculate_args.add_argument("--draft", metavar="DIR",
+                                help="draft with this artifact (a smaller model with the same vocabulary) instead "
+                                     "of prompt lookup")
 
-    p = _command(sub, cmd_run, [common, artifact_args, sampling_args], "generate text with a compiled artifact")
+    p = _command(sub, cmd_run, [common, artifact_args, sampling_args, speculate_args],
+                 "generate text with a compiled artifact")
     p.add_argument("-p", "--prompt", required=True, help="the prompt text")
     p.add_argument("-n", type=_non_negative, default=128, metavar="N", help="most tokens to generate (default: 128)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -281,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"seconds a client has to send a whole request {part}; slower ones {slower} "
                             "(default: %(default)s)")
 
-    p = _command(sub, cmd_chat, [common, artifact_args, sampling_args], "chat with an artifact in the terminal")
+    p = _command(sub, cmd_chat, [common, artifact_args, sampling_args, speculate_args],
+                 "chat with an artifact in the terminal")
     p.add_argument("--system", metavar="TEXT", help="the system prompt")
     p.add_argument("-n", type=_positive, default=512, metavar="N", help="most tokens per reply (default: 512)")
     p.add_argument("-v", "--verbose", action="store_true",
@@ -311,6 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model the peers run (default: the artifact's source, if the manifest records one)")
     p.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench binary (default: on PATH)")
     p.add_argument("--plot", metavar="FILE.png", help="write a bar chart of the tokens/s (needs matplotlib)")
+    p.add_argument("--speculate", action="store_true",
+                   help="instead: greedy decode tokens/s with speculative decoding against plain decode on "
+                        "built-in input-grounded and open-ended chat prompts (--decode-tokens each), acceptance, "
+                        "tokens per call")
+    p.add_argument("--draft", metavar="DIR", help="with --speculate: draft with this artifact, not prompt lookup")
 
     p = _command(sub, cmd_perplexity, [common, model_args], "perplexity of a model on a text")
     p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score")

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from tiny_models import TinySpec
 
@@ -263,9 +262,9 @@ def test_smollm2_greedy_speculation_is_plain_decode(smollm2_path, tmp_path) -> N
     codec = TextCodec.from_artifact(session.manifest)
     passage = ("def area(width, height):\n    return width * height\n\n"
                "def perimeter(width, height):\n    return 2 * (width + height)\n")
-    prompt = codec.encode(codec.chat(f"Rename width to w and height to h in this code:\n\n{passage}"))
+    prompt = codec.encode(codec.chat(f"Add a docstring to each function in this code:\n\n{passage}"))
     speculation = Speculation(PromptLookup())
     plain, fast = _plain_and_speculative(session, codec, prompt, 80, speculation)
     assert fast == plain
     assert speculation.stats.acceptance > 0.5, speculation.stats.line()
-    assert np.isfinite(speculation.stats.tokens_per_call) and speculation.stats.tokens_per_call > 1.5
+    assert speculation.stats.tokens_per_call > 2  # (measured: 5.2, the code copied back)

@@ -367,7 +367,8 @@ def lower_function(function: func.FuncOp) -> func.FuncOp:
     for arg, name in zip(block.args, names):
         arg.name_hint = name
     args = dict(zip(names, block.args))
-    split_rows = max(tgt.ATTENTION_SPLIT_ROWS, rows) if stage.data == "decode" else tgt.ATTENTION_SPLIT_ROWS
+    split_rows = max(tgt.ATTENTION_SPLIT_ROWS, rows) if stage.data in ("decode", "verify") \
+        else tgt.ATTENTION_SPLIT_ROWS
     lo = _Lowering(block, rows, args["n"], args["positions"], args.get("slots"), split_rows, args["k_cache"],
                    args["v_cache"], args["logits"])
     for old, new in zip(ids_args, block.args):

@@ -5,7 +5,7 @@
 | import   | (the frontend builds it)          | `llm`, `@forward`                            |
 | optimize | verify, canonicalize, raise-*, dce, verify | `llm`, exported graphs raised       |
 | quantize | quantize, verify                  | `llm`, storage and compute mode chosen       |
-| split    | split                             | `llm`, prefill/prefill_kv/decode/score       |
+| split    | split                             | `llm`, prefill/prefill_kv/decode/score/verify |
 | group    | group (none with `--no-group`)    | `llm` with fused ops                         |
 | lower    | lower, pack, plan-memory, verify  | `tgt`                                        |
 
@@ -45,6 +45,7 @@ class CompileOptions:
     calibrate: str = ""  # auto's calibration text: a UTF-8 file ("" the built-in set)
     kv_type: str = "f16"  # element type of the KV cache: f32 or f16
     max_batch: int = 1  # sequences the cache holds (decode's rows)
+    speculate: int = 8  # drafted tokens the `verify` entry point checks at once (0: no `verify`)
     no_raise: tuple[str, ...] = ()  # raising passes turned off (`--no-raise rms-norm`: the pass raise-rms-norm)
 
 
@@ -88,7 +89,8 @@ def phase_passes(phase: str, options: CompileOptions, weights: WeightStore | Non
             from llmc.passes.split import SplitPass
 
             passes.append(SplitPass(prefill_chunk=options.prefill_chunk, max_seq=options.max_seq,
-                                    kv_type=options.kv_type, max_batch=options.max_batch))
+                                    kv_type=options.kv_type, max_batch=options.max_batch,
+                                    speculate=options.speculate))
         elif name == "quantize":
             from llmc.passes.quantize import QuantizePass
 

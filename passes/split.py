@@ -4,10 +4,13 @@
 - `@prefill_kv`: a chunk that attends to the history already in the cache;
 - `@decode`: one token against the cache (every token shape becomes 1);
 - `@score`: a chunk like `@prefill_kv` that returns every row's logits (perplexity,
-  KL divergence); generation never pays for the extra rows.
+  KL divergence); generation never pays for the extra rows;
+- `@verify` (`speculate K > 0`): up to K + 1 rows (the last accepted token and K drafted ones)
+  against the cache, every row's logits: speculative decoding checks a draft in one call, at
+  about decode's cost (its few rows take decode's small-row kernels, not prefill's tiles).
 
 All keep the signature `(%tokens, %pos, %kv)` with the KV cache resized to `max_seq`
-rows; all but `@score` return only the last token's logits:
+rows; all but `@score` and `@verify` return only the last token's logits:
 
 ```mlir
 func.func @decode(%tokens: tensor<1xi32>, %pos: tensor<1xi32>, %kv: !llm.kv_cache<30x3x4096x64xf32>)
@@ -16,12 +19,16 @@ func.func @decode(%tokens: tensor<1xi32>, %pos: tensor<1xi32>, %kv: !llm.kv_cach
   %last = llm.last_token %final : tensor<?x576xf32> -> tensor<1x576xf32>   // prefill stages only
   %logits = llm.logits %last, %token_embd : (...) -> tensor<1x49152xf32>
 ```
-The positions of a chunk are consecutive; the stage attribute tells later phases whether
-the cache holds history to read.
+```mlir
+func.func @verify(%tokens: tensor<?xi32>, %pos: tensor<?xi32>, %kv: !llm.kv_cache<30x3x4096x64xf32>)
+    -> tensor<?x49152xf32> attributes {llm.max_tokens = 9 : i64, llm.stage = "verify"} {
+```
+The positions of a chunk (and of `@verify`'s rows) are consecutive; the stage attribute tells
+later phases whether the cache holds history to read.
 
 With `max_batch B > 1` the cache holds B sequences (`!llm.kv_cache<…, slots B>`) and every
 entry point takes each row's slot (`%slots`, passed on to every `llm.attention`): a prompt
-chunk's rows are all in one slot; `@decode` takes up to B rows, one token of each of up
+chunk's rows (and `@verify`'s) are all in one slot; `@decode` takes up to B rows, one token of each of up
 to B sequences, and returns every row's logits:
 
 ```mlir
@@ -41,7 +48,7 @@ from xdsl.dialects import builtin, func
 from xdsl.dialects.builtin import DYNAMIC_INDEX, IntegerAttr, ModuleOp, StringAttr, TensorType, i64
 from xdsl.ir import Attribute, Block, Region, SSAValue
 
-from llmc.abi import ENTRY_POINTS
+from llmc.abi import ENTRY_POINTS, OPTIONAL_ENTRY_POINTS
 from llmc.errors import UsageError
 from llmc.ir import find_function, llm, tgt
 from llmc.ir.target import target_description
@@ -50,6 +57,14 @@ from llmc.passes.base import LlmcPass
 DEFAULT_MAX_SEQ_CAP = 4096
 DEFAULT_PREFILL_CHUNK = 128  # without a target (a target's description has its own: `prefill_chunk`)
 MAX_BATCH = 64  # sequences a cache may hold (decode's rows; attention's partials scale with it)
+DEFAULT_SPECULATE = 8  # drafted tokens `@verify` checks at once (with the last accepted one: 9 rows)
+MAX_SPECULATE = MAX_BATCH - 1  # `@verify`'s rows, like decode's, share attention's partials
+
+
+def check_speculate(drafts: int) -> None:
+    """Refuse a `--speculate` that `@verify` cannot take (before a compile starts, and in the pass)."""
+    if not 0 <= drafts <= MAX_SPECULATE:
+        raise UsageError(f"--speculate must be in 0..{MAX_SPECULATE}, got {drafts}")
 
 
 def retyped(function: func.FuncOp, name: str, subst: Callable[[Attribute], Attribute]) -> func.FuncOp:
@@ -120,6 +135,7 @@ class SplitPass(LlmcPass):
     max_seq: int = 0  # 0: the model's context length, capped at DEFAULT_MAX_SEQ_CAP
     kv_type: str = "f32"  # the cache's element type: f32, f16 or q8_0
     max_batch: int = 1  # sequences the cache holds, and decode's rows
+    speculate: int = DEFAULT_SPECULATE  # drafted tokens `@verify` takes (0: no `@verify`)
 
     def run(self, ctx: Context, module: ModuleOp) -> None:
         forward = find_function(module, "forward")
@@ -141,10 +157,14 @@ class SplitPass(LlmcPass):
             raise UsageError(f"--kv-type q8_0 needs a head dimension that is a multiple of 32, got {head_dim}")
         if not 1 <= self.max_batch <= MAX_BATCH:
             raise UsageError(f"--max-batch must be in 1..{MAX_BATCH}, got {self.max_batch}")
+        check_speculate(self.speculate)
         batched = self.max_batch > 1
+        rows = {"prefill": chunk, "prefill_kv": chunk, "decode": self.max_batch, "score": chunk,
+                "verify": min(self.speculate + 1, max_seq)}
+        assert set(rows) == {*ENTRY_POINTS, *OPTIONAL_ENTRY_POINTS}
         new_cache = llm.KVCacheType(layers, kv_heads, max_seq, head_dim, llm.KV_TYPES[self.kv_type], self.max_batch)
 
-        for stage in ENTRY_POINTS:
+        for stage in ENTRY_POINTS + (("verify",) if self.speculate else ()):
             tokens = 1 if stage == "decode" and not batched else None
 
             def subst(t: Attribute, tokens: int | None = tokens) -> Attribute:
@@ -161,6 +181,6 @@ class SplitPass(LlmcPass):
             if batched:
                 _take_slots(entry)
             entry.attributes["llm.stage"] = StringAttr(stage)
-            entry.attributes["llm.max_tokens"] = IntegerAttr(self.max_batch if stage == "decode" else chunk, i64)
+            entry.attributes["llm.max_tokens"] = IntegerAttr(rows[stage], i64)
             module.body.block.insert_op_before(entry, forward)
         module.body.block.erase_op(forward)

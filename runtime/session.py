@@ -3,10 +3,10 @@
 `Session.feed(tokens)` runs a prompt through `prefill` (first chunk of an empty cache)
 and `prefill_kv` (every later chunk), or one token through `decode`, and returns the
 logits of the last token; `Session.score(tokens)` runs them through `score` and returns
-every row's logits (perplexity, KL divergence); `Session.verify(tokens)` checks drafted tokens in one
-call (speculative decoding) and `Session.rewind(position)` drops the rejected ones. Each chunk or token is one native call
-into `kernels.so` per thread: the threads start once, enter the entry point together,
-and synchronise inside native code.
+every row's logits (perplexity, KL divergence); `Session.verify(tokens)` checks drafted
+tokens in one call (speculative decoding) and `Session.rewind(position)` drops the rejected
+ones. Each chunk or token is one native call into `kernels.so` per thread: the threads start
+once, enter the entry point together, and synchronise inside native code.
 """
 
 from __future__ import annotations

@@ -107,6 +107,9 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
                    help="sequences decoded together: the KV cache holds B of them (each --max-seq tokens) and "
                         "one decode call takes a token of each, reading the weights once (`llmc serve`; "
                         "default 1)")
+    p.add_argument("--speculate", type=_non_negative, metavar="K", default=8, dest="verify_drafts",
+                   help="add the `verify` entry point: the last token and up to K drafted ones checked in one call, "
+                        "at about one decode call's cost (speculative decoding; default 8, 0: none)")
     _add_raise_option(p)
 
 

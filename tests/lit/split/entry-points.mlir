@@ -1,8 +1,10 @@
 // split: one @forward becomes the entry points the generation loop calls, each with the KV cache
 // resized to max_seq rows: @prefill and @prefill_kv (a chunk of at most prefill_chunk tokens, the
-// last token's logits), @decode (one token), @score (every row's logits).
+// last token's logits), @decode (one token), @score (every row's logits), @verify (the last token and
+// up to `speculate` drafted ones, every row's logits; none with speculate=0).
 // RUN: llmc-opt %s -p 'split{prefill_chunk=4 max_seq=16}' | filecheck %s
-// RUN: llmc-opt %s -p 'split{max_seq=16 kv_type=f16 max_batch=2}' | filecheck %s --check-prefix=BATCH
+// RUN: llmc-opt %s -p 'split{max_seq=16 kv_type=f16 max_batch=2 speculate=3}' | filecheck %s --check-prefix=BATCH
+// RUN: llmc-opt %s -p 'split{max_seq=16 speculate=0}' | filecheck %s --check-prefix=NONE
 
 // CHECK:      llm.phase = "split"
 // CHECK-NOT:  @forward
@@ -19,10 +21,19 @@
 // CHECK-SAME:   attributes {llm.stage = "score", llm.max_tokens = 4 : i64}
 // CHECK-NOT:    llm.last_token
 // CHECK:        llm.logits %h, %embd compute a8 : (tensor<?x32xf32>, tensor<64x32xf32>) -> tensor<?x64xf32>
+// CHECK:      func.func @verify(%tokens: tensor<?xi32>, %pos: tensor<?xi32>, %kv: !llm.kv_cache<1x2x16x8xf32>) -> tensor<?x64xf32>
+// CHECK-SAME:   attributes {llm.stage = "verify", llm.max_tokens = 9 : i64}
+// CHECK-NOT:    llm.last_token
+// CHECK:        llm.logits %h, %embd compute a8 : (tensor<?x32xf32>, tensor<64x32xf32>) -> tensor<?x64xf32>
 
 // An f16 cache of two sequences: every entry point takes each row's slot; @decode a token of each.
 // BATCH:      func.func @decode(%tokens: tensor<?xi32>, %pos: tensor<?xi32>, %slots: tensor<?xi32>, %kv: !llm.kv_cache<1x2x16x8xf16, slots 2>) -> tensor<?x64xf32>
 // BATCH-SAME:   attributes {llm.stage = "decode", llm.max_tokens = 2 : i64}
+// BATCH:      func.func @verify(%tokens: tensor<?xi32>, %pos: tensor<?xi32>, %slots: tensor<?xi32>, %kv: !llm.kv_cache<1x2x16x8xf16, slots 2>) -> tensor<?x64xf32>
+// BATCH-SAME:   attributes {llm.stage = "verify", llm.max_tokens = 4 : i64}
+
+// NONE:       func.func @score
+// NONE-NOT:   @verify
 builtin.module attributes {tgt.target = #tgt.target<cpu, "x86_64", "x86-64-v3", ["avx2"]>, llm.phase = "quantize"} {
   func.func @forward(%tokens: tensor<?xi32>, %pos: tensor<?xi32>, %kv: !llm.kv_cache<1x2x64x8xf32>) -> tensor<?x64xf32> {
     %embd = llm.weight @token_embd q8_0 : tensor<64x32xf32>

@@ -182,7 +182,7 @@ class Driver:
 
 
 COPY_PROBE_BYTES = 1 << 30  # the most weights `read_bandwidth` copies: far past every cache
-MAX_GRAPHS = 16  # captured (entry point, rows) pairs kept beyond decode's (one per batch size): chunks, remainders
+MAX_GRAPHS = 16  # captured (entry point, rows) pairs kept beyond decode's and verify's (one per row count): chunks
 
 
 def _grid(dims: list, n: int) -> tuple[int, int, int]:
@@ -288,7 +288,7 @@ class CudaSession(Conversation):
         if dev.graphs:
             key = (entry, n)
             if key not in self._graphs:
-                if len(self._graphs) >= MAX_GRAPHS + self.batch:  # odd chunk sizes: forget the oldest
+                if len(self._graphs) >= MAX_GRAPHS + self.batch + self.max_verify:  # odd sizes: forget the oldest
                     dev.destroy(self._graphs.pop(next(iter(self._graphs))))
                 self._graphs[key] = dev.capture(launches)
             dev.replay(self._graphs[key])

@@ -5,8 +5,8 @@ aggregate decode tokens/s against one stream alone (issue: ≥ 4× with 8 stream
     .venv/bin/python benchmarks/serve_bench.py smollm2-b8.llmc --streams 8 --tokens 64 [--vs-llama-server B/llama-server]
     .venv/bin/python benchmarks/serve_bench.py smollm2-b8.llmc --streams 4 --prompts copy --speculate
 
-`--speculate` measures the server without speculative decoding and with it (prompt lookup), one
-after the other in the same run, and checks the texts are the same; `--prompts copy` sends prompts
+`--speculate` measures the server without speculative decoding and with it (prompt lookup), both
+listening at once and measured in turn, and checks the texts are the same; `--prompts copy` sends prompts
 whose continuation copies a passage they hold (where drafts are accepted), `open` (the default)
 open-ended ones.
 
@@ -145,16 +145,28 @@ def measure(base_url: str, prompts: list[str], tokens: int, repeat: int) -> dict
             "tokens": [s.tokens for s in best], "wall": max(s.last for s in best) - min(s.start for s in best)}
 
 
-def measured(process: subprocess.Popen, url: str, prompts: list[str], tokens: int, repeat: int) -> dict:
-    """`measure` on the server `process` listens at `url`, which is stopped after."""
-    try:
-        import httpx
+def measured(servers: list[tuple[subprocess.Popen, str]], prompts: list[str], tokens: int, repeat: int) -> list[dict]:
+    """`measure` on each server (a process and the URL it listens at) in turn, `repeat` rounds, all listening at
+    once (each idle while another runs: a shared machine's noise falls on all alike); the median of each one's
+    one-stream rates, its best aggregate, and its `/health` after. The servers are stopped after."""
+    import httpx
 
-        wait_ready(url + "/health", process)
-        return measure(url + "/v1", prompts, tokens, repeat) | {"health": httpx.get(url + "/health").json()}
+    try:
+        for process, url in servers:
+            wait_ready(url + "/health", process)
+        rounds = [[measure(url + "/v1", prompts, tokens, 1) for _, url in servers] for _ in range(repeat)]
+        results = []
+        for i, (_, url) in enumerate(servers):
+            mine = [r[i] for r in rounds]
+            same = all(r["same_text"] and r["text"] == mine[0]["text"] for r in mine)
+            results.append(max(mine, key=lambda r: r["together"]) | {
+                "alone": statistics.median(r["alone"] for r in mine), "same_text": same,
+                "health": httpx.get(url + "/health").json()})
+        return results
     finally:
-        process.terminate()
-        process.wait(30)
+        for process, _ in servers:
+            process.terminate()
+            process.wait(30)
 
 
 def serve_llmc(artifact: Path, streams: int, threads: int | None, speculate: bool) -> tuple[subprocess.Popen, str]:
@@ -193,15 +205,15 @@ def main() -> int:
     if not 1 <= args.streams <= len(prompts):
         raise SystemExit(f"--streams must be in 1..{len(prompts)} with --prompts {args.prompts}")
     prompts = prompts[: args.streams]
-    rows = [(f"llmc serve {args.artifact.name}{' --speculate' if speculate else ''}",
-             measured(*serve_llmc(args.artifact, args.streams, args.threads, speculate), prompts, args.tokens,
-                      args.repeat))
-            for speculate in ((False, True) if args.speculate else (False,))]
+    variants = (False, True) if args.speculate else (False,)
+    servers = [serve_llmc(args.artifact, args.streams, args.threads, speculate) for speculate in variants]
+    rows = [(f"llmc serve {args.artifact.name}{' --speculate' if speculate else ''}", result)
+            for speculate, result in zip(variants, measured(servers, prompts, args.tokens, args.repeat))]
     if args.vs_llama_server:
         manifest = json.loads((args.artifact / "manifest.json").read_text())
         threads = args.threads or len(os.sched_getaffinity(0))
         server = serve_llama(args.vs_llama_server, manifest["model"]["source_path"], args.streams, threads, 512)
-        rows.append((f"llama-server -np {args.streams}", measured(*server, prompts, args.tokens, args.repeat)))
+        rows.append((f"llama-server -np {args.streams}", measured([server], prompts, args.tokens, args.repeat)[0]))
     print(f"| server | 1 stream decode tok/s | {args.streams} streams aggregate tok/s | × one stream "
           f"| texts equal alone | tokens per stream | wall s |")
     print("|---|--:|--:|--:|---|---|--:|")

@@ -44,6 +44,8 @@ from llmc.runtime.speculate import PromptLookup, Speculation, _accept
 
 SWITCH_INTERVAL = 2e-4  # seconds: how long a thread waits for the GIL before the holder is asked to let go
 ROW_COST = 0.2  # a call's cost per row after its first, relative to a one-row call, until calls are timed
+MARGIN = 1.15  # how much more tokens per second verifying must promise than plain decode (the promise is optimistic)
+HOPE = 0.02  # drafts a sequence is expected to have accepted more per step its draft is not verified (it tries again)
 
 
 class QueueFull(LlmcError):
@@ -93,18 +95,22 @@ class CallCost:
 
     def __init__(self):
         self.seconds: dict[int, float] = {}  # rows → mean seconds
+        self.line = (1.0 - ROW_COST, ROW_COST, 0.0)  # intercept, slope, least: before any call is timed
 
     def record(self, rows: int, seconds: float) -> None:
         mean = self.seconds.get(rows)
         self.seconds[rows] = seconds if mean is None else 0.9 * mean + 0.1 * seconds
+        least = min(self.seconds.values())
+        if len(self.seconds) == 1:
+            scale = seconds / (1 + ROW_COST * (rows - 1))
+            self.line = (scale * (1 - ROW_COST), scale * ROW_COST, least)
+        else:
+            slope, intercept = np.polyfit(list(self.seconds), list(self.seconds.values()), 1)
+            self.line = (intercept, max(slope, 0.0), least)
 
     def __call__(self, rows: int) -> float:
-        if len(self.seconds) < 2:
-            ((known, seconds),) = self.seconds.items() or ((1, 1.0),)
-            return seconds * (1 + ROW_COST * (rows - 1)) / (1 + ROW_COST * (known - 1))
-        slope, intercept = np.polyfit(list(self.seconds), list(self.seconds.values()), 1)
-        slope = max(slope, 0.0)
-        return max(intercept + slope * rows, min(self.seconds.values()))
+        intercept, slope, least = self.line
+        return max(intercept + slope * rows, least)
 
 
 def _finish(request: Request, reason: str) -> None:
@@ -296,8 +302,8 @@ class Engine:
 
     def _worth_verifying(self, drafted: list[tuple[_Sequence, list[int]]], others: int) -> int:
         """How many of `drafted` (best first) to verify, beside a decode call of the rest and `others`: the
-        number that gives the most tokens per second expected."""
-        best, best_rate = 0, (others + len(drafted)) / self.cost(others + len(drafted))
+        number that gives the most tokens per second expected (none unless that beats plain decode by `MARGIN`)."""
+        best, best_rate = 0, MARGIN * (others + len(drafted)) / self.cost(others + len(drafted))
         seconds = tokens = 0.0
         for count, (seq, draft) in enumerate(drafted, 1):
             seconds += self.cost(1 + len(draft))
@@ -322,7 +328,10 @@ class Engine:
         verified = self._worth_verifying(drafted, len(ready))
         for seq, draft in drafted[:verified]:
             self._verify(seq, draft)
-        ready += [seq for seq, _ in drafted[verified:]]
+        for seq, draft in drafted[verified:]:
+            ready.append(seq)
+            if seq.accepting is not None:
+                seq.accepting = min(seq.accepting + HOPE, len(draft))
         if not ready:
             return
         tokens = np.array([s.token for s in ready], np.int32)

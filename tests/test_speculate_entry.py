@@ -59,6 +59,19 @@ def test_rewind_then_refeed_forgets_the_rejected_rows(session: Session) -> None:
         session.rewind(session.position + 1)
 
 
+def test_verify_in_a_slot_of_a_batched_cache(artifact) -> None:
+    """`--max-batch 2`: `@verify` takes the rows' slot; its rows in slot 1 see only that sequence's cache."""
+    batched = Session(artifact(SPEC, chunk=8, speculate=4, max_batch=2))
+    assert "slots" in batched.manifest.entry_points["verify"]["arguments"]
+    batched.feed([250, 251, 252])  # another sequence in slot 0
+    batched.rewind(0)
+    batched.slot = 1
+    alone = Session(artifact(SPEC, chunk=8, speculate=4))
+    for s in (batched, alone):
+        s.feed(PROMPT)
+    _close(batched.verify(DRAFT), alone.verify(DRAFT))
+
+
 def test_max_verify_is_the_entry_points_rows(session: Session) -> None:
     """`--speculate K`: the last accepted token and K drafts; without `verify`, score's chunk."""
     want = 5 if "verify" in session.manifest.entry_points else 8

@@ -144,6 +144,8 @@ class Engine:
         self.decoded_rows = 0  # sequences' tokens those calls produced
         self.speculate = speculate
         self.verify_logits = np.zeros((session.max_verify, session.vocab_size), np.float32)
+        # a compiled `verify` takes rows of several slots, as `decode` does (`score`, standing in, one slot's)
+        self.together = "verify" in session.manifest.entry_points
         self.cost = CallCost()
         self.verify_calls = 0
         self.drafted = 0  # draft tokens verified
@@ -274,49 +276,61 @@ class Engine:
         k = min(speculation.length.next(), room)
         return speculation.drafter.draft(k) if k > 0 else []
 
-    def _verify(self, seq: _Sequence, draft: list[int]) -> None:
-        """Run `seq`'s next token and `draft` in one call; take the drafts the model agrees with and its next token."""
-        tokens = np.array([seq.token, *draft], np.int32)
-        n = tokens.size
-        logits = self.verify_logits[:n]
+    def _verify(self, groups: list[tuple[_Sequence, list[int]]]) -> None:
+        """Run each sequence's next token and its draft in one `verify` call; take the drafts the model agrees
+        with and its next token."""
+        tokens = np.array([t for seq, draft in groups for t in (seq.token, *draft)], np.int32)
+        positions = np.concatenate([np.arange(seq.position, seq.position + 1 + len(draft)) for seq, draft in groups])
+        slots = np.concatenate([np.full(1 + len(draft), seq.slot) for seq, draft in groups])
         start = time.perf_counter()
-        self.session.run("verify", tokens, np.arange(seq.position, seq.position + n), np.full(n, seq.slot), logits)
-        self.cost.record(n, time.perf_counter() - start)
-        try:
-            accepted, token = _accept(seq.sampler, logits, draft)
-        except Exception as e:
-            self._end(seq, f"error: {e}")
-            return
+        self.session.run("verify", tokens, positions, slots, self.verify_logits[: tokens.size])
+        self.cost.record(tokens.size, time.perf_counter() - start)
         self.verify_calls += 1
-        self.drafted += len(draft)
-        self.accepted += accepted
-        seq.speculation.length.update(len(draft), accepted)
-        seq.accepting = accepted if seq.accepting is None else 0.7 * seq.accepting + 0.3 * accepted
-        seq.position += 1 + accepted  # the fed token and the accepted drafts; the rows after them are discarded
-        self._take(seq, draft[:accepted] + [token])
+        row = 0
+        for seq, draft in groups:
+            logits, row = self.verify_logits[row : row + 1 + len(draft)], row + 1 + len(draft)
+            try:
+                accepted, token = _accept(seq.sampler, logits, draft)
+            except Exception as e:
+                self._end(seq, f"error: {e}")
+                continue
+            if draft:
+                self.drafted += len(draft)
+                self.accepted += accepted
+                seq.speculation.length.update(len(draft), accepted)
+                seq.accepting = accepted if seq.accepting is None else 0.7 * seq.accepting + 0.3 * accepted
+            seq.position += 1 + accepted  # the fed token and the accepted drafts; the rows after them are discarded
+            self._take(seq, draft[:accepted] + [token])
 
     def _expected(self, seq: _Sequence, draft: list[int]) -> float:
-        """Tokens a verify call of `draft` is expected to give: its accepted drafts (half the draft before any
-        was verified) and the model's own token."""
+        """Tokens a verify of `draft` is expected to give: its accepted drafts (half the draft before any was
+        verified) and the model's own token."""
         return 1 + min(len(draft), len(draft) / 2 if seq.accepting is None else seq.accepting)
 
     def _worth_verifying(self, drafted: list[tuple[_Sequence, list[int]]], others: int) -> int:
-        """How many of `drafted` (best first) to verify, beside a decode call of the rest and `others`: the
-        number that gives the most tokens per second expected (none unless that beats plain decode by `MARGIN`)."""
-        best, best_rate = 0, MARGIN * (others + len(drafted)) / self.cost(others + len(drafted))
-        seconds = tokens = 0.0
+        """How many of `drafted` (best first) to verify, beside `others` generating sequences without a draft:
+        the number that gives the most tokens per second expected (none unless that beats plain decode by
+        `MARGIN`). In one call of every sequence's rows (`together`), or one call per draft and a decode call."""
+        total = others + len(drafted)
+        best, best_rate = 0, MARGIN * total / self.cost(total)
+        gain = own_calls = 0.0  # accepted drafts expected; seconds of the verify calls of their own
+        rows = total
         for count, (seq, draft) in enumerate(drafted, 1):
-            seconds += self.cost(1 + len(draft))
-            tokens += self._expected(seq, draft)
-            rest = others + len(drafted) - count
-            rate = (tokens + rest) / (seconds + (self.cost(rest) if rest else 0))
-            if rate > best_rate:
-                best, best_rate = count, rate
+            gain += self._expected(seq, draft) - 1
+            if self.together:
+                rows += len(draft)
+                seconds = self.cost(rows)
+            else:
+                own_calls += self.cost(1 + len(draft))
+                seconds = own_calls + (self.cost(total - count) if total > count else 0)
+            if (total + gain) / seconds > best_rate:
+                best, best_rate = count, (total + gain) / seconds
         return best
 
     def _decode(self) -> None:
-        """A `verify` call for each generating sequence whose draft is worth it (`_worth_verifying`), then one
-        `decode` over the others (at most one per slot: decode's rows)."""
+        """Verify the drafts worth it (`_worth_verifying`): in one `verify` call with every generating sequence's
+        next token (`together`), or each in a call of its own beside one `decode` over the others; else one
+        `decode` over every generating sequence (at most one per slot: decode's rows)."""
         ready, drafted = [], []
         for seq in [s for s in self.running if s.token is not None]:
             draft = self._draft(seq)
@@ -324,14 +338,24 @@ class Engine:
                 drafted.append((seq, draft))
             else:
                 ready.append(seq)
-        drafted.sort(key=lambda pair: -self._expected(*pair) / self.cost(1 + len(pair[1])))
+        drafted.sort(key=lambda pair: -self._expected(*pair) / len(pair[1]))
+        if self.together:  # (the drafts that fit beside every sequence's next token)
+            room = self.session.max_verify - len(ready) - len(drafted)
+            for i, (seq, draft) in enumerate(drafted):
+                drafted[i] = (seq, draft[: max(room, 0)])
+                room -= len(drafted[i][1])
+            ready += [seq for seq, draft in drafted if not draft]
+            drafted = [(seq, draft) for seq, draft in drafted if draft]
         verified = self._worth_verifying(drafted, len(ready))
-        for seq, draft in drafted[:verified]:
-            self._verify(seq, draft)
         for seq, draft in drafted[verified:]:
             ready.append(seq)
             if seq.accepting is not None:
                 seq.accepting = min(seq.accepting + HOPE, len(draft))
+        if self.together and verified:
+            self._verify(drafted[:verified] + [(seq, []) for seq in ready])
+            return
+        for pair in drafted[:verified]:
+            self._verify([pair])
         if not ready:
             return
         tokens = np.array([s.token for s in ready], np.int32)

@@ -38,13 +38,15 @@ def _streams(session: Session, requests: list[tuple[list[int], int]], speculate:
 
 @pytest.mark.parametrize("spec", [SPEC, TinySpec(hidden=64, heads=4, kv_heads=2, head_dim=32, ffn=128,
                                                  context_length=64)], ids=["small", "gqa"])
-def test_greedy_streams_with_speculation_are_plain_decodes(artifact, spec: TinySpec) -> None:
-    """More requests than slots, several drafting at once beside plain decode rows; then alone."""
-    session = Session(artifact(spec, max_batch=4, max_seq=CAPACITY))
+@pytest.mark.parametrize("verify", [8, 0], ids=["verify", "score"])
+def test_greedy_streams_with_speculation_are_plain_decodes(artifact, spec: TinySpec, verify: int) -> None:
+    """More requests than slots, several drafting at once beside plain decode rows (in one verify call of every
+    slot's rows, or, where `score` stands in for `verify`, a call per draft); then alone."""
+    session = Session(artifact(spec, max_batch=4, max_seq=CAPACITY, speculate=verify))
     requests = [(prompt, 12 + i) for i, prompt in enumerate(PROMPTS + COPIES)]
     plain, _ = _streams(session, requests, speculate=False)
     speculated, engine = _streams(session, requests, speculate=True)
-    assert speculated == plain
+    assert speculated == plain and engine.together == bool(verify)
     stats = engine.stats()
     assert stats["accepted_tokens"] > 0 and stats["verify_calls"] > 0 and stats["speculate"]
     assert all(reason == "length" and len(tokens) == n for (tokens, reason), (_, n) in zip(plain, requests))
@@ -53,10 +55,11 @@ def test_greedy_streams_with_speculation_are_plain_decodes(artifact, spec: TinyS
     session.close()
 
 
-def test_ends_mid_draft_are_plain_decodes(artifact) -> None:
+@pytest.mark.parametrize("verify", [8, 0], ids=["verify", "score"])
+def test_ends_mid_draft_are_plain_decodes(artifact, verify: int) -> None:
     """An end-of-sequence token, `max_tokens` and the cache's capacity each cut a stream where plain decode
     does, whatever the draft beyond them."""
-    session = Session(artifact(SPEC, max_batch=4, max_seq=CAPACITY))
+    session = Session(artifact(SPEC, max_batch=4, max_seq=CAPACITY, speculate=verify))
     stream, _ = _streams(session, [(COPIES[2], 40)], speculate=False)
     tokens = stream[0][0]
     eos = next(t for t in tokens[3:] if t not in tokens[:3])  # first met a few tokens in

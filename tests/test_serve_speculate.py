@@ -11,6 +11,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_batch import PROMPTS, SPEC
 from tiny_models import TinySpec
@@ -52,6 +53,30 @@ def test_greedy_streams_with_speculation_are_plain_decodes(artifact, spec: TinyS
     assert all(reason == "length" and len(tokens) == n for (tokens, reason), (_, n) in zip(plain, requests))
     for request in requests[-3:]:
         assert _streams(session, [request], speculate=True)[0] == _streams(session, [request], speculate=False)[0]
+    session.close()
+
+
+def test_one_verify_call_of_several_slots_is_each_slot_alone(artifact) -> None:
+    """What the engine's batched verify stands on: a compiled `verify` takes rows of several slots (each slot's
+    at consecutive positions), as `decode` does, and each slot's logits are its own call's."""
+    session = Session(artifact(SPEC, max_batch=4, max_seq=CAPACITY))
+    prompts = {2: [5, 17, 42, 9, 5], 0: [100, 150, 7], 3: [3, 4, 5, 6, 3, 4, 5]}
+    one = np.zeros((1, session.vocab_size), np.float32)
+    for slot, prompt in prompts.items():
+        session.run("prefill", np.array(prompt, np.int32), np.arange(len(prompt)), np.full(len(prompt), slot), one)
+    rows = {2: [7, 8, 9], 0: [11], 3: [12, 13]}
+    logits = np.zeros((session.max_verify, session.vocab_size), np.float32)
+    alone = {}
+    for slot, tokens in rows.items():
+        start = len(prompts[slot])
+        session.run("verify", np.array(tokens, np.int32), np.arange(start, start + len(tokens)),
+                    np.full(len(tokens), slot), logits[: len(tokens)])
+        alone[slot] = logits[: len(tokens)].copy()
+    tokens = np.array([t for slot in rows for t in rows[slot]], np.int32)
+    positions = np.concatenate([np.arange(len(prompts[slot]), len(prompts[slot]) + len(rows[slot])) for slot in rows])
+    slots = np.concatenate([np.full(len(rows[slot]), slot) for slot in rows])
+    session.run("verify", tokens, positions, slots, logits[: tokens.size])
+    np.testing.assert_allclose(logits[: tokens.size], np.concatenate(list(alone.values())), rtol=0, atol=1e-5)
     session.close()
 
 

@@ -252,6 +252,16 @@ def test_llmc_run_speculates_and_reports_acceptance(artifact, capsys) -> None:
     assert "--draft is for speculative decoding" in capsys.readouterr().err
 
 
+def test_llmc_bench_speculate_compares_with_plain_decode(artifact, capsys) -> None:
+    from llmc.cli import main
+
+    directory = artifact(TinySpec(context_length=2048, tied=False), chunk=64, max_seq=2048)
+    assert main(["bench", str(directory), "--speculate", "--decode-tokens", "6", "--repeat", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| input") or
+            line.startswith("| open")]
+    assert len(rows) == 2 and all(row.endswith("| identical |") for row in rows)
+
+
 @pytest.mark.real_model
 def test_smollm2_greedy_speculation_is_plain_decode(smollm2_path, tmp_path) -> None:
     from llmc.driver import BackendOptions, compile_model

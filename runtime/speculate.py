@@ -28,6 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from llmc.errors import LlmcError
+from llmc.runtime.codec import TextCodec
 from llmc.runtime.sampling import Sampler
 from llmc.runtime.session import Conversation
 
@@ -85,8 +86,6 @@ class PromptLookup:
 
 def _same_vocabulary(draft: Conversation, target: Conversation) -> str | None:
     """Why two artifacts' tokenizers differ (None where they agree: the same size, the same token ids)."""
-    from llmc.runtime.codec import TextCodec
-
     if draft.vocab_size != target.vocab_size:
         return f"a vocabulary of {draft.vocab_size} tokens, the model's has {target.vocab_size}"
     mine, theirs = (TextCodec.from_artifact(s.manifest).tokenizer.get_vocab(with_added_tokens=True)

@@ -17,6 +17,7 @@ own in a `verify` call of its own (the artifact's `score` where it has no `verif
 keeps the drafts the model agrees with plus the model's next token (several tokens per
 step; rejected rows are left in the cache to be overwritten); the others share the
 batched `decode` call. A sequence whose drafts are rejected drafts less, then not at all.
+Sampling with a seed does not speculate: the draws would depend on what else runs.
 Each verify call costs about as much as a decode call of as many rows: the engine times its
 calls (`CallCost`) and, each step, verifies the drafts (likeliest first) only as far as they
 raise the tokens per second it expects, so that several sequences decoding together, which
@@ -213,7 +214,7 @@ class Engine:
             while self.free and self.waiting:
                 request = self.waiting.popleft()
                 seq = _Sequence(request, self.free.pop(), Sampler(request.sampling))
-                if self.speculate:
+                if self.speculate and (seq.sampler.greedy or request.sampling.seed is None):
                     seq.speculation = Speculation(PromptLookup())
                     seq.speculation.start(self.session, request.prompt)
                 self.running.append(seq)

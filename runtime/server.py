@@ -9,7 +9,8 @@
 
 Both generation endpoints stream as server-sent events in OpenAI's chunk format (ending
 with `data: [DONE]`) when `"stream": true`, and answer whole otherwise. Requests run on the
-batching `Engine` (`llmc.runtime.batch`), on its own thread: it calls each request's
+batching `Engine` (`llmc.runtime.batch`; speculating by prompt lookup unless `--no-speculate`,
+several tokens per step where drafts are accepted), on its own thread: it calls each request's
 `emit` per token there, and those hand the tokens to the asyncio loop
 (`loop.call_soon_threadsafe`) into a queue per request, where the text is decoded (whole
 UTF-8 characters only) and `stop` strings are looked for (`llmc.runtime.streaming`). A client

@@ -41,7 +41,7 @@ import numpy as np
 from llmc.errors import LlmcError
 from llmc.runtime.sampling import Sampler, SamplingOptions
 from llmc.runtime.session import CapacityError, Conversation
-from llmc.runtime.speculate import PromptLookup, Speculation, _accept
+from llmc.runtime.speculate import PromptLookup, Speculation, accept
 
 SWITCH_INTERVAL = 2e-4  # seconds: how long a thread waits for the GIL before the holder is asked to let go
 ROW_COST = 0.2  # a call's cost per row after its first, relative to a one-row call, until calls are timed
@@ -291,7 +291,7 @@ class Engine:
         for seq, draft in groups:
             logits, row = self.verify_logits[row : row + 1 + len(draft)], row + 1 + len(draft)
             try:
-                accepted, token = _accept(seq.sampler, logits, draft)
+                accepted, token = accept(seq.sampler, logits, draft)
             except Exception as e:
                 self._end(seq, f"error: {e}")
                 continue

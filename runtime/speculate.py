@@ -217,7 +217,7 @@ def step(session: Conversation, sampler: Sampler, tokens: list[int], most: int,
         return [next_token(session, sampler, tokens)]
     start = session.position
     rows = session.verify(tokens + drafts)
-    accepted, token = _accept(sampler, rows, drafts)
+    accepted, token = accept(sampler, rows, drafts)
     session.rewind(start + 1 + accepted)
     speculation.drafter.extend(drafts[:accepted])
     speculation.length.update(len(drafts), accepted)
@@ -228,7 +228,7 @@ def step(session: Conversation, sampler: Sampler, tokens: list[int], most: int,
     return drafts[:accepted] + [token]
 
 
-def _accept(sampler: Sampler, rows: np.ndarray, drafts: list[int]) -> tuple[int, int]:
+def accept(sampler: Sampler, rows: np.ndarray, drafts: list[int]) -> tuple[int, int]:
     """How many `drafts` to accept given the model's logits `rows` (row i follows draft i - 1), and the
     token after them: the standard acceptance rule with a one-hot draft distribution."""
     if sampler.greedy:

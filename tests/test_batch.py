@@ -251,7 +251,8 @@ def test_the_engine_admits_free_slots_without_a_queue_and_isolates_failing_recei
         engine.step()
     assert reasons == {"broken": "error: the client went away", "fine": "length"} and len(got) == 3
     assert engine.stats() | {"decode_steps": 0, "decoded_tokens": 0} == {
-        "slots": 2, "running": 0, "waiting": 0, "queue_size": 0, "decode_steps": 0, "decoded_tokens": 0}
+        "slots": 2, "running": 0, "waiting": 0, "queue_size": 0, "decode_steps": 0, "decoded_tokens": 0,
+        "speculate": False, "verify_calls": 0, "drafted_tokens": 0, "accepted_tokens": 0}
 
     engine = Engine(session, eos_id=None, queue_size=1, max_active=1)
     engine.submit(Request([1], 5))

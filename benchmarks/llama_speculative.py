@@ -51,7 +51,8 @@ class Method:
 
 @dataclass
 class Result:
-    tokens_per_s: float
+    tokens: int
+    seconds: float
     drafted: int
     accepted: int
     text: str
@@ -100,7 +101,10 @@ def run(command: list[str], prompt: str, gguf: Path, threads: int, tokens: int) 
     if done.returncode:
         sys.exit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     log = done.stderr
-    return Result(number(r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+) t/s", log),
+    decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
+    if not decoded:
+        sys.exit(f"{' '.join(command)} printed no decode time:\n{log[-3000:]}")
+    return Result(int(decoded.group(1)), float(decoded.group(2)),
                   int(number(r"n_drafted\s+=\s+(\d+)", log)), int(number(r"n_accept\s+=\s+(\d+)", log)), done.stdout)
 
 
@@ -129,7 +133,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, method in found.items():
                 result = run(method.command, rendered, gguf, args.threads, args.tokens)
-                print(f"{prompt.name} {name}: {result.tokens_per_s:.1f} tok/s, {result.accepted}/{result.drafted} "
+                print(f"{prompt.name} {name}: {result.tokens / result.seconds:.1f} tok/s, {result.accepted}/{result.drafted} "
                       "accepted", file=sys.stderr, flush=True)
                 results.setdefault((prompt.name, name), []).append(result)
     print_table(prompts, found, results)
@@ -157,17 +161,20 @@ def print_table(prompts: list[Prompt], found: dict[str, Method], results: dict[t
     for prompt in prompts:
         for name, method in found.items():
             runs, plain = results[prompt.name, name], results[prompt.name, method.plain]
-            speed = max(r.tokens_per_s for r in runs)
-            ratio = speed / max(r.tokens_per_s for r in plain)
+            speed = max(r.tokens / r.seconds for r in runs)
+            ratio = speed / max(r.tokens / r.seconds for r in plain)
             ratios.setdefault((prompt.kind, name), []).append(ratio)
             drafted, accepted = runs[0].drafted, runs[0].accepted
             accept = f"{100 * accepted / drafted:.0f}" if drafted else "-"
             same = all(agree(r.text, plain[0].text) for r in runs)
             print(f"| {prompt.name} | {prompt.kind} | {name} | {speed:.1f} | {ratio:.2f} | {drafted} | {accepted} "
                   f"| {accept} | {'yes' if same else 'NO'} |")
-    print("\ngeometric mean of the ratios to the same program's plain decode:")
+    print("\nby kind: all prompts' tokens over their best runs' seconds (as llmc bench --speculate), and the "
+          "geometric mean of the prompts' ratios to the same program's plain decode")
     for (kind, name), values in ratios.items():
-        print(f"  {kind:9} {name:18} {statistics.geometric_mean(values):.2f}x")
+        best = [min(results[p.name, name], key=lambda r: r.seconds) for p in prompts if p.kind == kind]
+        speed = sum(r.tokens for r in best) / sum(r.seconds for r in best)
+        print(f"  {kind:9} {name:20} {speed:6.1f} tok/s  {statistics.geometric_mean(values):.2f}x")
 
 
 if __name__ == "__main__":

@@ -93,8 +93,8 @@ def number(pattern: str, log: str) -> float:
 
 
 def run(command: list[str], prompt: str, gguf: Path, threads: int, tokens: int) -> Result:
-    """One greedy decode of the rendered `prompt` (`-p`: `-f` drops the template's last newline); the
-    generated text is the tool's standard output, after the prompt's echo."""
+    """One greedy decode of the rendered `prompt` (`-p`: `-f` drops the template's last newline); its text is
+    the tool's standard output (the prompt's echo, then the generated tokens)."""
     done = subprocess.run([*command, "-m", str(gguf), "-p", prompt, "-n", str(tokens), "-t", str(threads),
                            "-c", "2048", "--temp", "0", "--seed", "1"],
                           capture_output=True, text=True, timeout=600)
@@ -133,8 +133,8 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, method in found.items():
                 result = run(method.command, rendered, gguf, args.threads, args.tokens)
-                print(f"{prompt.name} {name}: {result.tokens / result.seconds:.1f} tok/s, {result.accepted}/{result.drafted} "
-                      "accepted", file=sys.stderr, flush=True)
+                print(f"{prompt.name} {name}: {result.tokens / result.seconds:.1f} tok/s, "
+                      f"{result.accepted}/{result.drafted} accepted", file=sys.stderr, flush=True)
                 results.setdefault((prompt.name, name), []).append(result)
     print_table(prompts, found, results)
 

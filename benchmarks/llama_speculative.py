@@ -81,7 +81,8 @@ def methods(bin_dir: Path, draft: int, llama_defaults: bool) -> dict[str, Method
     found = {"lookup plain": Method([lookup, "--spec-draft-n-max", "0"], "lookup plain"),
              f"lookup d{draft}": Method([lookup, "--spec-draft-n-max", str(draft)], "lookup plain"),
              "spec plain": Method([*simple, "1024"], "spec plain"),
-             f"ngram-simple n3 m{draft}": Method([*simple, "3", "--spec-ngram-simple-size-m", str(draft)], "spec plain")}
+             f"ngram-simple n3 m{draft}": Method([*simple, "3", "--spec-ngram-simple-size-m", str(draft)],
+                                                 "spec plain")}
     if llama_defaults:
         found.update({t: Method([*spec, t], "spec plain") for t in SPEC_TYPES})
     return found

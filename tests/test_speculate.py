@@ -209,7 +209,7 @@ def test_sampled_speculation_keeps_the_target_distribution(artifact, monkeypatch
     assert tv < 0.05, f"total variation {tv:.3f} from the target distribution"
 
     # a wrong rule (always take the draft) is caught by the same bound
-    monkeypatch.setattr(speculate, "_accept", lambda sampler, rows, drafts: (len(drafts), sampler(rows[-1])))
+    monkeypatch.setattr(speculate, "accept", lambda sampler, rows, drafts: (len(drafts), sampler(rows[-1])))
     wrong = distance(_sampled_pairs(session, prompt, last, [first, second], options, runs))
     assert wrong > 0.2, f"always accepting is only {wrong:.3f} from the target distribution"
     print(f"total variation from the target distribution: {tv:.3f}; always accepting: {wrong:.3f}")  # with -s

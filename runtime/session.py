@@ -5,7 +5,8 @@ and `prefill_kv` (every later chunk), or one token through `decode`, and returns
 logits of the last token; `Session.score(tokens)` runs them through `score` and returns
 every row's logits (perplexity, KL divergence); `Session.verify(tokens)` checks drafted
 tokens in one call (speculative decoding) and `Session.rewind(position)` drops the rejected
-ones. Each chunk or token is one native call into `kernels.so` per thread: the threads start
+ones. `Session.cached` lists the tokens the cache holds, and `Session.reuse(ids)` keeps the
+longest prefix of them that a new prompt shares, so that only the rest is fed. Each chunk or token is one native call into `kernels.so` per thread: the threads start
 once, enter the entry point together, and synchronise inside native code.
 """
 
@@ -16,7 +17,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +98,16 @@ class TokenError(LlmcError, ValueError):
     beginning-of-text id, that the model does not have)."""
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens `a` and `b` share from the start.
+
+    >>> common_prefix([1, 2, 3], [1, 2, 4, 5])
+    2
+    """
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
 class Conversation:
     """What every target's session shares: the position in the cache, prompts cut into chunks,
     the entry point for each call. A target implements `_call` (run one entry point on the `n`
@@ -105,7 +116,10 @@ class Conversation:
 
     The cache holds `slot_count` sequences (`--max-batch`; 1 by default); this conversation's
     is `self.slot`. `run` is the call underneath, for a scheduler of several sequences
-    (`llmc.runtime.batch`): `decode` takes up to `batch` rows, one per sequence."""
+    (`llmc.runtime.batch`): `decode` takes up to `batch` rows, one per sequence.
+
+    `cached` is the tokens whose K/V this conversation's slot holds, in order (`position` is their
+    number): `feed`, `score` and `verify` append to it, `rewind` and `reset` cut it."""
 
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
@@ -120,8 +134,42 @@ class Conversation:
         self.tokens = np.zeros(rows, np.int32)
         self.positions = np.zeros(rows, np.int32)
         self.slot_ids = np.zeros(rows, np.int32)
-        self.position = 0
+        self.cached: list[int] = []
         self.slot = 0
+
+    @property
+    def position(self) -> int:
+        """The tokens in this conversation's cache: the next one is fed at this position."""
+        return len(self.cached)
+
+    def limit_context(self, tokens: int) -> None:
+        """Hold at most `tokens` per sequence (prompt and completion), up to what the artifact was compiled for:
+        `capacity` reads the limit (`--ctx`). The cache keeps no more than that many of its tokens.
+
+        >>> session.limit_context(2048)  # doctest: +SKIP
+        """
+        compiled = self.manifest.kv_cache["capacity"]
+        if not 2 <= tokens <= compiled:
+            raise LlmcError(f"--ctx must be in 2..{compiled} (the tokens per sequence this artifact's KV cache "
+                            f"holds; compile with a larger --max-seq), got {tokens}")
+        self.capacity = tokens
+        del self.cached[tokens:]
+
+    @property
+    def larger_capacity(self) -> str:
+        """How to hold more tokens per sequence, for an error: `--ctx` up to the compiled capacity, or recompile."""
+        compiled = self.manifest.kv_cache["capacity"]
+        return f"--ctx up to {compiled}" if self.capacity < compiled else "compile with a larger --max-seq"
+
+    def reuse(self, ids: Sequence[int]) -> int:
+        """Rewind to the longest prefix that `cached` shares with `ids`, leaving at least one token of `ids` to
+        feed (its logits come from feeding it); returns the prefix's length. Then `feed(ids[kept:])`.
+
+        >>> kept = session.reuse(prompt); logits = session.feed(prompt[kept:])  # doctest: +SKIP
+        """
+        kept = min(common_prefix(self.cached, ids), len(ids) - 1)
+        self.rewind(max(kept, 0))
+        return max(kept, 0)
 
     def close(self) -> None:
         pass
@@ -138,7 +186,7 @@ class Conversation:
         """
         if not 0 <= position <= self.position:
             raise ValueError(f"cannot rewind to {position}: the cache holds {self.position} tokens")
-        self.position = position
+        del self.cached[position:]
 
     def _call(self, entry: str, n: int, logits: np.ndarray | None) -> None:
         raise NotImplementedError
@@ -174,10 +222,8 @@ class Conversation:
         if tokens.size == 0:
             raise TokenError("no tokens to feed")
         if self.position + tokens.size > self.capacity:
-            raise CapacityError(
-                f"{self.position + tokens.size} tokens exceed the KV cache capacity of {self.capacity} "
-                f"(compile with a larger --max-seq)"
-            )
+            raise CapacityError(f"{self.position + tokens.size} tokens exceed the KV cache capacity of "
+                                f"{self.capacity} ({self.larger_capacity})")
         if tokens.min() < 0 or tokens.max() >= self.vocab_size:
             raise TokenError(f"token id outside the vocabulary of {self.vocab_size}")
 
@@ -195,13 +241,13 @@ class Conversation:
     def _feed(self, tokens: np.ndarray, logits: np.ndarray | None) -> None:
         if tokens.size == 1 and self.position > 0:
             self._run_here("decode", tokens, logits)
-            self.position += 1
+            self.cached.append(int(tokens[0]))
         else:
             for begin in range(0, tokens.size, self.chunk):
                 entry = "prefill" if self.position == 0 else "prefill_kv"
                 chunk = tokens[begin : begin + self.chunk]
                 self._run_here(entry, chunk, logits)
-                self.position += chunk.size
+                self.cached.extend(chunk.tolist())
 
     def _rows(self, tokens: list[int] | np.ndarray, entry: str) -> np.ndarray:
         """Run `tokens` after the ones already fed through `entry`, in chunks of its rows; every token's logits."""
@@ -214,7 +260,7 @@ class Conversation:
         for begin in range(0, tokens.size, rows):
             chunk = tokens[begin : begin + rows]
             self._run_here(entry, chunk, logits)
-            self.position += chunk.size
+            self.cached.extend(chunk.tolist())
             out[begin : begin + chunk.size] = logits[: chunk.size]
         return out
 

@@ -34,8 +34,13 @@ from llmc.runtime.session import Conversation
 
 
 def next_token(session: Conversation, sampler: Sampler, tokens: list[int]) -> int:
-    """Feed `tokens` and choose the next one (greedy: the session's argmax, on a GPU where the logits are)."""
-    return session.greedy(tokens) if sampler.greedy else sampler(session.feed(tokens))
+    """Feed `tokens` and choose (and take) the next one: where the sampler is `plain`, the session's argmax,
+    on a GPU where the logits are."""
+    if sampler.plain:
+        token = session.greedy(tokens)
+        sampler.take([token])
+        return token
+    return sampler(session.feed(tokens))
 
 
 class Drafter(Protocol):
@@ -211,7 +216,7 @@ def step(session: Conversation, sampler: Sampler, tokens: list[int], most: int,
     assert speculation.length is not None, "Speculation.start first"
     k = min(speculation.length.next(), most - 1, session.capacity - session.position - len(tokens))
     speculation.drafter.extend(tokens)
-    drafts = speculation.drafter.draft(k) if len(tokens) == 1 and k > 0 else []
+    drafts = sampler.drafts(speculation.drafter.draft(k)) if len(tokens) == 1 and k > 0 else []
     if not drafts:
         speculation.stats.decode_calls += len(tokens) == 1
         return [next_token(session, sampler, tokens)]
@@ -230,18 +235,30 @@ def step(session: Conversation, sampler: Sampler, tokens: list[int], most: int,
 
 def accept(sampler: Sampler, rows: np.ndarray, drafts: list[int]) -> tuple[int, int]:
     """How many `drafts` to accept given the model's logits `rows` (row i follows draft i - 1), and the
-    token after them: the standard acceptance rule with a one-hot draft distribution."""
-    if sampler.greedy:
+    token after them: the standard acceptance rule with a one-hot draft distribution, on the sampler's
+    processed logits (greedy: while each draft is their argmax). The sampler takes (and records) the
+    accepted drafts and the token, row by row, so each row's penalties and grammar mask follow the drafts
+    before it; a draft the grammar does not allow is rejected."""
+    if sampler.plain:
         best = rows.argmax(axis=1)
         accepted = 0
         while accepted < len(drafts) and best[accepted] == drafts[accepted]:
             accepted += 1
-        return accepted, int(best[accepted])
+        token = int(best[accepted])
+        sampler.take(drafts[:accepted] + [token])
+        return accepted, token
     for i, x in enumerate(drafts):
-        ids, probs = sampler.distribution(rows[i])
-        p = probs[ids == x].sum()
-        if sampler.rng.random() < p:
-            continue
-        residual = np.where(ids == x, 0.0, probs)  # norm(max(p - q, 0)), q one-hot at x
-        return i, sampler.draw(ids, residual / residual.sum())
+        if sampler.greedy:
+            token = sampler.choose(rows[i])
+            taken = token == x
+        else:
+            ids, probs = sampler.distribution(rows[i])
+            taken = sampler.rng.random() < probs[ids == x].sum()
+            if not taken:
+                residual = np.where(ids == x, 0.0, probs)  # norm(max(p - q, 0)), q one-hot at x
+                token = sampler.draw(ids, residual / residual.sum())
+        if not taken:
+            sampler.record(rows[i], token)
+            return i, token
+        sampler.record(rows[i], x)
     return len(drafts), sampler(rows[len(drafts)])

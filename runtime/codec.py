@@ -97,6 +97,36 @@ def read_tokenizer(path: Path | str) -> Tokenizer:
         return Tokenizer.from_file(str(path))
 
 
+TEMPLATE_FILE_BYTES_PER_CHAR = 4  # UTF-8's longest character: a file of more bytes holds too many characters
+
+
+def read_chat_template(path: Path | str, limits: RenderLimits = DEFAULT_LIMITS, check: bool = True) -> str:
+    """The chat template in the file `path` (`--chat-template FILE`; a model directory's
+    `chat_template.jinja`): UTF-8 text of at most `limits.chars` characters and, with `check`, a template
+    jinja2's sandbox compiles (as `render_chat` will). Anything else is a one-line `ModelFormatError`.
+
+        codec.chat_template = read_chat_template("chatml.jinja")
+    """
+    most = TEMPLATE_FILE_BYTES_PER_CHAR * limits.chars
+    try:
+        with open(path, "rb") as file:
+            raw = file.read(most + 1)
+    except OSError as e:
+        raise ModelFormatError(path, f"cannot read the chat template: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ModelFormatError(path, f"the chat template is not UTF-8 text (byte {e.start})") from None
+    if len(raw) > most or len(text) > limits.chars:
+        raise ModelFormatError(path, f"the chat template is longer than {limits.chars} characters")
+    if check:
+        try:
+            compile_template(text, limits)
+        except ChatTemplateError as e:
+            raise ModelFormatError(path, str(e)) from None
+    return text
+
+
 @dataclass
 class TextCodec:
     tokenizer: Tokenizer
@@ -152,18 +182,24 @@ class TextCodec:
         """The prompt text for one user turn (`render_chat` of that one message)."""
         return self.render_chat([{"role": "user", "content": user_message}])
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation (`messages` of "role" and "content", oldest first),
-        rendered with the model's chat template in jinja2's sandbox (templates come from model
-        files), within `limits`, as transformers' `apply_chat_template` renders it;
-        `add_generation_prompt` ends it where the assistant's reply begins. A template that fails
-        or goes past its limits raises `ChatTemplateError`."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The prompt text of a conversation (`messages` of "role" and "content", oldest first; an
+        assistant's may hold "tool_calls", a "tool" message its "tool_call_id"), rendered with the
+        model's chat template in jinja2's sandbox (templates come from model files), within `limits`,
+        as transformers' `apply_chat_template` renders it; `add_generation_prompt` ends it where the
+        assistant's reply begins, and `tools` (OpenAI's tool objects, `{"type": "function", "function":
+        {"name", "description", "parameters"}}`) reach the template as transformers passes them. A template
+        that fails or goes past its limits raises `ChatTemplateError`.
+
+            codec.render_chat([{"role": "user", "content": "Hi"}])  # '<|im_start|>user\nHi<|im_end|>\n...'
+        """
         if not self.chat_template:
             raise LlmcError("this model has no chat template; run without --chat")
-        # as transformers: no tools or documents, and only the special tokens the model has
+        # as transformers: no documents, and only the special tokens the model has
         special = {f"{name}_token": self.tokenizer.id_to_token(i)
                    for name, i in (("bos", self.bos_id), ("eos", self.eos_id)) if i is not None}
-        variables = dict(messages=messages, tools=None, documents=None,
+        variables = dict(messages=messages, tools=tools, documents=None,
                          add_generation_prompt=add_generation_prompt, **special)
         return render(self._template(), variables, self.limits)
 

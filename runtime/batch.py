@@ -11,6 +11,14 @@ read once for all of them. `Engine` schedules requests onto the slots:
 - a request ends at its end-of-sequence token, at `max_tokens`, at the cache's capacity
   or when cancelled; its slot is free for the next step.
 
+Prefix caching (llama-server's cache_prompt): the engine remembers the tokens whose K/V each
+slot holds (its prompt and the tokens fed after it; not drafts that verify rejected). A new
+request takes the free slot whose tokens share the longest prefix with its prompt (ties, and
+no common prefix at all: the slot free longest, so a hot prefix is evicted last) and feeds
+only the rest of its prompt, from that position (`prefill_kv`). A request asking for its
+prompt's logprobs (`prompt_logprobs`, the completions API's echo) runs the whole prompt through
+`score` instead, which gives every row's logits and writes the cache as prefill does.
+
 With `speculate`, each generating sequence has a prompt-lookup drafter
 (`llmc.runtime.speculate`): a sequence whose drafter proposes tokens runs them after its
 own in a `verify` call of its own (the artifact's `score` where it has no `verify`), and
@@ -23,8 +31,9 @@ calls (`CallCost`) and, each step, verifies the drafts (likeliest first) only as
 raise the tokens per second it expects, so that several sequences decoding together, which
 share one call, are not slowed by drafts they could not pay for.
 
-Tokens reach a request through its `emit` callback, and its end through `finish`, both
-called on the engine's thread. Only numpy and the standard library here.
+Tokens reach a request through its `emit` callback (with their logprobs when the sampling
+options ask), and its end through `finish`, both called on the engine's thread. Only numpy
+and the standard library here.
 """
 
 from __future__ import annotations
@@ -39,8 +48,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmc.errors import LlmcError
-from llmc.runtime.sampling import Sampler, SamplingOptions
-from llmc.runtime.session import CapacityError, Conversation
+from llmc.runtime.sampling import Constraint, Sampler, SamplingOptions, TokenLogprob, log_probs
+from llmc.runtime.session import CapacityError, Conversation, common_prefix
 from llmc.runtime.speculate import PromptLookup, Speculation, accept
 
 SWITCH_INTERVAL = 2e-4  # seconds: how long a thread waits for the GIL before the holder is asked to let go
@@ -57,16 +66,24 @@ class QueueFull(LlmcError):
 class Request:
     """One generation: `prompt` token ids, then up to `max_tokens` new ones.
 
-    `emit(token)` receives each new token (the end-of-sequence token is not emitted);
-    `finish(reason)` is called once: "stop" (end of sequence), "length" (`max_tokens` or
-    the cache's capacity), "cancelled", or "error: …"."""
+    `emit(token, logprob)` receives each new token (the end-of-sequence token is not emitted)
+    and, when `sampling.logprobs` is set, its `TokenLogprob` (else None); `finish(reason)` is
+    called once: "stop" (end of sequence), "length" (`max_tokens` or the cache's capacity),
+    "cancelled", or "error: …". `constraint` (a grammar's, fresh for this request) masks the
+    tokens it does not allow. `prompt_logprobs` (echo) is called once, before the first
+    `emit`, with each prompt token's logprobs (None for the first); `max_tokens` may then be 0.
+
+    >>> engine.submit(Request(prompt, 16, emit=lambda token, logprob: print(token)))  # doctest: +SKIP
+    """
 
     prompt: list[int]
     max_tokens: int
     sampling: SamplingOptions = SamplingOptions()
-    emit: Callable[[int], None] = lambda token: None
+    emit: Callable[[int, TokenLogprob | None], None] = lambda token, logprob: None
     finish: Callable[[str], None] = lambda reason: None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    constraint: Constraint | None = None
+    prompt_logprobs: Callable[[list[TokenLogprob | None]], None] | None = None
 
     def cancel(self) -> None:
         """Stop generating (from any thread); the slot is freed at the engine's next step."""
@@ -78,12 +95,18 @@ class _Sequence:
     request: Request
     slot: int
     sampler: Sampler
-    fed: int = 0  # prompt tokens already in the cache
-    position: int = 0
+    cached: list[int]  # the tokens whose K/V its slot holds (the engine's list for the slot): the prompt's first
+    fed: int = 0  # prompt tokens already in the cache (reused or fed)
     token: int | None = None  # the sampled token not yet fed (None while the prompt is being fed)
     generated: int = 0
     speculation: Speculation | None = None
     accepting: float | None = None  # drafts accepted per verify call, recent ones weighing most
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # echo's, as scored
+
+    @property
+    def position(self) -> int:
+        """Where its next token goes in its slot."""
+        return len(self.cached)
 
 
 class CallCost:
@@ -137,7 +160,10 @@ class Engine:
         self.eos_id = eos_id
         self.queue_size = queue_size
         self.max_active = active
-        self.free = list(range(active))[::-1]
+        self.free = list(range(active))  # the free slots, the one free longest first
+        self.cached: list[list[int]] = [[] for _ in range(active)]  # each slot's tokens in the cache, in order
+        self.prompt_tokens = 0  # prompt tokens fed
+        self.reused_tokens = 0  # prompt tokens taken from a slot's cache instead
         self.waiting: deque[Request] = deque()
         self.running: list[_Sequence] = []
         self.logits = np.zeros((session.batch, session.vocab_size), np.float32)
@@ -145,6 +171,7 @@ class Engine:
         self.decoded_rows = 0  # sequences' tokens those calls produced
         self.speculate = speculate
         self.verify_logits = np.zeros((session.max_verify, session.vocab_size), np.float32)
+        self.score_logits: np.ndarray | None = None  # every row's logits of `score` (echo), when first run
         # a compiled `verify` takes rows of several slots, as `decode` does (`score`, standing in, one slot's)
         self.together = "verify" in session.manifest.entry_points
         self.cost = CallCost()
@@ -169,8 +196,9 @@ class Engine:
         """Raise ValueError (or CapacityError) for a request this artifact cannot run."""
         request.sampling.check()
         self.check_prompt(request.prompt)
-        if request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
+        least = 0 if request.prompt_logprobs is not None else 1  # (echo alone generates nothing)
+        if request.max_tokens < least:
+            raise ValueError(f"max_tokens must be at least {least}, got {request.max_tokens}")
 
     def submit(self, request: Request) -> None:
         """Queue `request` (checked first); raises QueueFull when every slot is taken and `queue_size`
@@ -187,10 +215,11 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         """What the engine holds now and has done: sequences running and waiting, decode calls and the
-        tokens they produced."""
+        tokens they produced, prompt tokens fed and reused from a slot's cache, speculation's counts."""
         with self._wake:
             return {"slots": self.max_active, "running": len(self.running), "waiting": len(self.waiting),
                     "queue_size": self.queue_size, "decode_steps": self.steps, "decoded_tokens": self.decoded_rows,
+                    "prompt_tokens": self.prompt_tokens, "reused_tokens": self.reused_tokens,
                     "speculate": self.speculate, "verify_calls": self.verify_calls, "drafted_tokens": self.drafted,
                     "accepted_tokens": self.accepted}
 
@@ -205,15 +234,32 @@ class Engine:
         self.free.append(seq.slot)
         _finish(seq.request, reason)
 
+    def _slot_for(self, request: Request) -> tuple[int, int]:
+        """The free slot whose cached tokens share the longest prefix with `request`'s prompt (the one free
+        longest among equals), and how many of them it reuses: at most all but the prompt's last token, which
+        is fed for its logits; none for a request that scores its prompt (`prompt_logprobs`)."""
+        if request.prompt_logprobs is not None:
+            return self.free[0], 0
+        prompt = request.prompt
+        shared = [min(common_prefix(self.cached[slot], prompt), len(prompt) - 1) for slot in self.free]
+        best = shared.index(max(shared))  # (the first of equals: the one free longest)
+        return self.free[best], shared[best]
+
     def _admit(self) -> None:
-        """Drop the waiting requests that were cancelled, then give free slots to the first waiting."""
+        """Drop the waiting requests that were cancelled, then give free slots to the first waiting, each the
+        slot whose cache it reuses most (`_slot_for`)."""
         with self._wake:
             dropped = [r for r in self.waiting if r.cancelled.is_set()]
             for request in dropped:
                 self.waiting.remove(request)
             while self.free and self.waiting:
                 request = self.waiting.popleft()
-                seq = _Sequence(request, self.free.pop(), Sampler(request.sampling))
+                slot, reuse = self._slot_for(request)
+                self.free.remove(slot)
+                del self.cached[slot][reuse:]
+                self.reused_tokens += reuse
+                sampler = Sampler(request.sampling, request.constraint, request.prompt)
+                seq = _Sequence(request, slot, sampler, self.cached[slot], fed=reuse)
                 if self.speculate and (seq.sampler.greedy or request.sampling.seed is None):
                     seq.speculation = Speculation(PromptLookup())
                     seq.speculation.start(self.session, request.prompt)
@@ -231,14 +277,16 @@ class Engine:
         self._take(seq, [token])
 
     def _take(self, seq: _Sequence, tokens: list[int]) -> None:
-        """Emit `tokens` in order (all but the last already fed) or end the sequence at the first that ends it."""
-        for token in tokens:
+        """Emit `tokens` in order (all but the last already fed), each with its logprobs where the sampler
+        recorded them, or end the sequence at the first that ends it."""
+        logprobs = seq.sampler.taken_logprobs() or [None] * len(tokens)
+        for token, logprob in zip(tokens, logprobs, strict=True):
             if token == self.eos_id:
                 self._end(seq, "stop")
                 return
             seq.generated += 1
             try:
-                seq.request.emit(token)
+                seq.request.emit(token, logprob)
             except Exception as e:  # a failing receiver ends its own request only
                 self._end(seq, f"error: {e}")
                 return
@@ -253,19 +301,46 @@ class Engine:
             seq.speculation.drafter.extend(tokens)
 
     def _prefill_one(self) -> None:
-        """One prompt chunk of the first sequence still feeding its prompt."""
+        """One prompt chunk of the first sequence still feeding its prompt (`prefill`, or `prefill_kv` after
+        the tokens already in its slot; `score` for a request that asks for its prompt's logprobs)."""
         seq = next((s for s in self.running if s.token is None), None)
         if seq is None:
             return
-        s = self.session
-        chunk = np.asarray(seq.request.prompt[seq.fed : seq.fed + s.chunk], np.int32)
-        entry = "prefill" if seq.position == 0 else "prefill_kv"
-        s.run(entry, chunk, np.arange(seq.position, seq.position + chunk.size), np.full(chunk.size, seq.slot),
-              self.logits[:1])
-        seq.fed += chunk.size
-        seq.position += chunk.size
-        if seq.fed == len(seq.request.prompt):
-            self._next(seq, self.logits[0])
+        prompt, scoring = seq.request.prompt, seq.request.prompt_logprobs is not None
+        if scoring:
+            if self.score_logits is None:
+                self.score_logits = np.zeros(self.session.manifest.entry_points["score"]["logits"], np.float32)
+            entry, logits = "score", self.score_logits
+        else:
+            entry, logits = "prefill" if seq.position == 0 else "prefill_kv", self.logits
+        chunk = prompt[seq.fed : seq.fed + self.session.manifest.entry_points[entry]["max_tokens"]]
+        rows = len(chunk) if scoring else 1
+        self.session.run(entry, np.asarray(chunk, np.int32), np.arange(seq.position, seq.position + len(chunk)),
+                         np.full(len(chunk), seq.slot), logits[:rows])
+        if scoring:
+            k = seq.request.sampling.logprobs or 0
+            seq.prompt_logprobs += [log_probs(logits[i], prompt[seq.fed + i + 1], k)
+                                    for i in range(min(len(chunk), len(prompt) - 1 - seq.fed))]
+        seq.fed += len(chunk)
+        seq.cached.extend(chunk)
+        self.prompt_tokens += len(chunk)
+        if seq.fed == len(prompt):
+            self._prompt_done(seq, logits[rows - 1])
+
+    def _prompt_done(self, seq: _Sequence, logits: np.ndarray) -> None:
+        """After the prompt's last token: hand over its logprobs (echo), then the first token, unless the
+        request generates none."""
+        request = seq.request
+        if request.prompt_logprobs is not None:
+            try:
+                request.prompt_logprobs(seq.prompt_logprobs)
+            except Exception as e:  # a failing receiver ends its own request only
+                self._end(seq, f"error: {e}")
+                return
+            if request.max_tokens == 0:
+                self._end(seq, "length")
+                return
+        self._next(seq, logits)
 
     def _draft(self, seq: _Sequence) -> list[int]:
         """The tokens `seq`'s drafter proposes after its next one: no more than its draft length, the tokens it
@@ -275,7 +350,7 @@ class Engine:
             return []
         room = min(seq.request.max_tokens - seq.generated - 1, self.session.capacity - seq.position - 1)
         k = min(speculation.length.next(), room)
-        return speculation.drafter.draft(k) if k > 0 else []
+        return seq.sampler.drafts(speculation.drafter.draft(k)) if k > 0 else []
 
     def _verify(self, groups: list[tuple[_Sequence, list[int]]]) -> None:
         """Run each sequence's next token and its draft in one `verify` call; take the drafts the model agrees
@@ -300,7 +375,7 @@ class Engine:
                 self.accepted += accepted
                 seq.speculation.length.update(len(draft), accepted)
                 seq.accepting = accepted if seq.accepting is None else 0.7 * seq.accepting + 0.3 * accepted
-            seq.position += 1 + accepted  # the fed token and the accepted drafts; the rows after them are discarded
+            seq.cached += [seq.token, *draft[:accepted]]  # (the rows after them are discarded)
             self._take(seq, draft[:accepted] + [token])
 
     def _expected(self, seq: _Sequence, draft: list[int]) -> float:
@@ -368,7 +443,7 @@ class Engine:
         self.steps += 1
         self.decoded_rows += len(ready)
         for row, seq in enumerate(ready):
-            seq.position += 1
+            seq.cached.append(seq.token)
             self._next(seq, self.logits[row])
 
     def step(self) -> None:
@@ -381,6 +456,7 @@ class Engine:
             self._decode()
         except Exception as e:  # a failed call ends its sequences, not the engine
             for seq in list(self.running):
+                seq.cached.clear()  # (what the call wrote is unknown)
                 self._end(seq, f"error: {e}")
 
     # ------------------------------------------------------------------ the engine's thread

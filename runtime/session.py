@@ -6,8 +6,9 @@ logits of the last token; `Session.score(tokens)` runs them through `score` and 
 every row's logits (perplexity, KL divergence); `Session.verify(tokens)` checks drafted
 tokens in one call (speculative decoding) and `Session.rewind(position)` drops the rejected
 ones. `Session.cached` lists the tokens the cache holds, and `Session.reuse(ids)` keeps the
-longest prefix of them that a new prompt shares, so that only the rest is fed. Each chunk or token is one native call into `kernels.so` per thread: the threads start
-once, enter the entry point together, and synchronise inside native code.
+longest prefix of them that a new prompt shares, so that only the rest is fed. Each chunk
+or token is one native call into `kernels.so` per thread: the threads start once, enter the
+entry point together, and synchronise inside native code.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ batched `decode` must be what that sequence alone gives.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from llmc.ir.text import parse_module, print_module
 from llmc.ir.tgt_interpreter import KernelWeights, cache_for, run_entry
 from llmc.passes.pipeline import CompileOptions
 from llmc.runtime.batch import Engine, QueueFull, Request
-from llmc.runtime.sampling import Sampler, SamplingOptions
+from llmc.runtime.sampling import Sampler, SamplingOptions, TokenLogprob
 from llmc.runtime.session import Conversation, Session
 
 SPEC = TinySpec(context_length=64)
@@ -32,6 +33,11 @@ QSPEC = TinySpec(hidden=64, heads=4, kv_heads=2, head_dim=32, ffn=128, context_l
                                                       "ffn_up", "ffn_down"))))
 PROMPTS = [[5, 17, 42], [100, 150, 7, 9, 11, 200, 3], [4], [66, 250, 31, 8, 19], [12, 13], [200, 201, 202, 203],
            [7, 7, 7, 7, 7, 7, 7, 7, 7], [90, 1]]
+
+
+def into(tokens: list[int]) -> Callable[[int, TokenLogprob | None], None]:
+    """A request's `emit` that appends each token to `tokens` (and drops its logprobs)."""
+    return lambda token, logprob: tokens.append(token)
 
 
 def _split(tiny, spec: TinySpec, phase: str = "split", **options):
@@ -185,7 +191,7 @@ def test_the_engine_gives_every_request_its_text_alone(artifact) -> None:
     got: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
     reasons: dict[int, str] = {}
     for i, prompt in enumerate(PROMPTS):
-        engine.submit(Request(prompt, 6, sampling[i], emit=got[i].append,
+        engine.submit(Request(prompt, 6, sampling[i], emit=into(got[i]),
                               finish=lambda r, i=i: reasons.__setitem__(i, r)))
     while engine.busy:
         engine.step()
@@ -202,7 +208,7 @@ def test_the_engine_ends_at_eos_capacity_and_cancel_and_refuses_beyond_its_queue
     engine = Engine(session, eos_id=eos, queue_size=1)
     seen: list[int] = []
     reasons: list[str] = []
-    engine.submit(Request(PROMPTS[4], 10, emit=seen.append, finish=reasons.append))
+    engine.submit(Request(PROMPTS[4], 10, emit=into(seen), finish=reasons.append))
     while engine.busy:
         engine.step()
     assert seen == stream[: stream.index(eos)] and seen and reasons == ["stop"]  # EOS ends it, not emitted
@@ -240,11 +246,11 @@ def test_the_engine_admits_free_slots_without_a_queue_and_isolates_failing_recei
     reasons: dict[str, str] = {}
     got: list[int] = []
 
-    def broken(token: int) -> None:
+    def broken(token: int, logprob: None) -> None:
         raise RuntimeError("the client went away")
 
     engine.submit(Request([1, 2], 3, emit=broken, finish=lambda r: reasons.__setitem__("broken", r)))
-    engine.submit(Request([3, 4], 3, emit=got.append, finish=lambda r: reasons.__setitem__("fine", r)))
+    engine.submit(Request([3, 4], 3, emit=into(got), finish=lambda r: reasons.__setitem__("fine", r)))
     with pytest.raises(QueueFull):  # both slots taken, no queue
         engine.submit(Request([5], 1))
     while engine.busy:
@@ -252,6 +258,7 @@ def test_the_engine_admits_free_slots_without_a_queue_and_isolates_failing_recei
     assert reasons == {"broken": "error: the client went away", "fine": "length"} and len(got) == 3
     assert engine.stats() | {"decode_steps": 0, "decoded_tokens": 0} == {
         "slots": 2, "running": 0, "waiting": 0, "queue_size": 0, "decode_steps": 0, "decoded_tokens": 0,
+        "prompt_tokens": 4, "reused_tokens": 0,
         "speculate": False, "verify_calls": 0, "drafted_tokens": 0, "accepted_tokens": 0}
 
     engine = Engine(session, eos_id=None, queue_size=1, max_active=1)
@@ -278,7 +285,7 @@ def test_the_engine_thread_serves_requests_submitted_from_other_threads(artifact
     def client(i: int) -> None:
         tokens: list[int] = []
         finished = threading.Event()
-        engine.submit(Request(PROMPTS[i], 5, emit=tokens.append, finish=lambda _: finished.set()))
+        engine.submit(Request(PROMPTS[i], 5, emit=into(tokens), finish=lambda _: finished.set()))
         assert finished.wait(60)
         results[i] = tokens
         done.wait()

@@ -1,8 +1,8 @@
 """`llmc chat`: a multi-turn conversation in the terminal, its history kept in the KV cache.
 
 Each turn renders the whole conversation with the model's chat template and compares its
-tokens with those already in the cache: the common prefix stays, and only the rest is fed
-(`prefill_kv` from the cache's position). Where the new rendering departs from what the
+tokens with those already in the cache (`Conversation.reuse`): the common prefix stays, and
+only the rest is fed (`prefill_kv` from the cache's position). Where the new rendering departs from what the
 cache holds (a reply that tokenizes differently when re-encoded, a changed system prompt),
 feeding restarts from the first differing token, and the chat says so; where the
 conversation outgrows the cache, its oldest turns are dropped and it is fed again.
@@ -16,13 +16,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TextIO
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, TextIO
 
 from llmc.runtime.codec import TextCodec, TextStream
 from llmc.runtime.sampling import Sampler, SamplingOptions
 from llmc.runtime.session import CapacityError, Conversation
 from llmc.runtime.speculate import Speculation, step
+
+if TYPE_CHECKING:
+    from llmc.runtime.grammar import Grammar
 
 
 @dataclass
@@ -47,37 +50,34 @@ def _tokens(n: int) -> str:
     return f"{n} token{'' if n == 1 else 's'}"
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 class Chat:
-    """One conversation on `session`: `messages` (the system prompt first, if any) and `cached`,
-    the token ids in the session's KV cache in order (`session.position == len(cached)`). With
-    `speculation`, replies are drafted and verified several tokens at a time (greedy: the same text)."""
+    """One conversation on `session`: `messages` (the system prompt first, if any), its tokens in the
+    session's KV cache (`session.cached`). With `speculation`, replies are drafted and verified several
+    tokens at a time (greedy: the same text); with `grammar`, each reply is a text it accepts. A seeded
+    `sampling` draws each reply with its own seed (the seed plus the replies before), repeatably.
+
+    >>> chat = Chat(session, codec, system="be brief"); chat.reply("hello", print).generated  # doctest: +SKIP
+    """
 
     def __init__(self, session: Conversation, codec: TextCodec, system: str | None = None,
                  sampling: SamplingOptions = SamplingOptions(), max_tokens: int = 512,
-                 note: Callable[[str], None] = lambda text: None, speculation: Speculation | None = None):
+                 note: Callable[[str], None] = lambda text: None, speculation: Speculation | None = None,
+                 grammar: Grammar | None = None):
         self.session = session
         self.speculation = speculation
         self.codec = codec
-        self.sampler = Sampler(sampling)
+        self.sampling = sampling
+        self.grammar = grammar
+        self.replies = 0
         self.max_tokens = max_tokens
         self.note = note
         self.system = system
         self.messages: list[dict[str, str]] = []
-        self.cached: list[int] = []
         self.reset()
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays)."""
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
-        self.cached = []
         self.session.reset()
 
     def set_system(self, text: str | None) -> None:
@@ -118,20 +118,20 @@ class Chat:
         start = time.perf_counter()
         ids = self._prompt(user)
         session = self.session
-        keep = min(_common_prefix(self.cached, ids), len(ids) - 1)  # (at least one token to feed)
-        if keep < len(self.cached):
-            if self.cached:
-                self.note(f"[the conversation's tokens depart from the cache's at position {keep}: "
-                          f"feeding from there again]")
-            self.cached = self.cached[:keep]
-        session.rewind(keep)  # (the rows past it are overwritten as the new tokens arrive)
+        held = session.position
+        keep = session.reuse(ids)  # (the rows past it are overwritten as the new tokens arrive)
+        if keep < held:
+            self.note(f"[the conversation's tokens depart from the cache's at position {keep}: "
+                      f"feeding from there again]")
         if self.speculation is not None:
-            self.speculation.start(session, self.cached)
+            self.speculation.start(session, session.cached)
+        seed = self.sampling.seed
+        sampling = replace(self.sampling, seed=None if seed is None else seed + self.replies)
+        sampler = Sampler(sampling, self.grammar.constraint() if self.grammar else None, context=ids)
+        self.replies += 1
 
         def feed(tokens: list[int]) -> list[int]:
-            produced = step(session, self.sampler, tokens, self.max_tokens - len(generated), self.speculation)
-            self.cached.extend(tokens + produced[:-1])
-            return produced
+            return step(session, sampler, tokens, self.max_tokens - len(generated), self.speculation)
 
         decoder = self.codec.text_stream(ids)
         generated: list[int] = []

@@ -61,10 +61,10 @@ def test_each_turn_feeds_only_its_new_tokens(artifacts) -> None:
     assert (first.reused, first.fed) == (0, len(prompt1))
     assert chat.messages[-1] == {"role": "assistant", "content": "".join(pieces)}
     unfed = first.reason != "stop"  # the last token of a reply cut at -n is not fed (an end of sequence never is)
-    assert first.position == chat.session.position == len(chat.cached) == len(prompt1) + first.generated - unfed
+    assert first.position == len(chat.session.cached) == len(prompt1) + first.generated - unfed
     second = chat.reply("and then?", lambda text: None)
     prompt2 = render(chat.messages[:4])
-    assert chat.cached[: first.position] == prompt2[: first.position]  # the reply re-tokenizes as it was generated
+    assert chat.session.cached[: first.position] == prompt2[: first.position]  # the reply re-tokenizes as it was generated
     assert second.reused == first.position, "the whole history stayed in the cache"
     assert second.fed == len(prompt2) - first.position
     assert 0 < second.fed < second.reused
@@ -74,7 +74,7 @@ def test_each_turn_feeds_only_its_new_tokens(artifacts) -> None:
     again = fresh.reply("and then?", lambda text: None)
     assert (again.reused, again.fed) == (0, len(prompt2))
     assert fresh.messages[-1] == chat.messages[-1]
-    assert fresh.cached == chat.cached
+    assert fresh.session.cached == chat.session.cached
 
 
 def test_a_changed_beginning_is_fed_again_from_where_it_departs(artifacts) -> None:
@@ -107,7 +107,7 @@ def test_a_conversation_outgrowing_the_cache_drops_its_oldest_turns(artifacts) -
 def test_an_interrupted_reply_stays_in_the_history(artifacts) -> None:
     chat = _chat(artifacts["long"], max_tokens=100)
     pieces: list[str] = []
-    turn = chat.reply("hello", pieces.append, interrupted=lambda: len(chat.cached) >= 30)
+    turn = chat.reply("hello", pieces.append, interrupted=lambda: len(chat.session.cached) >= 30)
     assert turn.reason == "interrupted" and 0 < turn.generated < 100
     assert chat.messages[-1] == {"role": "assistant", "content": "".join(pieces)}
     assert chat.reply("go on", lambda text: None).reused == turn.position
@@ -260,7 +260,8 @@ def test_chat_without_a_template_is_one_line(artifacts, tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "llmc", "chat", str(copy)], input="", capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "llmc: error: this model has no chat template; use 'llmc run' for plain completion"
+    assert proc.stderr.strip() == ("llmc: error: this model has no chat template (give one with --chat-template FILE, "
+                                   "or use 'llmc run' for plain completion)")
 
 
 def test_sigint_handler_is_restored_after_a_reply(artifacts) -> None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -13,11 +16,17 @@ from pathlib import Path
 from llmc.cli.common import progress
 from llmc.errors import UsageError
 
+MAX_PROMPT_BYTES = 8 << 20  # -f: far more text than any KV cache holds the tokens of
+MAX_GRAMMAR_BYTES = 1 << 20  # --json-schema, --grammar
+
 
 def _sampling(args: argparse.Namespace):
+    """The `SamplingOptions` of the sampling options, checked (UsageError naming the option)."""
     from llmc.runtime.sampling import SamplingOptions
 
-    options = SamplingOptions(args.temperature, args.top_k, args.top_p, args.seed)
+    options = SamplingOptions(args.temperature, args.top_k, args.top_p, args.seed, min_p=args.min_p,
+                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                              repetition_penalty=args.repeat_penalty, logit_bias=tuple(args.logit_bias or ()))
     try:
         options.check()
     except ValueError as e:
@@ -25,13 +34,89 @@ def _sampling(args: argparse.Namespace):
     return options
 
 
-def _codec(session, args: argparse.Namespace):
-    """The artifact's text codec, its chat template rendered within --template-seconds/--template-chars."""
-    from llmc.runtime.codec import TextCodec
+def _read(option: str, name: str, limit: int) -> str:
+    """The UTF-8 text of file `name` ('-': standard input) for `option`, at most `limit` bytes."""
+    try:
+        if name == "-":
+            data = sys.stdin.buffer.read(limit + 1)
+        else:
+            with open(name, "rb") as f:
+                data = f.read(limit + 1)
+    except OSError as e:
+        raise UsageError(f"{option} {name}: cannot read it: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise UsageError(f"{option} {name}: larger than {limit} bytes, the most it takes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{option} {name}: not UTF-8 text (byte {e.start}: {e.reason})") from None
 
-    codec = TextCodec.from_artifact(session.manifest)
-    codec.limits = replace(codec.limits, seconds=args.template_seconds, chars=args.template_chars)
-    return codec
+
+def _prompt(args: argparse.Namespace) -> str:
+    """The prompt: -p's text, or -f's file (or standard input) less one final newline, as llama.cpp reads it."""
+    if args.prompt is not None:
+        return args.prompt
+    text = _read("-f", args.file, MAX_PROMPT_BYTES)
+    return text.removesuffix("\n").removesuffix("\r")
+
+
+def _grammar_source(args: argparse.Namespace) -> tuple[str, str | dict] | None:
+    """What --json-schema or --grammar asks for, read and parsed before the model loads: ("json_schema", the
+    schema), ("lark" or "gbnf", the grammar's text), or None."""
+    if args.grammar:
+        return ("lark" if args.grammar.endswith(".lark") else "gbnf"), _read("--grammar", args.grammar,
+                                                                             MAX_GRAMMAR_BYTES)
+    if not args.json_schema:
+        return None
+    given = args.json_schema
+    text = given if given.lstrip().startswith("{") else _read("--json-schema", given, MAX_GRAMMAR_BYTES)
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise UsageError(f"--json-schema: not JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise UsageError(f"--json-schema: a schema is a JSON object, got {type(schema).__name__}")
+    return "json_schema", schema
+
+
+def _grammar(codec, source: tuple[str, str | dict] | None):
+    """The compiled `Grammar` of `_grammar_source` for the model's `codec` (None for none)."""
+    if source is None:
+        return None
+    from llmc.runtime.grammar import Grammar, GrammarError
+
+    kind, given = source
+    try:
+        return getattr(Grammar, kind)(codec, given)
+    except GrammarError as e:
+        raise UsageError(f"{'--json-schema' if kind == 'json_schema' else '--grammar'}: {e}") from None
+
+
+@contextmanager
+def _loaded(args: argparse.Namespace) -> Iterator[tuple]:
+    """The artifact's session (limited to --ctx tokens per sequence) and its text codec (its chat template
+    from --chat-template if given, rendered within --template-seconds/--template-chars); closed after."""
+    from llmc.runtime.codec import TextCodec, read_chat_template
+    from llmc.runtime.session import open_session
+    from llmc.runtime.templates import DEFAULT_LIMITS
+
+    limits = replace(DEFAULT_LIMITS, seconds=args.template_seconds, chars=args.template_chars)
+    template = read_chat_template(args.chat_template, limits) if args.chat_template else None
+    session = open_session(Path(args.artifact), check_files=not args.no_verify, threads=args.threads)
+    try:
+        if args.ctx:
+            session.limit_context(args.ctx)
+        codec = TextCodec.from_artifact(session.manifest)
+        codec.limits = limits
+        if template is not None:
+            codec.chat_template = template
+        for token, _ in getattr(args, "logit_bias", None) or ():
+            if token >= session.vocab_size:
+                raise UsageError(f"--logit-bias: token {token} is outside the model's vocabulary of "
+                                 f"{session.vocab_size}")
+        yield session, codec
+    finally:
+        session.close()
 
 
 @contextmanager
@@ -55,35 +140,70 @@ def _speculation(session, args: argparse.Namespace):
         yield Speculation(PromptLookup()) if "verify" in session.manifest.entry_points else None
 
 
+def _closing_line(generation, generated: int, seconds: float, stopped: str, speculation) -> str:
+    """`[5 prompt tokens at 410 tok/s; 29 generated at 210 tok/s; stopped: end of text; <speculation>]`: the
+    prompt's tokens over the time to the first token, the rest over the time after it."""
+    fed = len(generation.prompt) - generation.reused
+    prompt = f"{fed} prompt tokens at {fed / max(generation.prompt_seconds, 1e-9):.0f} tok/s"
+    after = seconds - generation.prompt_seconds
+    rate = f" at {(generated - 1) / after:.0f} tok/s" if generated > 1 and after > 0 else ""
+    drafts = f"; {speculation.stats.line()}" if speculation else ""
+    return f"[{prompt}; {generated} generated{rate}; stopped: {stopped}{drafts}]"
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Load an artifact and generate text, streaming it as it comes. Greedy decoding speculates by default
     (prompt lookup, or a --draft artifact): the same text, several tokens per call where the drafts hold."""
-    from llmc.runtime.generate import generate, stream_text
-    from llmc.runtime.session import open_session
+    from llmc.runtime.generate import StopStrings, generate, stream_text
 
     sampling = _sampling(args)
-    session = open_session(Path(args.artifact), check_files=not args.no_verify, threads=args.threads)
-    codec = _codec(session, args)
-    prompt = codec.chat(args.prompt) if args.chat else args.prompt
-    ids = codec.encode(prompt)
-    if not ids:
-        raise UsageError("the prompt gives no tokens")
-    with _speculation(session, args) as speculation:
-        start = time.perf_counter()
-        tokens = stream_text(codec, generate(session, codec, ids, args.n, sampling, speculation),
-                             lambda s: (sys.stdout.write(s), sys.stdout.flush()), ids)
-        elapsed = time.perf_counter() - start
-    print()
-    drafts = f"; {speculation.stats.line()}" if speculation else ""
-    progress(f"[{len(ids)} prompt tokens, {len(tokens)} generated in {elapsed:.2f} s{drafts}]")
+    prompt = _prompt(args)
+    source = _grammar_source(args)
+    if any(not stop for stop in args.stop or ()):
+        raise UsageError("--stop: a stop string is not empty")
+    with _loaded(args) as (session, codec):
+        if args.system is not None and not codec.chat_template:
+            raise UsageError("--system needs the model's chat template, and this model has none "
+                             "(give one with --chat-template FILE)")
+        if args.system is not None:
+            prompt = codec.render_chat([{"role": "system", "content": args.system},
+                                        {"role": "user", "content": prompt}])
+        elif args.chat:
+            prompt = codec.chat(prompt)
+        ids = codec.encode(prompt)
+        if not ids:
+            raise UsageError("the prompt gives no tokens")
+        grammar = _grammar(codec, source)
+        with _speculation(session, args) as speculation:
+            generation = generate(session, codec, ids, args.n, sampling, speculation,
+                                  grammar.constraint() if grammar else None)
+            stops = StopStrings(args.stop or ())
+            start = time.perf_counter()
+            tokens = stream_text(codec, generation, lambda s: (sys.stdout.write(s), sys.stdout.flush()), ids, stops)
+            seconds = time.perf_counter() - start
+        print()
+        stopped = (f"stop string {json.dumps(stops.found)}" if stops.found else
+                   {"eos": "end of text", "length": f"length (-n {args.n})",
+                    "full": f"context full ({session.capacity} tokens)"}[generation.reason])
+        progress(_closing_line(generation, len(tokens), seconds, stopped, speculation))
     return 0
+
+
+def _serve_options(args: argparse.Namespace):
+    """The server's `ServeOptions`: --api-key (else $LLMC_API_KEY), --cors-origin, --no-access-log."""
+    from llmc.runtime.operations import ServeOptions
+
+    if args.api_key == "":
+        raise UsageError("--api-key: the key is empty")
+    return ServeOptions(api_key=args.api_key or os.environ.get("LLMC_API_KEY") or None,
+                        cors_origins=tuple(args.cors_origin or ()), access_log=not args.no_access_log)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve an artifact over HTTP: POST /v1/completions and /v1/chat/completions (OpenAI's API, streamed as
-    server-sent events or whole), GET /v1/models, GET /health. Requests share the artifact's KV cache slots
-    (--max-batch at compile time); the others wait in a bounded queue. Needs the serve extra (pip install
-    'llmc[serve]')."""
+    server-sent events or whole), GET /v1/models, GET /health, GET /metrics, POST /tokenize and /detokenize.
+    Requests share the artifact's KV cache slots (--max-batch at compile time), reusing the prefix a slot
+    holds; the others wait in a bounded queue. Needs the serve extra (pip install 'llmc[serve]')."""
     try:
         from llmc.runtime.server import Limits, Server, model_name, serve
     except ImportError as e:
@@ -91,28 +211,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise
         raise UsageError(f"llmc serve needs starlette and uvicorn ({e.name} is not installed): "
                          f"pip install 'llmc[serve]'") from None
-    from llmc.runtime.session import open_session
 
+    options = _serve_options(args)
     directory = Path(args.artifact)
-    session = open_session(directory, check_files=not args.no_verify, threads=args.threads)
-    try:
-        codec = _codec(session, args)
+    with _loaded(args) as (session, codec):
         name = model_name(directory)
         limits = Limits.for_capacity(session.capacity, head_seconds=args.head_timeout, body_seconds=args.body_timeout)
         server = Server(session, codec, name, args.queue, args.max_batch, aliases=(directory.resolve().name,),
-                        limits=limits, speculate=args.speculate)
+                        limits=limits, speculate=args.speculate, options=options)
 
         def ready(url: str) -> None:
+            key = "; an API key is required" if options.api_key else ""
             print(f"llmc serve: listening on {url} (model '{name}', {server.engine.max_active} sequences at once, "
-                  f"{args.queue} more may wait, KV capacity {session.capacity} each; Ctrl-C stops)", flush=True)
+                  f"{args.queue} more may wait, context {session.capacity} tokens each{key}; Ctrl-C stops)",
+                  flush=True)
 
         try:
             serve(server, args.host, args.port, ready)
         except KeyboardInterrupt:
             pass
         progress("llmc serve: stopped")
-    finally:
-        session.close()
     return 0
 
 
@@ -121,20 +239,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
     each turn feeds only its new tokens. Commands: /reset, /system TEXT, /quit (or end of input). Ctrl-C stops
     a reply; at the prompt it ends the chat."""
     from llmc.runtime.chat import Chat, run_chat
-    from llmc.runtime.session import open_session
 
     sampling = _sampling(args)
-    session = open_session(Path(args.artifact), check_files=not args.no_verify, threads=args.threads)
-    try:
-        codec = _codec(session, args)
+    source = _grammar_source(args)
+    with _loaded(args) as (session, codec):
         if not codec.chat_template:
-            raise UsageError("this model has no chat template; use 'llmc run' for plain completion")
+            raise UsageError("this model has no chat template (give one with --chat-template FILE, or use "
+                             "'llmc run' for plain completion)")
+        grammar = _grammar(codec, source)
         with _speculation(session, args) as speculation:
-            chat = Chat(session, codec, args.system, sampling, args.n, speculation=speculation)
+            chat = Chat(session, codec, args.system, sampling, args.n, speculation=speculation, grammar=grammar)
             # Ctrl-C at the prompt ends the chat even where SIGINT came ignored from the parent (Python then
             # installs no KeyboardInterrupt handler, and a reply's own handler would restore the ignoring)
             signal.signal(signal.SIGINT, signal.default_int_handler)
             run_chat(chat, verbose=args.verbose)
-    finally:
-        session.close()
     return 0

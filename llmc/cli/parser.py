@@ -52,14 +52,27 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _token_bias(text: str) -> tuple[int, float]:
+    """`ID=BIAS` (llama.cpp's --logit-bias, OpenAI's logit_bias entry): `15043=-100` → (15043, -100.0)."""
+    token, _, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS such as 15043=-100, got {text!r}") from None
+
+
 def _port(text: str) -> int:
     value = _int(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be in 0..65535, got {text}")
     return value
-
-
-# the storage types of `llmc.ir.formats.Storage` (not imported here: `llmc run` needs no compiler)
 
 
 # the storage types of `llmc.ir.formats.Storage` (not imported here: `llmc run` needs no compiler)
@@ -255,6 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
     artifact_args.add_argument("--template-chars", type=_positive, default=1_000_000, metavar="N",
                                help="the most characters a rendering of the chat template may write or build "
                                     "(default: %(default)s)")
+    artifact_args.add_argument("--ctx", type=_positive, metavar="N",
+                               help="the most tokens a sequence holds, prompt and reply, up to what the artifact "
+                                    "was compiled for (--max-seq) (default: all of it)")
+    artifact_args.add_argument("--chat-template", metavar="FILE",
+                               help="render chats with this Jinja chat template instead of the model's own")
     sampling_args = argparse.ArgumentParser(add_help=False)
     sampling_args.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: 0)")
     sampling_args.add_argument("--top-k", type=_int, default=0, metavar="K",
@@ -262,6 +280,28 @@ def build_parser() -> argparse.ArgumentParser:
     sampling_args.add_argument("--top-p", type=float, default=1.0, metavar="P",
                                help="nucleus sampling mass in (0, 1] (default: 1)")
     sampling_args.add_argument("--seed", type=_int, metavar="S", help="random seed for sampling")
+    sampling_args.add_argument("--min-p", type=_number, default=0.0, metavar="P",
+                               help="drop tokens less likely than P times the likeliest, in [0, 1] (default: 0)")
+    sampling_args.add_argument("--presence-penalty", type=_number, default=0.0, metavar="X",
+                               help="subtract X from the logit of every token generated already, in [-2, 2] "
+                                    "(OpenAI's; default: 0)")
+    sampling_args.add_argument("--frequency-penalty", type=_number, default=0.0, metavar="X",
+                               help="subtract X times its count from the logit of every token generated already, "
+                                    "in [-2, 2] (OpenAI's; default: 0)")
+    sampling_args.add_argument("--repeat-penalty", "--repetition-penalty", type=_number, default=1.0, metavar="X",
+                               help="divide the positive logits (multiply the negative ones) of the tokens in the "
+                                    "prompt and the text so far by X > 0 (llama.cpp's and transformers'; default: 1)")
+    sampling_args.add_argument("--logit-bias", type=_token_bias, action="append", metavar="ID=BIAS",
+                               help="add BIAS in [-100, 100] to token ID's logit (-100 bans it, 100 forces it; "
+                                    "repeatable)")
+    grammar_args = argparse.ArgumentParser(add_help=False)
+    constrained = grammar_args.add_mutually_exclusive_group()
+    constrained.add_argument("--json-schema", metavar="FILE|JSON",
+                             help="generate JSON that this JSON schema (a file, or the schema's text) accepts "
+                                  "(constrained decoding: llguidance, from the serve extra)")
+    constrained.add_argument("--grammar", metavar="FILE",
+                             help="generate text this grammar accepts: GBNF (llama.cpp's), or Lark where FILE ends "
+                                  "in .lark")
     speculate_args = argparse.ArgumentParser(add_help=False)
     speculate_args.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True,
                                 help="draft the next tokens by prompt lookup (or --draft) and check them in one "
@@ -271,18 +311,25 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="draft with this artifact (a smaller model with the same vocabulary) instead "
                                      "of prompt lookup")
 
-    p = _command(sub, cmd_run, [common, artifact_args, sampling_args, speculate_args],
+    p = _command(sub, cmd_run, [common, artifact_args, sampling_args, grammar_args, speculate_args],
                  "generate text with a compiled artifact")
-    p.add_argument("-p", "--prompt", required=True, help="the prompt text")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("-p", "--prompt", help="the prompt text")
+    prompt.add_argument("-f", "--file", metavar="FILE",
+                        help="read the prompt from this UTF-8 file ('-': standard input), less one final newline")
     p.add_argument("-n", type=_non_negative, default=128, metavar="N", help="most tokens to generate (default: 128)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", metavar="TEXT", help="the system prompt (implies --chat)")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop before this text, which is not printed (repeatable)")
 
     p = _command(sub, cmd_serve, [common, artifact_args], "serve an artifact over an OpenAI-compatible HTTP API")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=_port, default=8000, help="port to listen on; 0 = any free one "
                                                                      "(default: %(default)s)")
     p.add_argument("--max-batch", type=_positive, metavar="N",
-                   help="most sequences generating at once (default: every slot the artifact's cache holds)")
+                   help="most sequences generating at once, chosen now up to the slots the artifact's KV cache was "
+                        "compiled with ('llmc compile --max-batch') (default: every slot)")
     p.add_argument("--queue", type=_non_negative, default=64, metavar="N",
                    help="requests that may wait for a slot; beyond them the server answers 429 (default: 64)")
     p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True,
@@ -292,8 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{part}-timeout", type=_seconds, default=default, metavar="S",
                        help=f"seconds a client has to send a whole request {part}; slower ones {slower} "
                             "(default: %(default)s)")
+    p.add_argument("--api-key", metavar="KEY", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $LLMC_API_KEY; "
+                        "none: open)")
+    p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
+                   help="let browser pages from ORIGIN ('*': any) call the API (repeatable; default: none, CORS off)")
+    p.add_argument("--no-access-log", action="store_true", help="leave out the line per request on stderr")
 
-    p = _command(sub, cmd_chat, [common, artifact_args, sampling_args, speculate_args],
+    p = _command(sub, cmd_chat, [common, artifact_args, sampling_args, grammar_args, speculate_args],
                  "chat with an artifact in the terminal")
     p.add_argument("--system", metavar="TEXT", help="the system prompt")
     p.add_argument("-n", type=_positive, default=512, metavar="N", help="most tokens per reply (default: 512)")

@@ -33,7 +33,7 @@ from llmc.frontend.rope_scaling import hf_rope_scaling
 from llmc.ir.activations import Activation
 from llmc.ir.formats import Storage
 from llmc.ir.weights import Weight, WeightStore
-from llmc.runtime.codec import TextCodec, read_tokenizer
+from llmc.runtime.codec import TextCodec, read_chat_template, read_tokenizer
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
@@ -394,7 +394,8 @@ def _config(path: Path, cfg: dict, arch: str, weights: WeightStore) -> ModelConf
 
 
 def load_hf_tokenizer(directory: Path) -> TextCodec:
-    """The directory's `tokenizer.json`, with the special ids and chat template of `tokenizer_config.json`."""
+    """The directory's `tokenizer.json`, with the special ids and chat template of `tokenizer_config.json`;
+    a `chat_template.jinja` file (what current transformers writes) is the chat template where there is one."""
     file = directory / "tokenizer.json"
     if not file.is_file():
         raise ModelFormatError(directory, "no tokenizer.json in this directory")
@@ -408,14 +409,26 @@ def load_hf_tokenizer(directory: Path) -> TextCodec:
         token = token.get("content") if isinstance(token, dict) else token
         return tokenizer.token_to_id(token) if isinstance(token, str) else None
 
-    template = settings.get("chat_template")
     return TextCodec(
         tokenizer,
         bos_id=special_id("bos_token"),
         eos_id=special_id("eos_token"),
         add_bos=bool(settings.get("add_bos_token", False)),
-        chat_template=template if isinstance(template, str) else None,
+        chat_template=_chat_template(directory, settings),
     )
+
+
+def _chat_template(directory: Path, settings: dict) -> str | None:
+    """The chat template as transformers finds it: `chat_template.jinja` wins over `tokenizer_config.json`'s
+    `chat_template`, a string or a list of named templates (the one named "default")."""
+    file = directory / "chat_template.jinja"
+    if file.is_file():
+        return read_chat_template(_inside(directory, file), check=False)  # (checked when it renders, as the rest)
+    template = settings.get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return template if isinstance(template, str) else None
 
 
 def _json(path: Path) -> dict:

@@ -95,7 +95,7 @@ class _Sequence:
     request: Request
     slot: int
     sampler: Sampler
-    cached: list[int]  # the tokens whose K/V its slot holds (the engine's list for the slot): the prompt's first
+    cached: list[int]  # the tokens whose K/V its slot holds, in order (the engine's list for that slot)
     fed: int = 0  # prompt tokens already in the cache (reused or fed)
     token: int | None = None  # the sampled token not yet fed (None while the prompt is being fed)
     generated: int = 0
@@ -157,6 +157,7 @@ class Engine:
             raise LlmcError(f"--max-batch must be in 1..{session.slot_count} (the sequences this artifact's cache "
                             f"holds; compile with a larger --max-batch), got {active}")
         self.session = session
+        session.reset()  # (the engine writes the slots' rows now: what the conversation held is forgotten)
         self.eos_id = eos_id
         self.queue_size = queue_size
         self.max_active = active

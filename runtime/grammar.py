@@ -21,6 +21,9 @@ from llmc.errors import LlmcError
 from llmc.runtime.codec import TextCodec
 
 _SOURCE_LINE = re.compile(r"\d+ \| ")
+# between JSON tokens: nothing, a space, or a line break and an indent of at most 20 (llama.cpp's `space` rule):
+# unbounded whitespace lets a small model loop on blank lines
+JSON_SPACE = r"(\x20|\n[\x20\t]{0,20})?"
 INSTALL = "structured output needs llguidance: pip install 'llmc[serve]'"
 
 
@@ -88,7 +91,8 @@ class GrammarConstraint:
         return np.unpackbits(self.bits.view(np.uint8), count=self.vocab_size, bitorder="little").view(bool)
 
     def consume(self, tokens: list[int]) -> None:
-        if not self.matcher.consume_tokens(tokens):
+        # one at a time: `consume_tokens` refuses the end-of-text token after the grammar has stopped
+        if not all(self.matcher.consume_token(token) for token in tokens):
             raise GrammarError(f"the grammar does not allow the tokens {tokens}: {_one_line(self.matcher.get_error())}")
 
     def rollback(self, count: int) -> None:
@@ -122,12 +126,13 @@ class Grammar:
 
     @classmethod
     def json_schema(cls, codec: TextCodec, schema: dict) -> Grammar:
-        """JSON text valid under `schema` (always enforced: OpenAI's `strict` changes nothing here), e.g.
+        """JSON text valid under `schema` (always enforced: OpenAI's `strict` changes nothing here; whitespace
+        between tokens as `JSON_SPACE` says), e.g.
         `Grammar.json_schema(codec, {"type": "array", "items": {"type": "integer"}, "maxItems": 3})`."""
         if not isinstance(schema, dict):
             raise GrammarError(f"a JSON schema must be an object, got {json.dumps(schema)[:80]}")
         try:
-            grammar = _llguidance().LLMatcher.grammar_from_json_schema(schema)
+            grammar = _llguidance().LLMatcher.grammar_from_json_schema(schema, {"whitespace_pattern": JSON_SPACE})
         except (ValueError, TypeError) as e:
             raise GrammarError(f"JSON schema: {_one_line(str(e))}") from e
         return cls(codec, grammar, "JSON schema")

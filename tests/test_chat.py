@@ -26,6 +26,7 @@ from llmc.driver import BackendOptions, compile_model
 from llmc.passes.pipeline import CompileOptions
 from llmc.runtime.chat import Chat
 from llmc.runtime.codec import TextCodec
+from llmc.runtime.sampling import SamplingOptions
 from llmc.runtime.session import Session
 
 LONG = TinySpec(context_length=4096)
@@ -64,7 +65,8 @@ def test_each_turn_feeds_only_its_new_tokens(artifacts) -> None:
     assert first.position == len(chat.session.cached) == len(prompt1) + first.generated - unfed
     second = chat.reply("and then?", lambda text: None)
     prompt2 = render(chat.messages[:4])
-    assert chat.session.cached[: first.position] == prompt2[: first.position]  # the reply re-tokenizes as it was generated
+    # the reply re-tokenizes as it was generated
+    assert chat.session.cached[: first.position] == prompt2[: first.position]
     assert second.reused == first.position, "the whole history stayed in the cache"
     assert second.fed == len(prompt2) - first.position
     assert 0 < second.fed < second.reused
@@ -111,6 +113,31 @@ def test_an_interrupted_reply_stays_in_the_history(artifacts) -> None:
     assert turn.reason == "interrupted" and 0 < turn.generated < 100
     assert chat.messages[-1] == {"role": "assistant", "content": "".join(pieces)}
     assert chat.reply("go on", lambda text: None).reused == turn.position
+
+
+def test_each_reply_follows_the_grammar_and_a_seed_repeats(artifacts) -> None:
+    import json
+
+    import jsonschema
+
+    from llmc.runtime.grammar import Grammar
+
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+              "additionalProperties": False}
+    session = Session(artifacts["long"], threads=1)
+    codec = TextCodec.from_artifact(session.manifest)
+    spaces = tuple((token, -100.0) for token in range(codec.tokenizer.get_vocab_size())
+                   if any(c.isspace() for c in codec.decode([token])))  # (else a random model writes them on)
+    sampling = SamplingOptions(temperature=1.0, seed=7, logit_bias=spaces)
+    chat = Chat(session, codec, sampling=sampling, max_tokens=40, grammar=Grammar.json_schema(codec, schema))
+    replies = []
+    for user in ("one", "two", "three"):
+        assert chat.reply(user, lambda text: None).reason == "stop"
+        replies.append(chat.messages[-1]["content"])
+        jsonschema.validate(json.loads(replies[-1]), schema)
+    again = Chat(session, codec, sampling=sampling, max_tokens=40, grammar=Grammar.json_schema(codec, schema))
+    assert [again.reply(user, lambda text: None) and again.messages[-1]["content"]
+            for user in ("one", "two", "three")] == replies
 
 
 # ------------------------------------------------------------------ the command in a terminal

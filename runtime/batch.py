@@ -191,7 +191,7 @@ class Engine:
             raise ValueError(f"a prompt token id is outside the vocabulary of {self.session.vocab_size}")
         if len(prompt) >= self.session.capacity:
             raise CapacityError(f"the prompt has {len(prompt)} tokens; the KV cache holds {self.session.capacity} "
-                                f"per sequence, prompt and completion together")
+                                f"per sequence, prompt and completion together ({self.session.larger_capacity})")
 
     def check(self, request: Request) -> None:
         """Raise ValueError (or CapacityError) for a request this artifact cannot run."""

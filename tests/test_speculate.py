@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from tiny_models import TinySpec
 
@@ -175,30 +177,37 @@ def _sampled_pairs(session, prompt: list[int], last: int, drafts: list[int], opt
     return counts
 
 
-def _target_pairs(session, prompt: list[int], last: int, first_draft: int, sampler: Sampler) -> dict:
-    """The exact probabilities of `_sampled_pairs`'s outcomes under the model (plain sampling)."""
+def _target_pairs(session, prompt: list[int], last: int, first_draft: int, options: SamplingOptions) -> dict:
+    """The exact probabilities of `_sampled_pairs`'s outcomes under the model (plain sampling; the second
+    token's penalties count the first)."""
     session.reset()
-    ids, probs = sampler.distribution(session.feed([*prompt, last]))
+    ids, probs = Sampler(options).distribution(session.feed([*prompt, last]))
     exact = {(int(t), None): float(p) for t, p in zip(ids, probs) if t != first_draft}
-    after_ids, after = sampler.distribution(session.feed([first_draft]))
+    second = Sampler(options)
+    second.take([first_draft])
+    after_ids, after = second.distribution(session.feed([first_draft]))
     p_first = float(probs[ids == first_draft].sum())
     exact.update({(first_draft, int(t)): p_first * float(p) for t, p in zip(after_ids, after)})
     return exact
 
 
-def test_sampled_speculation_keeps_the_target_distribution(artifact, monkeypatch) -> None:
+@pytest.mark.parametrize("penalized", [False, True])
+def test_sampled_speculation_keeps_the_target_distribution(artifact, monkeypatch, penalized) -> None:
     session = _session(artifact)
     codec = TextCodec.from_artifact(session.manifest)
     prompt, last = codec.encode("one two three"), codec.encode(" four")[-1]
     options = SamplingOptions(temperature=1.5, top_k=4)
-    sampler = Sampler(options)
     session.feed([*prompt, last])
-    ids, probs = sampler.distribution(session.logits[0])
+    ids, probs = Sampler(options).distribution(session.logits[0])
     first = int(ids[1])  # a likely draft that is not the only choice
+    if penalized:  # the draft likelier at both rows, less so at the second once the penalty counts it
+        options = replace(options, frequency_penalty=2.0, logit_bias=((first, 3.0),))
     session.reset()
     session.feed([*prompt, last, first])
-    second = int(sampler.distribution(session.logits[0])[0][0])
-    exact = _target_pairs(session, prompt, last, first, sampler)
+    after_first = Sampler(options)
+    after_first.take([first])
+    second = int(after_first.distribution(session.logits[0])[0][0])
+    exact = _target_pairs(session, prompt, last, first, options)
     runs = 3000
 
     def distance(counts: dict) -> float:

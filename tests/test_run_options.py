@@ -196,6 +196,13 @@ def test_bad_prompt_files_are_one_line(capsys, directory, tmp_path, monkeypatch)
     assert "larger than 4 bytes" in refused(capsys, directory, "-f", str(bad_gbnf))
 
 
+def test_structured_output_without_llguidance_is_one_line(directory) -> None:
+    proc = subprocess.run(runtime_only("llguidance", "run", str(directory), "-p", "x", "--json-schema", "{}"),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "pip install 'llmc[serve]'" in proc.stderr
+
+
 def test_system_needs_a_chat_template(capsys, directory, tmp_path) -> None:
     copy = tmp_path / "plain"
     shutil.copytree(directory, copy)

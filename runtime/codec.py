@@ -146,7 +146,8 @@ class TextCodec:
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         """The text's ids, after the beginning-of-text token where the model adds one (and `bos`)."""
-        with tokenizer_failures(lambda problem: TokenizerError(f"the model's tokenizer failed on this text: {problem}")):
+        failed = "the model's tokenizer failed on this text"
+        with tokenizer_failures(lambda problem: TokenizerError(f"{failed}: {problem}")):
             # `encode_batch` releases the GIL while it works (`encode` holds it: a long prompt would stop
             # every other thread, the server's event loop among them)
             ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids

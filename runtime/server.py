@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import json
 import logging
 import os
 import socket
@@ -48,61 +47,133 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import h11
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from llmc.errors import LlmcError
-from llmc.runtime.api_requests import ApiError, Job, Limits, RequestParser, invalid
+from llmc.runtime.api_requests import ApiError, Choice, Job, Limits, RequestParser, invalid
 from llmc.runtime.artifact import MANIFEST
 from llmc.runtime.batch import Engine, QueueFull, Request
 from llmc.runtime.codec import TextCodec
 from llmc.runtime.openapi import openapi_schema
+from llmc.runtime.operations import Operations, ServeOptions, error_response, read_body, record_usage
 from llmc.runtime.session import Conversation
-from llmc.runtime.streaming import Disconnected, EventStream, TokenQueue, events, pieces, whole
+from llmc.runtime.streaming import Disconnected, EventStream, Piece, TokenQueue, events, pieces, whole
+from llmc.runtime.tools import read_reply
 
 WORKER_NICENESS = 10  # of the threads that prepare requests (Linux: per thread), below the engine's
 MALLOC_ARENAS = 2  # glibc's heaps, shared by all threads (mallopt's M_ARENA_MAX)
 
 
-def _response(error: ApiError) -> Response:
-    """The error as OpenAI's body in ASCII JSON (a message may quote a client's lone surrogate, which UTF-8
-    cannot hold)."""
-    headers = {"Retry-After": "1"} if error.status in (429, 503) else {}
-    if error.status in (408, 413):  # the rest of the body is not read: the connection cannot serve another
-        headers["Connection"] = "close"
-    return Response(json.dumps(error.body()), error.status, headers, media_type="application/json")
+def _token(codec: TextCodec, token: int, logprob: float) -> dict:
+    """A token's entry in chat's logprobs: its text, logprob and UTF-8 bytes."""
+    text = codec.piece(token)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
-@dataclass(frozen=True)
-class _Endpoint:
-    """How a generation endpoint spells its answers in OpenAI's formats: the id's prefix, the `object` of a
-    streamed chunk and of the whole answer, whether a first chunk announces the role (chat), and the
-    text's part of a choice, streamed (`delta(text, finish, start)`) and whole (`message(text)`)."""
+class _Answer:
+    """How a generation endpoint spells one request's answers in OpenAI's formats: the id's prefix, the
+    `object` of a streamed chunk and of the whole answer, and each choice's part: streamed (`start`, `piece`,
+    `end`, each a list of choices' entries) and whole (`whole`)."""
 
+    name: str  # the endpoint, as metrics name it
     id_prefix: str
     chunk_object: str
     answer_object: str
-    announces_role: bool
-    delta: Callable[[str, str | None, bool], dict]
-    message: Callable[[str], dict]
+
+    def __init__(self, codec: TextCodec, job: Job):
+        self.codec, self.job = codec, job
+
+    def start(self, index: int) -> list[dict]:
+        return []
 
 
-_COMPLETIONS = _Endpoint("cmpl", "text_completion", "text_completion", False,
-                         lambda text, finish, start: {"text": text}, lambda text: {"text": text})
-_CHAT = _Endpoint("chatcmpl", "chat.completion.chunk", "chat.completion", True,
-                  lambda text, finish, start: {"delta": {"role": "assistant", "content": ""} if start else
-                                               ({"content": text} if finish is None else {})},
-                  lambda text: {"message": {"role": "assistant", "content": text}})
+class _CompletionAnswer(_Answer):
+    """/v1/completions: a choice's `text`, and with logprobs OpenAI's legacy `tokens`, `token_logprobs`,
+    `top_logprobs` and `text_offset`."""
+
+    name, id_prefix, chunk_object, answer_object = "completions", "cmpl", "text_completion", "text_completion"
+
+    def __init__(self, codec: TextCodec, job: Job):
+        super().__init__(codec, job)
+        self.offsets = [0] * job.n  # each choice's text so far, in characters
+
+    def piece(self, index: int, piece: Piece) -> list[dict]:
+        return [{"index": index, "text": piece.text, "logprobs": self._logprobs(index, piece), "finish_reason": None}]
+
+    def end(self, index: int, finish: str) -> list[dict]:
+        return [{"index": index, "text": "", "logprobs": None, "finish_reason": finish}]
+
+    def whole(self, index: int, piece: Piece, finish: str) -> dict:
+        return {"index": index, "text": piece.text, "logprobs": self._logprobs(index, piece), "finish_reason": finish}
+
+    def _logprobs(self, index: int, piece: Piece) -> dict | None:
+        if piece.logprobs is None:
+            return None
+        texts = [self.codec.piece(token) for token in piece.tokens]
+        offsets = []
+        for text in texts:
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(text)
+        return {"tokens": texts,
+                "token_logprobs": [None if lp is None else lp.logprob for lp in piece.logprobs],
+                "top_logprobs": [None if lp is None else {self.codec.piece(t): p for t, p in lp.top}
+                                 for lp in piece.logprobs],
+                "text_offset": offsets}
+
+
+class _ChatAnswer(_Answer):
+    """/v1/chat/completions: a choice's `message` (streamed: `delta`), its `content` or, with tools, its
+    `tool_calls` (streamed whole, in one delta, once the reply has ended), and logprobs as `{"content": [...]}`."""
+
+    name, id_prefix, chunk_object, answer_object = "chat", "chatcmpl", "chat.completion.chunk", "chat.completion"
+
+    def __init__(self, codec: TextCodec, job: Job):
+        super().__init__(codec, job)
+        self.held: list[list[Piece]] = [[] for _ in range(job.n)]  # with tools: each reply until it ends
+
+    def start(self, index: int) -> list[dict]:
+        return [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}]
+
+    def piece(self, index: int, piece: Piece) -> list[dict]:
+        if self.job.tools is not None:
+            self.held[index].append(piece)
+            return []
+        return [{"index": index, "delta": {"content": piece.text}, "logprobs": self._logprobs(piece),
+                 "finish_reason": None}]
+
+    def end(self, index: int, finish: str) -> list[dict]:
+        out = []
+        if self.held[index]:
+            reply = self.whole(index, Piece.joined(self.held[index]), finish)
+            message, finish = reply["message"], reply["finish_reason"]
+            calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls", []))]
+            out.append({"index": index, "delta": {"tool_calls": calls} if calls else {"content": message["content"]},
+                        "logprobs": reply["logprobs"], "finish_reason": None})
+        return [*out, {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}]
+
+    def whole(self, index: int, piece: Piece, finish: str) -> dict:
+        content, calls = read_reply(piece.text) if self.job.tools is not None else (piece.text, None)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"], finish = calls, "tool_calls"
+        return {"index": index, "message": message, "logprobs": self._logprobs(piece), "finish_reason": finish}
+
+    def _logprobs(self, piece: Piece) -> dict | None:
+        if piece.logprobs is None:
+            return None
+        return {"content": [{**_token(self.codec, lp.token, lp.logprob),
+                             "top_logprobs": [_token(self.codec, t, p) for t, p in lp.top]}
+                            for lp in piece.logprobs]}
 
 
 # ------------------------------------------------------------------ the server
@@ -113,7 +184,7 @@ class Server:
 
     def __init__(self, session: Conversation, codec: TextCodec, name: str, queue_size: int = 64,
                  max_active: int | None = None, aliases: tuple[str, ...] = (), limits: Limits | None = None,
-                 speculate: bool = False):
+                 speculate: bool = False, options: ServeOptions = ServeOptions()):
         self.session = session
         self.codec = codec
         self.name = name
@@ -121,7 +192,9 @@ class Server:
         self.capacity = session.capacity
         self.limits = limits or Limits.for_capacity(self.capacity)
         self.engine = Engine(session, codec.eos_id, queue_size, max_active, speculate)
-        self.requests = RequestParser(codec, self.limits, self.capacity, name, self.names, self.engine.check_prompt)
+        self.requests = RequestParser(codec, self.limits, self.capacity, name, self.names, self.engine.check_prompt,
+                                      self.engine.max_active)
+        self.operations = Operations(name, codec, self.health_stats, options, self.limits)
         self.workers = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="llmc-request",
                                           initializer=_yield_to_generation)
         self.pending = 0  # requests handed to the workers and not yet back
@@ -142,7 +215,9 @@ class Server:
                 Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/openapi.json", self.openapi, methods=["GET"]),
+                *self.operations.routes,
             ],
+            middleware=self.operations.middleware,
             exception_handlers={HTTPException: self._http_error, ApiError: self._api_error,
                                 Exception: self._internal_error},
             lifespan=self._lifespan,
@@ -167,19 +242,20 @@ class Server:
 
     async def _http_error(self, request: HttpRequest, exc: HTTPException) -> Response:
         if exc.status_code == 404:
-            return _response(ApiError(404, f"no route {request.method} {request.url.path} (llmc serve has POST "
-                                           f"/v1/completions, POST /v1/chat/completions, GET /v1/models, GET "
-                                           f"/health, GET /openapi.json)", code="not_found"))
+            return error_response(ApiError(404, f"no route {request.method} {request.url.path} (llmc serve has POST "
+                                                f"/v1/completions, POST /v1/chat/completions, GET /v1/models, GET "
+                                                f"/health, GET /openapi.json, GET /metrics, POST /tokenize, POST "
+                                                f"/detokenize)", code="not_found"))
         if exc.status_code == 405:
-            return _response(ApiError(405, f"{request.url.path} does not take {request.method}",
+            return error_response(ApiError(405, f"{request.url.path} does not take {request.method}",
                                       code="method_not_allowed"))
-        return _response(ApiError(exc.status_code, str(exc.detail)))
+        return error_response(ApiError(exc.status_code, str(exc.detail)))
 
     async def _api_error(self, request: HttpRequest, exc: ApiError) -> Response:
-        return _response(exc)
+        return error_response(exc)
 
     async def _internal_error(self, request: HttpRequest, exc: Exception) -> Response:
-        return _response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
 
     # -------------------------------------------------------------- simple routes
 
@@ -194,41 +270,23 @@ class Server:
         return JSONResponse(openapi_schema(self.name, self.limits))
 
     async def health(self, request: HttpRequest) -> Response:
-        return JSONResponse({
-            "status": "ok", "model": self.name, **self.engine.stats(), "preparing": self.pending, "capacity": self.capacity,
+        return JSONResponse(self.health_stats())
+
+    def health_stats(self) -> dict:
+        """The engine's state and the server's counts (GET /health; the metrics read it too)."""
+        return {
+            "status": "ok", "model": self.name, **self.engine.stats(), "preparing": self.pending,
+            "capacity": self.capacity,
             "requests": {reason: self.counts[reason] for reason in ("stop", "length", "cancelled", "error")},
             "generated_tokens": self.counts["generated_tokens"],
-        })
+        }
 
     # -------------------------------------------------------------- reading requests
-
-    async def _read(self, request: HttpRequest) -> bytes:
-        """The request's body: at most `max_body_bytes`, whole within `body_seconds` (413 and 408 otherwise)."""
-        limit = self.limits.max_body_bytes
-        too_large = ApiError(413, f"the request body is larger than {limit} bytes, the most this server's KV "
-                                  f"capacity of {self.capacity} tokens could use", code="too_large")
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise too_large
-        chunks, size = [], 0
-        try:
-            async with asyncio.timeout(self.limits.body_seconds):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > limit:
-                        raise too_large
-                    chunks.append(chunk)
-        except TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within {self.limits.body_seconds:g} s",
-                           code="timeout") from None
-        except ClientDisconnect:  # (nobody reads the answer)
-            raise ApiError(499, "the client went away before its request was whole") from None
-        return b"".join(chunks)
 
     async def _prepared(self, request: HttpRequest, prepare: Callable[[bytes], Job]) -> Job:
         """`prepare(body)` on a worker thread: parsing, rendering and tokenizing never hold up the event loop
         (429 when `max_pending` requests are in hand already)."""
-        raw = await self._read(request)
+        raw = await read_body(request, self.limits)
         if self.pending >= self.limits.max_pending:
             raise ApiError(429, f"the server is busy ({self.pending} requests are being prepared); retry later",
                            "server_overloaded", code="busy")
@@ -240,53 +298,77 @@ class Server:
 
     # -------------------------------------------------------------- generation
 
-    def _submit(self, job: Job, prompt_param: str) -> TokenQueue:
-        tokens = TokenQueue(asyncio.get_running_loop(), self.counts)
-        job.request = Request(job.prompt, job.max_tokens, job.sampling, tokens.emit, tokens.finish)
-        try:
-            self.engine.submit(job.request)
-        except QueueFull as e:
-            raise ApiError(429, f"the server is busy ({e}); retry later", "server_overloaded",
-                           code="queue_full") from None
-        except ValueError as e:  # (the request was checked above; kept for what the engine checks itself)
-            raise invalid(prompt_param, str(e)) from None
-        except LlmcError as e:  # shutting down
-            raise ApiError(503, str(e), "server_error", code="unavailable") from None
-        return tokens
+    def _submit(self, job: Job, prompt_param: str) -> None:
+        """One engine request per choice (each with its own constraint, and seed where one is set)."""
+        loop = asyncio.get_running_loop()
+        for index in range(job.n):
+            tokens = TokenQueue(loop, self.counts)
+            request = Request(job.prompt, job.max_tokens, job.choice_sampling(index), tokens.emit, tokens.finish,
+                              constraint=None if job.grammar is None else job.grammar.constraint(),
+                              prompt_logprobs=tokens.prompt_logprobs if job.prompt_logprobs else None)
+            job.choices.append(Choice(index, request, tokens))
+            try:
+                self.engine.submit(request)
+            except QueueFull as e:
+                job.cancel()
+                raise ApiError(429, f"the server is busy ({e}); retry later", "server_overloaded",
+                               code="queue_full") from None
+            except ValueError as e:  # (the request was checked above; kept for what the engine checks itself)
+                job.cancel()
+                raise invalid(prompt_param, str(e)) from None
+            except LlmcError as e:  # shutting down
+                job.cancel()
+                raise ApiError(503, str(e), "server_error", code="unavailable") from None
 
     async def completions(self, request: HttpRequest) -> Response:
-        return await self._generate(request, self.requests.completion, "prompt", _COMPLETIONS)
+        return await self._generate(request, self.requests.completion, "prompt", _CompletionAnswer)
 
     async def chat_completions(self, request: HttpRequest) -> Response:
-        return await self._generate(request, self.requests.chat, "messages", _CHAT)
+        return await self._generate(request, self.requests.chat, "messages", _ChatAnswer)
 
     async def _generate(self, request: HttpRequest, prepare: Callable[[bytes], Job], prompt_param: str,
-                        endpoint: _Endpoint) -> Response:
+                        spelling: type[_Answer]) -> Response:
         """Prepare and submit the request, then answer server-sent chunks as tokens come (`stream`), or the
         whole answer with the usage."""
         job = await self._prepared(request, prepare)
-        tokens = self._submit(job, prompt_param)
-        ident, created = f"{endpoint.id_prefix}-{uuid.uuid4().hex}", int(time.time())
+        self._submit(job, prompt_param)
+        started, metrics, endpoint = time.monotonic(), self.operations.metrics, spelling.name
+        metrics.started(endpoint)
+        answers = spelling(self.codec, job)
+        ident, created = f"{spelling.id_prefix}-{uuid.uuid4().hex}", int(time.time())
 
         def answer(kind: str, choices: list[dict]) -> dict:
             return {"id": ident, "object": kind, "created": created, "model": self.name, "choices": choices}
 
-        def chunk(text: str = "", finish: str | None = None, start: bool = False, usage: dict | None = None):
-            if start and not endpoint.announces_role:
-                return None
-            choices = [] if usage else [{"index": 0, **endpoint.delta(text, finish, start), "logprobs": None,
-                                         "finish_reason": finish}]
-            return answer(endpoint.chunk_object, choices) | ({"usage": usage} if job.include_usage else {})
+        def chunks(index: int = 0, piece: Piece | None = None, finish: str | None = None, start: bool = False,
+                   usage: dict | None = None) -> list[dict]:
+            if usage is not None:
+                parts = [[]]
+            else:
+                choices = (answers.start(index) if start else answers.end(index, finish) if finish is not None
+                           else answers.piece(index, piece))
+                parts = [[c] for c in choices]
+            return [answer(spelling.chunk_object, p) | ({"usage": usage} if job.include_usage else {}) for p in parts]
 
-        text = pieces(job, tokens, self.codec)
+        def finished() -> None:
+            reason = job.choices[0].finish_reason or "cancelled"
+            record_usage(request, job.usage())
+            metrics.finished(endpoint, reason, len(job.prompt), job.completion_tokens, time.monotonic() - started)
+
+        def first_token() -> None:
+            metrics.first_token(endpoint, time.monotonic() - started)
+
+        streams = [pieces(job, choice, self.codec, first_token) for choice in job.choices]
         if job.stream:
-            return EventStream(events(job, text, chunk), job.request.cancel)
+            return EventStream(events(job, streams, chunks, finished), job.cancel)
         try:
-            reply = await whole(request, job, text)
+            replies = await whole(request, job, streams)
         except Disconnected:
             return Response(status_code=499)
-        choice = {"index": 0, **endpoint.message(reply), "logprobs": None, "finish_reason": job.finish_reason}
-        return JSONResponse(answer(endpoint.answer_object, [choice]) | {"usage": job.usage()})
+        finally:
+            finished()
+        choices = [answers.whole(c.index, reply, c.finish_reason) for c, reply in zip(job.choices, replies)]
+        return JSONResponse(answer(spelling.answer_object, choices) | {"usage": job.usage()})
 
 
 def _share_malloc_arenas() -> None:

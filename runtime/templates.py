@@ -34,7 +34,7 @@ from datetime import datetime
 from itertools import chain
 from typing import Any
 
-from jinja2 import BaseLoader, Template, TemplateError, nodes, pass_context
+from jinja2 import BaseLoader, Template, TemplateError, meta, nodes, pass_context
 from jinja2.compiler import CodeGenerator, optimizeconst
 from jinja2.ext import Extension
 from jinja2.runtime import Namespace, markup_join, str_join
@@ -512,3 +512,13 @@ def render(template: Template, variables: dict[str, Any], limits: RenderLimits =
             budget.check(written, "output")
             parts.append(part)
         return "".join(parts)
+
+
+@functools.lru_cache(maxsize=8)
+def template_variables(source: str, limits: RenderLimits = DEFAULT_LIMITS) -> frozenset[str]:
+    """The variables a chat template reads from its caller (parsed within `limits`, once per text): e.g.
+    whether it renders `tools` itself, `"tools" in template_variables(codec.chat_template)`."""
+    if len(source) > limits.chars:
+        raise ChatTemplateError(f"the model's chat template is longer than {limits.chars} characters")
+    with _within(limits, limits.compile_seconds, trace=True):
+        return frozenset(meta.find_undeclared_variables(_BoundedEnvironment().parse(source)))

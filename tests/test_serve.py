@@ -201,7 +201,7 @@ def test_stop_strings_end_the_text_before_them(client, server) -> None:
 
 def test_seed_makes_sampling_repeatable(client) -> None:
     def sample(seed: int) -> str:
-        return complete(client, LETTERS, max_tokens=24, temperature=4.0, seed=seed)[0]
+        return complete(client, LETTERS, max_tokens=24, temperature=2.0, seed=seed)[0]
 
     assert sample(7) == sample(7)
     assert sample(7) != sample(8)
@@ -213,7 +213,7 @@ def test_concurrent_streams_equal_each_alone(client) -> None:
     """Eight streams at once on four slots give each request's text alone: greedy, and sampled with a
     seed per request at a high temperature (the tiny model's greedy text repeats its last token; a
     sampled one depends on the whole distribution, so rows mixed between slots would show)."""
-    requests = [(p, {}) for p in (REPEATS, LETTERS)] + [(p, {"temperature": 4.0, "seed": i})
+    requests = [(p, {}) for p in (REPEATS, LETTERS)] + [(p, {"temperature": 2.0, "seed": i, "frequency_penalty": 2.0})
                                                       for i, p in enumerate(("hello world", "12345", REPEATS, "abc"))]
 
     def text(request) -> str:
@@ -248,8 +248,55 @@ def test_concurrent_streams_equal_each_alone(client) -> None:
         ("completions", {"prompt": [1, 99999]}, "prompt", "outside the vocabulary"),
         ("completions", {}, "prompt", "missing required field 'prompt'"),
         ("completions", {"prompt": "x", "colour": "red"}, "colour", "unknown field 'colour'"),
-        ("completions", {"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
-        ("completions", {"prompt": "x", "n": 2}, "n", "n must be 1"),
+        ("completions", {"prompt": "x", "best_of": 2}, "best_of", "not supported"),
+        ("completions", {"prompt": "x", "n": SLOTS + 1}, "n", f"n must be an integer in [1, {SLOTS}]"),
+        ("completions", {"prompt": "x", "temperature": 2.5}, "temperature", "in [0, 2]"),
+        ("completions", {"prompt": "x", "frequency_penalty": 3}, "frequency_penalty", "in [-2, 2]"),
+        ("completions", {"prompt": "x", "presence_penalty": "1"}, "presence_penalty", "in [-2, 2]"),
+        ("completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
+        ("completions", {"prompt": "x", "min_p": 1.5}, "min_p", "in [0, 1]"),
+        ("completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias", "token ids below"),
+        ("completions", {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias", "token ids below"),
+        ("completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "in [-100, 100]"),
+        ("completions", {"prompt": "x", "logprobs": 6}, "logprobs", "in [0, 5]"),
+        ("completions", {"prompt": "x", "echo": 1}, "echo", "echo must be a boolean"),
+        ("completions", {"prompt": "x", "response_format": {"type": "xml"}}, "response_format", "json_schema"),
+        ("completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+         "response_format", "needs a \"name\""),
+        ("completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "wizard"}}}}}},
+         "response_format", "response_format"),
+        ("completions", {"prompt": "x", "grammar": "root ::= nothing"}, "grammar", "grammar"),
+        ("completions", {"prompt": "x", "grammar": 'root ::= "a"', "grammar_format": "ebnf"}, "grammar_format",
+         "gbnf, lark"),
+        ("completions", {"prompt": "x", "grammar": 'root ::= "a"', "response_format": {"type": "json_object"}},
+         "grammar", "cannot be combined"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs",
+         "must be a boolean"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
+         "needs \"logprobs\": true"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+         "top_logprobs", "in [0, 20]"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+         "tools[0]", "must be"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+            {"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name", "letters, digits"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+            {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+                                                                           "function": {"name": "g"}}},
+         "tool_choice", "must name one of the tools"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+         "tool_choice", "needs tools"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+            {"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"}},
+         "response_format", "cannot be combined with tools"),
+        ("chat/completions", {"messages": [{"role": "tool", "content": "22"}]}, "messages[0].tool_call_id",
+         "the id of the tool call"),
+        ("chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
+         "messages[0].tool_calls[0].function.arguments", "a JSON object's text"),
+        ("chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages[0].content",
+         "must be a string"),
         ("completions", {"prompt": [5] * CAPACITY}, "prompt", f"the KV cache holds {CAPACITY}"),
         ("completions", {"prompt": "x", "max_tokens": CAPACITY}, "max_tokens", f"at most {CAPACITY - 1} remain"),
         ("chat/completions", {"messages": "hi"}, "messages", "non-empty list"),
@@ -320,7 +367,7 @@ def test_other_errors(server, client) -> None:
         client.completions.create(model="gpt-4", prompt="x")
     assert e.value.body["code"] == "model_not_found" and "serves 'tiny'" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:  # the official client reads the error body
-        client.completions.create(model="tiny", prompt="x", n=2)
+        client.completions.create(model="tiny", prompt="x", n=SLOTS + 1)
     assert e.value.status_code == 400 and e.value.body["param"] == "n"
 
 

@@ -64,8 +64,11 @@ def test_the_prompt_comes_from_a_file_or_standard_input(capsys, directory, codec
     code, expected, err = run(capsys, directory, "-p", "the cat", "-n", "6")
     assert code == 0 and closing(err)[:2] == (len(codec.encode("the cat")), 6)
     prompt = tmp_path / "prompt.txt"
-    prompt.write_text("the cat\n")  # one final newline is dropped, as llama.cpp's -f does
-    assert run(capsys, directory, "-f", str(prompt), "-n", "6")[1] == expected
+    for text in (b"the cat\n", b"the cat\r\n"):  # one final newline is dropped, as llama.cpp's -f does
+        prompt.write_bytes(text)
+        assert run(capsys, directory, "-f", str(prompt), "-n", "6")[1] == expected
+    prompt.write_bytes(b"the cat\n\n")
+    assert closing(run(capsys, directory, "-f", str(prompt), "-n", "6")[2])[0] > len(codec.encode("the cat"))
     piped = subprocess.run(runtime_only("", "run", str(directory), "-f", "-", "-n", "6", "--threads", "1"),
                            input="the cat\n", capture_output=True, text=True, timeout=120)
     assert piped.returncode == 0, piped.stderr
@@ -92,7 +95,7 @@ def test_stop_ends_the_text_before_the_stop_string(capsys, directory) -> None:
     stop = whole[4:6]
     code, out, err = run(capsys, directory, "-p", "the cat", "-n", "20", "--stop", "zzz", "--stop", stop)
     assert code == 0 and out == whole[: whole.index(stop)] + "\n"
-    assert closing(err)[2] == f"stop string {json.dumps(stop)}"
+    assert closing(err)[2] == f"stop string {json.dumps(stop, ensure_ascii=False)}"
 
 
 def test_stop_strings_hold_back_what_could_begin_one() -> None:
@@ -165,7 +168,7 @@ def refused(capsys, directory: Path, *options: str) -> str:
         (["--logit-bias", "5=1000"], "the bias of token 5 must be in [-100, 100]"),
         (["--logit-bias", "5"], "expected ID=BIAS"),
         (["--logit-bias", "99999=1"], "token 99999 is outside the model's vocabulary"),
-        (["--stop", ""], "--stop: a stop string is not empty"),
+        (["--stop", ""], "--stop: a stop string cannot be empty"),
         (["--ctx", "65"], "--ctx must be in 2..64"),
         (["--ctx", "1"], "--ctx must be in 2..64"),
         (["--ctx", "0"], "must be a positive integer"),

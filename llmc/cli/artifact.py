@@ -57,7 +57,7 @@ def _prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         return args.prompt
     text = _read("-f", args.file, MAX_PROMPT_BYTES)
-    return text.removesuffix("\n").removesuffix("\r")
+    return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
 
 
 def _grammar_source(args: argparse.Namespace) -> tuple[str, str | dict] | None:
@@ -160,7 +160,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt = _prompt(args)
     source = _grammar_source(args)
     if any(not stop for stop in args.stop or ()):
-        raise UsageError("--stop: a stop string is not empty")
+        raise UsageError("--stop: a stop string cannot be empty")
     with _loaded(args) as (session, codec):
         if args.system is not None and not codec.chat_template:
             raise UsageError("--system needs the model's chat template, and this model has none "
@@ -182,7 +182,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             tokens = stream_text(codec, generation, lambda s: (sys.stdout.write(s), sys.stdout.flush()), ids, stops)
             seconds = time.perf_counter() - start
         print()
-        stopped = (f"stop string {json.dumps(stops.found)}" if stops.found else
+        stopped = (f"stop string {json.dumps(stops.found, ensure_ascii=False)}" if stops.found else
                    {"eos": "end of text", "length": f"length (-n {args.n})",
                     "full": f"context full ({session.capacity} tokens)"}[generation.reason])
         progress(_closing_line(generation, len(tokens), seconds, stopped, speculation))

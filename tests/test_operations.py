@@ -211,8 +211,11 @@ class Lines(logging.Handler):
 def access_lines() -> Iterator[list[str]]:
     logger, lines = logging.getLogger(ACCESS_LOGGER), Lines()
     logger.addHandler(lines)
+    level = logger.level
+    logger.setLevel(logging.NOTSET)  # (as a program that configured nothing leaves it)
     yield lines.lines
     logger.removeHandler(lines)
+    logger.setLevel(level)
 
 
 @pytest.fixture
@@ -386,3 +389,44 @@ def test_chat_template_jinja_outside_the_directory_is_refused(tiny, tmp_path: Pa
     (directory / "chat_template.jinja").write_bytes(b"\xff")
     with pytest.raises(ModelFormatError, match="chat_template.jinja: the chat template is not UTF-8"):
         load_hf_tokenizer(directory)
+
+
+# ------------------------------------------------------------------ through the real server
+
+
+@pytest.fixture(scope="module")
+def served_session(artifact):
+    from llmc.runtime.session import open_session
+
+    session = open_session(artifact(SPEC), threads=1)
+    yield session
+    session.close()
+
+
+def test_the_server_wires_metrics_key_tokenize_and_access_log(served_session, access_lines) -> None:
+    from llmc.runtime.server import Server
+
+    codec = TextCodec.from_artifact(served_session.manifest)
+    server = Server(served_session, codec, "tiny", options=ServeOptions(api_key=KEY))
+    key = {"Authorization": f"Bearer {KEY}"}
+    with TestClient(server.app) as client:
+        assert client.post("/v1/completions", json={"prompt": "on the", "max_tokens": 3}).status_code == 401
+        assert client.get("/health").status_code == 200
+        answer = client.post("/v1/completions", headers=key, json={"prompt": "on the", "max_tokens": 3,
+                                                                   "temperature": 0})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
+        tokens = client.post("/tokenize", headers=key, json={"content": "on the"}).json()["tokens"]
+        assert tokens == codec.encode("on the")
+        assert client.get("/metrics").status_code == 401
+        client.headers.update(key)
+        samples = scrape(client)
+    completions = (("endpoint", "completions"),)
+    assert samples[("llmc_requests_total", completions + (("reason", "length"),))] == 1
+    assert samples[("llmc_generation_tokens_total", completions)] == 3
+    assert samples[("llmc_prompt_tokens_total", completions)] == len(tokens)
+    assert samples[("llmc_time_to_first_token_seconds_count", completions)] == 1
+    assert samples[("llmc_prefill_tokens_total", ())] + samples[("llmc_reused_prompt_tokens_total", ())] == len(tokens)
+    assert samples[("llmc_generation_tokens_per_second", ())] > 0
+    assert any(' "POST /v1/completions" 401 ' in line for line in access_lines)
+    assert any(' "POST /v1/completions" 200 ' in line and line.endswith(f" prompt={len(tokens)} completion=3")
+               for line in access_lines)

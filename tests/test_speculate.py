@@ -73,7 +73,9 @@ def test_draft_length_backs_off_to_plain_decode_and_probes_again() -> None:
 
 
 def _plain_and_speculative(session, codec, prompt: list[int], n: int, speculation: Speculation):
+    session.reset()  # (each from an empty cache: `generate` would take the prompt from the cache otherwise)
     plain = list(generate(session, codec, prompt, n, GREEDY))
+    session.reset()
     fast = list(generate(session, codec, prompt, n, GREEDY, speculation))
     return plain, fast
 
@@ -116,6 +118,7 @@ def test_greedy_accepts_up_to_the_first_wrong_draft(artifact, n, wrong) -> None:
     prompt = codec.encode("the quick brown fox jumps over the lazy dog")
     plain = list(generate(session, codec, prompt, n, GREEDY))
     speculation = Speculation(_Oracle(prompt + plain, wrong))
+    session.reset()  # (the whole prompt fed by the first call, as the count below says)
     assert list(generate(session, codec, prompt, n, GREEDY, speculation)) == plain
     stats = speculation.stats
     assert len(set(plain)) > min(n, 10) // 2

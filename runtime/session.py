@@ -168,9 +168,9 @@ class Conversation:
 
         >>> kept = session.reuse(prompt); logits = session.feed(prompt[kept:])  # doctest: +SKIP
         """
-        kept = min(common_prefix(self.cached, ids), len(ids) - 1)
-        self.rewind(max(kept, 0))
-        return max(kept, 0)
+        kept = max(min(common_prefix(self.cached, ids), len(ids) - 1), 0)
+        self.rewind(kept)
+        return kept
 
     def close(self) -> None:
         pass

@@ -149,12 +149,8 @@ def test_the_free_slot_with_the_longest_common_prefix_is_taken_and_the_one_free_
     assert engine.free == [2, 0, 1] and engine.cached[0][:6] == a and engine.cached[1][:6] == b
 
     def slot_of(prompt: list[int]) -> int:
-        engine.submit(Request(prompt, 1))
-        engine.step()
-        (seq,) = engine.running or [None]
-        while engine.busy:
-            engine.step()
-        return seq.slot if seq else engine.free[-1]
+        _run(engine, Request(prompt, 1))
+        return engine.free[-1]  # (the slot it ran in, freed last)
 
     assert slot_of(b[:4] + [1, 2]) == 1 and engine.stats()["reused_tokens"] == 4
     assert slot_of(a[:3] + [9]) == 0

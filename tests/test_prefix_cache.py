@@ -258,3 +258,22 @@ def test_a_constrained_request_keeps_to_its_grammar_beside_a_free_one(artifact, 
     assert re.fullmatch("[ab]{3,6}", codec.decode(constrained)) and reasons[0] == "stop"
     assert free == free_alone and not re.fullmatch("[ab]*", codec.decode(free))
     session.close()
+
+
+def test_logprobs_of_accepted_drafts_are_the_plain_decodes(artifact) -> None:
+    """Each emitted token carries its logprobs, whether it came from a decode row or from a verify call's
+    accepted drafts: the same, token for token, as plain decoding's."""
+    session = Session(artifact(SPEC, max_batch=2, max_seq=64, speculate=8))
+    streams = []
+    for speculate in (False, True):
+        engine = Engine(session, eos_id=None, speculate=speculate)
+        emitted: list[tuple[int, TokenLogprob | None]] = []
+        _run(engine, Request([150, 150, 7, 9, 11, 150], 20, SamplingOptions(logprobs=1),
+                             emit=lambda token, lp: emitted.append((token, lp))))
+        streams.append(emitted)
+    plain, speculated = streams
+    assert engine.stats()["accepted_tokens"] > 0
+    assert [t for t, _ in speculated] == [t for t, _ in plain] and all(lp.token == t for t, lp in speculated)
+    for (_, a), (_, b) in zip(plain, speculated):
+        assert b.logprob == pytest.approx(a.logprob, abs=1e-4) and [t for t, _ in b.top] == [t for t, _ in a.top]
+    session.close()

@@ -9,7 +9,6 @@ complete, so a constrained generation ends with a whole JSON value (or is cut by
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import weakref
@@ -115,9 +114,6 @@ class Grammar:
     def __init__(self, codec: TextCodec, grammar: str, what: str):
         llguidance = _llguidance()
         tokenizer = llg_tokenizer(codec)
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-        if failed:
-            raise GrammarError(f"{what}: {_one_line(messages[0])}")
         self.start = llguidance.LLMatcher(tokenizer, grammar, log_level=0)  # copied, never advanced
         if self.start.is_error():
             raise GrammarError(f"{what}: {_one_line(self.start.get_error())}")
@@ -130,7 +126,7 @@ class Grammar:
         between tokens as `JSON_SPACE` says), e.g.
         `Grammar.json_schema(codec, {"type": "array", "items": {"type": "integer"}, "maxItems": 3})`."""
         if not isinstance(schema, dict):
-            raise GrammarError(f"a JSON schema must be an object, got {json.dumps(schema)[:80]}")
+            raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
         try:
             grammar = _llguidance().LLMatcher.grammar_from_json_schema(schema, {"whitespace_pattern": JSON_SPACE})
         except (ValueError, TypeError) as e:

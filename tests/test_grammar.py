@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 
 import numpy as np
@@ -100,7 +101,7 @@ def test_gbnf_and_lark_grammars_shape_the_text(session, codec) -> None:
     (lambda c: Grammar.json_schema(c, {"type": "strin"}), "JSON schema: Invalid type: strin"),
     (lambda c: Grammar.json_schema(c, {"$ref": "#/nowhere"}), "JSON schema: Pointer '/nowhere' does not exist"),
     (lambda c: Grammar.json_schema(c, {"type": "string", "pattern": "(["}), "JSON schema: regex parse error"),
-    (lambda c: Grammar.json_schema(c, ["a"]), "a JSON schema must be an object"),
+    (lambda c: Grammar.json_schema(c, ["a"]), "a JSON schema must be an object, got list"),
     (lambda c: Grammar.lark(c, "start: foo"), 'Lark grammar: at 1\\(8\\): unknown name: "foo"'),
     (lambda c: Grammar.gbnf(c, "root ::= missing"), "GBNF grammar: Rule 'missing' not found"),
 ])
@@ -175,3 +176,11 @@ def test_smollm2_writes_valid_json_under_a_schema(smollm2) -> None:
     per_token = (time.perf_counter() - start) / len(text)
     print(f"mask: {per_token * 1e3:.3f} ms per token over {smollm2.vocab_size} tokens")  # with -s
     assert per_token < 2e-3
+
+
+def test_without_llguidance_the_error_names_the_extra(codec, monkeypatch) -> None:
+    from llmc.errors import LlmcError
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # (an import of it fails)
+    with pytest.raises(LlmcError, match=r"structured output needs llguidance: pip install 'llmc\[serve\]'"):
+        Grammar.json_object(codec)

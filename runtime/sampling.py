@@ -118,7 +118,7 @@ class _Counts:
                 self.ids[slot] = token
             self.counts[slot] += 1
 
-    def seen(self) -> tuple[np.ndarray, np.ndarray]:
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         n = len(self.where)
         return self.ids[:n], self.counts[:n]
 
@@ -142,7 +142,7 @@ class Sampler:
         self.biases = np.array([bias for _, bias in options.logit_bias], np.float32)
         penalized = options.presence_penalty != 0 or options.frequency_penalty != 0
         self.generated = _Counts() if penalized else None  # for presence/frequency
-        self.seen = _Counts(context) if options.repetition_penalty != 1 else None  # prompt + generated
+        self.occurred = _Counts(context) if options.repetition_penalty != 1 else None  # prompt + generated
         self.logprobs: list[TokenLogprob] = []
 
     @property
@@ -155,7 +155,7 @@ class Sampler:
         """Greedy with nothing to process or record: the argmax of the raw logits is the choice, so a caller
         may take the session's own argmax (`session.greedy`) and then `take` it."""
         o = self.options
-        return (self.greedy and self.constraint is None and self.generated is None and self.seen is None
+        return (self.greedy and self.constraint is None and self.generated is None and self.occurred is None
                 and not o.logit_bias and o.logprobs is None)
 
     def __call__(self, logits: np.ndarray) -> int:
@@ -184,8 +184,8 @@ class Sampler:
         """Tokens chosen (into the penalties' counts and the constraint), e.g. the session's greedy argmax."""
         if self.generated is not None:
             self.generated.add(tokens)
-        if self.seen is not None:
-            self.seen.add(tokens)
+        if self.occurred is not None:
+            self.occurred.add(tokens)
         if self.constraint is not None:
             self.constraint.consume(tokens)
 
@@ -204,7 +204,7 @@ class Sampler:
         (`logit -= presence·[count > 0] + frequency·count` over the generated tokens), and the constraint
         (tokens it does not allow at -inf). A copy where anything applies, else `logits` itself."""
         o = self.options
-        if not (o.logit_bias or self.seen is not None or self.generated is not None or self.constraint is not None):
+        if not (o.logit_bias or self.occurred is not None or self.generated is not None or self.constraint is not None):
             return logits
         scores = np.array(logits, np.float32)
         if o.logit_bias:
@@ -212,13 +212,13 @@ class Sampler:
                 raise ValueError(f"logit-bias: token {self.bias_ids.max()} is not in the vocabulary of "
                                  f"{scores.size} tokens")
             np.add.at(scores, self.bias_ids, self.biases)
-        if self.seen is not None:
-            ids, _ = self.seen.seen()
+        if self.occurred is not None:
+            ids, _ = self.occurred.arrays()
             chosen = scores[ids]
             penalty = o.repetition_penalty
             scores[ids] = np.where(chosen > 0, chosen / penalty, chosen * penalty)
         if self.generated is not None:
-            ids, counts = self.generated.seen()
+            ids, counts = self.generated.arrays()
             scores[ids] -= o.presence_penalty + o.frequency_penalty * counts
         if self.constraint is not None:
             allowed = self.constraint.allowed()

@@ -108,7 +108,7 @@ async def read_body(request: HttpRequest, limits: Limits) -> bytes:
 def record_usage(request: HttpRequest, usage: dict) -> None:
     """Give the access log a request's OpenAI `usage` (its line then names the prompt and completion tokens):
     `record_usage(request, {"prompt_tokens": 12, "completion_tokens": 30, "total_tokens": 42})`."""
-    request.state.llmc_usage = usage
+    setattr(request.state, USAGE, usage)
 
 
 # ------------------------------------------------------------------ middleware

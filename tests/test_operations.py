@@ -32,6 +32,7 @@ from starlette.testclient import TestClient  # noqa: E402
 
 from llmc.errors import ModelFormatError  # noqa: E402
 from llmc.frontend.hf import load_hf_tokenizer  # noqa: E402
+from llmc.runtime import operations  # noqa: E402
 from llmc.runtime.api_requests import Limits  # noqa: E402
 from llmc.runtime.codec import TextCodec, read_chat_template  # noqa: E402
 from llmc.runtime.operations import ACCESS_LOGGER, Operations, ServeOptions, record_usage  # noqa: E402
@@ -127,15 +128,19 @@ def test_metrics_count_what_the_hooks_and_the_engine_report(codec) -> None:
         assert samples[(name, ())] == stats.values[key], name
 
 
-def test_tokens_per_second_is_the_rate_since_the_earliest_scrape_in_the_window(codec) -> None:
+def test_tokens_per_second_is_the_rate_since_the_earliest_scrape_in_the_window(codec, monkeypatch) -> None:
     stats = Stats()
     begun = time.monotonic()
     app, _ = small_app(codec, ServeOptions(access_log=False), stats)
     with TestClient(app) as client:
         assert scrape(client)[("llmc_generation_tokens_per_second", ())] == 0
-        stats.values["generated_tokens"] = 500
+        stats.values["generated_tokens"] = 10_000
         rate = scrape(client)[("llmc_generation_tokens_per_second", ())]
-        assert 500 / (time.monotonic() - begun) <= rate < float("inf")  # over the time since the server began
+        assert rate >= 10_000 / (time.monotonic() - begun)  # the first scrapes: over the time since the start
+        monkeypatch.setattr(operations, "RATE_WINDOW_SECONDS", 0.05)
+        time.sleep(0.1)
+        stats.values["generated_tokens"] = 10_100
+        assert scrape(client)[("llmc_generation_tokens_per_second", ())] <= 100 / 0.1  # since the last scrape
 
 
 def test_each_server_has_a_registry_of_its_own(codec) -> None:

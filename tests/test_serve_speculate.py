@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_batch import PROMPTS, SPEC
+from test_batch import PROMPTS, SPEC, into
 from tiny_models import TinySpec
 
 from llmc.runtime.batch import Engine, Request
@@ -30,7 +30,7 @@ def _streams(session: Session, requests: list[tuple[list[int], int]], speculate:
     engine = Engine(session, eos_id=eos, speculate=speculate)
     out: list[tuple[list[int], list[str]]] = [([], []) for _ in requests]
     for (prompt, max_tokens), (tokens, reasons) in zip(requests, out):
-        engine.submit(Request(prompt, max_tokens, sampling, emit=tokens.append, finish=reasons.append))
+        engine.submit(Request(prompt, max_tokens, sampling, emit=into(tokens), finish=reasons.append))
     while engine.busy:
         engine.step()
     assert all(len(reasons) == 1 for _, reasons in out)

@@ -232,10 +232,11 @@ def test_generate_reuses_the_sessions_cache(directory, codec) -> None:
 
 
 def test_serve_options(directory) -> None:
-    served = start_server(directory, "--api-key", "sekret", "--cors-origin", "https://app.example", "--no-access-log")
+    served = start_server(directory, "--api-key", "sekret", "--cors-origin", "https://app.example", "--no-access-log",
+                          "--ctx", "16")
     try:
         assert httpx.get(f"{served.url}/v1/models", timeout=10).status_code == 401
-        assert httpx.get(f"{served.url}/health", timeout=10).status_code == 200
+        assert served.health()["capacity"] == 16  # (no key needed)
         allowed = httpx.get(f"{served.url}/v1/models", timeout=10, headers={
             "Authorization": "Bearer sekret", "Origin": "https://app.example"})
         assert allowed.status_code == 200

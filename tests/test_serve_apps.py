@@ -1,0 +1,281 @@
+"""`llmc serve` for applications, through the official `openai` client: structured output (JSON schema,
+JSON object, GBNF and Lark grammars), tool calls round-tripping through a two-turn conversation,
+logprobs (their sum over an echoed prompt equals `llmc.runtime.perplexity`'s), `n` choices,
+penalties and `logit_bias`.
+
+The server runs as `llmc serve` in a subprocess that cannot import the compiler stack, on a tiny
+random-weight artifact: the grammar decides what the answers look like, the weights only choose
+among what it allows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_serve import LETTERS, REPEATS, Served, start_server
+from tiny_models import TinySpec
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+
+from llmc.driver import BackendOptions, compile_model  # noqa: E402
+from llmc.passes.pipeline import CompileOptions  # noqa: E402
+from llmc.runtime.api_requests import Limits, RequestParser  # noqa: E402
+from llmc.runtime.artifact import load_manifest  # noqa: E402
+from llmc.runtime.codec import TextCodec  # noqa: E402
+from llmc.runtime.perplexity import chunk_tokens, perplexity  # noqa: E402
+from llmc.runtime.sampling import SamplingOptions  # noqa: E402
+from llmc.runtime.session import Session  # noqa: E402
+
+CAPACITY = 2048
+SLOTS = 4
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"enum": ["Paris", "Rome"]}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"], "properties": {"zone": {"const": "UTC"}}}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("serve_apps") / "tiny.llmc"
+    options = {"prefill_chunk": 16, "max_seq": CAPACITY, "max_batch": SLOTS}
+    compile_model(str(tiny(TinySpec(context_length=CAPACITY), "gguf")), out, CompileOptions(**options),
+                  BackendOptions(), progress=lambda _: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def codec(artifact) -> TextCodec:
+    return TextCodec.from_artifact(load_manifest(artifact))
+
+
+@pytest.fixture(scope="module")
+def server(artifact) -> Iterator[Served]:
+    served = start_server(artifact)
+    yield served
+    if served.process.poll() is None:
+        served.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60) as client:
+        yield client
+
+
+def chat(client, messages=ASK, **options):
+    return client.chat.completions.create(model="tiny", messages=messages, **{"temperature": 0, **options})
+
+
+def completion(client, prompt=REPEATS, **options):
+    return client.completions.create(model="tiny", prompt=prompt, **{"temperature": 0, **options})
+
+
+def token_id(codec: TextCodec, text: str) -> int:
+    (token,) = codec.encode(text, bos=False)
+    return token
+
+
+# ------------------------------------------------------------------ structured output
+
+
+def test_json_schema_answers_validate(client) -> None:
+    schema = {"type": "object", "additionalProperties": False, "required": ["colour", "ok", "size"],
+              "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
+                             "size": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    response_format = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
+    for seed in range(3):
+        answer = chat(client, temperature=1.0, seed=seed, max_tokens=300, response_format=response_format)
+        assert answer.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
+
+
+def test_json_object_and_grammars(client, codec) -> None:
+    # any object: a bias towards "}" closes it at once, and then the grammar allows only the end
+    closing = {str(token_id(codec, "}")): 20}
+    answer = chat(client, max_tokens=30, response_format={"type": "json_object"}, logit_bias=closing)
+    assert (json.loads(answer.choices[0].message.content), answer.choices[0].finish_reason) == ({}, "stop")
+    # the grammar extension: GBNF (llama-server's `grammar`), and Lark
+    for grammar in ({"grammar": 'root ::= ("yes" | "no") "!"'},
+                    {"grammar": 'start: ("hot" | "cold") " " ("tea" | "soup")', "grammar_format": "lark"}):
+        text = completion(client, max_tokens=20, extra_body=grammar).choices[0].text
+        assert text in ("yes!", "no!", "hot tea", "hot soup", "cold tea", "cold soup"), text
+    streamed = [c.choices[0].text for c in completion(client, max_tokens=20, stream=True,
+                                                      extra_body={"grammar": 'root ::= "n=" [0-9] [0-9] "."'})]
+    assert len(streamed) > 2 and re.fullmatch(r"n=[0-9][0-9]\.", "".join(streamed))
+
+
+# ------------------------------------------------------------------ tools
+
+
+def test_forced_tool_call_round_trips(client) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    forced = {"tools": [WEATHER, CLOCK], "tool_choice": named, "parallel_tool_calls": False, "max_tokens": 300}
+    first = chat(client, **forced)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    # streamed: the call comes whole in one delta, as OpenAI's chunks spell it
+    chunks = list(chat(client, **forced, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+        (0, "get_weather", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the second turn: the call and its result in the conversation, and a reply in words
+    turn = [*ASK, choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "22 degrees, sunny"}]
+    second = chat(client, turn, tools=[WEATHER, CLOCK], tool_choice="none", max_tokens=8)
+    assert second.choices[0].message.tool_calls is None and second.choices[0].message.content
+    assert second.usage.prompt_tokens > chat(client, max_tokens=1).usage.prompt_tokens + 20  # (the call, its result)
+    # "required" with calls in parallel refused: exactly one call, of either tool
+    required = chat(client, tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False,
+                    max_tokens=300, temperature=1.0, seed=3)
+    (call,) = required.choices[0].message.tool_calls
+    assert call.function.name in ("get_weather", "get_time")
+
+
+def test_auto_tool_choice_is_a_call_or_an_answer(client) -> None:
+    for seed in range(3):
+        choice = chat(client, tools=[CLOCK], max_tokens=300, temperature=1.0, seed=seed).choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            assert json.loads(choice.message.tool_calls[0].function.arguments) == {"zone": "UTC"}
+        else:
+            assert isinstance(choice.message.content, str) and choice.finish_reason in ("stop", "length")
+
+
+def test_tools_reach_the_prompt(codec) -> None:
+    """A template that never mentions `tools` gets them described in the system message; a tool result is in
+    the template's "tool" role, the call as the JSON the model wrote."""
+    parser = RequestParser(codec, Limits.for_capacity(CAPACITY), CAPACITY, "tiny", {"tiny"}, lambda ids: None)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    body = {"messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "call_1", "content": "22 degrees"}], "tools": [WEATHER]}
+    job = parser.chat(json.dumps(body).encode())
+    prompt = codec.decode(job.prompt)
+    assert prompt.startswith("<|im_start|>system\nYou can call these tools:\n") and "The weather in a city" in prompt
+    assert '<|im_start|>assistant\n{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome"}}]}' in prompt
+    assert "<|im_start|>tool\n22 degrees<|im_end|>" in prompt
+    assert job.grammar is not None and job.tools.choice == "auto"
+    # a template that renders tools itself gets them, and no description
+    codec = TextCodec(codec.tokenizer, codec.bos_id, codec.eos_id, codec.add_bos,
+                      "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.content }}"
+                      "{% endfor %}")
+    parser = RequestParser(codec, Limits.for_capacity(CAPACITY), CAPACITY, "tiny", {"tiny"}, lambda ids: None)
+    prompt = codec.decode(parser.chat(json.dumps({"messages": ASK, "tools": [WEATHER]}).encode()).prompt)
+    assert prompt == "[get_weather]What is the weather in Paris?"
+
+
+# ------------------------------------------------------------------ logprobs
+
+
+def test_chat_logprobs(client) -> None:
+    whole = chat(client, max_tokens=10, logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 10
+    assert "".join(t.token for t in content) == whole.choices[0].message.content
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode()) and len(entry.top_logprobs) == 3
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and entry.logprob == tops[0] <= 0  # greedy: the likeliest
+        assert sum(math.exp(p) for p in tops) <= 1 + 1e-6
+    streamed = [t for c in chat(client, max_tokens=10, logprobs=True, top_logprobs=3, stream=True)
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]
+
+
+def test_completion_logprobs_and_text_offsets(client) -> None:
+    answer = completion(client, max_tokens=8, logprobs=2)
+    logprobs = answer.choices[0].logprobs
+    assert "".join(logprobs.tokens) == answer.choices[0].text
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(8)]
+    assert all(len(top) <= 2 and max(top.values()) == p for top, p in zip(logprobs.top_logprobs,
+                                                                           logprobs.token_logprobs))
+
+
+def test_echoed_prompt_logprobs_sum_to_perplexity_nll(client, artifact, codec) -> None:
+    """Completions' echo with logprobs scores the prompt: over the positions `llmc perplexity` scores, the
+    prompt tokens' logprobs sum to minus its NLL."""
+    ids = codec.encode("the cat sat on the mat and then the dog ran after the cat " * 3, bos=False)
+    ctx = len(ids) // 2
+    (chunk,) = chunk_tokens(ids, ctx, 1, codec.bos_id, codec.add_bos)
+    session = Session(artifact, threads=1)
+    try:
+        nll = perplexity(session, [chunk]).nll[0]
+    finally:
+        session.close()
+    answer = completion(client, chunk.tolist(), max_tokens=0, echo=True, logprobs=1)
+    logprobs = answer.choices[0].logprobs
+    assert answer.choices[0].text == codec.decode(chunk.tolist()) and answer.usage.completion_tokens == 0
+    assert logprobs.token_logprobs[0] is None and len(logprobs.token_logprobs) == ctx
+    assert sum(logprobs.token_logprobs[ctx // 2 + 1:]) == pytest.approx(-nll.sum(), rel=1e-4, abs=1e-4)
+    # echo and a continuation: the prompt's text first, then the same greedy continuation as without echo
+    echoed = completion(client, LETTERS, max_tokens=6, echo=True).choices[0].text
+    assert echoed == LETTERS + completion(client, LETTERS, max_tokens=6).choices[0].text
+
+
+# ------------------------------------------------------------------ n, penalties, logit_bias
+
+
+def test_n_choices(client) -> None:
+    greedy = completion(client, max_tokens=6, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2] and len({c.text for c in greedy.choices}) == 1
+    assert greedy.usage.completion_tokens == 18
+    sampled = chat(client, max_tokens=12, n=3, temperature=2.0, seed=5, frequency_penalty=2.0)
+    again = chat(client, max_tokens=12, n=3, temperature=2.0, seed=5, frequency_penalty=2.0)
+    texts = [c.message.content for c in sampled.choices]
+    assert texts == [c.message.content for c in again.choices] and len(set(texts)) == 3  # seeds 5, 6, 7
+    streamed: dict[int, str] = {}
+    for chunk in chat(client, max_tokens=12, n=3, temperature=2.0, seed=5, frequency_penalty=2.0, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    assert [streamed[i] for i in range(3)] == texts
+
+
+def test_penalties_and_logit_bias_change_the_text(client, codec) -> None:
+    greedy = completion(client, max_tokens=12).choices[0].text  # " the the the ..."
+    assert greedy.count(" the") == 12
+    for options in ({"frequency_penalty": 2.0}, {"extra_body": {"repetition_penalty": 3.0}}):
+        assert completion(client, max_tokens=12, **options).choices[0].text.count(" the") < 12, options
+    the = token_id(codec, " the")
+    assert " the" not in completion(client, max_tokens=12, logit_bias={str(the): -100}).choices[0].text
+    forced = completion(client, LETTERS, max_tokens=5, logit_bias={str(the): 100}).choices[0].text
+    assert forced == " the" * 5
+    # min_p 1 keeps only the likeliest token: sampling at any temperature is greedy
+    assert completion(client, max_tokens=12, temperature=2.0, extra_body={"min_p": 1.0}).choices[0].text == greedy
+
+
+def test_sampling_options_reach_the_engine(codec) -> None:
+    """Each field becomes its `SamplingOptions` (what each does to the logits: tests/test_sampling.py)."""
+    parser = RequestParser(codec, Limits.for_capacity(CAPACITY), CAPACITY, "tiny", {"tiny"}, lambda ids: None, 4)
+    body = {"prompt": "x", "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.1, "seed": 3, "n": 4,
+            "presence_penalty": 1.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
+            "logit_bias": {"9": -1, "5": 2.5}, "logprobs": 3}
+    job = parser.completion(json.dumps(body).encode())
+    assert job.sampling == SamplingOptions(0.5, 7, 0.9, 3, min_p=0.1, presence_penalty=1.5, frequency_penalty=-0.5,
+                                           repetition_penalty=1.2, logit_bias=((5, 2.5), (9, -1.0)), logprobs=3)
+    assert job.n == 4 and [job.choice_sampling(i).seed for i in range(4)] == [3, 4, 5, 6]
+    chat_body = {"messages": ASK, "logprobs": True, "top_logprobs": 5}
+    assert parser.chat(json.dumps(chat_body).encode()).sampling.logprobs == 5
+    assert parser.chat(json.dumps({"messages": ASK, "logprobs": False}).encode()).sampling.logprobs is None
+
+
+def test_health_and_metrics_count_the_requests(server, client) -> None:
+    completion(client, max_tokens=2)
+    health = server.health()
+    assert health["prompt_tokens"] > 0 and "reused_tokens" in health
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert 'endpoint="completions"' in metrics and "llmc_time_to_first_token_seconds" in metrics

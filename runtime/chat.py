@@ -19,10 +19,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TextIO
 
-from llmc.runtime.codec import TextCodec, TextStream
-from llmc.runtime.sampling import Sampler, SamplingOptions
+from llmc.runtime.codec import TextCodec
+from llmc.runtime.generate import Generation
+from llmc.runtime.sampling import SamplingOptions
 from llmc.runtime.session import CapacityError, Conversation
-from llmc.runtime.speculate import Speculation, step
+from llmc.runtime.speculate import Speculation
 
 if TYPE_CHECKING:
     from llmc.runtime.grammar import Grammar
@@ -119,53 +120,27 @@ class Chat:
         ids = self._prompt(user)
         session = self.session
         held = session.position
-        keep = session.reuse(ids)  # (the rows past it are overwritten as the new tokens arrive)
+        keep = session.reuse(ids)  # (what `Generation` keeps too; the rows past it are overwritten)
         if keep < held:
             self.note(f"[the conversation's tokens depart from the cache's at position {keep}: "
                       f"feeding from there again]")
-        if self.speculation is not None:
-            self.speculation.start(session, session.cached)
         seed = self.sampling.seed
         sampling = replace(self.sampling, seed=None if seed is None else seed + self.replies)
-        sampler = Sampler(sampling, self.grammar.constraint() if self.grammar else None, context=ids)
         self.replies += 1
-
-        def feed(tokens: list[int]) -> list[int]:
-            return step(session, sampler, tokens, self.max_tokens - len(generated), self.speculation)
-
+        generation = Generation(session, self.codec, ids, self.max_tokens, sampling, self.speculation,
+                                self.grammar.constraint() if self.grammar else None)
         decoder = self.codec.text_stream(ids)
         generated: list[int] = []
-        produced = feed(ids[keep:])
-        while True:
-            *fed, token = produced  # `fed` are in the cache already, `token` is not
-            reason = self._push(fed, generated, decoder, write)
-            if reason:
-                break
-            if interrupted():
-                reason = "interrupted"
-                break
-            reason = self._push([token], generated, decoder, write)
-            if reason:
-                break
-            if session.position >= session.capacity:
-                reason = "full"
-                break
-            produced = feed([token])
-        write(decoder.flush())
-        self.messages.append({"role": "assistant", "content": self.codec.decode(generated)})
-        return Turn(keep, len(ids) - keep, len(generated), reason, time.perf_counter() - start, session.position)
-
-    def _push(self, tokens: list[int], generated: list[int], decoder: TextStream,
-              write: Callable[[str], None]) -> str | None:
-        """Write `tokens` of the reply; why it ends ("stop", "length") where one of them ends it."""
-        for token in tokens:
-            if token == self.codec.eos_id:
-                return "stop"
+        for token in generation:
             generated.append(token)
             write(decoder.push(token))
-            if len(generated) >= self.max_tokens:
-                return "length"
-        return None
+            if interrupted():
+                session.rewind(min(session.position, len(ids) + len(generated)))  # (drafts past the reply)
+                break
+        write(decoder.flush())
+        self.messages.append({"role": "assistant", "content": self.codec.decode(generated)})
+        reason = {"eos": "stop", "length": "length", "full": "full", None: "interrupted"}[generation.reason]
+        return Turn(keep, len(ids) - keep, len(generated), reason, time.perf_counter() - start, session.position)
 
 
 @contextmanager

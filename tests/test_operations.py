@@ -11,6 +11,7 @@ import logging
 import re
 import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -435,3 +436,13 @@ def test_the_server_wires_metrics_key_tokenize_and_access_log(served_session, ac
     assert any(' "POST /v1/completions" 401 ' in line for line in access_lines)
     assert any(' "POST /v1/completions" 200 ' in line and line.endswith(f" prompt={len(tokens)} completion=3")
                for line in access_lines)
+
+
+def test_serve_without_prometheus_client_names_the_extra(artifact) -> None:
+    from runtime_only import runtime_only
+
+    done = subprocess.run(runtime_only("prometheus_client", "serve", str(artifact(SPEC)), "--port", "0"),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "llmc: error: llmc serve's /metrics needs prometheus-client: pip install 'llmc[serve]'"]

@@ -360,7 +360,11 @@ class Server:
 
         streams = [pieces(job, choice, self.codec, first_token) for choice in job.choices]
         if job.stream:
-            return EventStream(events(job, streams, chunks, finished), job.cancel)
+            def ended() -> None:
+                job.cancel()  # (a finished request is not affected)
+                finished()
+
+            return EventStream(events(job, streams, chunks), ended)
         try:
             replies = await whole(request, job, streams)
         except Disconnected:

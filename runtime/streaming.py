@@ -190,34 +190,27 @@ async def merged(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int
             task.cancel()
 
 
-def events(job: Job, streams: list[AsyncIterator[Piece]], chunks: Callable[..., list[dict]],
-           done: Callable[[], None] = lambda: None) -> AsyncIterator[str]:
+def events(job: Job, streams: list[AsyncIterator[Piece]], chunks: Callable[..., list[dict]]) -> AsyncIterator[str]:
     """Server-sent events of the choices' `pieces`: `chunks(index, start=True)` for each choice first,
     `chunks(index, piece=…)` per piece, `chunks(index, finish=…)` as each ends, `chunks(usage=…)` with
-    `include_usage`, then `[DONE]`; an error while generating is sent as OpenAI's error body. `done()` is
-    called once when the stream ends, however it ends."""
+    `include_usage`, then `[DONE]`; an error while generating is sent as OpenAI's error body."""
 
     async def stream() -> AsyncIterator[str]:
+        for index in range(len(streams)):
+            for chunk in chunks(index, start=True):
+                yield _sse(chunk)
         try:
-            for index in range(len(streams)):
-                for chunk in chunks(index, start=True):
+            async for index, piece in merged(streams):
+                parts = chunks(index, finish=job.choices[index].finish_reason) if piece is None else chunks(
+                    index, piece=piece)
+                for chunk in parts:
                     yield _sse(chunk)
-            try:
-                async for index, piece in merged(streams):
-                    if piece is None:
-                        parts = chunks(index, finish=job.choices[index].finish_reason)
-                    else:
-                        parts = chunks(index, piece=piece)
-                    for chunk in parts:
-                        yield _sse(chunk)
-                if job.include_usage:
-                    for chunk in chunks(usage=job.usage()):
-                        yield _sse(chunk)
-            except ApiError as e:
-                yield _sse(e.body())
-            yield "data: [DONE]\n\n"
-        finally:
-            done()
+            if job.include_usage:
+                for chunk in chunks(usage=job.usage()):
+                    yield _sse(chunk)
+        except ApiError as e:
+            yield _sse(e.body())
+        yield "data: [DONE]\n\n"
 
     return stream()
 
@@ -234,13 +227,13 @@ async def _disconnect(request: HttpRequest) -> None:
 
 class EventStream(StreamingResponse):
     """Server-sent events that stop, and cancel their request, as soon as the client goes away
-    (whatever ASGI spec version the server speaks)."""
+    (whatever ASGI spec version the server speaks): `ended()` is called once they stop, however."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], cancel: Callable[[], None]):
+    def __init__(self, events: AsyncIterator[str], ended: Callable[[], None]):
         super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.cancel = cancel
+        self.ended = ended
 
     async def __call__(self, scope, receive, send) -> None:
         streaming = asyncio.ensure_future(self.stream_response(send))
@@ -248,7 +241,7 @@ class EventStream(StreamingResponse):
         try:
             await asyncio.wait({streaming, listening}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            self.cancel()
+            self.ended()
             for task in (streaming, listening):
                 task.cancel()
             await asyncio.gather(streaming, listening, return_exceptions=True)

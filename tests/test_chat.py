@@ -115,6 +115,37 @@ def test_an_interrupted_reply_stays_in_the_history(artifacts) -> None:
     assert chat.reply("go on", lambda text: None).reused == turn.position
 
 
+class _Foresight:
+    """A drafter that knows the reply: it drafts the tokens that follow in `truth`."""
+
+    def __init__(self, truth: list[int]):
+        self.truth, self.seen = truth, 0
+
+    def start(self, tokens: list[int]) -> None:
+        self.seen = len(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        self.seen += len(tokens)
+
+    def draft(self, k: int) -> list[int]:
+        return self.truth[self.seen : self.seen + k]
+
+
+def test_an_interrupted_reply_keeps_no_draft_past_its_text(artifacts) -> None:
+    from llmc.runtime.speculate import Speculation
+
+    plain = _chat(artifacts["long"], max_tokens=20)
+    plain.reply("hello", lambda text: None)
+    notes: list[str] = []
+    chat = _chat(artifacts["long"], max_tokens=20, note=notes.append,
+                 speculation=Speculation(_Foresight(plain.session.cached)))
+    calls: list[str] = []  # (one write per token)
+    turn = chat.reply("hello", calls.append, interrupted=lambda: len(calls) >= 3)
+    assert turn.reason == "interrupted" and turn.generated == 3 and chat.speculation.stats.accepted > 3
+    assert turn.position == turn.fed + 3  # the drafts accepted past the third token are dropped
+    assert chat.reply("go on", lambda text: None).reused == turn.position and not notes
+
+
 def test_each_reply_follows_the_grammar_and_a_seed_repeats(artifacts) -> None:
     import json
 

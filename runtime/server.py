@@ -267,7 +267,7 @@ class Server:
         return JSONResponse(self.model_card)
 
     async def openapi(self, request: HttpRequest) -> Response:
-        return JSONResponse(openapi_schema(self.name, self.limits))
+        return JSONResponse(openapi_schema(self.name, self.limits, self.engine.max_active))
 
     async def health(self, request: HttpRequest) -> Response:
         return JSONResponse(self.health_stats())

@@ -273,6 +273,26 @@ def test_sampling_options_reach_the_engine(codec) -> None:
     assert parser.chat(json.dumps({"messages": ASK, "logprobs": False}).encode()).sampling.logprobs is None
 
 
+def test_answers_match_the_openapi_schema(server) -> None:
+    components = httpx.get(f"{server.url}/openapi.json", timeout=10).json()["components"]["schemas"]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    cases = [("chat/completions", "ChatCompletionRequest", "ChatCompletion",
+              {"messages": ASK, "max_tokens": 3, "logprobs": True, "top_logprobs": 2, "n": 2}),
+             ("chat/completions", "ChatCompletionRequest", "ChatCompletion",
+              {"messages": ASK, "max_tokens": 300, "tools": [CLOCK], "tool_choice": named, "temperature": 0,
+               "parallel_tool_calls": False}),
+             ("completions", "CompletionRequest", "Completion",
+              {"prompt": LETTERS, "max_tokens": 2, "echo": True, "logprobs": 2, "logit_bias": {"5": 1}})]
+
+    def valid(name: str, value: object) -> bool:
+        return jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": {
+            "schemas": components}}).is_valid(value)
+
+    for path, request, response, body in cases:
+        answer = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=60)
+        assert valid(request, body) and answer.status_code == 200 and valid(response, answer.json()), answer.text
+
+
 def test_health_and_metrics_count_the_requests(server, client) -> None:
     completion(client, max_tokens=2)
     health = server.health()

@@ -533,7 +533,8 @@ class RequestParser:
 
     def _grammar(self, body: dict, tools: ToolUse | None) -> Grammar | None:
         """What the reply must match: the tools' reply format, `response_format`, or the `grammar` extension
-        (compiled once per text: the last GRAMMAR_CACHE are kept)."""
+        (compiled once per text: the last GRAMMAR_CACHE are kept; a schema's text keeps its properties' order,
+        the order the reply writes them in)."""
         response_format, grammar, grammar_format = (body.get(k) for k in ("response_format", "grammar",
                                                                           "grammar_format"))
         if grammar_format is not None and grammar is None:
@@ -542,7 +543,7 @@ class RequestParser:
             kind, param, text = None, None, ""
         else:
             kind, schema = _response_format(response_format)
-            param, text = "response_format", json.dumps(schema, sort_keys=True) if schema is not None else ""
+            param, text = "response_format", json.dumps(schema) if schema is not None else ""
         if grammar is not None:
             if kind is not None:
                 raise invalid("grammar", "grammar cannot be combined with a response_format")
@@ -556,7 +557,7 @@ class RequestParser:
         if tools is not None:
             if kind is not None:
                 raise invalid(param, f"{param} cannot be combined with tools (the reply is the tools' JSON format)")
-            kind, param, text = "json_schema", "tools", json.dumps(tools.schema(), sort_keys=True)
+            kind, param, text = "json_schema", "tools", json.dumps(tools.schema())
         return None if kind is None else self._compiled(kind, text, param)
 
     def _compiled(self, kind: str, text: str, param: str) -> Grammar:

@@ -1,11 +1,19 @@
 """`llmc serve`: an OpenAI-compatible HTTP API over one artifact.
 
-    POST /v1/completions        a prompt (text or token ids) → its continuation
-    POST /v1/chat/completions   messages, rendered with the model's chat template → the reply
+    POST /v1/completions        a prompt (text or token ids) → its continuation (`echo`: after the prompt)
+    POST /v1/chat/completions   messages, rendered with the model's chat template → the reply, or tool calls
     GET  /v1/models             the one model served (the artifact's name)
     GET  /health                the engine's state: slots, running and waiting requests, counts (decode and
-                                verify calls, tokens drafted and accepted); requests being prepared
+                                verify calls, tokens drafted and accepted, prompt tokens fed and reused);
+                                requests being prepared
     GET  /openapi.json          the OpenAPI description of these routes
+    GET  /metrics, POST /tokenize, POST /detokenize   (`llmc.runtime.operations`, with the API key, CORS
+                                and the access log)
+
+A request may ask for `n` choices (each an engine request of its own), logprobs (the model's raw
+distribution), penalties and `logit_bias`, and constrain its reply by a JSON schema, a grammar or
+tools (`llmc.runtime.api_requests`, `llmc.runtime.tools`): the grammar masks the tokens it does not
+allow as the engine samples.
 
 Both generation endpoints stream as server-sent events in OpenAI's chunk format (ending
 with `data: [DONE]`) when `"stream": true`, and answer whole otherwise. Requests run on the

@@ -90,14 +90,16 @@ def token_id(codec: TextCodec, text: str) -> int:
 
 
 def test_json_schema_answers_validate(client) -> None:
-    schema = {"type": "object", "additionalProperties": False, "required": ["colour", "ok", "size"],
-              "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
-                             "size": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    schema = {"type": "object", "additionalProperties": False, "required": ["size", "colour", "ok"],
+              "properties": {"size": {"type": "integer", "minimum": 0, "maximum": 9},
+                             "colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}}}
     response_format = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
     for seed in range(3):
         answer = chat(client, temperature=1.0, seed=seed, max_tokens=300, response_format=response_format)
         assert answer.choices[0].finish_reason == "stop"
-        jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
+        reply = json.loads(answer.choices[0].message.content)
+        jsonschema.validate(reply, schema)
+        assert list(reply) == ["size", "colour", "ok"]  # in the schema's order
 
 
 def test_json_object_and_grammars(client, codec) -> None:

@@ -39,9 +39,9 @@ def _llguidance():
 
 
 def _one_line(message: str) -> str:
-    """llguidance's message on one line, without the source lines (`1 | start: foo`) and carets it draws:
-    'at 1(8): unknown name: "foo"'."""
-    lines = (line.strip() for line in message.splitlines())
+    """llguidance's message on one line, without the source lines (`1 | start: foo`) and carets it draws, and
+    without the parser's state and grammar it appends: 'at 1(8): unknown name: "foo"'."""
+    lines = (line.strip() for line in message.split("<state>", 1)[0].splitlines())
     return " ".join(line for line in lines if line and set(line) != {"^"} and not _SOURCE_LINE.match(line)) or "refused"
 
 

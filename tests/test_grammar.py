@@ -9,6 +9,7 @@ import re
 import sys
 import time
 
+import llama_vocabs
 import numpy as np
 import pytest
 from test_speculate import _Oracle
@@ -123,8 +124,9 @@ def test_rollback_restores_the_mask_and_admissible_counts_a_prefix(codec) -> Non
     wrong = codec.encode('"pet": 3', bos=False)
     assert constraint.admissible(text[3:] + wrong) == len(text) - 3 + 0  # a key where a value belongs: none of it
     assert constraint.admissible(text[3:]) == len(text) - 3  # (and nothing was consumed by asking)
-    with pytest.raises(GrammarError, match="the grammar does not allow the tokens"):
+    with pytest.raises(GrammarError, match="the grammar does not allow the tokens") as caught:
         Grammar.lark(codec, 'start: "a"').constraint().consume(codec.encode("b", bos=False))
+    assert "\n" not in str(caught.value) and "<state>" not in str(caught.value)  # (llguidance appends its state)
 
 
 def test_greedy_speculation_under_a_grammar_gives_the_plain_tokens(session, codec) -> None:
@@ -140,6 +142,28 @@ def test_greedy_speculation_under_a_grammar_gives_the_plain_tokens(session, code
         assert fast == plain and ended
         assert speculation.stats.accepted > 0 and speculation.stats.verify_calls > 0
         assert sampler.constraint.complete  # the matcher followed exactly the tokens taken
+
+
+@pytest.mark.skipif(not llama_vocabs.present(), reason=llama_vocabs.FETCH)
+@pytest.mark.parametrize("name", ["llama-spm", "qwen2", "gemma-4"])
+def test_other_tokenizer_families_end_the_json_they_start(name) -> None:
+    """SentencePiece (a word's leading space in its token) and byte-level BPE vocabularies from GGUF files:
+    taking the likeliest allowed token of a fixed preference order, the text is one whole JSON value."""
+    from llmc.frontend.gguf import load_gguf_tokenizer
+
+    codec = load_gguf_tokenizer(llama_vocabs.DIRECTORY / f"ggml-vocab-{name}.gguf")
+    constraint = Grammar.json_schema(codec, PERSON).constraint()
+    preference = np.random.default_rng(0).permutation(codec.tokenizer.get_vocab_size())
+    taken = []
+    for _ in range(400):
+        allowed = constraint.allowed()
+        token = int(preference[allowed[preference]][0])  # the first allowed in a random order of the vocabulary
+        if token == codec.eos_id:
+            break
+        constraint.consume([token])
+        taken.append(token)
+    assert token == codec.eos_id and constraint.complete
+    jsonschema.validate(json.loads(codec.decode(taken)), PERSON)
 
 
 @pytest.fixture(scope="module")

@@ -208,3 +208,15 @@ def test_without_llguidance_the_error_names_the_extra(codec, monkeypatch) -> Non
     monkeypatch.setitem(sys.modules, "llguidance", None)  # (an import of it fails)
     with pytest.raises(LlmcError, match=r"structured output needs llguidance: pip install 'llmc\[serve\]'"):
         Grammar.json_object(codec)
+
+
+def test_the_mask_covers_a_model_vocabulary_larger_than_the_tokenizers(codec) -> None:
+    """A model whose logits are padded past the tokenizer's ids: the padding is never chosen under a grammar."""
+    constraint = Grammar.lark(codec, 'start: "yes" | "no"').constraint()
+    size = codec.tokenizer.get_vocab_size()
+    logits = np.zeros(size + 32, np.float32)
+    logits[size:] = 50.0  # the padding the likeliest
+    processed = Sampler(SamplingOptions(), constraint).processed(logits)
+    assert np.all(processed[size:] == -np.inf)
+    assert {codec.decode([int(t)]) for t in np.flatnonzero(processed > -np.inf)} == {"y", "n"}  # (no "ye", "no")
+    assert Sampler(SamplingOptions(1.0, seed=0), constraint)(logits) < size

@@ -5,7 +5,8 @@ With tools given (and `tool_choice` not "none"), the model's reply is constraine
     {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}    (the calls), or
     {"response": "It is sunny."}                                                 ("auto" only: plain text)
 
-`ToolUse.schema()` is that JSON schema (each call's `arguments` by its function's `parameters`),
+`ToolUse.schema()` is that JSON schema (each call's `arguments` by its function's `parameters`, no
+other properties unless they say `additionalProperties`),
 `ToolUse.system_text()` describes the tools and the format to a template that never mentions
 `tools` (templates that do render them natively), `history(messages)` turns OpenAI's tool
 messages into ones any template renders, and `read_reply(text)` gives back OpenAI's `content`
@@ -39,7 +40,7 @@ class ToolUse:
         """The JSON schema of the reply."""
         called = [f for f in self.functions if self.choice in ("auto", "required", f["name"])]
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                  "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or ANY_OBJECT}}
+                  "properties": {"name": {"const": f["name"]}, "arguments": _closed(f.get("parameters") or ANY_OBJECT)}}
                  for f in called]
         array = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
         if not self.parallel:
@@ -63,6 +64,14 @@ class ToolUse:
         if self.choice != "required":
             return text + f' (call {self.choice}).'
         return text + "."
+
+
+def _closed(parameters: dict) -> dict:
+    """A function's parameters schema taking no properties besides those it names, unless it says otherwise
+    (as llama.cpp's tool grammars and OpenAI's strict mode: a small model otherwise invents more)."""
+    if "properties" in parameters and "additionalProperties" not in parameters:
+        return {**parameters, "additionalProperties": False}
+    return parameters
 
 
 def with_system_text(messages: list[dict], text: str) -> list[dict]:

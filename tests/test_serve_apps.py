@@ -36,10 +36,9 @@ from llmc.runtime.session import Session  # noqa: E402
 
 CAPACITY = 2048
 SLOTS = 4
-WEATHER = {"type": "function", "function": {
+WEATHER = {"type": "function", "function": {  # (no other properties, though it does not say so)
     "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
-                   "properties": {"city": {"enum": ["Paris", "Rome"]}}}}}
+    "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"enum": ["Paris", "Rome"]}}}}}
 CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "additionalProperties": False, "required": ["zone"], "properties": {"zone": {"const": "UTC"}}}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -128,7 +127,7 @@ def test_forced_tool_call_round_trips(client) -> None:
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
-    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    assert json.loads(call.function.arguments) in ({"city": "Paris"}, {"city": "Rome"})
     # streamed: the call comes whole in one delta, as OpenAI's chunks spell it
     chunks = list(chat(client, **forced, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"

@@ -171,13 +171,19 @@ def test_tools_reach_the_prompt(codec) -> None:
     assert '<|im_start|>assistant\n{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome"}}]}' in prompt
     assert "<|im_start|>tool\n22 degrees<|im_end|>" in prompt
     assert job.grammar is not None and job.tools.choice == "auto"
+
+    def prompt_with(template: str, body: dict) -> str:
+        templated = TextCodec(codec.tokenizer, codec.bos_id, codec.eos_id, codec.add_bos, template)
+        parser = RequestParser(templated, Limits.for_capacity(CAPACITY), CAPACITY, "tiny", {"tiny"}, lambda ids: None)
+        return codec.decode(parser.chat(json.dumps(body).encode()).prompt)
+
     # a template that renders tools itself gets them, and no description
-    codec = TextCodec(codec.tokenizer, codec.bos_id, codec.eos_id, codec.add_bos,
-                      "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.content }}"
-                      "{% endfor %}")
-    parser = RequestParser(codec, Limits.for_capacity(CAPACITY), CAPACITY, "tiny", {"tiny"}, lambda ids: None)
-    prompt = codec.decode(parser.chat(json.dumps({"messages": ASK, "tools": [WEATHER]}).encode()).prompt)
-    assert prompt == "[get_weather]What is the weather in Paris?"
+    native = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert prompt_with(native, {"messages": ASK, "tools": [WEATHER]}) == "[get_weather]What is the weather in Paris?"
+    # one that refuses the "tool" role gets the result as a user message naming the call
+    refusing = ("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}"
+                "{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    assert prompt_with(refusing, body).endswith("user: The result of the tool call call_1 (get_weather):\n22 degrees\n")
 
 
 # ------------------------------------------------------------------ logprobs

@@ -243,7 +243,7 @@ def _logprobs(body: dict, kind: str) -> int | None:
     if top is not None:
         if not (_is_int(top) and 0 <= top <= most):
             raise invalid("top_logprobs", f"top_logprobs must be an integer in [0, {most}], got {_show(top)}")
-        if not logprobs:
+        if top and not logprobs:
             raise invalid("top_logprobs", "top_logprobs needs \"logprobs\": true")
     return (top or 0) if logprobs else None
 

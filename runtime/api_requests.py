@@ -11,8 +11,9 @@ Besides sampling (penalties, `logit_bias`, `min_p`, `logprobs`), `n` choices and
 a reply may be constrained by `response_format` (JSON, a JSON schema), the `grammar` extension (GBNF
 or Lark), or `tools` (`llmc.runtime.tools`), compiled here (`llmc.runtime.grammar`, on the worker
 thread that parses the request) and cached by their text. Bodies take no other fields; OpenAI fields
-llmc does not implement are accepted at their neutral values only (`_NEUTRAL`). What one request may cost is bounded by `Limits`, sized from the KV capacity: a longer
-prompt could not run anyway. Nothing here knows HTTP: the server reads the body and answers the error.
+llmc does not implement are accepted at their neutral values only (`_NEUTRAL`). What one request may
+cost is bounded by `Limits`, sized from the KV capacity: a longer prompt could not run anyway.
+Nothing here knows HTTP: the server reads the body and answers the error.
 """
 
 from __future__ import annotations

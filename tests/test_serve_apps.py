@@ -305,4 +305,12 @@ def test_health_and_metrics_count_the_requests(server, client) -> None:
     health = server.health()
     assert health["prompt_tokens"] > 0 and "reused_tokens" in health
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-    assert 'endpoint="completions"' in metrics and "llmc_time_to_first_token_seconds" in metrics
+
+    def value(name: str) -> float:
+        return float(re.search(rf'^{name}{{endpoint="completions"}} (\S+)$', metrics, re.M).group(1))
+
+    # the hooks ran: each request ended (counted by reason) had its first token timed
+    ended = sum(float(n) for n in re.findall(r'^llmc_requests_total{endpoint="completions",reason="\w+"} (\S+)$',
+                                            metrics, re.M))
+    assert ended >= 1 and value("llmc_time_to_first_token_seconds_count") >= 1
+    assert value("llmc_requests_in_progress") == 0

@@ -25,6 +25,7 @@ from starlette.responses import StreamingResponse
 
 from llmc.runtime.api_requests import ApiError, Choice, Job
 from llmc.runtime.codec import TextCodec
+from llmc.runtime.generate import StopStrings
 from llmc.runtime.sampling import TokenLogprob
 
 
@@ -71,17 +72,6 @@ class TokenQueue:
         self._put(reason)
 
 
-def _held_back(text: str, stops: list[str]) -> int:
-    """How many characters at the end of `text` could begin a stop string (kept until the next piece)."""
-    held = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), held, -1):
-            if text.endswith(stop[:n]):
-                held = n
-                break
-    return held
-
-
 class Disconnected(Exception):
     """The client went away before its answer was whole."""
 
@@ -94,7 +84,7 @@ async def pieces(job: Job, choice: Choice, codec: TextCodec,
     if job.echo is not None and not job.prompt_logprobs:
         yield Piece(job.echo, list(job.prompt))
     decoder = codec.text_stream(job.prompt)
-    pending = ""  # text held back: it may begin a stop string
+    stops = StopStrings(job.stop)  # (holds back an end that may begin a stop string)
     tokens: list[int] = []  # the tokens of the text not yet given
     chosen: list[TokenLogprob | None] = []  # and their logprobs
     while True:
@@ -108,9 +98,9 @@ async def pieces(job: Job, choice: Choice, codec: TextCodec,
             job.completion_tokens += 1
             tokens.append(item[0])
             chosen.append(item[1])
-            text, reason = pending + decoder.push(item[0]), None
+            text, reason = stops.push(decoder.push(item[0])), None
         else:
-            text, reason = pending + decoder.flush(), item
+            text, reason = stops.push(decoder.flush()), item
 
         def piece(text: str) -> Piece:
             given = Piece(text, tokens.copy(), chosen.copy() if logprobs else None)
@@ -118,27 +108,24 @@ async def pieces(job: Job, choice: Choice, codec: TextCodec,
             chosen.clear()
             return given
 
-        if job.stop:
-            cuts = [i for i in (text.find(s) for s in job.stop) if i >= 0]
-            if cuts:
-                choice.request.cancel()  # the engine frees the slot at its next step
-                if min(cuts):
-                    yield piece(text[: min(cuts)])
-                choice.finish_reason = "stop"
-                return
+        if stops.found is not None:
+            choice.request.cancel()  # the engine frees the slot at its next step
+            if text:
+                yield piece(text)
+            choice.finish_reason = "stop"
+            return
         if reason is not None:
             if reason not in ("stop", "length"):
                 raise ApiError(503 if reason == "cancelled" else 500,
                                "the server is shutting down" if reason == "cancelled" else f"generation failed "
                                f"({reason})", "server_error")
+            text += stops.flush()
             if text or tokens:
                 yield piece(text)
             choice.finish_reason = reason
             return
-        held = _held_back(text, job.stop) if job.stop else 0
-        pending = text[len(text) - held:]
-        if len(text) > held:
-            yield piece(text[: len(text) - held])
+        if text:
+            yield piece(text)
 
 
 async def whole(request: HttpRequest, job: Job, streams: list[AsyncIterator[Piece]]) -> list[Piece]:

@@ -4,8 +4,8 @@
     llmc opt FILE.mlir [-p PASS,PASS] [--print-ir-after-all]   parse, verify, run passes, print
     llmc verify MODEL [--prompt TEXT] [--quant T]          compare every stage with the source model
     llmc compile MODEL [--target cpu|cuda] [-o DIR]        compile to an artifact directory
-    llmc run DIR -p TEXT [-n N] [--chat] [sampling]       generate text with an artifact
-    llmc serve DIR [--port P] [--max-batch N] [--queue N] an OpenAI-compatible HTTP API over an artifact
+    llmc run DIR (-p TEXT | -f FILE) [-n N] [--stop S]    generate text with an artifact
+    llmc serve DIR [--port P] [--max-batch N] [--ctx N]   an OpenAI-compatible HTTP API over an artifact
     llmc chat DIR [--system TEXT] [-n N] [sampling]       chat with an artifact in the terminal
     llmc tokenize MODEL TEXT [--ids] [--jsonl FILE]       a text's tokens, as llama-tokenize prints them
     llmc bench DIR [--depth D,D] [--vs PEER,PEER]         prefill and decode tokens/s, next to peers

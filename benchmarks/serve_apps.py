@@ -261,13 +261,15 @@ def mixed_streams(client: OpenAI, model: str, streams: int) -> dict:
 # ------------------------------------------------------------------ running it
 
 
-def cpu_name() -> str:
+def cpu_name(artifact: Path) -> str:
+    """This machine's CPU (/proc/cpuinfo's model name), its cores, and the CPU the artifact was compiled for."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
     except OSError:
         name = "unknown"
-    return f"{name}, {len(os.sched_getaffinity(0))} cores"
+    compiled_for = json.loads((artifact / "manifest.json").read_text()).get("cpu", {}).get("name", "?")
+    return f"{name}, {len(os.sched_getaffinity(0))} cores (the artifact's kernels: {compiled_for})"
 
 
 def start_server(artifact: Path, log: Path, *options: str) -> tuple[subprocess.Popen, str]:
@@ -320,7 +322,7 @@ def main() -> int:
     goals = {"prefix": prefix["ratio"] <= 0.15, "schemas": answers["valid"] == answers["count"],
              "mixed": mixed["served"] == mixed["streams"]} | {name: r["ratio"] >= 0.9 for name, r in rates.items()}
     mark = {True: "yes", False: "**NO**"}
-    print(f"llmc serve {args.artifact.name} on {cpu_name()} (server logs: {logs}.*)\n")
+    print(f"llmc serve {args.artifact.name} on {cpu_name(args.artifact)} (server logs: {logs}.*)\n")
     print("| measure | result | goal | met |")
     print("|---|---|---|---|")
     print(f"| (a) time to first token, {prefix['prompt_tokens']}-token prompt | {prefix['first']:.2f} s | | |")

@@ -151,7 +151,7 @@ def batched(work: Path, streams: int = 8, tokens: int = 64) -> None:
         engine = Engine(session, eos_id=None)
         out: list[list[int]] = [[] for _ in group]
         for prompt, seq in zip(group, out):
-            engine.submit(Request(prompt, tokens, emit=lambda token, _: seq.append(token)))
+            engine.submit(Request(prompt, tokens, emit=lambda token, _, seq=seq: seq.append(token)))
         while any(s.token is None for s in engine.running) or engine.waiting:  # every prompt fed
             engine.step()
         start, before = time.perf_counter(), engine.decoded_rows

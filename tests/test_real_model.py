@@ -230,7 +230,7 @@ def test_batched_streams_equal_each_prompt_alone(compiled) -> None:
     engine = Engine(batched, codec.eos_id)
     got: list[list[int]] = [[] for _ in prompts]
     for prompt, tokens in zip(prompts, got):
-        engine.submit(Request(codec.encode(prompt), 24, emit=lambda token, _: tokens.append(token)))
+        engine.submit(Request(codec.encode(prompt), 24, emit=lambda token, _, tokens=tokens: tokens.append(token)))
     while engine.busy:
         engine.step()
     assert got == expected

@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_serve import LETTERS, REPEATS, Served, start_server
+from test_serve import LETTERS, REPEATS, client, server  # noqa: F401 (fixtures, on this module's artifact)
 from tiny_models import TinySpec
 
 httpx = pytest.importorskip("httpx")
@@ -56,20 +55,6 @@ def artifact(tiny, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def codec(artifact) -> TextCodec:
     return TextCodec.from_artifact(load_manifest(artifact))
-
-
-@pytest.fixture(scope="module")
-def server(artifact) -> Iterator[Served]:
-    served = start_server(artifact)
-    yield served
-    if served.process.poll() is None:
-        served.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60) as client:
-        yield client
 
 
 def chat(client, messages=ASK, **options):

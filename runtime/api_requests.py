@@ -453,6 +453,19 @@ def _max_tokens(body: dict, names: tuple[str, ...], least: int) -> tuple[str, in
     return name, value
 
 
+def json_object(raw: bytes) -> dict:
+    """A request body's JSON object, or a 400: not JSON (or not UTF-8), nested too deeply, not an object."""
+    try:
+        body = json.loads(raw)
+    except ValueError as e:  # not UTF-8, not JSON, an integer beyond Python's 4300 digits
+        raise invalid(None, f"the request body is not valid JSON: {printable(e, 200)}", "invalid_json") from None
+    except RecursionError:
+        raise invalid(None, "the request body is nested too deeply", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise invalid(None, "the request body must be a JSON object")
+    return body
+
+
 class RequestParser:
     """Request bodies → `Job`s for one served model (`names`: what `model` may say), its codec and limits;
     `check_prompt` is the engine's check of a prompt's tokens (`CapacityError` when they do not fit);
@@ -585,14 +598,7 @@ class RequestParser:
         return grammar
 
     def _body(self, raw: bytes, kind: str) -> dict:
-        try:
-            body = json.loads(raw)
-        except ValueError as e:  # not UTF-8, not JSON, an integer beyond Python's 4300 digits
-            raise invalid(None, f"the request body is not valid JSON: {printable(e, 200)}", "invalid_json") from None
-        except RecursionError:
-            raise invalid(None, "the request body is nested too deeply", "invalid_json") from None
-        if not isinstance(body, dict):
-            raise invalid(None, "the request body must be a JSON object")
+        body = json_object(raw)
         _check_fields(body, kind)
         self.check_model(body.get("model"))
         return body

@@ -45,7 +45,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmc.errors import LlmcError, printable
-from llmc.runtime.api_requests import ApiError, Limits, invalid
+from llmc.runtime.api_requests import ApiError, Limits, invalid, json_object
 from llmc.runtime.codec import TextCodec
 
 ACCESS_LOGGER = "llmc.access"
@@ -339,14 +339,7 @@ class Operations:
     async def _body(self, request: HttpRequest, fields: dict[str, type], required: str) -> dict:
         """The request's JSON object, holding `required` and no field but `fields`, each of its type (400s
         naming the field)."""
-        try:
-            body = json.loads(await read_body(request, self.limits))
-        except ValueError as e:  # not UTF-8, not JSON
-            raise invalid(None, f"the request body is not valid JSON: {printable(e, 200)}", "invalid_json") from None
-        except RecursionError:
-            raise invalid(None, "the request body is nested too deeply", "invalid_json") from None
-        if not isinstance(body, dict):
-            raise invalid(None, "the request body must be a JSON object")
+        body = json_object(await read_body(request, self.limits))
         if required not in body:
             raise invalid(required, f"missing required field '{required}'", "missing_required_parameter")
         for name, value in body.items():

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat replies default to the room left
 MAX_STOP_STRINGS = 4  # as OpenAI allows
+MAX_CHOICES = 16  # `n`, at most (and at most a server's slots and queue together)
 ROLES = ("system", "user", "assistant", "tool")
 _ROLE_FIELDS = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}  # a role's fields besides role, content, name
 CHARS_PER_TOKEN = 32  # a prompt of more characters per token of KV capacity cannot fit (tokens are shorter)
@@ -469,7 +470,8 @@ def json_object(raw: bytes) -> dict:
 class RequestParser:
     """Request bodies → `Job`s for one served model (`names`: what `model` may say), its codec and limits;
     `check_prompt` is the engine's check of a prompt's tokens (`CapacityError` when they do not fit);
-    `max_choices`: the most choices (`n`) one request may ask for."""
+    `max_choices`: the most choices (`n`) one request may ask for (each an engine request: those beyond the
+    free slots wait in the queue, and reuse the prompt its first choice left in a slot's cache)."""
 
     def __init__(self, codec: TextCodec, limits: Limits, capacity: int, name: str, names: set[str],
                  check_prompt: Callable[[list[int]], None], max_choices: int = 1):
@@ -624,7 +626,7 @@ class RequestParser:
                           "context_length_exceeded")
         n = body.get("n")
         if n is not None and not (_is_int(n) and 1 <= n <= self.max_choices):
-            raise invalid("n", f"n must be an integer in [1, {self.max_choices}] (the server's slots), got {_show(n)}")
+            raise invalid("n", f"n must be an integer in [1, {self.max_choices}], got {_show(n)}")
         stream, include_usage = _stream(body)
         return Job(prompt, max_tokens, _sampling(body, kind, self.vocabulary), _stop(body), stream, include_usage,
                    n or 1, grammar=grammar)

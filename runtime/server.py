@@ -67,7 +67,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from llmc.errors import LlmcError
-from llmc.runtime.api_requests import ApiError, Choice, Job, Limits, RequestParser, invalid
+from llmc.runtime.api_requests import MAX_CHOICES, ApiError, Choice, Job, Limits, RequestParser, invalid
 from llmc.runtime.artifact import MANIFEST
 from llmc.runtime.batch import Engine, QueueFull, Request
 from llmc.runtime.codec import TextCodec
@@ -201,7 +201,7 @@ class Server:
         self.limits = limits or Limits.for_capacity(self.capacity)
         self.engine = Engine(session, codec.eos_id, queue_size, max_active, speculate)
         self.requests = RequestParser(codec, self.limits, self.capacity, name, self.names, self.engine.check_prompt,
-                                      self.engine.max_active)
+                                      min(MAX_CHOICES, self.engine.max_active + queue_size))
         self.operations = Operations(name, codec, self.health_stats, options, self.limits)
         self.workers = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="llmc-request",
                                           initializer=_yield_to_generation)
@@ -275,7 +275,7 @@ class Server:
         return JSONResponse(self.model_card)
 
     async def openapi(self, request: HttpRequest) -> Response:
-        return JSONResponse(openapi_schema(self.name, self.limits, self.engine.max_active))
+        return JSONResponse(openapi_schema(self.name, self.limits, self.requests.max_choices))
 
     async def health(self, request: HttpRequest) -> Response:
         return JSONResponse(self.health_stats())

@@ -32,6 +32,7 @@ pytest.importorskip("uvicorn")
 
 from llmc.driver import BackendOptions, compile_model  # noqa: E402
 from llmc.passes.pipeline import CompileOptions  # noqa: E402
+from llmc.runtime.api_requests import MAX_CHOICES  # noqa: E402
 from llmc.runtime.artifact import load_manifest  # noqa: E402
 from llmc.runtime.codec import TextCodec  # noqa: E402
 from llmc.runtime.server import Limits  # noqa: E402
@@ -249,7 +250,7 @@ def test_concurrent_streams_equal_each_alone(client) -> None:
         ("completions", {}, "prompt", "missing required field 'prompt'"),
         ("completions", {"prompt": "x", "colour": "red"}, "colour", "unknown field 'colour'"),
         ("completions", {"prompt": "x", "best_of": 2}, "best_of", "not supported"),
-        ("completions", {"prompt": "x", "n": SLOTS + 1}, "n", f"n must be an integer in [1, {SLOTS}]"),
+        ("completions", {"prompt": "x", "n": MAX_CHOICES + 1}, "n", f"n must be an integer in [1, {MAX_CHOICES}]"),
         ("completions", {"prompt": "x", "temperature": 2.5}, "temperature", "in [0, 2]"),
         ("completions", {"prompt": "x", "frequency_penalty": 3}, "frequency_penalty", "in [-2, 2]"),
         ("completions", {"prompt": "x", "presence_penalty": "1"}, "presence_penalty", "in [-2, 2]"),
@@ -367,7 +368,7 @@ def test_other_errors(server, client) -> None:
         client.completions.create(model="gpt-4", prompt="x")
     assert e.value.body["code"] == "model_not_found" and "serves 'tiny'" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:  # the official client reads the error body
-        client.completions.create(model="tiny", prompt="x", n=SLOTS + 1)
+        client.completions.create(model="tiny", prompt="x", n=MAX_CHOICES + 1)
     assert e.value.status_code == 400 and e.value.body["param"] == "n"
 
 
@@ -635,7 +636,7 @@ def test_openapi_schema_describes_what_the_server_takes(server) -> None:
         assert valid("Model", http.get("/v1/models/tiny").json())
     assert fields["messages"]["maxItems"] == CAPACITY
     assert components["Message"]["properties"]["content"]["anyOf"][0]["anyOf"][0]["maxLength"] == LIMITS.max_chars
-    assert components["CompletionRequest"]["properties"]["n"]["anyOf"][0]["maximum"] == SLOTS
+    assert components["CompletionRequest"]["properties"]["n"]["anyOf"][0]["maximum"] == MAX_CHOICES
 
 
 def test_without_starlette_serve_says_how_to_install(artifact) -> None:

@@ -235,6 +235,8 @@ def test_n_choices(client) -> None:
         for choice in chunk.choices:
             streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
     assert [streamed[i] for i in range(3)] == texts
+    more = completion(client, max_tokens=4, n=SLOTS + 2, temperature=2.0, seed=1)  # the last two wait for a slot
+    assert [c.index for c in more.choices] == list(range(SLOTS + 2))
 
 
 def test_penalties_and_logit_bias_change_the_text(client, codec) -> None:

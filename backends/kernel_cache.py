@@ -21,7 +21,7 @@ import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import llvmlite
@@ -42,17 +42,23 @@ def cache_dir() -> Path | None:
 
 
 @contextmanager
-def disabled() -> Iterator[None]:
-    """The cache off inside the block (`llmc compile --no-cache`), as it was after it."""
-    before = os.environ.get("LLMC_CACHE_DIR")
-    os.environ["LLMC_CACHE_DIR"] = OFF
+def environment(name: str, value: str) -> Iterator[None]:
+    """The environment variable `name` set to `value` inside the block, as it was after it (worker processes
+    started inside it inherit it)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if before is None:
-            del os.environ["LLMC_CACHE_DIR"]
+            del os.environ[name]
         else:
-            os.environ["LLMC_CACHE_DIR"] = before
+            os.environ[name] = before
+
+
+def disabled() -> AbstractContextManager[None]:
+    """The cache off inside the block (`llmc compile --no-cache`), as it was after it."""
+    return environment("LLMC_CACHE_DIR", OFF)
 
 
 def cache_key(text: str, *target: str) -> str:

@@ -17,7 +17,8 @@ prints
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -73,30 +74,33 @@ def run_phases(model: Model, options: CompileOptions, last: str, dump: IRDumper 
     from llmc.passes.calibrate import calibration_for
     from llmc.passes.quantize import summary
 
-    start = time.perf_counter()
-    module = import_model(model)
-    module.attributes[tgt.TARGET] = target
-    target_description(target).check_ops(module)  # an op the target has no kernel for: refused before the work
-    run_phase(module, "import", dump, options)
-    progress(f"{'import':<10} {time.perf_counter() - start:6.2f} s")
-    for phase in list(PHASES)[1:]:
+    with _updates(progress):
         start = time.perf_counter()
-        tokens = calibration_for(model, options, target) if phase == "quantize" else []
-        run_phase(module, phase, dump, options, model.weights, tokens)
-        note = ""
-        if phase == "optimize" and model.graph is not None:
-            note = describe_graph(model, module, needed=last != "optimize")
-        elif phase == "quantize":
-            note = summary(module)
-        elif phase == "split":
-            note = _split_report(module)
-        elif phase == "group" and not options.group:
-            note = "skipped (--no-group)"
-        elif phase == "lower":
-            note = _arena_report(module)
-        progress(f"{phase:<10} {time.perf_counter() - start:6.2f} s   {note}".rstrip())
-        if phase == last:
-            break
+        _status(progress, f"import: {model.source}")
+        module = import_model(model)
+        module.attributes[tgt.TARGET] = target
+        target_description(target).check_ops(module)  # an op the target has no kernel for: refused before the work
+        run_phase(module, "import", dump, options)
+        progress(f"{'import':<10} {time.perf_counter() - start:6.2f} s")
+        for phase in list(PHASES)[1:]:
+            start = time.perf_counter()
+            _status(progress, f"{phase}: running")
+            tokens = calibration_for(model, options, target) if phase == "quantize" else []
+            run_phase(module, phase, dump, options, model.weights, tokens)
+            note = ""
+            if phase == "optimize" and model.graph is not None:
+                note = describe_graph(model, module, needed=last != "optimize")
+            elif phase == "quantize":
+                note = summary(module)
+            elif phase == "split":
+                note = _split_report(module)
+            elif phase == "group" and not options.group:
+                note = "skipped (--no-group)"
+            elif phase == "lower":
+                note = _arena_report(module)
+            progress(f"{phase:<10} {time.perf_counter() - start:6.2f} s   {note}".rstrip())
+            if phase == last:
+                break
     return module
 
 
@@ -104,21 +108,43 @@ def build_artifact(module: ModuleOp, model: Model, out: Path, backend: BackendOp
                    progress: Callable[[str], None]) -> Path:
     """The artifact of a planned module in `out`: the target's kernels (its description builds them),
     then the weights, tokenizer and manifest, written to a staging folder that becomes `out`."""
+    from llmc.backends.cpu.toolchain import reporting
     from llmc.package import describe, staged_directory, weight_layout, write_artifact, write_weights
 
     start = time.perf_counter()
     layout = weight_layout(module)
-    with staged_directory(out) as stage:
-        built = target_description(module_target(module)).build(
-            module, layout.offsets, lambda facts, entries: describe(module, layout, facts, entries), stage, backend)
+    with staged_directory(out) as stage, _updates(progress):
+        _status(progress, "codegen: emitting LLVM IR")
+        with reporting(getattr(progress, "update", None)):  # then one update per module compiled
+            built = target_description(module_target(module)).build(
+                module, layout.offsets, lambda facts, entries: describe(module, layout, facts, entries), stage,
+                backend)
         progress(f"{'codegen':<10} {time.perf_counter() - start:6.2f} s   {built.note}")
         start = time.perf_counter()
+        _status(progress, f"package: writing weights.bin ({layout.size / 1e6:.1f} MB)")
         write_weights(model, layout, stage / "weights.bin")
         write_artifact(stage, built.description, model, built.files, compile_options)
         total = sum(p.stat().st_size for p in stage.iterdir() if p.name != "tokenizer.json")
         progress(f"{'package':<10} {time.perf_counter() - start:6.2f} s   {out} (weights.bin {layout.size / 1e6:.1f} "
                  f"MB, {total / 1e6:.1f} MB with kernels and manifest)")
     return out
+
+
+def _status(progress: Callable[[str], None], text: str) -> None:
+    """`text` as the work under way, where `progress` shows such (`llmc.cli.common.Progress.update`); "" for
+    none."""
+    update = getattr(progress, "update", None)
+    if update is not None:
+        update(text)
+
+
+@contextmanager
+def _updates(progress: Callable[[str], None]) -> Iterator[None]:
+    """The block's updates end with it, even when it fails (none is shown later, under another command's)."""
+    try:
+        yield
+    finally:
+        _status(progress, "")
 
 
 def describe_graph(model: Model, module: ModuleOp, needed: bool = True) -> str:
@@ -167,8 +193,10 @@ def compile_model(spec: str, out: Path | None, options: CompileOptions, backend:
                   tokenizer: str | None = None) -> Path | str:
     """Compile `spec` to an artifact in `out`; with `compile_to`, return that phase's IR text instead."""
     target = check_backend(options, backend, compile_to, out)
-    return compile_loaded(load_model(spec, allow_pickle, tokenizer), out, options, backend, target, compile_to,
-                          dump, progress)
+    with _updates(progress):
+        _status(progress, f"load: {spec}")
+        model = load_model(spec, allow_pickle, tokenizer)
+    return compile_loaded(model, out, options, backend, target, compile_to, dump, progress)
 
 
 def compile_loaded(model: Model, out: Path | None, options: CompileOptions, backend: BackendOptions,

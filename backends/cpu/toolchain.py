@@ -5,20 +5,31 @@
     link_shared([obj], "build/kernels-3f2a.so")
 
 llvmlite keeps one global LLVM context, so parsing, optimising and emitting are
-serialised by a lock; targets are initialised once, on first use. The system C
-compiler (`$CC`, else `cc`) links the objects; libm is linked (kernels may call
-`cos`/`sin`).
+serialised by a lock; targets are initialised once, on first use. `compile_objects`
+compiles the modules the kernel cache lacks in `$LLMC_JOBS` processes (`llmc compile
+--jobs N`; default every CPU this process may run on): this one and workers, where two or
+more miss and they are big enough to pay for a worker's start. Each worker builds the
+same target machine from its description, so the objects are those of the serial path.
+The system C compiler (`$CC`, else `cc`) links the objects; libm is linked (kernels may
+call `cos`/`sin`).
 """
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
 import os
+import queue
 import shlex
 import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 import llvmlite.binding as llvm
@@ -76,8 +87,48 @@ def target_machine(cpu: str = "native", *, features: str | None = None, opt: int
             tm = target.create_target_machine(cpu=name, features=feats, opt=opt, reloc="pic", codemodel="default")
         except RuntimeError as e:
             raise ToolchainError(f"cannot create a target machine for cpu {cpu!r}: {e}") from None
+        tm.llmc_machine = (tm.triple, name, feats, opt)  # what a worker process builds the same machine from
         tm.llmc_description = (tm.triple, name, feats, f"codegen O{opt}")  # what its code depends on
         return tm
+
+
+@functools.cache
+def _machine(triple: str, cpu: str, features: str, opt: int) -> llvm.TargetMachine:
+    return target_machine(cpu, features=features, opt=opt, triple=triple)
+
+
+JOBS = "LLMC_JOBS"  # how many processes compile kernel modules
+# the least LLVM IR (characters) among the modules to compile that starts worker processes: below it (about a
+# second of O3 on one core) a worker's start (half a second, importing llmc) costs more than it saves
+PARALLEL_IR = 2_000_000
+
+
+def jobs() -> int:
+    """How many processes compile kernel modules: `$LLMC_JOBS`, else every CPU this process may run on."""
+    chosen = os.environ.get(JOBS)
+    if chosen:
+        if not chosen.isdigit() or int(chosen) < 1:
+            raise ToolchainError(f"{JOBS}={chosen!r}: expected a positive number of processes")
+        return int(chosen)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def using_jobs(n: int) -> AbstractContextManager[None]:
+    """`n` processes compile kernel modules inside the block (`llmc compile --jobs N`)."""
+    return kernel_cache.environment(JOBS, str(n))
+
+
+_status: ContextVar[Callable[[str], None] | None] = ContextVar("llmc_codegen_status", default=None)
+
+
+@contextmanager
+def reporting(status: Callable[[str], None] | None) -> Iterator[None]:
+    """`compile_objects` inside the block tells `status` how far it is after each module."""
+    token = _status.set(status)
+    try:
+        yield
+    finally:
+        _status.reset(token)
 
 
 def _parse(ir_text_or_module: str | ir.Module, tm: llvm.TargetMachine) -> llvm.ModuleRef:
@@ -117,21 +168,94 @@ def compile_to_object(ir_text_or_module: str | ir.Module, tm: llvm.TargetMachine
 
 def compile_objects(modules: Sequence[str | ir.Module], tm: llvm.TargetMachine, level: int = 3
                     ) -> tuple[list[bytes], int]:
-    """`compile_to_object` of each module, and how many of them the kernel cache held."""
+    """`compile_to_object` of each module, and how many of them the kernel cache held; where two or more miss
+    the cache and their IR is `PARALLEL_IR` or more, `jobs()` processes compile them: this one and workers."""
     description = getattr(tm, "llmc_description", None)
-    objects, cached = [], 0
-    for module in modules:
-        text = str(module)
-        key = None if description is None else kernel_cache.cache_key(text, "object", *description, f"O{level}")
-        obj = None if key is None else kernel_cache.lookup(key)
-        if obj is not None:
-            cached += 1
-        else:
-            obj = _emit(text, tm, level, tm.emit_object)
-            if key is not None:
-                kernel_cache.store(key, obj)
-        objects.append(obj)
-    return objects, cached
+    texts = [str(module) for module in modules]
+    keys = [None if description is None else kernel_cache.cache_key(text, "object", *description, f"O{level}")
+            for text in texts]
+    objects = [None if key is None else kernel_cache.lookup(key) for key in keys]
+    missing = [i for i, obj in enumerate(objects) if obj is None]
+    cached = len(texts) - len(missing)
+    status = _status.get()
+    if status is not None:
+        status(f"codegen: {cached} of {len(texts)} modules compiled, {cached} from the cache")
+    parallel = hasattr(tm, "llmc_machine") and sum(len(texts[i]) for i in missing) >= PARALLEL_IR
+    processes = min(jobs(), len(missing)) if parallel else 1  # this one and its workers
+    compiled = _in_workers(texts, missing, tm, level, processes - 1) if processes > 1 else \
+        ((i, _compiled(texts[i], tm, level)) for i in missing)
+    for done, (i, obj) in enumerate(compiled, cached + 1):
+        if keys[i] is not None:
+            kernel_cache.store(keys[i], obj)
+        objects[i] = obj
+        if status is not None:
+            status(f"codegen: {done} of {len(texts)} modules compiled, {cached} from the cache")
+    return objects, cached  # type: ignore[return-value]
+
+
+def _in_workers(texts: list[str], which: list[int], tm: llvm.TargetMachine, level: int, workers: int
+                ) -> Iterator[tuple[int, bytes]]:
+    """(i, the object of `texts[i]`) for each i of `which` as it is done, by this process and `workers` worker
+    processes, each taking the longest module left; a worker's error is a `ToolchainError` of one line."""
+    todo = deque(sorted(which, key=lambda i: -len(texts[i])))
+    done: queue.SimpleQueue = queue.SimpleQueue()  # (i, object or the worker's exception)
+
+    def feed() -> None:  # one thread per worker process: the next module to it, its object back
+        while (i := _take(todo)) is not None:
+            try:
+                done.put((i, pool.submit(_compile_in_worker, texts[i], tm.llmc_machine, level).result()))
+            except Exception as e:
+                done.put((i, e))
+                return
+
+    context = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
+                                          else "spawn")  # never fork: this process holds LLVM's state
+    pool = ProcessPoolExecutor(workers, mp_context=context)
+    feeders = [threading.Thread(target=feed, daemon=True) for _ in range(workers)]
+    try:
+        for thread in feeders:
+            thread.start()
+        for _ in which:
+            mine = _take(todo) if done.empty() else None
+            i, result = (mine, _compiled(texts[mine], tm, level)) if mine is not None else done.get()
+            if isinstance(result, ToolchainError):
+                raise result
+            if isinstance(result, Exception):  # the worker process died, or could not start
+                raise ToolchainError(f"a codegen worker process failed on kernel module {_name(texts[i])}: "
+                                     f"{_first_lines(result)}")
+            yield i, result
+    finally:
+        todo.clear()
+        pool.shutdown(cancel_futures=True)
+
+
+def _take(todo: deque) -> int | None:
+    try:
+        return todo.popleft()
+    except IndexError:
+        return None
+
+
+def _compile_in_worker(text: str, machine: tuple, level: int) -> bytes:
+    return _compiled(text, _machine(*machine), level)
+
+
+def _compiled(text: str, tm: llvm.TargetMachine, level: int) -> bytes:
+    """The object of one module of `compile_objects`; LLVM's error a `ToolchainError` of one line."""
+    try:
+        return _emit(text, tm, level, tm.emit_object)
+    except RuntimeError as e:
+        raise ToolchainError(f"codegen of kernel module {_name(text)} failed: {_first_lines(e)}") from None
+
+
+def _name(text: str) -> str:
+    return text.partition("\n")[0].removeprefix("; ModuleID = ")
+
+
+def _first_lines(error: Exception) -> str:
+    """LLVM's message and its first detail ("LLVM IR parsing error: <string>:1:17: error: expected type")."""
+    return ": ".join([line.strip()[:200] for line in str(error).splitlines() if line.strip()][:2]) or \
+        type(error).__name__
 
 
 def compile_to_assembly(ir_text_or_module: str | ir.Module, tm: llvm.TargetMachine, level: int = 3) -> str:

@@ -4,12 +4,78 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
+import time
 
 from llmc.errors import UsageError
 
 
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+class Progress:
+    """Progress on stderr: `progress(line)` for a step done (a phase's line); `progress.update(text)` for the
+    work under way, shown once the step has run `QUIET` seconds (by a timer if no update comes then): on a
+    terminal one line rewritten in place, in a log a plain line at most every `LOG_EVERY` seconds."""
+
+    QUIET = 2.0
+    TTY_EVERY = 0.1
+    LOG_EVERY = 5.0
+
+    def __init__(self) -> None:
+        self.since, self.shown = time.monotonic(), float("-inf")  # the step's start; the last update shown
+        self.text = ""  # the latest update, not shown yet
+        self.pending = False  # an update on the terminal's line
+        self.timer: threading.Timer | None = None
+        self.lock = threading.Lock()
+
+    def __call__(self, message: str) -> None:
+        with self.lock:
+            self._settle()
+            print(message, file=sys.stderr, flush=True)
+            self.since = time.monotonic()
+
+    def update(self, text: str) -> None:
+        """`text` as the work under way; "" for none (a step's update is not shown once it has ended)."""
+        with self.lock:
+            if not text:
+                self._settle()
+                return
+            self.text = text
+            wait = max(self.since + self.QUIET, self.shown + (self.TTY_EVERY if sys.stderr.isatty() else
+                                                              self.LOG_EVERY)) - time.monotonic()
+            if wait <= 0:
+                self._show()
+            elif self.timer is None:
+                self.timer = threading.Timer(wait, self._shown_late)
+                self.timer.daemon = True
+                self.timer.start()
+
+    def _shown_late(self) -> None:
+        with self.lock:
+            self.timer = None
+            if self.text:
+                self._show()
+
+    def _show(self) -> None:
+        self.shown = time.monotonic()
+        if sys.stderr.isatty():
+            sys.stderr.write(f"\r\033[K{self.text}")
+            sys.stderr.flush()
+            self.pending = True
+        else:
+            print(self.text, file=sys.stderr, flush=True)
+        self.text = ""
+
+    def _settle(self) -> None:
+        """No update after the step's line: the timer off, the terminal's line cleared."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.text = ""
+        if self.pending:
+            sys.stderr.write("\r\033[K")
+            self.pending = False
+
+
+progress = Progress()
 
 
 def compile_options(args: argparse.Namespace):

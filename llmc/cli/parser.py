@@ -252,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true",
                    help="compile every kernel with LLVM, neither reading nor writing the kernel cache "
                         "($LLMC_CACHE_DIR, else ~/.cache/llmc; LLMC_CACHE_DIR=off turns it off for good)")
+    p.add_argument("--jobs", type=_positive, metavar="N",
+                   help="processes that compile the kernels the cache lacks, 1 for none besides this one "
+                        "(default: $LLMC_JOBS, else every CPU available)")
     _add_dump_options(p)
 
     # what every command that runs an artifact takes, and what those that sample take

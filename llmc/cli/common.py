@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import threading
 import time
@@ -57,7 +58,8 @@ class Progress:
     def _show(self) -> None:
         self.shown = time.monotonic()
         if sys.stderr.isatty():
-            sys.stderr.write(f"\r\033[K{self.text}")
+            width = shutil.get_terminal_size().columns - 1  # a longer line would wrap, and \r not reach its start
+            sys.stderr.write(f"\r\033[K{self.text[:width]}")
             sys.stderr.flush()
             self.pending = True
         else:

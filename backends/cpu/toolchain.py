@@ -7,8 +7,9 @@
 llvmlite keeps one global LLVM context, so parsing, optimising and emitting are
 serialised by a lock; targets are initialised once, on first use. `compile_objects`
 compiles the modules the kernel cache lacks in `$LLMC_JOBS` processes (`llmc compile
---jobs N`; default every CPU this process may run on): this one and workers, where two or
-more miss and they are big enough to pay for a worker's start. Each worker builds the
+--jobs N`, default every CPU this process may run on; a program calling the compiler gets
+one unless it sets `$LLMC_JOBS`, since workers import its main module): this one and
+workers, where two or more miss and they are big enough to pay for a worker's start. Each worker builds the
 same target machine from its description, so the objects are those of the serial path.
 The system C compiler (`$CC`, else `cc`) links the objects; libm is linked (kernels may
 call `cos`/`sin`).
@@ -104,12 +105,20 @@ PARALLEL_IR = 2_000_000
 
 
 def jobs() -> int:
-    """How many processes compile kernel modules: `$LLMC_JOBS`, else every CPU this process may run on."""
+    """How many processes compile kernel modules: `$LLMC_JOBS`, else 1. Worker processes (forkserver or spawn)
+    import the main module of the program that starts them, so only programs that ask get them: `llmc compile`
+    sets it (`--jobs N`, default `available_cpus()`); a script setting it guards its top-level code with
+    `if __name__ == "__main__":`."""
     chosen = os.environ.get(JOBS)
     if chosen:
         if not chosen.isdigit() or int(chosen) < 1:
             raise ToolchainError(f"{JOBS}={chosen!r}: expected a positive number of processes")
         return int(chosen)
+    return 1
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 

@@ -99,13 +99,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
     out = Path(args.output) if args.output else (None if args.compile_to else _default_output(args.model))
     backend = BackendOptions(args.target, args.cpu, args.gpu)
     from llmc.backends import kernel_cache
-    from llmc.backends.cpu.toolchain import using_jobs
+    from llmc.backends.cpu.toolchain import JOBS, available_cpus, using_jobs
 
     with contextlib.ExitStack() as settings:
         if args.no_cache:
             settings.enter_context(kernel_cache.disabled())
-        if args.jobs is not None:
-            settings.enter_context(using_jobs(args.jobs))
+        if args.jobs is not None or not os.environ.get(JOBS):  # (else $LLMC_JOBS, checked where it is read)
+            settings.enter_context(using_jobs(args.jobs or available_cpus()))
         result = compile_model(args.model, out, options, backend, args.compile_to, dump,
                                progress=progress, allow_pickle=args.allow_pickle, tokenizer=args.tokenizer)
     if isinstance(result, str):

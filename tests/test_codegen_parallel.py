@@ -103,9 +103,11 @@ def test_progress_rewrites_one_line_on_a_terminal(monkeypatch, capsys) -> None:
 
 
 def test_a_long_step_says_what_it_is_doing_without_more_updates(monkeypatch, capsys) -> None:
-    """An update made before `QUIET` is shown when the step is still under way then (in a log, a plain line);
-    one made in a step that ends before is never shown."""
+    """An update is shown when its step is still under way `QUIET` (in a log `LOG_EVERY`) seconds after the
+    step's first update (in a log, a plain line); one made in a step that ends before is never shown, however
+    long the command ran before the step began."""
     monkeypatch.setattr(progress, "QUIET", 0.3)
+    monkeypatch.setattr(progress, "LOG_EVERY", 0.3)
     monkeypatch.setattr(progress, "shown", float("-inf"))
     progress("lower        0.10 s")
     progress.update("codegen: emitting LLVM IR")
@@ -114,5 +116,7 @@ def test_a_long_step_says_what_it_is_doing_without_more_updates(monkeypatch, cap
     progress.update("package: writing weights.bin (1.0 MB)")
     progress("package      0.01 s")
     time.sleep(0.4)
+    progress.update("load: a file that is not a model")  # (a step beginning late in the command: shown from 0.3 s)
+    progress("llmc: error: not a model")
     assert capsys.readouterr().err == ("lower        0.10 s\ncodegen: emitting LLVM IR\ncodegen      0.60 s\n"
-                                       "package      0.01 s\n")
+                                       "package      0.01 s\nllmc: error: not a model\n")

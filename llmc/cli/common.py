@@ -13,15 +13,17 @@ from llmc.errors import UsageError
 
 class Progress:
     """Progress on stderr: `progress(line)` for a step done (a phase's line); `progress.update(text)` for the
-    work under way, shown once the step has run `QUIET` seconds (by a timer if no update comes then): on a
-    terminal one line rewritten in place, in a log a plain line at most every `LOG_EVERY` seconds."""
+    work under way, shown once the step (from its first update) has run `QUIET` seconds on a terminal, as one
+    line rewritten in place, or `LOG_EVERY` seconds in a log, as a plain line at most every `LOG_EVERY` seconds
+    (by a timer if no update comes then): a step that ends, or fails, sooner shows none."""
 
     QUIET = 2.0
     TTY_EVERY = 0.1
     LOG_EVERY = 5.0
 
     def __init__(self) -> None:
-        self.since, self.shown = time.monotonic(), float("-inf")  # the step's start; the last update shown
+        self.since, self.shown = time.monotonic(), float("-inf")  # the step's first update; the last shown
+        self.active = False  # a step under way: updated since the last line
         self.text = ""  # the latest update, not shown yet
         self.pending = False  # an update on the terminal's line
         self.timer: threading.Timer | None = None
@@ -31,7 +33,6 @@ class Progress:
         with self.lock:
             self._settle()
             print(message, file=sys.stderr, flush=True)
-            self.since = time.monotonic()
 
     def update(self, text: str) -> None:
         """`text` as the work under way; "" for none (a step's update is not shown once it has ended)."""
@@ -39,9 +40,13 @@ class Progress:
             if not text:
                 self._settle()
                 return
+            now = time.monotonic()
+            if not self.active:
+                self.active, self.since = True, now
             self.text = text
-            wait = max(self.since + self.QUIET, self.shown + (self.TTY_EVERY if sys.stderr.isatty() else
-                                                              self.LOG_EVERY)) - time.monotonic()
+            every = self.TTY_EVERY if sys.stderr.isatty() else self.LOG_EVERY
+            quiet = self.QUIET if sys.stderr.isatty() else max(self.QUIET, self.LOG_EVERY)
+            wait = max(self.since + quiet, self.shown + every) - now
             if wait <= 0:
                 self._show()
             elif self.timer is None:
@@ -71,7 +76,7 @@ class Progress:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        self.text = ""
+        self.text, self.active = "", False
         if self.pending:
             sys.stderr.write("\r\033[K")
             self.pending = False

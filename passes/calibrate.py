@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import zip_longest
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,6 +32,7 @@ from llmc.ir.target import target_description
 from llmc.ir.weights import WeightStore
 from llmc.passes.calibration_text import CONVERSATIONS, PLAIN
 from llmc.runtime.codec import TextCodec
+from llmc.textfile import read_text
 
 if TYPE_CHECKING:
     from llmc.frontend.model import Model
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from llmc.passes.pipeline import CompileOptions
 
 MAX_TOKENS = 128  # SmolLM2-135M's measurement over these: ~1.5 s, half of it dequantizing the weights
+MAX_CALIBRATION_BYTES = 256 << 20  # --calibrate: far more text than MAX_TOKENS of it
 SAMPLE_ROWS = 16  # rows of each projection's input whose error is measured (positions spread evenly)
 MAX_OUTPUTS = 2048  # outputs of a wider projection (an LM head) whose error is measured: 8 blocks of rows
 BLOCKS = 8
@@ -48,16 +49,9 @@ MODES = (llm.Compute.A8, llm.Compute.A16)
 
 def read_calibration(path: str) -> str:
     """The text of `--calibrate FILE`: readable, UTF-8, not empty (else one line, exit 2)."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise UsageError(f"--calibrate {path}: cannot read it: {e.strerror}") from None
-    if b"\0" in data:
+    text = read_text("--calibrate", path, MAX_CALIBRATION_BYTES)
+    if "\0" in text:
         raise UsageError(f"--calibrate {path}: not a text file (it holds NUL bytes)")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"--calibrate {path}: not UTF-8 text (byte {e.start} is {data[e.start]:#04x})") from None
     if not text.strip():
         raise UsageError(f"--calibrate {path}: the file has no text")
     return text

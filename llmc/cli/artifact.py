@@ -15,6 +15,7 @@ from pathlib import Path
 
 from llmc.cli.common import progress
 from llmc.errors import UsageError
+from llmc.textfile import read_text
 
 MAX_PROMPT_BYTES = 8 << 20  # -f: far more text than any KV cache holds the tokens of
 MAX_GRAMMAR_BYTES = 1 << 20  # --json-schema, --grammar
@@ -34,29 +35,11 @@ def _sampling(args: argparse.Namespace):
     return options
 
 
-def _read(option: str, name: str, limit: int) -> str:
-    """The UTF-8 text of file `name` ('-': standard input) for `option`, at most `limit` bytes."""
-    try:
-        if name == "-":
-            data = sys.stdin.buffer.read(limit + 1)
-        else:
-            with open(name, "rb") as f:
-                data = f.read(limit + 1)
-    except OSError as e:
-        raise UsageError(f"{option} {name}: cannot read it: {e.strerror or e}") from None
-    if len(data) > limit:
-        raise UsageError(f"{option} {name}: larger than {limit} bytes, the most it takes")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"{option} {name}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-
-
 def _prompt(args: argparse.Namespace) -> str:
     """The prompt: -p's text, or -f's file (or standard input) less one final newline, as llama.cpp reads it."""
     if args.prompt is not None:
         return args.prompt
-    text = _read("-f", args.file, MAX_PROMPT_BYTES)
+    text = read_text("-f", args.file, MAX_PROMPT_BYTES)
     return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
 
 
@@ -64,12 +47,12 @@ def _grammar_source(args: argparse.Namespace) -> tuple[str, str | dict] | None:
     """What --json-schema or --grammar asks for, read and parsed before the model loads: ("json_schema", the
     schema), ("lark" or "gbnf", the grammar's text), or None."""
     if args.grammar:
-        return ("lark" if args.grammar.endswith(".lark") else "gbnf"), _read("--grammar", args.grammar,
+        return ("lark" if args.grammar.endswith(".lark") else "gbnf"), read_text("--grammar", args.grammar,
                                                                              MAX_GRAMMAR_BYTES)
     if not args.json_schema:
         return None
     given = args.json_schema
-    text = given if given.lstrip().startswith("{") else _read("--json-schema", given, MAX_GRAMMAR_BYTES)
+    text = given if given.lstrip().startswith("{") else read_text("--json-schema", given, MAX_GRAMMAR_BYTES)
     try:
         schema = json.loads(text)
     except ValueError as e:

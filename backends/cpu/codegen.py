@@ -250,6 +250,6 @@ def _isa_note(module: ModuleOp) -> str:
     for op in module.walk():
         if isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and op.isa is not None:
             isa = isa or op.isa.data.value
-            rows = op.operands[0].type
+            rows = op.rows_type()
             modes.add(f"a{rows.bits}" if isinstance(rows, tgt.QRowsType) else "a8")
     return f", {'+'.join(sorted(modes, reverse=True))} on {isa}" if isa else ""

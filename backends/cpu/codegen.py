@@ -17,9 +17,9 @@ among them (rows, output columns, cache positions). A barrier on
 that a kernel since the last barrier wrote, or writes bytes one of them read
 (`tgt.Kernel.WRITES`; arena regions from plan-memory, cache regions from subviews):
 the q, k and v projections of a layer read the same rows and write disjoint buffers,
-so no barrier separates them. None follows the last kernel: each thread returns when its share
-is done, and the caller waits for all of them before it reads a result or calls again. One
-native call per chunk or token per thread; no per-op calls from Python. The library also exports `llmc_description` (`describe`): what it was
+so no barrier separates them, and none follows the last kernel: each thread returns when its
+share is done, and the caller waits for all of them. One native call per chunk or token per
+thread; no per-op calls from Python. The library also exports `llmc_description` (`describe`): what it was
 compiled for, which the runtime checks the manifest against before any call.
 """
 

@@ -21,9 +21,12 @@ from llmc.passes.pipeline import CompileOptions
 from llmc.runtime.session import Session
 
 # integer projections (q4_1, the LM head q8_0: quantized rows), a head dimension of 32, GQA
-SPEC = TinySpec(hidden=64, heads=4, kv_heads=2, head_dim=32, ffn=128, context_length=64, gguf_storage=(
-    ("token_embd", "q8_0"), *((k, "q4_1") for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
-                                                      "ffn_up", "ffn_down"))))
+STORAGE = (("token_embd", "q8_0"), *((k, "q4_1") for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                                             "ffn_up", "ffn_down")))
+SPEC = TinySpec(hidden=64, heads=4, kv_heads=2, head_dim=32, ffn=128, context_length=64, gguf_storage=STORAGE)
+# Gemma 3: norms after attention and the feed-forward too (into float rows: not fused), q/k norms, GELU
+GEMMA3 = TinySpec(arch="gemma3", hidden=64, heads=4, kv_heads=1, head_dim=32, ffn=128, context_length=64,
+                  layer_types=("sliding_attention", "full_attention"), sliding_window=5, gguf_storage=STORAGE)
 PROMPT, DECODED, DRAFT = [5, 17, 42, 100, 7], [150, 9, 11, 200], [3, 31, 8]
 
 
@@ -64,14 +67,17 @@ def _logits(out, threads: int) -> list[np.ndarray]:
         session.close()
 
 
-@pytest.mark.parametrize("cpu", ["native", host.ISA_CPUS[Isa.AVX2], host.ISA_CPUS[Isa.AMX]])
-@pytest.mark.parametrize("compute", ["a8", "a16"])
-def test_fused_decode_gives_the_unfused_logits_bit_for_bit(artifact, cpu, compute):
+PATHS = [(SPEC, cpu, compute) for cpu in ("native", host.ISA_CPUS[Isa.AVX2], host.ISA_CPUS[Isa.AMX])
+         for compute in ("a8", "a16")] + [(GEMMA3, "native", "a8")]
+
+
+@pytest.mark.parametrize(("spec", "cpu", "compute"), PATHS, ids=lambda v: getattr(v, "arch", v))
+def test_fused_decode_gives_the_unfused_logits_bit_for_bit(artifact, spec, cpu, compute):
     """Decode and verify (its 4 rows fused too) on every integer path, int8 and int16 rows, 1 and 2 threads."""
     if cpu != "native":
         host.skip_unless_another_path(cpu)
-    fused = artifact(SPEC, cpu=cpu, compute=compute)
-    unfused = artifact(SPEC, cpu=cpu, compute=compute, fuse_norm=False)
+    fused = artifact(spec, cpu=cpu, compute=compute)
+    unfused = artifact(spec, cpu=cpu, compute=compute, fuse_norm=False)
     for threads in (1, 2):
         for a, b in zip(_logits(fused, threads), _logits(unfused, threads)):
             np.testing.assert_array_equal(a, b)

@@ -16,9 +16,10 @@ The matmul family (matmul, swiglu, the LM head) runs on `gemm`'s loop nests, who
 inner loop follows the weight format and whether the rows are float or quantized;
 RoPE and attention are in `attention`.
 Kernels that write quantized rows (RMSNorm, SwiGLU, attention, quantize) quantize each
-32-value block as soon as it is computed (`quant.QRowsAccess.store_block`). exp, sin
-and cos are inline polynomials (`KernelBuilder.exp`, `.sincos`), so silu, softmax and
-RoPE vectorise and need no libm.
+32-value block as soon as it is computed (`quant.QRowsAccess.store_block`); a projection
+with `quantize` (`fuse-norm`) writes the RMSNorm's quantized rows itself, on each thread's
+stack. exp, sin and cos are inline polynomials (`KernelBuilder.exp`, `.sincos`), so silu,
+softmax and RoPE vectorise and need no libm.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from llmc.backends.builder import F32, I32, I64, VOID, KernelBuilder, f32_table
 from llmc.backends.cpu import attention
 from llmc.backends.cpu.gemm import TILE_ROWS, Rows, floats, gemm, inv_rms, load_weight, weight_ptr
 from llmc.backends.cpu.quant import (
+    I8,
     I8PTR,
     QRowsAccess,
     SplitWeight,
@@ -300,7 +302,7 @@ def _projection_rows(f: KernelBuilder, op: tgt.MatmulOp | tgt.SwigluOp, a: dict,
     so no thread waits for another's rows."""
     if op.quantize is None:
         return Rows(f, a["x"], op.x.type, K, a["rows"], a.get("norm"), op.eps, last_row)
-    private = f.alloca(ir.IntType(8), tgt.nbytes(op.quantize), name="private_rows")
+    private = f.alloca(I8, tgt.nbytes(op.quantize), name="private_rows")
     q = QRowsAccess(f, private, op.quantize)
     with f.loop(0, a["rows"], name="nt") as t:
         _norm_quantize_row(f, floats(f, a["x"]), floats(f, a["norm"]), K, op.eps.value.data, q, t)

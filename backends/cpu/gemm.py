@@ -335,6 +335,7 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
     assert rows.quantized
     b = f.b
     lo, hi, unit, rest = strips_of_thread(f, N, unit, tid, nth)
+    step = min(w.scale_step() for w in access)  # 16-slices per scale group (the same for every weight)
     start = f.i64(0)
     if isa is tgt.Isa.AMX:
         start = b.select(amx.enabled(f), b.and_(rows.count, f.i64(-amx.TILE)), f.i64(0))
@@ -346,7 +347,8 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
         vals = [[[None] * width for _ in range(r)] for _ in access]
         for si in range(nstrips):
             s = b.sdiv(f.add(j0, si * STRIP), f.i64(STRIP))
-            sums = _strip_dot(f, rows.q, access, f.add(rows.first, t), r, s)  # (last_row: the last row)
+            # one weight at a time (swiglu: gate, then up): a tile's codes and accumulators stay in registers
+            sums = [_strip_dot(f, rows.q, w, f.add(rows.first, t), r, s, step) for w in access]  # (last_row: last)
             for wi in range(len(access)):
                 for ri in range(r):
                     for c in range(min(STRIP, width - si * STRIP)):
@@ -366,38 +368,33 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
             span(f.i64(0), f.i64(N - rest), rest)
 
 
-def _strip_dot(f: KernelBuilder, q: QRowsAccess, access: list[TiledWeight], t: ir.Value, r: int,
-               s: ir.Value) -> list[list[ir.Value]]:
-    """`<16 x float>` per weight and row: rows t..t+r · the 16 columns of strip s."""
+def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r: int, s: ir.Value,
+               step: int) -> list[ir.Value]:
+    """`<16 x float>` per row: rows t..t+r · the 16 columns of strip s of `w`, scaled every `step` 16-slices."""
     b = f.b
-    accs = _accumulators(f, vec(F32, STRIP), len(access), r, 1, "tacc")
-    step = min(w.scale_step() for w in access)  # 16-slices per scale group
+    accs = [acc for [acc] in _accumulators(f, vec(F32, STRIP), 1, r, 1, "tacc")[0]]
     n_chains = DOT_CHAINS if r < 4 else 1  # (several rows are independent chains already; integer sums are exact)
-    with f.loop(0, access[0].blocks, name="blk", unroll=False) as blk:
-        codes = []
-        for w in access:
-            w.prefetch(s, blk, PREFETCH_BYTES)
-            codes.append(w.quads(s, blk))
+    with f.loop(0, w.blocks, name="blk", unroll=False) as blk:
+        w.prefetch(s, blk, PREFETCH_BYTES)
+        codes = w.quads(s, blk)
         xs_by_row = [[[broadcast_quad(f, q, f.add(t, ri), f.add(f.mul(blk, TILE_K), 4 * quad), plane)
                        for quad in range(QUADS)] for plane in range(q.planes)] for ri in range(r)]
         for first in range(0, TILE_K // SLICE, step):
             quads = range(first * SLICE // 4, (first + step) * SLICE // 4)
             sl = f.add(f.mul(blk, TILE_K // SLICE), first)
-            for wi, w in enumerate(access):
-                scale = w.scale16(s, sl)
-                offset = w.offset16(s, sl, scale)
-                for ri in range(r):
-                    row = f.add(t, ri)
-                    dots = []
-                    for xs in xs_by_row[ri]:  # per plane of the rows
-                        chains = [ir.Constant(vec(I32, STRIP), [0] * STRIP)] * n_chains  # short dependency chains
-                        for n, quad in enumerate(quads):
-                            chains[n % n_chains] = vpdpbusd(f, chains[n % n_chains], codes[wi][quad], xs[quad])
-                        dot = chains[0]
-                        for other in chains[1:]:
-                            dot = b.add(dot, other)
-                        dots.append(dot)
-                    dot = q.join_dots(dots)
-                    acc = accs[wi][ri][0]
-                    b.store(scaled_block(f, b.load(acc), dot, scale, offset, *q.block_scales(row, sl, step)), acc)
-    return [[b.load(accs[wi][ri][0]) for ri in range(r)] for wi in range(len(access))]
+            scale = w.scale16(s, sl)
+            offset = w.offset16(s, sl, scale)
+            for ri in range(r):
+                dots = []
+                for xs in xs_by_row[ri]:  # per plane of the rows
+                    chains = [ir.Constant(vec(I32, STRIP), [0] * STRIP)] * n_chains  # short dependency chains
+                    for n, quad in enumerate(quads):
+                        chains[n % n_chains] = vpdpbusd(f, chains[n % n_chains], codes[quad], xs[quad])
+                    dot = chains[0]
+                    for other in chains[1:]:
+                        dot = b.add(dot, other)
+                    dots.append(dot)
+                dot = q.join_dots(dots)
+                row_scales = q.block_scales(f.add(t, ri), sl, step)
+                b.store(scaled_block(f, b.load(accs[ri]), dot, scale, offset, *row_scales), accs[ri])
+    return [b.load(acc) for acc in accs]

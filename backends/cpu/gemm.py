@@ -124,11 +124,13 @@ def _share_blocks(f: KernelBuilder, N: int, unit: int, tid: ir.Value, nth: ir.Va
     return lo, hi, N % unit
 
 
-def row_tiles(f: KernelBuilder, first: ir.Value, end: ir.Value, sizes: tuple[int, ...],
+def row_tiles(f: KernelBuilder, rows: Rows, first: ir.Value, end: ir.Value, sizes: tuple[int, ...],
               body: Callable[[ir.Value, int], None]) -> None:
     """body(t, r) over rows first..end in tiles of r rows: `sizes[0]` at a time, then at most one tile
-    of each smaller size (powers of two, halving: 7 rows of (4, 2, 1) are three tiles, not 4 + 1 + 1 + 1)."""
+    of each smaller size (powers of two, halving: 7 rows of (4, 2, 1) are three tiles, not 4 + 1 + 1 + 1).
+    Sizes larger than a quantized row buffer are left out (a decode of one row: tiles of 1 only)."""
     b = f.b
+    sizes = tuple(r for r in sizes if not rows.quantized or r <= rows.q.capacity)
     span = f.sub(end, first)
     t = f.add(first, b.and_(span, f.i64(-sizes[0])))
     with f.loop(first, t, sizes[0], name=f"t{sizes[0]}") as t_big:
@@ -193,7 +195,7 @@ def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt
             if flush is not None:
                 flush(t, r, j0)
 
-        row_tiles(f, t0, t_end, SPLIT_ROWS, row_tile)
+        row_tiles(f, rows, t0, t_end, SPLIT_ROWS, row_tile)
 
     with f.loop(0, rows.count, TB, name="tb") as t0:
         t_end = f.smin(f.add(t0, TB), rows.count)
@@ -359,7 +361,7 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
 
     def span(first: ir.Value, j0: ir.Value, width: int) -> None:
         """Rows first..count of the `width` columns from j0, in tiles of `STRIP_ROWS`."""
-        row_tiles(f, first, rows.count, STRIP_ROWS, lambda t, r: unit_rows(t, r, j0, width))
+        row_tiles(f, rows, first, rows.count, STRIP_ROWS, lambda t, r: unit_rows(t, r, j0, width))
 
     with f.loop(lo, hi, unit, name="ju") as j0:
         span(start, j0, unit)

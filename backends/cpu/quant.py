@@ -324,6 +324,7 @@ class QRowsAccess:
         self.width = qrows.width
         self.bits = qrows.bits
         self.planes = self.row.planes
+        self.capacity = qrows.rows  # the most rows the buffer holds
 
     def _at(self, t: ir.Value, offset: int, element: ir.Type) -> ir.Value:
         f = self.f

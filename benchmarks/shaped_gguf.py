@@ -3,6 +3,7 @@ checks where the real file cannot travel (the GPU machine downloads nothing).
 
     python benchmarks/shaped_gguf.py smollm2-135m /tmp/smollm2-shaped.gguf
     python benchmarks/shaped_gguf.py llama-3.1-8b-q4_0 /tmp/llama8b-q4_0.gguf
+    python benchmarks/shaped_gguf.py llama-1b-q4_1 /tmp/llama1b-q4_1.gguf
 
 Codes are uniform random; scales are chosen so weights stay near ±0.04 (activations stay finite
 through every layer). The tokenizer is byte-level BPE: specials, the 256 byte symbols, then filler
@@ -28,6 +29,8 @@ SHAPES = {
     # name: (layers, hidden, ffn, heads, kv_heads, vocab, rope theta, tied, storage of projections, embd, output)
     "smollm2-135m": (30, 576, 1536, 9, 3, 49152, 100000.0, True, "q4_1", "q8_0", None),
     "llama-3.1-8b-q4_0": (32, 4096, 14336, 32, 8, 128256, 500000.0, False, "q4_0", "q4_0", "q6_k"),
+    # ~1.1B parameters, 750 MB of weights: larger than a 480 MiB L3, for batched decode from DRAM
+    "llama-1b-q4_1": (16, 2048, 8192, 32, 8, 32000, 500000.0, False, "q4_1", "q8_0", "q8_0"),
 }
 _FIELD_VALUES = {"d": 0.005, "m": -0.04, "dmin": 0.04 / 32, "sc": 32, "mn": 32}
 

@@ -1,6 +1,6 @@
 """The matmul family's loop nests: every tile of rows × columns, for every weight format and row kind.
 
-`gemm(f, rows, N, weights, finish, tid, nth, isa)` visits tiles of `TILE_ROWS` rows ×
+`gemm(f, rows, N, weights, finish, tid, nth, isa)` visits tiles of up to `TILE_ROWS` rows ×
 `TILE_COLS` columns (per weight; swiglu passes two) and hands each tile's dot products
 to `finish`, which writes them (bias, accumulate, silu·up, quantized rows). The inner
 loop depends on what the operands are:
@@ -16,7 +16,9 @@ loop depends on what the operands are:
   joined as `(dot(codes, hi) << 8) + dot(codes, lo)` before the same scaling;
 - the same in the tiles layout (`gemm_tiles`, AVX-512 VNNI): per strip of 16 columns
   and 32-block, 8 `vpdpbusd` of code vectors by broadcast activations, the 16 columns'
-  sums in the lanes; with `isa amx`, whole 16-row blocks on AMX tiles (`amx.gemm_amx`).
+  sums in the lanes, for up to 8 rows while the block's codes are in registers (a
+  decode's rows read each weight once); with `isa amx`, whole 16-row blocks on AMX
+  tiles (`amx.gemm_amx`).
 
 Rows come in blocks that stay in L2 while every weight tile passes; threads share the
 output columns in whole units.
@@ -47,8 +49,11 @@ from llmc.ir import tgt
 from llmc.ir.formats import GROUP, SLICE, Storage
 from llmc.ir.layouts import QUADS, STRIP, TILE_K, Layout
 
-# matmul register tiles: R rows × C output columns per weight matrix
-TILE_ROWS = 4
+# matmul register tiles: R rows × C output columns per weight matrix (split layout), R rows × a strip of 16
+# (tiles layout: a decode's rows, up to 8, walk each weight block together while it is in registers)
+SPLIT_ROWS = (4, 2, 1)
+STRIP_ROWS = (8, 4, 2, 1)
+TILE_ROWS = max(SPLIT_ROWS[0], STRIP_ROWS[0])  # the most rows of one tile (what `finish` and `flush` may get)
 TILE_COLS = {1: 4, 2: 2}
 # Rows per block: the x rows of one block stay in L2 while every weight tile passes.
 BLOCK_BYTES = 192 * 1024
@@ -119,6 +124,24 @@ def _share_blocks(f: KernelBuilder, N: int, unit: int, tid: ir.Value, nth: ir.Va
     return lo, hi, N % unit
 
 
+def row_tiles(f: KernelBuilder, rows: Rows, first: ir.Value, end: ir.Value, sizes: tuple[int, ...],
+              body: Callable[[ir.Value, int], None]) -> None:
+    """body(t, r) over rows first..end in tiles of r rows: `sizes[0]` at a time, then at most one tile
+    of each smaller size (powers of two, halving: 7 rows of (4, 2, 1) are three tiles, not 4 + 1 + 1 + 1).
+    Sizes larger than a quantized row buffer are left out (a decode of one row: tiles of 1 only)."""
+    b = f.b
+    sizes = tuple(r for r in sizes if not rows.quantized or r <= rows.q.capacity)
+    span = f.sub(end, first)
+    t = f.add(first, b.and_(span, f.i64(-sizes[0])))
+    with f.loop(first, t, sizes[0], name=f"t{sizes[0]}") as t_big:
+        body(t_big, sizes[0])
+    for r in sizes[1:]:
+        part = b.and_(span, f.i64(r))
+        with f.when(b.icmp_signed("!=", part, f.i64(0))):
+            body(t, r)
+        t = f.add(t, part)
+
+
 def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt.WeightType]],
           finish: Finish, tid: ir.Value, nth: ir.Value, isa: tgt.Isa | None, unit: int | None = None,
           flush: Callable[[ir.Value, int, ir.Value], None] | None = None) -> None:
@@ -132,7 +155,7 @@ def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt
     b = f.b
     nw = len(weights)
     K = rows.K
-    R, C = TILE_ROWS, TILE_COLS[nw]
+    R, C = SPLIT_ROWS[0], TILE_COLS[nw]
     unit = unit or C
     assert unit % C == 0
     if weights[0][1].layout is Layout.TILES:
@@ -140,7 +163,8 @@ def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt
         return
     integer = weights[0][1].layout is Layout.SPLIT
     access = [SplitWeight(f, p, t) if integer else (weight_ptr(f, p, t.storage), t.storage) for p, t in weights]
-    TB = max(R, min(MAX_BLOCK_ROWS, BLOCK_BYTES // (4 * K)) // R * R)
+    row_bytes = rows.q.row.row_bytes if rows.quantized else 4 * K  # (a decode's 8 int8 rows of K = 8192: one block)
+    TB = max(R, min(MAX_BLOCK_ROWS, BLOCK_BYTES // row_bytes) // R * R)
     inv = f.alloca(F32, TB, name="inv_rms") if rows.norm is not None else None
 
     def tile(t0: ir.Value, t: ir.Value, r: int, j0: ir.Value, c: int) -> None:
@@ -161,18 +185,17 @@ def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt
 
     def unit_columns(t0: ir.Value, t_end: ir.Value, j0: ir.Value, width: int) -> None:
         """Rows t0..t_end of the `width` columns from j0, row tile by row tile."""
-        span = f.sub(t_end, t0)
-        t_split = f.add(t0, b.and_(span, f.i64(-R)))  # R is a power of two
-        for lo, hi, r in ((t0, t_split, R), (t_split, t_end, 1)):
-            with f.loop(lo, hi, r, name=f"t{r}") as t:
-                c_main = width // C * C
-                if c_main:
-                    with f.loop(0, c_main, C, name="jc", unroll=False) as jc:
-                        tile(t0, t, r, f.add(j0, jc), C)
-                if width % C:
-                    tile(t0, t, r, f.add(j0, f.i64(c_main)), width % C)
-                if flush is not None:
-                    flush(t, r, j0)
+        def row_tile(t: ir.Value, r: int) -> None:
+            c_main = width // C * C
+            if c_main:
+                with f.loop(0, c_main, C, name="jc", unroll=False) as jc:
+                    tile(t0, t, r, f.add(j0, jc), C)
+            if width % C:
+                tile(t0, t, r, f.add(j0, f.i64(c_main)), width % C)
+            if flush is not None:
+                flush(t, r, j0)
+
+        row_tiles(f, rows, t0, t_end, SPLIT_ROWS, row_tile)
 
     with f.loop(0, rows.count, TB, name="tb") as t0:
         t_end = f.smin(f.add(t0, TB), rows.count)
@@ -314,11 +337,11 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
     assert rows.quantized
     b = f.b
     lo, hi, unit, rest = strips_of_thread(f, N, unit, tid, nth)
+    step = min(w.scale_step() for w in access)  # 16-slices per scale group (the same for every weight)
     start = f.i64(0)
     if isa is tgt.Isa.AMX:
         start = b.select(amx.enabled(f), b.and_(rows.count, f.i64(-amx.TILE)), f.i64(0))
         amx.gemm_amx(f, rows.q, access, start, lo, hi, unit, finish, flush)
-    R = TILE_ROWS
 
     def unit_rows(t: ir.Value, r: int, j0: ir.Value, width: int) -> None:
         """Rows t..t+r of the `width` columns from j0 (whole strips, the last one possibly partial)."""
@@ -326,7 +349,8 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
         vals = [[[None] * width for _ in range(r)] for _ in access]
         for si in range(nstrips):
             s = b.sdiv(f.add(j0, si * STRIP), f.i64(STRIP))
-            sums = _strip_dot(f, rows.q, access, f.add(rows.first, t), r, s)  # (last_row: the last row)
+            # one weight at a time (swiglu: gate, then up): a tile's codes and accumulators stay in registers
+            sums = [_strip_dot(f, rows.q, w, f.add(rows.first, t), r, s, step) for w in access]  # (last_row: last)
             for wi in range(len(access)):
                 for ri in range(r):
                     for c in range(min(STRIP, width - si * STRIP)):
@@ -336,11 +360,8 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
             flush(t, r, j0)
 
     def span(first: ir.Value, j0: ir.Value, width: int) -> None:
-        """Rows first..count of the `width` columns from j0, R rows at a time, then one."""
-        t_split = f.add(first, b.and_(f.sub(rows.count, first), f.i64(-R)))
-        for t_lo, t_hi, r in ((first, t_split, R), (t_split, rows.count, 1)):
-            with f.loop(t_lo, t_hi, r, name=f"tt{r}") as t:
-                unit_rows(t, r, j0, width)
+        """Rows first..count of the `width` columns from j0, in tiles of `STRIP_ROWS`."""
+        row_tiles(f, rows, first, rows.count, STRIP_ROWS, lambda t, r: unit_rows(t, r, j0, width))
 
     with f.loop(lo, hi, unit, name="ju") as j0:
         span(start, j0, unit)
@@ -349,37 +370,33 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
             span(f.i64(0), f.i64(N - rest), rest)
 
 
-def _strip_dot(f: KernelBuilder, q: QRowsAccess, access: list[TiledWeight], t: ir.Value, r: int,
-               s: ir.Value) -> list[list[ir.Value]]:
-    """`<16 x float>` per weight and row: rows t..t+r · the 16 columns of strip s."""
+def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r: int, s: ir.Value,
+               step: int) -> list[ir.Value]:
+    """`<16 x float>` per row: rows t..t+r · the 16 columns of strip s of `w`, scaled every `step` 16-slices."""
     b = f.b
-    accs = _accumulators(f, vec(F32, STRIP), len(access), r, 1, "tacc")
-    step = min(w.scale_step() for w in access)  # 16-slices per scale group
-    with f.loop(0, access[0].blocks, name="blk", unroll=False) as blk:
-        codes = []
-        for w in access:
-            w.prefetch(s, blk, PREFETCH_BYTES)
-            codes.append(w.quads(s, blk))
+    accs = [acc for [acc] in _accumulators(f, vec(F32, STRIP), 1, r, 1, "tacc")[0]]
+    n_chains = DOT_CHAINS if r < 4 else 1  # (several rows are independent chains already; integer sums are exact)
+    with f.loop(0, w.blocks, name="blk", unroll=False) as blk:
+        w.prefetch(s, blk, PREFETCH_BYTES)
+        codes = w.quads(s, blk)
         xs_by_row = [[[broadcast_quad(f, q, f.add(t, ri), f.add(f.mul(blk, TILE_K), 4 * quad), plane)
                        for quad in range(QUADS)] for plane in range(q.planes)] for ri in range(r)]
         for first in range(0, TILE_K // SLICE, step):
             quads = range(first * SLICE // 4, (first + step) * SLICE // 4)
             sl = f.add(f.mul(blk, TILE_K // SLICE), first)
-            for wi, w in enumerate(access):
-                scale = w.scale16(s, sl)
-                offset = w.offset16(s, sl, scale)
-                for ri in range(r):
-                    row = f.add(t, ri)
-                    dots = []
-                    for xs in xs_by_row[ri]:  # per plane of the rows
-                        chains = [ir.Constant(vec(I32, STRIP), [0] * STRIP)] * DOT_CHAINS  # short dependency chains
-                        for n, quad in enumerate(quads):
-                            chains[n % DOT_CHAINS] = vpdpbusd(f, chains[n % DOT_CHAINS], codes[wi][quad], xs[quad])
-                        dot = chains[0]
-                        for other in chains[1:]:
-                            dot = b.add(dot, other)
-                        dots.append(dot)
-                    dot = q.join_dots(dots)
-                    acc = accs[wi][ri][0]
-                    b.store(scaled_block(f, b.load(acc), dot, scale, offset, *q.block_scales(row, sl, step)), acc)
-    return [[b.load(accs[wi][ri][0]) for ri in range(r)] for wi in range(len(access))]
+            scale = w.scale16(s, sl)
+            offset = w.offset16(s, sl, scale)
+            for ri in range(r):
+                dots = []
+                for xs in xs_by_row[ri]:  # per plane of the rows
+                    chains = [ir.Constant(vec(I32, STRIP), [0] * STRIP)] * n_chains  # short dependency chains
+                    for n, quad in enumerate(quads):
+                        chains[n % n_chains] = vpdpbusd(f, chains[n % n_chains], codes[quad], xs[quad])
+                    dot = chains[0]
+                    for other in chains[1:]:
+                        dot = b.add(dot, other)
+                    dots.append(dot)
+                dot = q.join_dots(dots)
+                row_scales = q.block_scales(f.add(t, ri), sl, step)
+                b.store(scaled_block(f, b.load(accs[ri]), dot, scale, offset, *row_scales), accs[ri])
+    return [b.load(acc) for acc in accs]

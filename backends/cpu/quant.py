@@ -26,6 +26,7 @@ I8 = ir.IntType(8)
 I16 = ir.IntType(16)
 F16 = ir.HalfType()
 I8PTR = I8.as_pointer()
+CACHE_LINE = 64
 
 
 def vec(ty: ir.Type, n: int) -> ir.VectorType:
@@ -256,8 +257,11 @@ class TiledWeight:
         return out
 
     def prefetch(self, s: ir.Value, b: ir.Value, ahead: int) -> None:
-        """Prefetch the codes `ahead` bytes past block b of strip s."""
-        prefetch(self.f, self.ptrs["codes"], self.f.add(self.f.mul(self._block(s, b), self.block_bytes), ahead))
+        """Prefetch the codes `ahead` bytes past block b of strip s: every cache line of a block's size
+        (a 4-bit block is 4 lines; one prefetch per block left 3 of them to the hardware's prefetcher)."""
+        at = self.f.add(self.f.mul(self._block(s, b), self.block_bytes), ahead)
+        for line in range(0, self.block_bytes, CACHE_LINE):
+            prefetch(self.f, self.ptrs["codes"], self.f.add(at, line))
 
     def _field16(self, name: str, s: ir.Value, sl: ir.Value | int) -> ir.Value:
         """Field `name` of the 16 features of strip s for 16-slice `sl`: `<16 x float>`."""
@@ -320,6 +324,7 @@ class QRowsAccess:
         self.width = qrows.width
         self.bits = qrows.bits
         self.planes = self.row.planes
+        self.capacity = qrows.rows  # the most rows the buffer holds
 
     def _at(self, t: ir.Value, offset: int, element: ir.Type) -> ir.Value:
         f = self.f

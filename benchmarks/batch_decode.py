@@ -1,0 +1,79 @@
+"""Batched decode in the engine alone (no server): N sequences decoding together against one alone.
+
+    .venv/bin/llmc compile llama1b-q4_1.gguf --max-batch 8 --compute a8 --max-seq 512 -o llama1b-b8.llmc
+    .venv/bin/python benchmarks/batch_decode.py llama1b-b8.llmc --rows 8 --tokens 32 [--threads 2] [--repeat 3]
+
+Each sequence gets its own prompt (token ids drawn from the vocabulary with a fixed seed) and
+decodes `--tokens` tokens greedily (end of sequence ignored) through `llmc.runtime.batch.Engine`.
+Decode rate: the tokens produced after every prompt has been fed, over the time they took (the
+engine's steps, each one `decode` call of all the rows), per second of wall time and per second of
+the process's CPU time (with `--threads 1` the second is steadier on a busy machine). The first
+sequence alone is measured the same way; every sequence's tokens are compared with the same
+sequence alone (they must be equal: a row's result does not depend on its neighbours). Prints one
+line per repeat and the best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from llmc.runtime.batch import Engine, Request
+from llmc.runtime.session import open_session
+
+
+def prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, length).tolist() for _ in range(n)]
+
+
+def decode(engine: Engine, batch: list[list[int]], tokens: int) -> tuple[list[list[int]], float, float]:
+    """Every prompt of `batch` at once: each one's tokens, and the decode rate (all rows) once every prompt
+    has been fed, in tokens per second of wall time and per second of the process's CPU time."""
+    got: list[list[int]] = [[] for _ in batch]
+    for prompt, out in zip(batch, got):
+        engine.submit(Request(prompt, tokens, emit=lambda token, logprob, out=out: out.append(token)))
+    while engine.busy and min(len(out) for out in got) < 1:  # the prompts, then every row's first token
+        engine.step()
+    before, start, cpu = sum(map(len, got)), time.perf_counter(), time.process_time()
+    while engine.busy:
+        engine.step()
+    made = sum(map(len, got)) - before
+    return got, made / (time.perf_counter() - start), made / (time.process_time() - cpu)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("artifact", type=Path)
+    p.add_argument("--rows", type=int, default=8, help="sequences decoding together (at most the artifact's batch)")
+    p.add_argument("--tokens", type=int, default=32, help="tokens each sequence generates")
+    p.add_argument("--prompt", type=int, default=16, help="prompt length in tokens")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args()
+    session = open_session(args.artifact, threads=args.threads)
+    engine = Engine(session, eos_id=None, max_active=args.rows)
+    batch = prompts(session.vocab_size, args.rows, args.prompt)
+    alone = [decode(engine, [prompt], args.tokens)[0][0] for prompt in batch]
+    best = (0.0, 0.0)
+    for i in range(args.repeat):
+        _, one, one_cpu = decode(engine, batch[:1], args.tokens)
+        got, many, many_cpu = decode(engine, batch, args.tokens)
+        if got != alone:
+            bad = [r for r in range(args.rows) if got[r] != alone[r]]
+            print(f"rows {bad}: tokens differ from the same sequence alone", file=sys.stderr)
+            return 1
+        print(f"repeat {i}: 1 row {one:.2f} tok/s, {args.rows} rows {many:.2f} tok/s in all, {many / one:.2f}x "
+              f"(per CPU second: {one_cpu:.2f}, {many_cpu:.2f}, {many_cpu / one_cpu:.2f}x)")
+        best = max(best, (many / one, many), key=lambda b: b[1])
+    print(f"best: {args.rows} rows {best[1]:.2f} tok/s, {best[0]:.2f}x one row; every row's tokens equal alone")
+    session.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -61,22 +61,22 @@ def weight_layout(module: ModuleOp) -> WeightLayout:
     return WeightLayout(entries, size)
 
 
-def weight_bytes(encoded: np.ndarray | QuantizedTensor, weight_type: tgt.WeightType) -> bytes:
-    """A weight's bytes in the artifact: `Weight.encode`'s result in the type's layout."""
+def weight_bytes(encoded: np.ndarray | QuantizedTensor, weight_type: tgt.WeightType) -> np.ndarray:
+    """A weight's bytes in the artifact (a contiguous array): `Weight.encode`'s result in the type's layout."""
     if isinstance(encoded, QuantizedTensor):  # integer formats: in the layout `pack` chose
         assert weight_type.layout is not Layout.STORED, f"{weight_type} is not packed"
-        return pack(encoded, weight_type.layout).tobytes()
-    return np.ascontiguousarray(encoded).tobytes()  # float formats, little-endian as the kernels read them
+        return pack(encoded, weight_type.layout)
+    return np.ascontiguousarray(encoded)  # float formats, little-endian as the kernels read them
 
 
 def write_weights(model: Model, layout: WeightLayout, path: Path) -> None:
-    """Each weight in its storage type and layout, at its offset."""
+    """Each weight in its storage type and layout, at its offset (written from its array, not copied)."""
     with open(path, "wb") as f:
         for name, (offset, weight_type) in layout.entries.items():
             data = weight_bytes(model.weights.encode(name, weight_type.storage), weight_type)
-            assert len(data) == weight_type.nbytes, (name, len(data), weight_type.nbytes)
+            assert data.nbytes == weight_type.nbytes, (name, data.nbytes, weight_type.nbytes)
             f.seek(offset)
-            f.write(data)
+            f.write(memoryview(data).cast("B"))
         f.truncate(layout.size)
 
 

@@ -36,7 +36,8 @@ def kernel_name(op: tgt.Kernel) -> str:
     if weights:
         parts.append(weights[0].storage.value)
     if isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)):
-        parts.append(f"a{op.x.type.bits}" if tgt.is_quantized(op.x) else "a32")
+        rows = op.rows_type()
+        parts.append(f"a{rows.bits}" if isinstance(rows, tgt.QRowsType) else "a32")
         n, k = tgt.dims(op.weight if isinstance(op, tgt.MatmulOp) else op.gate)
         parts.append(f"k{k}_n{n}")
         flags = {"bias": "bias", "norm": "norm", "accumulate": "acc", "last_row": "last"}

@@ -127,7 +127,8 @@ def _store(get: _State, out: SSAValue, rows: np.ndarray) -> None:
 
 def _project(get: _State, op: tgt.MatmulOp | tgt.SwigluOp, weight: SSAValue, rows: int,
              last_row: bool = False) -> np.ndarray:
-    """`x · wᵀ` for the rows a matmul reads (normalized first when a norm is fused)."""
+    """`x · wᵀ` for the rows a matmul reads (normalized first when a norm is fused, then quantized with
+    `quantize`)."""
     x = get(op.x)
     if isinstance(x, QRows):
         return integer_matmul(*x.values(rows - 1 if last_row else 0, rows), get.matrix(weight).quantized)
@@ -136,6 +137,8 @@ def _project(get: _State, op: tgt.MatmulOp | tgt.SwigluOp, weight: SSAValue, row
         x = x[-1:]
     if op.norm is not None:
         x = rms_norm(x, get(op.norm), op.eps.value.data)
+    if op.quantize is not None:
+        return integer_matmul(*quantize_rows(x, op.quantize.bits), get.matrix(weight).quantized)
     return x @ get(weight).T
 
 

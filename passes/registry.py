@@ -33,6 +33,7 @@ PASSES: dict[str, tuple[str, str]] = {
     "group": ("llmc.passes.group", "GroupPass"),
     "lower": ("llmc.passes.lower", "LowerPass"),
     "pack": ("llmc.passes.pack", "PackPass"),
+    "fuse-norm": ("llmc.passes.fuse_norm", "FuseNormPass"),
     "plan-memory": ("llmc.passes.plan_memory", "PlanMemoryPass"),
 }
 

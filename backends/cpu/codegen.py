@@ -17,8 +17,9 @@ among them (rows, output columns, cache positions). A barrier on
 that a kernel since the last barrier wrote, or writes bytes one of them read
 (`tgt.Kernel.WRITES`; arena regions from plan-memory, cache regions from subviews):
 the q, k and v projections of a layer read the same rows and write disjoint buffers,
-so no barrier separates them. One native call per chunk or token per thread; no per-op
-calls from Python. The library also exports `llmc_description` (`describe`): what it was
+so no barrier separates them, and none follows the last kernel: each thread returns when its
+share is done, and the caller waits for all of them. One native call per chunk or token per
+thread; no per-op calls from Python. The library also exports `llmc_description` (`describe`): what it was
 compiled for, which the runtime checks the manifest against before any call.
 """
 
@@ -144,8 +145,7 @@ class _EntryEmitter:
             sync = [self.sync] if op.SYNCS else []
             self.b.call(kernel, [*(v[value] for _, value in op.abi()), self.tid, self.nth, *sync])
         elif isinstance(op, func.ReturnOp):
-            self.barrier()  # every thread returns with the results complete
-            self.b.ret_void()
+            self.b.ret_void()  # no barrier: the caller waits for every thread to return (`runtime.session._Team`)
         else:
             raise LlmcError(f"cpu codegen: no emitter for {op.name}")
 
@@ -250,6 +250,6 @@ def _isa_note(module: ModuleOp) -> str:
     for op in module.walk():
         if isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and op.isa is not None:
             isa = isa or op.isa.data.value
-            rows = op.operands[0].type
+            rows = op.rows_type()
             modes.add(f"a{rows.bits}" if isinstance(rows, tgt.QRowsType) else "a8")
     return f", {'+'.join(sorted(modes, reverse=True))} on {isa}" if isa else ""

@@ -95,16 +95,16 @@ Finish = Callable[[list[ir.Value], list[ir.Value], list[list[list[ir.Value]]]], 
 class Rows:
     """The rows a projection reads: float rows (optionally normalized) or quantized rows."""
 
-    def __init__(self, f: KernelBuilder, x: ir.Value, x_value, K: int, rows: ir.Value,
+    def __init__(self, f: KernelBuilder, x: ir.Value, x_type, K: int, rows: ir.Value,
                  norm: ir.Value | None, eps, last_row: bool):
         self.f, self.K = f, K
-        self.quantized = tgt.is_quantized(x_value)
+        self.quantized = isinstance(x_type, tgt.QRowsType)
         self.first = f.sub(rows, 1) if last_row else f.i64(0)  # the first row read
         self.count = f.i64(1) if last_row else rows
         self.norm = floats(f, norm) if norm is not None else None
         self.eps = eps.value.data if eps is not None else None  # with the norm
         if self.quantized:
-            self.q = QRowsAccess(f, x, x_value.type)
+            self.q = QRowsAccess(f, x, x_type)
         else:
             self.x = floats(f, x)
 

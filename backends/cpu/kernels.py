@@ -16,9 +16,10 @@ The matmul family (matmul, swiglu, the LM head) runs on `gemm`'s loop nests, who
 inner loop follows the weight format and whether the rows are float or quantized;
 RoPE and attention are in `attention`.
 Kernels that write quantized rows (RMSNorm, SwiGLU, attention, quantize) quantize each
-32-value block as soon as it is computed (`quant.QRowsAccess.store_block`). exp, sin
-and cos are inline polynomials (`KernelBuilder.exp`, `.sincos`), so silu, softmax and
-RoPE vectorise and need no libm.
+32-value block as soon as it is computed (`quant.QRowsAccess.store_block`); a projection
+with `quantize` (`fuse-norm`) writes the RMSNorm's quantized rows itself, on each thread's
+stack. exp, sin and cos are inline polynomials (`KernelBuilder.exp`, `.sincos`), so silu,
+softmax and RoPE vectorise and need no libm.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from llmc.backends.builder import F32, I32, I64, VOID, KernelBuilder, f32_table
 from llmc.backends.cpu import attention
 from llmc.backends.cpu.gemm import TILE_ROWS, Rows, floats, gemm, inv_rms, load_weight, weight_ptr
 from llmc.backends.cpu.quant import (
+    I8,
     I8PTR,
     QRowsAccess,
     SplitWeight,
@@ -277,14 +279,18 @@ def _rms_norm(lib: KernelLibrary, f: KernelBuilder, op: tgt.RMSNormOp, a: dict) 
             normalize(item)
         return
     with f.loop(*f.share(a["rows"], a["tid"], a["nth"]), name="t") as t:
-        row = f.ptr(x, f.mul(t, D))
-        inv = inv_rms(f, row, D, eps)
-        inv16 = f.splat(inv, vec(F32, 16))
-        with f.loop(0, D // ACT_BLOCK, name="b", unroll=False) as blk:
-            base = f.mul(blk, ACT_BLOCK)
-            v0, v1 = (f.fmul(f.fmul(f.vload(row, f.add(base, o)), inv16), f.vload(w, f.add(base, o)))
-                      for o in (0, 16))
-            q.store_block(t, blk, v0, v1)
+        _norm_quantize_row(f, x, w, D, eps, q, t)
+
+
+def _norm_quantize_row(f: KernelBuilder, x: ir.Value, w: ir.Value, D: int, eps: float, q: QRowsAccess,
+                       t: ir.Value) -> None:
+    """Row t of float rows `x` RMS-normalized with weight `w` into quantized row t of `q`."""
+    row = f.ptr(x, f.mul(t, D))
+    inv16 = f.splat(inv_rms(f, row, D, eps), vec(F32, 16))
+    with f.loop(0, D // ACT_BLOCK, name="b", unroll=False) as blk:
+        base = f.mul(blk, ACT_BLOCK)
+        v0, v1 = (f.fmul(f.fmul(f.vload(row, f.add(base, o)), inv16), f.vload(w, f.add(base, o))) for o in (0, 16))
+        q.store_block(t, blk, v0, v1)
 
 
 @EMITTERS.implement(tgt.QuantizeOp)
@@ -302,11 +308,25 @@ def _quantize(lib: KernelLibrary, f: KernelBuilder, op: tgt.QuantizeOp, a: dict)
 
 # ------------------------------------------------------------------------ the matmul family
 
+
+def _projection_rows(f: KernelBuilder, op: tgt.MatmulOp | tgt.SwigluOp, a: dict, K: int, last_row: bool) -> Rows:
+    """The rows a projection's dot products read. With `quantize`, every row of `x` RMS-normalized and
+    quantized first, by every thread into its own copy on its stack (the bytes `tgt.rms_norm` writes),
+    so no thread waits for another's rows."""
+    if op.quantize is None:
+        return Rows(f, a["x"], op.x.type, K, a["rows"], a.get("norm"), op.eps, last_row)
+    private = f.alloca(I8, tgt.nbytes(op.quantize), name="private_rows")
+    q = QRowsAccess(f, private, op.quantize)
+    with f.loop(0, a["rows"], name="nt") as t:
+        _norm_quantize_row(f, floats(f, a["x"]), floats(f, a["norm"]), K, op.eps.value.data, q, t)
+    return Rows(f, private, op.quantize, K, a["rows"], None, None, last_row)
+
+
 @EMITTERS.implement(tgt.MatmulOp)
 def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> None:
     """out[t, j] (+)= x̂[t] · w[j] (+ bias[j]); `last_row`: only row rows-1, into out row 0."""
     N, K = tgt.dims(op.weight)
-    rows = Rows(f, a["x"], op.x, K, a["rows"], a.get("norm"), op.eps, op.last_row is not None)
+    rows = _projection_rows(f, op, a, K, op.last_row is not None)
     out = floats(f, a["out"])
     bias = floats(f, a["bias"]) if "bias" in a else None
     accumulate = op.accumulate is not None
@@ -339,7 +359,7 @@ def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> 
     the block keeps it in `block` (one tile of rows) and quantizes it when it is full.
     """
     N, K = tgt.dims(op.gate)
-    rows = Rows(f, a["x"], op.x, K, a["rows"], a.get("norm"), op.eps, False)
+    rows = _projection_rows(f, op, a, K, False)
     q = QRowsAccess(f, a["out"], op.out.type) if tgt.is_quantized(op.out) else None
     block = f.alloca(F32, TILE_ROWS * ACT_BLOCK, name="block") if q is not None else None
     out = floats(f, a["out"]) if q is None else None

@@ -145,12 +145,12 @@ class CpuTarget(TargetDescription):
         16-row blocks when every weight format's scales are constant over 32-value blocks."""
         from llmc.backends.cpu.amx import supports
 
-        if not (isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and tgt.is_quantized(op.x)):
+        if not (isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and isinstance(op.rows_type(), tgt.QRowsType)):
             return None
         isa = self.integer_isa()
         amx = isa is Isa.VNNI512 and self.target.has("amx-tile", "amx-int8")
         tiles = amx and rows >= AMX_MIN_ROWS and getattr(op, "last_row", None) is None \
-            and op.x.type.bits == 8 and all(supports(w.storage) for w in _matrices(op))
+            and op.rows_type().bits == 8 and all(supports(w.storage) for w in _matrices(op))
         return Isa.AMX if tiles else isa
 
     def kernels(self) -> frozenset[type[tgt.Kernel]]:
@@ -171,4 +171,5 @@ def _matrices(op: tgt.Kernel) -> list[tgt.WeightType]:
 
 def _reads_tiles(op: tgt.Kernel) -> bool:
     """Whether a kernel reads its integer weights in the tiles layout (on AVX-512 VNNI)."""
-    return isinstance(op, tgt.EmbeddingOp) or (isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and tgt.is_quantized(op.x))
+    return isinstance(op, tgt.EmbeddingOp) or \
+        (isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and isinstance(op.rows_type(), tgt.QRowsType))

@@ -93,14 +93,14 @@ class Kernel(IRDLOperation):
         if not isinstance(t, WeightType) or t.storage is not Storage.F32 or t.shape != (width,):
             self._fail(f"{what} must be !tgt.weight<{width}, f32, stored>, got {t}")
 
-    def _quantized_kernel(self, x: SSAValue, *weights: SSAValue) -> None:
-        """An a8 or a16 kernel (quantized input) needs integer weight formats, and in a packed layout
-        an isa; AMX tiles read int8 rows only."""
-        if not is_quantized(x):
+    def _quantized_kernel(self, rows: Attribute, *weights: SSAValue) -> None:
+        """An a8 or a16 kernel (quantized input rows: their type) needs integer weight formats, and in a
+        packed layout an isa; AMX tiles read int8 rows only."""
+        if not isinstance(rows, QRowsType):
             return
         isa = getattr(self, "isa")
-        if isa is not None and isa.data is Isa.AMX and x.type.bits != 8:
-            self._fail(f"isa amx reads int8 rows, not {x.type}")
+        if isa is not None and isa.data is Isa.AMX and rows.bits != 8:
+            self._fail(f"isa amx reads int8 rows, not {rows}")
         for w in weights:
             t = w.type
             assert isinstance(t, WeightType)
@@ -117,6 +117,24 @@ def _positions(op: Kernel, positions: SSAValue, rows: int, what: str = "position
 
 def _eps_props(eps: float | None) -> dict[str, Attribute]:
     return {"eps": FloatAttr(eps, f32)} if eps is not None else {}
+
+
+class _Projection(Kernel):
+    """What the matmul and SwiGLU kernels share: `quantize`, rows normalized and quantized by the kernel itself."""
+
+    def rows_type(self) -> Attribute:
+        """The type of the rows the dot products read: `x`'s, or with `quantize` the private quantized rows'."""
+        quantize = getattr(self, "quantize")
+        return quantize if quantize is not None else getattr(self, "x").type
+
+    def _private_rows(self) -> None:
+        """`quantize` needs float rows and a norm (`fuse-norm` makes it of an RMSNorm into quantized rows)."""
+        quantize, x = getattr(self, "quantize"), getattr(self, "x")
+        if quantize is None:
+            return
+        if is_quantized(x) or getattr(self, "norm") is None:
+            self._fail("'quantize' needs float rows and a norm")
+        self._same("rows (x vs quantize)", (dims(x)[0], row_width(x)), (quantize.rows, quantize.width))
 
 
 @irdl_op_definition
@@ -215,12 +233,14 @@ class QuantizeOp(Kernel):
 
 
 @irdl_op_definition
-class MatmulOp(Kernel):
+class MatmulOp(_Projection):
     """`out[t] (+)= norm?(x[t]) · wᵀ + bias`, for every row or only the last one.
 
     `x` is float rows (`a32`: weights dequantized in registers) or quantized rows (`a8`, or
     `a16` on `!tgt.qrows<…xi16>`: integer dot products with the `isa` that `pack` chose).
     - `norm %g eps E`: RMS-normalize each row of float `x` with weight `g` first;
+    - `quantize <R x K (xi16)>`: and quantize them to `!tgt.qrows` of that shape, each thread its own copy,
+      read as `a8`/`a16` rows are (the bytes a `tgt.rms_norm` into them writes: `fuse-norm`);
     - `accumulate`: add into `out` instead of overwriting it (a fused residual add);
     - `last_row`: compute only row `n-1` of `x`, into row 0 of `out` (the LM head);
     - `softcap C`: each result `y` becomes `C · tanh(y / C)` (Gemma 2's logits).
@@ -228,6 +248,7 @@ class MatmulOp(Kernel):
     ```mlir
     tgt.matmul %h, %wq -> %q rows %n isa amx : !tgt.qrows<128x576>, !tgt.weight<576x576, q4_1, tiles> -> memref<128x576xf32>
     tgt.matmul %x, %wq -> %q rows %n norm %g eps 1.000000e-05 : memref<128x576xf32>, !tgt.weight<576x576, f32, stored> norm !tgt.weight<576, f32, stored> -> memref<128x576xf32>
+    tgt.matmul %x, %wq -> %q rows %n norm %g eps 1.000000e-05 quantize <1x576xi16> isa vnni512 : memref<1x576xf32>, !tgt.weight<576x576, q4_1, tiles> norm !tgt.weight<576, f32, stored> -> memref<1x576xf32>
     ```
     """
 
@@ -242,10 +263,11 @@ class MatmulOp(Kernel):
     accumulate = opt_prop_def(UnitAttr)
     last_row = opt_prop_def(UnitAttr)
     softcap = opt_prop_def(FloatAttr[Float32Type])
+    quantize = opt_prop_def(QRowsType)
     isa = opt_prop_def(IsaAttr)
     irdl_options = (AttrSizedOperandSegments(as_property=True),)
     assembly_format = (
-        "$x `,` $weight `->` $out `rows` $rows (`bias` $bias^)? (`norm` $norm^ `eps` $eps)? "
+        "$x `,` $weight `->` $out `rows` $rows (`bias` $bias^)? (`norm` $norm^ `eps` $eps)? (`quantize` $quantize^)? "
         "(`accumulate` $accumulate^)? (`last_row` $last_row^)? (`softcap` $softcap^)? (`isa` $isa^)? attr-dict `:` "
         "type($x) `,` "
         "type($weight) (`bias` type($bias)^)? (`norm` type($norm)^)? `->` type($out)"
@@ -279,13 +301,14 @@ class MatmulOp(Kernel):
             self._fail("softcap and accumulate do not go together")
         if self.accumulate is not None and root(self.x) is root(self.out):
             self._fail("x and out are one buffer: accumulating would overwrite the rows it reads")
-        self._quantized_kernel(self.x, self.weight)
+        self._private_rows()
+        self._quantized_kernel(self.rows_type(), self.weight)
 
 
 @irdl_op_definition
-class SwigluOp(Kernel):
+class SwigluOp(_Projection):
     """The gated feed-forward input: `out[t] = silu(x[t]·w_gateᵀ) * (x[t]·w_upᵀ)` (with an `activation`,
-    that one instead of silu: `activation gelu_tanh`), norm optional.
+    that one instead of silu: `activation gelu_tanh`), norm optional (and `quantize`, as `tgt.matmul`'s).
 
     Writes float or quantized rows (quantized 32 columns at a time by the thread that
     computed them).
@@ -303,10 +326,12 @@ class SwigluOp(Kernel):
     norm = opt_operand_def(WeightType)
     eps = opt_prop_def(FloatAttr[Float32Type])
     activation = opt_prop_def(ActivationAttr)  # none: silu
+    quantize = opt_prop_def(QRowsType)
     isa = opt_prop_def(IsaAttr)
     assembly_format = (
-        "$x `,` $gate `,` $up `->` $out `rows` $rows (`norm` $norm^ `eps` $eps)? (`activation` $activation^)? "
-        "(`isa` $isa^)? attr-dict `:` type($x) `,` type($gate) `,` type($up) (`norm` type($norm)^)? `->` type($out)"
+        "$x `,` $gate `,` $up `->` $out `rows` $rows (`norm` $norm^ `eps` $eps)? (`quantize` $quantize^)? "
+        "(`activation` $activation^)? (`isa` $isa^)? attr-dict `:` type($x) `,` type($gate) `,` type($up) "
+        "(`norm` type($norm)^)? `->` type($out)"
     )
 
     def __init__(self, x: SSAValue, gate: SSAValue, up: SSAValue, out: SSAValue, rows: SSAValue, *,
@@ -324,7 +349,8 @@ class SwigluOp(Kernel):
         self._float_weight("norm", self.norm, k)
         if self.norm is not None and is_quantized(self.x):
             self._fail("quantized rows cannot be normalized: the producer of the rows normalizes")
-        self._quantized_kernel(self.x, self.gate, self.up)
+        self._private_rows()
+        self._quantized_kernel(self.rows_type(), self.gate, self.up)
 
 
 @irdl_op_definition

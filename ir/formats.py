@@ -244,8 +244,7 @@ def _pack_scale_min_k4(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
 
 
 def _unpack_q8_0(b: np.ndarray):
-    q = b[:, 2:].view(np.int8)
-    return (q.astype(np.int16) + 128).astype(np.uint8), {"d": _f16(b[:, :2])}
+    return b[:, 2:] ^ np.uint8(0x80), {"d": _f16(b[:, :2])}  # int8 + 128 as uint8: the sign bit flipped
 
 
 def _pack_q8_0(codes, f):

@@ -145,17 +145,21 @@ def pack_tiles(qt: QuantizedTensor) -> np.ndarray:
     n, k = qt.shape
     kp = padded_width(k)
     strips, blocks = -(-n // STRIP), kp // TILE_K
-    codes = np.zeros((strips * STRIP, kp), np.uint8)
-    codes[:n, :k] = qt.codes
+    codes = qt.codes
+    if codes.shape != (strips * STRIP, kp) or codes.dtype != np.uint8:  # padded to whole strips and tiles
+        codes = np.zeros((strips * STRIP, kp), np.uint8)
+        codes[:n, :k] = qt.codes
     # [strip, feature, block, quad, 4] → [strip, block, quad, feature, 4]
     quads = codes.reshape(strips, STRIP, blocks, QUADS, 4).transpose(0, 2, 3, 1, 4)
     out = np.zeros(weight_nbytes(qt.storage, Layout.TILES, qt.shape), np.uint8)
     for plane in tile_planes(qt.storage, qt.shape):
         dst = plane.view(out)
         if plane.name == "codes":
-            low = quads & 15
-            packed = quads if fmt.bits == 8 else low[:, :, : QUADS // 2] | (low[:, :, QUADS // 2 :] << 4)
-            dst[...] = np.ascontiguousarray(packed).reshape(strips, -1)
+            packed = quads
+            if fmt.bits != 8:
+                low = quads & 15
+                packed = low[:, :, : QUADS // 2] | (low[:, :, QUADS // 2 :] << 4)
+            dst.reshape(packed.shape)[...] = packed  # (transposed as it is copied)
         elif plane.name.startswith("bit"):
             bit = int(plane.name[3:])
             rows = ((quads >> bit) & 1).reshape(strips, blocks, QUADS, STRIP * 4)

@@ -122,8 +122,8 @@ def build_artifact(module: ModuleOp, model: Model, out: Path, backend: BackendOp
         progress(f"{'codegen':<10} {time.perf_counter() - start:6.2f} s   {built.note}")
         start = time.perf_counter()
         _status(progress, f"package: writing weights.bin ({layout.size / 1e6:.1f} MB)")
-        write_weights(model, layout, stage / "weights.bin")
-        write_artifact(stage, built.description, model, built.files, compile_options)
+        weights_sha256 = write_weights(model, layout, stage / "weights.bin")
+        write_artifact(stage, built.description, model, built.files, compile_options, weights_sha256)
         total = sum(p.stat().st_size for p in stage.iterdir() if p.name != "tokenizer.json")
         progress(f"{'package':<10} {time.perf_counter() - start:6.2f} s   {out} (weights.bin {layout.size / 1e6:.1f} "
                  f"MB, {total / 1e6:.1f} MB with kernels and manifest)")

@@ -10,6 +10,7 @@ every file (see `llmc.runtime.artifact`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -61,27 +62,35 @@ def weight_layout(module: ModuleOp) -> WeightLayout:
     return WeightLayout(entries, size)
 
 
-def weight_bytes(encoded: np.ndarray | QuantizedTensor, weight_type: tgt.WeightType) -> bytes:
-    """A weight's bytes in the artifact: `Weight.encode`'s result in the type's layout."""
+def weight_bytes(encoded: np.ndarray | QuantizedTensor, weight_type: tgt.WeightType) -> np.ndarray:
+    """A weight's bytes in the artifact (a contiguous array): `Weight.encode`'s result in the type's layout."""
     if isinstance(encoded, QuantizedTensor):  # integer formats: in the layout `pack` chose
         assert weight_type.layout is not Layout.STORED, f"{weight_type} is not packed"
-        return pack(encoded, weight_type.layout).tobytes()
-    return np.ascontiguousarray(encoded).tobytes()  # float formats, little-endian as the kernels read them
+        return pack(encoded, weight_type.layout)
+    return np.ascontiguousarray(encoded)  # float formats, little-endian as the kernels read them
 
 
-def write_weights(model: Model, layout: WeightLayout, path: Path) -> None:
-    """Each weight in its storage type and layout, at its offset."""
+def write_weights(model: Model, layout: WeightLayout, path: Path) -> str:
+    """Each weight in its storage type and layout, at its offset, written in order from its array (not
+    copied); the sha256 of the file, taken as it is written."""
+    digest = hashlib.sha256()
     with open(path, "wb") as f:
+
+        def put(data) -> None:
+            digest.update(data)
+            f.write(data)
+
         for name, (offset, weight_type) in layout.entries.items():
             data = weight_bytes(model.weights.encode(name, weight_type.storage), weight_type)
-            assert len(data) == weight_type.nbytes, (name, len(data), weight_type.nbytes)
-            f.seek(offset)
-            f.write(data)
-        f.truncate(layout.size)
+            assert data.nbytes == weight_type.nbytes, (name, data.nbytes, weight_type.nbytes)
+            put(bytes(offset - f.tell()))  # (the alignment before it)
+            put(memoryview(data).cast("B"))
+        put(bytes(layout.size - f.tell()))
+    return digest.hexdigest()
 
 
-def _file_entry(path: Path) -> dict:
-    return {"path": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+def _file_entry(path: Path, sha256: str | None = None) -> dict:
+    return {"path": path.name, "bytes": path.stat().st_size, "sha256": sha256 or sha256_file(path)}
 
 
 def _int(attr: object) -> int:
@@ -118,11 +127,12 @@ def describe(module: ModuleOp, layout: WeightLayout, target_facts: dict, entries
 
 
 def write_artifact(directory: Path, description: dict, model: Model, kernel_files: dict[str, Path],
-                   compile_options: dict) -> Path:
+                   compile_options: dict, weights_sha256: str | None = None) -> Path:
     """Complete `directory` (which already holds the kernels and `weights.bin`) with tokenizer and manifest.
 
     `description` is what the kernels were compiled for (`describe`, with any further facts of
-    the target); `kernel_files` the kernel files by role."""
+    the target); `kernel_files` the kernel files by role; `weights_sha256` that of `weights.bin` where
+    known (`write_weights`)."""
     tokenizer = model.tokenizer
     (directory / "tokenizer.json").write_text(tokenizer.tokenizer.to_str())
     c = model.config
@@ -146,7 +156,7 @@ def write_artifact(directory: Path, description: dict, model: Model, kernel_file
             "chat_template": tokenizer.chat_template,
         },
         "files": {
-            "weights": _file_entry(directory / "weights.bin"),
+            "weights": _file_entry(directory / "weights.bin", weights_sha256),
             **{role: _file_entry(path) for role, path in kernel_files.items()},
             "tokenizer": _file_entry(directory / "tokenizer.json"),
         },

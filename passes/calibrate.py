@@ -12,18 +12,28 @@ it on each projection, `{llm.error = {a8 = 3.1e-04 : f64, a16 = 5.2e-09 : f64}}`
 `llmc verify --per-layer` prints it, measured on the verify prompt.
 
     errors = measure(find_function(module, "forward"), model.weights, calibration_tokens(model.tokenizer))
+
+A measurement is kept in the compiler's cache (`llmc.cache`, `calibration/`) under the digest of all it
+reads (`measurement_key`): the function's IR, the bytes of its weights, the tokens and the code that
+measures; a second compile of the same model and options measures nothing.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 from collections.abc import Sequence
+from io import StringIO
 from itertools import zip_longest
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 from xdsl.dialects import func
 
+from llmc import cache
 from llmc.errors import LlmcError, UsageError
 from llmc.ir import llm
 from llmc.ir.formats import SLICE, quantize_rows
@@ -111,12 +121,51 @@ def measure(function: func.FuncOp, weights: WeightStore, tokens: Sequence[int]) 
     """The relative output error of `a8` and `a16` for each projection of `function` (walk
     order; None for one whose weight is computed), from a float run (the modes already set are
     ignored) of `@forward`-like `function(tokens, positions, cache)` on `tokens`, which stops
-    once the last projection is measured. It holds one weight in float32 at a time and runs BLAS
-    on one thread: its products
+    once the last projection is measured; the cache's copy where the same was measured before.
+    It holds one weight in float32 at a time and runs BLAS on one thread: its products
     are small, and BLAS threads spinning against a busy machine's other work (a server, a test
     run) made it 3–7× slower."""
+    key = measurement_key(function, weights, tokens)
+    kept = cache.lookup(CACHE_KIND, key)
+    if kept is not None:
+        return [None if e is None else {llm.Compute(m): v for m, v in e.items()} for e in json.loads(kept)]
     with threadpool_limits(limits=1, user_api="blas"):
-        return _measure(function, weights, tokens)
+        errors = _measure(function, weights, tokens)
+    cache.store(CACHE_KIND, key, json.dumps([None if e is None else {m.value: v for m, v in e.items()}
+                                             for e in errors]).encode())
+    return errors
+
+
+CACHE_KIND = "calibration"
+
+
+def measurement_key(function: func.FuncOp, weights: WeightStore, tokens: Sequence[int]) -> str:
+    """The sha256 of what `measure` reads: `function`'s IR, each of its weights (name, storage, shape, bytes),
+    `tokens`, and the code (`measuring_code`) and numpy that measure."""
+    from xdsl.printer import Printer
+
+    text = StringIO()
+    Printer(stream=text).print_op(function)
+    digest = hashlib.sha256(f"{measuring_code()}\0{np.__version__}\0{text.getvalue()}\0".encode())
+    digest.update(np.asarray(tokens, np.int64).tobytes())
+    names = sorted({op.sym_name for op in function.walk() if isinstance(op, llm.WeightOp)})
+    for name in names:
+        weight = weights.entries[name]
+        digest.update(f"\0{name}\0{weight.storage.value}\0{weight.shape}\0".encode())
+        for array in (weight.data, weight.row_order):
+            if array is not None:
+                digest.update(np.ascontiguousarray(array).data)
+                digest.update(b"\0")
+    return digest.hexdigest()
+
+
+@functools.cache
+def measuring_code() -> str:
+    """The digest of the source of the IR and its interpreter, and of the passes (this one among them)."""
+    import llmc.ir
+    import llmc.passes
+
+    return cache.source_digest(*(Path(package.__file__).parent for package in (llmc.ir, llmc.passes)))
 
 
 def _measure(function: func.FuncOp, weights: WeightStore, tokens: Sequence[int]) -> list[dict[llm.Compute, float] | None]:

@@ -9,12 +9,13 @@ The results of llmc and of other engines (`llmc.peers`) are `EngineSpeeds`; `tab
 prints them side by side, with ratios against a baseline engine. `Session.read_bandwidth`
 measures the machine's streaming read speed over the artifact's weights, the limit of a
 decode step that reads every weight once. Only numpy here, like the rest of the runtime.
+Each test says what it is doing as it starts (`status`: `llmc bench` shows it as a progress line).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,9 +87,15 @@ def fit_defaults(capacity: int, prompts: Sequence[int] | None, depths: Sequence[
     return tuple(prompts), tuple(depths), notes
 
 
+def _silent(text: str) -> None:
+    pass
+
+
 def benchmark(directory: Path, prompts: int | Sequence[int] = (512,), decode_tokens: int = 128, repeat: int = 3,
-              threads: int | None = None, depths: Sequence[int] = (0,), name: str | None = None) -> BenchResult:
-    """llmc's prefill tokens/s for each (depth, prompt) and decode tokens/s for each depth, best of `repeat`."""
+              threads: int | None = None, depths: Sequence[int] = (0,), name: str | None = None,
+              status: Callable[[str], None] = _silent) -> BenchResult:
+    """llmc's prefill tokens/s for each (depth, prompt) and decode tokens/s for each depth, best of `repeat`;
+    `status` is told each test as it starts ("bench: prefill 512 at depth 0, run 2 of 3")."""
     prompts = (prompts,) if isinstance(prompts, int) else tuple(prompts)
     depths = tuple(depths)
     if not prompts or not depths or min(prompts) < 1 or min(depths) < 0 or decode_tokens < 1 or repeat < 1:
@@ -98,22 +105,26 @@ def benchmark(directory: Path, prompts: int | Sequence[int] = (512,), decode_tok
         check_capacity(session.capacity, prompts, depths, decode_tokens)
         speeds = EngineSpeeds(name or f"llmc {directory.name}", "llmc")
         tokens = np.random.default_rng(0).integers(0, session.vocab_size, max(depths) + max(prompts), dtype=np.int32)
+        status("bench: warm-up (the weights paged in)")
         session.feed(tokens[: min(session.chunk, max(prompts))])  # warm-up, as llama-bench's: weights paged in
         session.feed(tokens[:1])
         for depth in depths:
             session.reset()
             if depth:
+                status(f"bench: filling the KV cache to depth {depth}")
                 session.feed(tokens[:depth])  # the context, once; later tests overwrite only the rows after it
             for prompt in prompts:
                 best = float("inf")
-                for _ in range(repeat):
+                for run in range(repeat):
+                    status(f"bench: prefill {prompt} at depth {depth}, run {run + 1} of {repeat}")
                     session.rewind(depth)
                     start = time.perf_counter()
                     session.feed(tokens[depth : depth + prompt])
                     best = min(best, time.perf_counter() - start)
                 speeds.prefill[depth, prompt] = prompt / best
             best = float("inf")
-            for _ in range(repeat):
+            for run in range(repeat):
+                status(f"bench: decode {decode_tokens} at depth {depth}, run {run + 1} of {repeat}")
                 session.rewind(depth)
                 token = int(tokens[depth])
                 start = time.perf_counter()
@@ -121,6 +132,7 @@ def benchmark(directory: Path, prompts: int | Sequence[int] = (512,), decode_tok
                     token = int(np.argmax(session.feed([token])))
                 best = min(best, time.perf_counter() - start)
             speeds.decode[depth] = decode_tokens / best
+        status("bench: read bandwidth over the weights")
         read = session.read_bandwidth()
     finally:
         session.close()
@@ -161,9 +173,10 @@ def _decode_seconds(tokens: Iterator[int]) -> tuple[list[int], float]:
 
 def speculation_benchmark(directory: Path, prompt_sets: dict[str, Sequence[str]], max_tokens: int = 128,
                           repeat: int = 2, threads: int | None = None, draft: Path | None = None,
-                          most: int = 8) -> tuple[list[SpeculationRun], str]:
+                          most: int = 8, status: Callable[[str], None] = _silent) -> tuple[list[SpeculationRun], str]:
     """Greedy decode tokens/s of each set's prompts (chat template applied), plain and speculative (prompt
-    lookup, or the `draft` artifact), alternating prompt by prompt, best of `repeat` each; and where they ran."""
+    lookup, or the `draft` artifact), alternating prompt by prompt, best of `repeat` each; and where they ran
+    (`status` told each prompt as it starts)."""
     from llmc.runtime.codec import TextCodec
     from llmc.runtime.generate import generate
     from llmc.runtime.sampling import SamplingOptions
@@ -181,7 +194,8 @@ def speculation_benchmark(directory: Path, prompt_sets: dict[str, Sequence[str]]
             stats = SpeculationStats()
             tokens = plain_total = fast_total = 0
             identical = True
-            for text in prompts:
+            for i, text in enumerate(prompts, 1):
+                status(f"bench: {name} prompt {i} of {len(prompts)}, plain and speculative")
                 ids = codec.encode(codec.chat(text))
                 plain_best = fast_best = float("inf")
                 for _ in range(repeat):

@@ -16,6 +16,7 @@ import pytest
 from tiny_models import TinySpec
 
 from llmc.cli import main
+from llmc.cli.common import progress
 from llmc.driver import BackendOptions, compile_model
 from llmc.passes.pipeline import CompileOptions
 from llmc.runtime.artifact import Manifest
@@ -123,6 +124,22 @@ def test_cli_bench_prints_rows_and_the_bandwidth_limit(artifact, capsys) -> None
     assert [(r[1], r[2]) for r in rows] == [("0", "4"), ("0", "8"), ("8", "4"), ("8", "8")]
     assert float(rows[0][3]) > 0 and float(rows[0][4]) > 0 and rows[1][4] == ""  # decode once per depth
     assert "MB read per decode token" in out and "bandwidth limit ≈" in out and "% of it" in out
+
+
+def test_cli_bench_says_what_it_is_measuring(artifact, capsys, monkeypatch) -> None:
+    """Each test says what it does as it starts, through the progress line (in a log, a plain line on stderr,
+    once the bench has run `QUIET` seconds: here at once); none is left after the table."""
+    monkeypatch.setattr(progress, "QUIET", 0.0)
+    monkeypatch.setattr(progress, "LOG_EVERY", 0.0)
+    code, out, err = _bench(capsys, artifact("gguf"))
+    assert code == 0 and "bench:" not in out
+    lines = err.splitlines()
+    for line in ("bench: warm-up (the weights paged in)", "bench: prefill 4 at depth 0, run 1 of 1",
+                 "bench: decode 4 at depth 0, run 1 of 1", "bench: filling the KV cache to depth 8",
+                 "bench: prefill 8 at depth 8, run 1 of 1", "bench: read bandwidth over the weights"):
+        assert line in lines, err
+    prefill, decode = "bench: prefill 4 at depth 0, run 1 of 1", "bench: decode 4 at depth 0, run 1 of 1"
+    assert lines.index(prefill) < lines.index(decode)
 
 
 def test_vs_llama_cpp_without_llama_bench_is_skipped(artifact, capsys, monkeypatch, tmp_path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from llmc.frontend import import_model, load_model
 from llmc.ir import find_function, llm, tgt
 from llmc.ir.interpreter import KVCache, evaluate
 from llmc.ir.text import parse_module, print_module
+from llmc.passes import calibrate
 from llmc.passes.calibrate import MAX_TOKENS, calibration_for, calibration_tokens, measure
 from llmc.passes.pipeline import CompileOptions, run_phase
 from llmc.passes.quantize import CALIBRATED, ERROR, choose_wider, summary, weight_bytes, weight_elements
@@ -121,6 +123,27 @@ def test_the_choice_is_a_knapsack_by_gain_per_cost() -> None:
     assert sorted(choose_wider([(1.0, (0.05,))] * 20, (1.0,))) == list(range(20))  # the budget exactly: all of them
     # two budgets (decode, prefill): the second binds, and ranks by the larger share
     assert choose_wider([(2.0, (1.0, 4.0)), (1.5, (1.0, 1.0)), (1.0, (1.0, 1.0))], (10.0, 4.0)) == [1, 2]
+
+
+def test_a_measurement_is_kept_and_another_model_or_text_is_measured_again(tiny, tmp_path, monkeypatch) -> None:
+    """`measure` keeps its result in the cache: the same function, weights and tokens again run nothing and
+    give the same errors; other tokens, or a model of the same shapes with other weights, are measured; a
+    damaged entry is measured again."""
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path))
+    runs = []
+    real = calibrate._measure
+    monkeypatch.setattr(calibrate, "_measure", lambda *args: runs.append(1) or real(*args))
+    model, module = quantized(tiny(MIXED, "gguf"), compute="a8")
+    tokens = calibration_tokens(model.tokenizer)[:12]
+    forward = find_function(module, "forward")
+    errors = measure(forward, model.weights, tokens)
+    assert measure(forward, model.weights, tokens) == errors and len(runs) == 1
+    assert measure(forward, model.weights, tokens[:11]) != errors and len(runs) == 2
+    other, other_module = quantized(tiny(replace(MIXED, seed=1), "gguf"), compute="a8")
+    assert measure(find_function(other_module, "forward"), other.weights, tokens) != errors and len(runs) == 3
+    for entry in (tmp_path / calibrate.CACHE_KIND).iterdir():
+        entry.write_bytes(entry.read_bytes()[:-1])
+    assert measure(forward, model.weights, tokens) == errors and len(runs) == 4
 
 
 def test_forced_modes_force_and_calibrate_nothing(tiny) -> None:

@@ -41,6 +41,8 @@ from llmc.backends.cpu.quant import (
     TiledWeight,
     vec,
 )
+from llmc.backends.cpu.toolchain import Deferred
+from llmc.backends.kernel_cache import compiler_version
 from llmc.backends.kernel_names import kernel_key, kernel_name, rope_table
 from llmc.ir import llm, tgt
 from llmc.ir.activations import ACTIVATIONS, activation_of
@@ -56,19 +58,20 @@ class KernelLibrary:
     """Emits kernels into `module`, once per distinct kernel (`kernel_key`), each an external
     function (callable through ctypes from a shared library of `module` alone).
 
-    With `separate`, each kernel goes into a module of its own (`modules`), compiled and cached
-    alone (`llmc.backends.kernel_cache`: the same kernel in another artifact or compile skips
-    LLVM), and `module` gets its declaration; the objects are linked together.
+    With `separate`, each kernel is a module of its own (`modules`, each a `Deferred`: emitted only
+    where the kernel cache lacks its object, `llmc.backends.kernel_cache`, so the same kernel in
+    another artifact or compile skips IR emission and LLVM), and `module` gets its declaration; the
+    objects are linked together.
     """
 
     def __init__(self, module: ir.Module, *, separate: bool = False):
         self.module = module
         self.separate = separate
-        self.modules: list[ir.Module] = []  # with `separate`: one per kernel
+        self.modules: list[Deferred] = []  # with `separate`: one per kernel
         self._cache: dict[tuple, ir.Function] = {}
 
     def kernel(self, op: tgt.Kernel) -> ir.Function:
-        """The function of `op`, emitted on first request."""
+        """The function of `op`, emitted on first request (with `separate`, declared)."""
         key = kernel_key(op)
         if key in self._cache:
             return self._cache[key]
@@ -77,19 +80,20 @@ class KernelLibrary:
             return self._emit(key, op, name)
         if name in self.module.globals:  # another kernel of the same readable name: a digest of the key
             name = f"{name}_{hashlib.sha256(repr(key).encode()).hexdigest()[:8]}"
-        own = KernelLibrary(ir.Module(name))
-        fn = own._emit(key, op, name)
-        self.modules.append(own.module)
-        self._cache[key] = ir.Function(self.module, fn.function_type, name=name)  # its declaration here
+
+        def build(name: str = name) -> ir.Module:
+            own = KernelLibrary(ir.Module(name))
+            own._emit(key, op, name)
+            return own.module
+
+        self.modules.append(Deferred(f"{name} {key!r} {compiler_version()}", build))
+        parameters = _parameters(op)
+        self._cache[key] = ir.Function(self.module, ir.FunctionType(VOID, [t for _, t in parameters]), name=name)
         return self._cache[key]
 
     def _emit(self, key: tuple, op: tgt.Kernel, fn_name: str) -> ir.Function:
         emitter = EMITTERS.lookup(op)
-        params = [(name, I64 if not isinstance(v.type, (MemRefType, tgt.QRowsType, tgt.WeightType)) else I8PTR)
-                  for name, v in op.abi()]
-        params += [("tid", I64), ("nth", I64)]
-        if op.SYNCS:
-            params.append(("sync", I64PTR))
+        params = _parameters(op)
         fn, f = self._new(key, fn_name, params)
         emitter(self, f, op, dict(zip((p for p, _ in params), fn.args)))
         f.finish()
@@ -118,6 +122,15 @@ class KernelLibrary:
 
     def inv_freq_table(self, head_dim: int, rope: llm.RopeAttr) -> ir.Value:
         return f32_table(self.module, *rope_table(head_dim, rope))
+
+
+def _parameters(op: tgt.Kernel) -> list[tuple[str, ir.Type]]:
+    """The kernel function's arguments: the op's operands (buffers `i8*`, indices `i64`), `tid`, `nth`, and
+    `sync` for a kernel that waits on the others."""
+    params = [(name, I64 if not isinstance(v.type, (MemRefType, tgt.QRowsType, tgt.WeightType)) else I8PTR)
+              for name, v in op.abi()]
+    params += [("tid", I64), ("nth", I64)]
+    return params + [("sync", I64PTR)] if op.SYNCS else params
 
 
 SPINS_BEFORE_YIELD = 2000

@@ -3,6 +3,7 @@
     tm = target_machine()                      # the host CPU and its features
     obj = compile_to_object(module, tm)        # parse, verify, O3, emit (or the kernel cache's copy)
     link_shared([obj], "build/kernels-3f2a.so")
+    objs, cached = compile_objects([module, Deferred("matmul_k64 ...", build)], tm)  # build() only on a miss
 
 llvmlite keeps one global LLVM context, so parsing, optimising and emitting are
 serialised by a lock; targets are initialised once, on first use. `compile_objects`
@@ -31,6 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 
 import llvmlite.binding as llvm
@@ -175,20 +177,33 @@ def compile_to_object(ir_text_or_module: str | ir.Module, tm: llvm.TargetMachine
     return compile_objects([ir_text_or_module], tm, level)[0][0]
 
 
-def compile_objects(modules: Sequence[str | ir.Module], tm: llvm.TargetMachine, level: int = 3
+@dataclass(frozen=True)
+class Deferred:
+    """A module known before it is built by `identity`, everything its text depends on (what its emitter reads,
+    `kernel_cache.compiler_version()`): `compile_objects` calls `build` only where the kernel cache lacks it."""
+    identity: str
+    build: Callable[[], ir.Module]
+
+
+def compile_objects(modules: Sequence[str | ir.Module | Deferred], tm: llvm.TargetMachine, level: int = 3
                     ) -> tuple[list[bytes], int]:
     """`compile_to_object` of each module, and how many of them the kernel cache held; where two or more miss
     the cache and their IR is `PARALLEL_IR` or more, `jobs()` processes compile them: this one and workers."""
     description = getattr(tm, "llmc_description", None)
-    texts = [str(module) for module in modules]
-    keys = [None if description is None else kernel_cache.cache_key(text, "object", *description, f"O{level}")
-            for text in texts]
+    texts = [None if isinstance(module, Deferred) else str(module) for module in modules]
+    keys = [None if description is None else kernel_cache.cache_key(
+        f"deferred {module.identity}" if isinstance(module, Deferred) else text, "object", *description, f"O{level}")
+        for module, text in zip(modules, texts)]
     objects = [None if key is None else kernel_cache.lookup(key) for key in keys]
     missing = [i for i, obj in enumerate(objects) if obj is None]
     cached = len(texts) - len(missing)
     status = _status.get()
     if status is not None:
         status(f"codegen: {cached} of {len(texts)} modules compiled, {cached} from the cache")
+    for i in missing:
+        module = modules[i]
+        if isinstance(module, Deferred):
+            texts[i] = str(module.build())
     parallel = hasattr(tm, "llmc_machine") and sum(len(texts[i]) for i in missing) >= PARALLEL_IR
     processes = min(jobs(), len(missing)) if parallel else 1  # this one and its workers
     compiled = _in_workers(texts, missing, tm, level, processes - 1) if processes > 1 else \

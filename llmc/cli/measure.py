@@ -84,7 +84,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         source, why = peers.source_model(args.model, manifest.data)
     progress(f"measuring llmc on {directory}")
-    result = benchmark(directory, prompts, args.decode_tokens, args.repeat, args.threads, depths)
+    try:
+        result = benchmark(directory, prompts, args.decode_tokens, args.repeat, args.threads, depths,
+                           status=progress.update)
+    finally:
+        progress.update("")  # (no update is shown later, under another line)
     engines, notes = [result.speeds], []
     if args.vs:
         plan = peers.Plan(prompts, depths, args.decode_tokens, args.repeat, result.threads, result.vocab_size,
@@ -114,8 +118,12 @@ def _bench_speculation(directory: Path, args: argparse.Namespace) -> int:
     progress(f"measuring speculative decoding on {directory} ({len(GROUNDED) + len(OPEN_ENDED)} prompts, up to "
              f"{args.decode_tokens} tokens each, best of {args.repeat}, plain and speculative alternating)")
     draft = Path(args.draft) if args.draft else None
-    runs, where = speculation_benchmark(directory, {"input-grounded": GROUNDED, "open-ended": OPEN_ENDED},
-                                 args.decode_tokens, args.repeat, args.threads, draft)
+    try:
+        runs, where = speculation_benchmark(directory, {"input-grounded": GROUNDED, "open-ended": OPEN_ENDED},
+                                            args.decode_tokens, args.repeat, args.threads, draft,
+                                            status=progress.update)
+    finally:
+        progress.update("")
     print(speculation_table(runs, where, f"draft {draft.name}" if draft else "prompt lookup"))
     return 0 if all(r.identical for r in runs) else 1
 

@@ -9,7 +9,8 @@ import gguf
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # (shaped_gguf.py beside this file)
-from shaped_gguf import random_tensor, CHAT_TEMPLATE, SPECIAL_TOKENS, _bytes_to_unicode  # noqa: E402
+from shaped_gguf import CHAT_TEMPLATE, SPECIAL_TOKENS, _bytes_to_unicode, random_tensor  # noqa: E402
+
 from llmc.ir.formats import Storage  # noqa: E402
 
 LAYERS, HIDDEN, FFN, HEADS, KV, HEAD_DIM, VOCAB = 18, 640, 2048, 4, 1, 256, 262144

@@ -25,7 +25,6 @@ from llmc.ir.formats import SLICE, integer_matmul, quantize_rows
 from llmc.ir.interfaces import OpInterface
 from llmc.ir.weights import WeightStore
 
-
 SEMANTICS = OpInterface("llm interpreter", "numpy semantics")
 semantics = SEMANTICS.implement  # `fn(op, env, *operand_values) -> result`
 

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_serve import LETTERS, REPEATS, client, server  # noqa: F401 (fixtures, on this module's artifact)
+from test_serve import LETTERS, REPEATS, client, server  # noqa: F401, F811 (fixtures, on this module's artifact)
 from tiny_models import TinySpec
 
 httpx = pytest.importorskip("httpx")

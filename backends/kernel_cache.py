@@ -43,12 +43,15 @@ def cache_key(text: str, *target: str) -> str:
 
 @functools.cache
 def compiler_version() -> str:
-    """The digest of the source of the IR and of the code that emits LLVM IR from it (the `llmc.ir` and
-    `llmc.backends` packages): editing an emitter changes every key made with it."""
+    """The digest of the source of the IR, of the code that emits LLVM IR from it (the `llmc.ir` and
+    `llmc.backends` packages) and of the ABI constants the kernels use (`llmc.abi`): editing an emitter
+    changes every key made with it."""
+    import llmc.abi
     import llmc.backends
     import llmc.ir
 
-    return cache.source_digest(*(Path(package.__file__).parent for package in (llmc.ir, llmc.backends)))
+    folders = (Path(package.__file__).parent for package in (llmc.ir, llmc.backends))
+    return cache.source_digest(*folders, Path(llmc.abi.__file__))
 
 
 def lookup(key: str) -> bytes | None:

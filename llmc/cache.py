@@ -56,13 +56,14 @@ def disabled() -> AbstractContextManager[None]:
 
 
 def source_digest(*roots: Path) -> str:
-    """The sha256 of the Python files under `roots` (their paths relative to their root, and bytes): a
-    version of the code that makes a result, so editing it makes every key anew."""
+    """The sha256 of the Python files under `roots` (folders or files; their paths relative to their root,
+    and bytes): a version of the code that makes a result, so editing it makes every key anew."""
     digest = hashlib.sha256()
     for n, root in enumerate(roots):
-        for path in sorted(root.rglob("*.py")):
+        for path in [root] if root.is_file() else sorted(root.rglob("*.py")):
             data = path.read_bytes()
-            digest.update(f"{n}/{path.relative_to(root).as_posix()}\0{len(data)}\0".encode() + data)
+            digest.update(f"{n}/{path.relative_to(root.parent if root.is_file() else root).as_posix()}\0"
+                          f"{len(data)}\0".encode() + data)
     return digest.hexdigest()
 
 

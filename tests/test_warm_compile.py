@@ -75,8 +75,9 @@ def test_another_compiler_version_or_a_damaged_entry_is_compiled_again(tiny, tmp
 
 
 def test_the_compiler_version_is_the_digest_of_its_source(tmp_path) -> None:
-    """`source_digest` changes with a file's bytes and with its name; `compiler_version` is that of `llmc.ir`
-    and `llmc.backends`."""
+    """`source_digest` changes with a file's bytes and with its name, of a folder or a file given alone;
+    `compiler_version` is that of `llmc.ir`, `llmc.backends` and `llmc.abi`."""
+    import llmc.abi
     import llmc.backends
     import llmc.ir
 
@@ -86,5 +87,9 @@ def test_the_compiler_version_is_the_digest_of_its_source(tmp_path) -> None:
     edited = cache.source_digest(tmp_path)
     (tmp_path / "emit.py").rename(tmp_path / "other.py")
     assert len({first, edited, cache.source_digest(tmp_path)}) == 3
+    alone = cache.source_digest(tmp_path / "other.py")
+    (tmp_path / "other.py").write_text("X = 3\n")
+    assert cache.source_digest(tmp_path / "other.py") != alone
     assert kernel_cache.compiler_version() == cache.source_digest(Path(llmc.ir.__file__).parent,
-                                                                  Path(llmc.backends.__file__).parent)
+                                                                  Path(llmc.backends.__file__).parent,
+                                                                  Path(llmc.abi.__file__))

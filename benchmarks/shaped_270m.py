@@ -24,9 +24,9 @@ def main(path: Path) -> None:
     w.add_key_length(HEAD_DIM); w.add_value_length(HEAD_DIM); w.add_rope_dimension_count(HEAD_DIM)
     w.add_rope_freq_base(1e6); w.add_layer_norm_rms_eps(1e-6); w.add_vocab_size(VOCAB)
     tokens = SPECIAL_TOKENS + sorted(_bytes_to_unicode().values())
-    tokens += [f"<filler_{i}>" for i in range(VOCAB - len(tokens))]
+    tokens += ["ĠĠ"] + [f"<filler_{i}>" for i in range(VOCAB - len(tokens) - 1)]  # llama.cpp needs a merge
     w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("gpt-2"); w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens]); w.add_token_merges([])
+    w.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens]); w.add_token_merges(["Ġ Ġ"])
     w.add_bos_token_id(0); w.add_eos_token_id(2); w.add_add_bos_token(False); w.add_chat_template(CHAT_TEMPLATE)
 
     def q(name, storage, rows, k):

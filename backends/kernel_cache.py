@@ -22,14 +22,8 @@ import llvmlite
 import llvmlite.binding as llvm
 
 from llmc import cache
-from llmc.cache import OFF, disabled, environment  # noqa: F401  (the kernel cache's switches)
 
 KIND = "kernels"
-
-
-def cache_dir() -> Path | None:
-    """The cache's folder, or None when it is off."""
-    return cache.cache_dir(KIND)
 
 
 def cache_key(text: str, *target: str) -> str:

@@ -11,6 +11,7 @@ import io
 from xdsl.context import Context
 from xdsl.dialects import builtin, func
 from xdsl.dialects.builtin import ModuleOp
+from xdsl.ir import Operation
 from xdsl.parser import Parser
 from xdsl.printer import Printer
 from xdsl.utils.exceptions import ParseError, VerifyException
@@ -28,7 +29,8 @@ def context() -> Context:
     return ctx
 
 
-def print_module(module: ModuleOp, generic: bool = False) -> str:
+def print_module(module: Operation, generic: bool = False) -> str:
+    """The text of `module` (or of any op: a function alone)."""
     out = io.StringIO()
     Printer(stream=out, print_generic_format=generic).print_op(module)
     return out.getvalue() + "\n"

@@ -60,10 +60,10 @@ def source_digest(*roots: Path) -> str:
     and bytes): a version of the code that makes a result, so editing it makes every key anew."""
     digest = hashlib.sha256()
     for n, root in enumerate(roots):
-        for path in [root] if root.is_file() else sorted(root.rglob("*.py")):
+        base, paths = (root.parent, [root]) if root.is_file() else (root, sorted(root.rglob("*.py")))
+        for path in paths:
             data = path.read_bytes()
-            digest.update(f"{n}/{path.relative_to(root.parent if root.is_file() else root).as_posix()}\0"
-                          f"{len(data)}\0".encode() + data)
+            digest.update(f"{n}/{path.relative_to(base).as_posix()}\0{len(data)}\0".encode() + data)
     return digest.hexdigest()
 
 

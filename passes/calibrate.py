@@ -24,7 +24,6 @@ import functools
 import hashlib
 import json
 from collections.abc import Sequence
-from io import StringIO
 from itertools import zip_longest
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,6 +38,7 @@ from llmc.ir import llm
 from llmc.ir.formats import SLICE, quantize_rows
 from llmc.ir.interpreter import KVCache, rms_norm, run
 from llmc.ir.target import target_description
+from llmc.ir.text import print_module
 from llmc.ir.weights import WeightStore
 from llmc.passes.calibration_text import CONVERSATIONS, PLAIN
 from llmc.runtime.codec import TextCodec
@@ -142,11 +142,7 @@ CACHE_KIND = "calibration"
 def measurement_key(function: func.FuncOp, weights: WeightStore, tokens: Sequence[int]) -> str:
     """The sha256 of what `measure` reads: `function`'s IR, each of its weights (name, storage, shape, bytes),
     `tokens`, and the code (`measuring_code`) and numpy that measure."""
-    from xdsl.printer import Printer
-
-    text = StringIO()
-    Printer(stream=text).print_op(function)
-    digest = hashlib.sha256(f"{measuring_code()}\0{np.__version__}\0{text.getvalue()}\0".encode())
+    digest = hashlib.sha256(f"{measuring_code()}\0{np.__version__}\0{print_module(function)}\0".encode())
     digest.update(np.asarray(tokens, np.int64).tobytes())
     names = sorted({op.sym_name for op in function.walk() if isinstance(op, llm.WeightOp)})
     for name in names:

@@ -1014,7 +1014,7 @@ def test_the_kernel_cache_returns_what_llvm_made_for_the_same_text_and_target(tm
     """A second compile of the same module for the same target is the cache's copy, byte for byte;
     another target or optimization level is compiled anew; a damaged entry is compiled again; the
     cache can be turned off."""
-    from llmc.backends import kernel_cache
+    from llmc import cache
 
     monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path))
     module = ir.Module(name="kernels")
@@ -1030,5 +1030,5 @@ def test_the_kernel_cache_returns_what_llvm_made_for_the_same_text_and_target(tm
     entries[0].write_bytes(entries[0].read_bytes()[:-1])  # cut short
     assert compile_to_object(text, target_machine("x86-64-v3")) == first
     assert entries[0].read_bytes()[32:] == first  # stored again
-    monkeypatch.setenv("LLMC_CACHE_DIR", kernel_cache.OFF)
-    assert kernel_cache.cache_dir() is None and compile_to_object(text, target_machine("x86-64-v3")) == first
+    monkeypatch.setenv("LLMC_CACHE_DIR", cache.OFF)
+    assert cache.cache_dir("kernels") is None and compile_to_object(text, target_machine("x86-64-v3")) == first

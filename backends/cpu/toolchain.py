@@ -38,6 +38,7 @@ from pathlib import Path
 import llvmlite.binding as llvm
 from llvmlite import ir
 
+from llmc import cache
 from llmc.backends import kernel_cache
 from llmc.errors import LlmcError
 
@@ -126,7 +127,7 @@ def available_cpus() -> int:
 
 def using_jobs(n: int) -> AbstractContextManager[None]:
     """`n` processes compile kernel modules inside the block (`llmc compile --jobs N`)."""
-    return kernel_cache.environment(JOBS, str(n))
+    return cache.environment(JOBS, str(n))
 
 
 _status: ContextVar[Callable[[str], None] | None] = ContextVar("llmc_codegen_status", default=None)

@@ -98,12 +98,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
     dump = _dumper(args)
     out = Path(args.output) if args.output else (None if args.compile_to else _default_output(args.model))
     backend = BackendOptions(args.target, args.cpu, args.gpu)
-    from llmc.backends import kernel_cache
+    from llmc import cache
     from llmc.backends.cpu.toolchain import JOBS, available_cpus, using_jobs
 
     with contextlib.ExitStack() as settings:
         if args.no_cache:
-            settings.enter_context(kernel_cache.disabled())
+            settings.enter_context(cache.disabled())
         if args.jobs is not None or not os.environ.get(JOBS):  # (else $LLMC_JOBS, checked where it is read)
             settings.enter_context(using_jobs(args.jobs or available_cpus()))
         result = compile_model(args.model, out, options, backend, args.compile_to, dump,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmc.errors import LlmcError
 from llmc.runtime.batch import Engine, Request
 from llmc.runtime.session import open_session
 
@@ -55,7 +56,15 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
-    session = open_session(args.artifact, threads=args.threads)
+    if min(args.rows, args.tokens, args.prompt, args.repeat) < 1:
+        p.error("--rows, --tokens, --prompt and --repeat must be at least 1")
+    try:
+        session = open_session(args.artifact, threads=args.threads)
+    except LlmcError as e:
+        p.error(str(e))
+    if args.rows > session.slot_count:
+        p.error(f"--rows {args.rows}: this artifact decodes at most {session.slot_count} sequences together "
+                f"(compile it with --max-batch {args.rows})")
     engine = Engine(session, eos_id=None, max_active=args.rows)
     batch = prompts(session.vocab_size, args.rows, args.prompt)
     alone = [decode(engine, [prompt], args.tokens)[0][0] for prompt in batch]

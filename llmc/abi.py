@@ -103,3 +103,18 @@ READ_PROBE = f"{ENTRY_PREFIX}read"
 READ_PROBE_ARGUMENTS: dict[str, str] = {"p": POINTER, "bytes": INT64, "tid": INT64, "nth": INT64, "out": POINTER}
 READ_PROBE_STEP = 256  # bytes per iteration: four 64-byte loads
 AMX_FLAG = f"{ENTRY_PREFIX}amx"  # an int32 the runtime sets to 1 once the process may use AMX tiles
+
+# The native thread team (`backends/cpu/team.py`): the runtime's workers wait in
+# `void llmc_team_work(int64_t *team, int64_t tid)` (tid ≥ 1) and its calling thread runs each call through
+# `void llmc_team_run(int64_t *team, int64_t job)`, where `job` indexes the manifest's `team_jobs` (the entry
+# points' symbols, then the read probe's) and `team` is `TEAM_WORDS` int64, zeroed once:
+TEAM_WORK = f"{ENTRY_PREFIX}team_work"
+TEAM_RUN = f"{ENTRY_PREFIX}team_run"
+TEAM_GENERATION = 0  # bumped by each call (its low 32 bits are the futex sleeping workers wait on)
+TEAM_SLEEPERS = 1  # workers asleep on the futex
+TEAM_JOB = 2  # the job of the latest call; `TEAM_STOP` ends the workers
+TEAM_THREADS = 3  # the team's size, set once by the runtime
+TEAM_DONE = 8  # the done barrier's two words (arrivals, generation), a cache line of their own
+TEAM_ARGS = 16  # the job's arguments, in its function's order (every argument an int64 or an address)
+TEAM_WORDS = TEAM_ARGS + 16
+TEAM_STOP = -1

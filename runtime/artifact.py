@@ -40,7 +40,7 @@ from llmc.abi import (
 )
 from llmc.errors import LlmcError, printable
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 MANIFEST = "manifest.json"
 # /proc/cpuinfo flag of each CPU feature a kernel may need
 _CPU_FLAGS = {
@@ -149,6 +149,8 @@ def _check_schema(path: Path, data: dict) -> None:
                                  f"holds {kv['slots']} sequences")
         if cpu and not isinstance(data["read_probe"], str):
             raise ValueError("read_probe must be a symbol name")
+        if cpu and not (isinstance(data["team_jobs"], list) and all(isinstance(j, str) for j in data["team_jobs"])):
+            raise ValueError("team_jobs must be a list of symbol names")
         if cpu and not positive_ints([data["max_threads"]]):
             raise ValueError("max_threads must be a positive integer")
         if kv["dtype"] not in KV_DTYPES:

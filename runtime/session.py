@@ -18,12 +18,22 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from llmc.abi import INT64, KV_DTYPES, READ_PROBE_ARGUMENTS, READ_PROBE_STEP, argument_kind
+from llmc.abi import (
+    KV_DTYPES,
+    READ_PROBE_ARGUMENTS,
+    READ_PROBE_STEP,
+    TEAM_ARGS,
+    TEAM_RUN,
+    TEAM_STOP,
+    TEAM_THREADS,
+    TEAM_WORDS,
+    TEAM_WORK,
+)
 from llmc.errors import LlmcError
 from llmc.runtime import amx
 from llmc.runtime.artifact import (
@@ -43,51 +53,40 @@ def default_threads() -> int:
 
 
 class _Team:
-    """`count` threads that run one job together; the calling thread is thread 0.
+    """`count` threads that run the library's jobs together (`llmc.abi`'s thread team): the calling
+    thread is thread 0, the workers stay inside `llmc_team_work` between calls (spinning for a
+    while, then asleep), so a call is one native call with no Python in between."""
 
-    The workers start once and wait between jobs; ctypes releases the GIL during the
-    native call, so all of them run in native code at once.
-    """
+    def __init__(self, library: ctypes.CDLL, jobs: list[str], count: int):
+        self.count, self.jobs = count, {name: index for index, name in enumerate(jobs)}
+        self.words = np.zeros(TEAM_WORDS, np.int64)
+        self.words[TEAM_THREADS] = count
+        self.at = ctypes.c_void_p(self.words.ctypes.data)
+        self._run = library[TEAM_RUN]
+        self._run.argtypes, self._run.restype = [ctypes.c_void_p, ctypes.c_int64], None
+        work = library[TEAM_WORK]
+        work.argtypes, work.restype = [ctypes.c_void_p, ctypes.c_int64], None
+        self.workers = [threading.Thread(target=work, args=(self.at, tid), daemon=True, name=f"llmc-{tid}")
+                        for tid in range(1, count)]
+        for worker in self.workers:
+            worker.start()
 
-    def __init__(self, count: int):
-        self.count = count
-        self.job: Callable[[int], None] | None = None
-        self.start = threading.Barrier(count)
-        self.done = threading.Barrier(count)
-        for tid in range(1, count):
-            threading.Thread(target=self._work, args=(tid,), daemon=True, name=f"llmc-{tid}").start()
-
-    def _work(self, tid: int) -> None:
-        while True:
-            self.start.wait()
-            job = self.job
-            if job is None:
-                return
-            job(tid)
-            self.done.wait()
-
-    def run(self, job: Callable[[int], None]) -> None:
-        if self.count == 1:
-            job(0)
-            return
-        self.job = job
-        self.start.wait()
-        job(0)
-        self.done.wait()
+    def run(self, job: str, args: Sequence[int]) -> None:
+        """Run `job` (a symbol of `team_jobs`) on every thread with `args` (its arguments in order; the
+        `tid` one is each thread's own)."""
+        self.words[TEAM_ARGS:TEAM_ARGS + len(args)] = args
+        self._run(self.at, self.jobs[job])
 
     def close(self) -> None:
-        if self.count > 1 and self.job is not None:
-            self.job = None
-            self.start.wait()
+        if self.workers:
+            self._run(self.at, TEAM_STOP)
+            for worker in self.workers:
+                worker.join()
+            self.workers = []
 
 
 def _ptr(a: np.ndarray) -> int:
     return a.ctypes.data
-
-
-def _ctype(kind: str) -> type:
-    """How ctypes passes an argument of `kind` (`llmc.abi`): an int64, or an address."""
-    return ctypes.c_int64 if kind == INT64 else ctypes.c_void_p
 
 
 class CapacityError(LlmcError):
@@ -321,12 +320,7 @@ class Session(Conversation):
         self.amx, why = amx.enable(self.library)
         if not self.amx and "failed" in why:
             print(f"llmc: AMX tiles unavailable ({why}): prefill runs on VNNI", file=sys.stderr)
-        self.entries = {}  # entry point → (function, its argument names in order)
-        for name, entry in self.manifest.entry_points.items():
-            fn = getattr(self.library, entry["symbol"])
-            fn.argtypes = [_ctype(argument_kind(a)) for a in entry["arguments"]]
-            fn.restype = None
-            self.entries[name] = (fn, entry["arguments"])
+        self.entries = {name: (entry["symbol"], entry["arguments"]) for name, entry in self.manifest.entry_points.items()}
         kv = self.manifest.kv_cache
         self.k_cache = np.zeros(kv["shape"], KV_DTYPES[kv["dtype"]])
         self.v_cache = np.zeros(kv["shape"], KV_DTYPES[kv["dtype"]])
@@ -337,7 +331,7 @@ class Session(Conversation):
             raise LlmcError(f"--threads must be in 1..{most} (what the artifact's kernels split work for), "
                             f"got {self.threads}")
         self.sync = np.zeros(2, np.int64)
-        self.team = _Team(self.threads)
+        self.team = _Team(self.library, self.manifest.data["team_jobs"], self.threads)
 
     def close(self) -> None:
         """Stop the worker threads."""
@@ -345,20 +339,12 @@ class Session(Conversation):
 
     def _call(self, entry: str, n: int, logits: np.ndarray | None) -> None:
         assert logits is not None
-        (fn, names), threads = self.entries[entry], self.threads
+        symbol, names = self.entries[entry]
         buffers = {"tokens": _ptr(self.tokens), "positions": _ptr(self.positions), "slots": _ptr(self.slot_ids), "n": n,
                    "k_cache": _ptr(self.k_cache), "v_cache": _ptr(self.v_cache), "logits": _ptr(logits),
-                   "arena": _ptr(self.arena), "weights": self.weights.ctypes.data, "nth": threads,
+                   "arena": _ptr(self.arena), "weights": self.weights.ctypes.data, "tid": 0, "nth": self.threads,
                    "sync": _ptr(self.sync)}
-        args = [buffers.get(name) for name in names]
-        tid_at = names.index("tid")
-
-        def run(tid: int) -> None:
-            mine = list(args)
-            mine[tid_at] = tid
-            fn(*mine)
-
-        self.team.run(run)
+        self.team.run(symbol, [buffers[name] for name in names])
 
     @property
     def where(self) -> str:
@@ -368,17 +354,19 @@ class Session(Conversation):
     def bandwidth_probe(self) -> str:
         return f"the kernels' read probe on {self.threads} threads"
 
+    def read(self, address: int, size: int) -> np.ndarray:
+        """The read probe on this session's threads over `size` bytes at `address`: each thread's xor of its share."""
+        out = np.zeros(self.threads, np.int64)
+        args = {"p": address, "bytes": size, "tid": 0, "nth": self.threads, "out": _ptr(out)}
+        self.team.run(self.manifest.data["read_probe"], [args[name] for name in READ_PROBE_ARGUMENTS])
+        return out
+
     def read_bandwidth(self, repeat: int = 5) -> float:
         """GB/s at which this session's threads read the weights once (the kernels' read
         probe, as a decode step streams them), best of `repeat` passes after a warm one."""
-        probe = getattr(self.library, self.manifest.data["read_probe"])
-        probe.argtypes = [_ctype(kind) for kind in READ_PROBE_ARGUMENTS.values()]
-        probe.restype = None
-        out = np.zeros(self.threads, np.int64)
-        size = self.weights.size
-        best = float("inf")
+        size, best = self.weights.size, float("inf")
         for _ in range(repeat + 1):
             start = time.perf_counter()
-            self.team.run(lambda tid: probe(self.weights.ctypes.data, size, tid, self.threads, _ptr(out)))
+            self.read(self.weights.ctypes.data, size)
             best = min(best, time.perf_counter() - start)
         return size // READ_PROBE_STEP * READ_PROBE_STEP / best / 1e9

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import json
 import shutil
 import stat
@@ -95,10 +94,7 @@ def test_the_read_probe_reads_every_byte_once(artifact, threads) -> None:
     the threads read is the xor of every 8-byte word of the buffer's whole 256-byte steps."""
     session = Session(artifact("gguf"), threads=threads)
     data = np.random.default_rng(1).integers(-2**62, 2**62, (1 << 17) + 5, dtype=np.int64)
-    probe = getattr(session.library, session.manifest.data["read_probe"])
-    out = np.zeros(threads, np.int64)
-    session.team.run(lambda tid: probe(ctypes.c_void_p(data.ctypes.data), ctypes.c_int64(data.nbytes),
-                                       ctypes.c_int64(tid), ctypes.c_int64(threads), ctypes.c_void_p(out.ctypes.data)))
+    out = session.read(data.ctypes.data, data.nbytes)
     whole = data[: data.nbytes // 256 * 32]
     assert np.bitwise_xor.reduce(out) == np.bitwise_xor.reduce(whole)
     assert session.read_bandwidth(repeat=1) > 0

@@ -6,6 +6,7 @@ import ctypes
 import json
 import re
 import subprocess
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 from runtime_only import runtime_only
 from tiny_models import TinySpec
 
-from llmc.abi import AMX_FLAG
+from llmc.abi import AMX_FLAG, TEAM_SLEEPERS
 from llmc.cli import main
 from llmc.driver import BackendOptions, compile_model
 from llmc.errors import LlmcError
@@ -329,6 +330,23 @@ def test_threads_give_the_single_thread_logits(artifact, threads: int, name: str
         for g, first in zip(run, runs[0]):
             np.testing.assert_array_equal(g, first)
     many.close()
+
+
+def test_the_thread_team_wakes_after_sleeping_and_stops_on_close(artifact) -> None:
+    """Workers spin for a while after a call, then sleep on a futex (`backends/cpu/team.py`): a call after
+    they all slept wakes them and gives the same logits; closing the session ends them."""
+    session = Session(artifact(QSPECS["mixed"], chunk=4), threads=3)
+    first = session.feed(TOKENS[:7]).copy()
+    deadline = time.monotonic() + 30
+    while session.team.words[TEAM_SLEEPERS] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert session.team.words[TEAM_SLEEPERS] == 2
+    session.reset()
+    np.testing.assert_array_equal(session.feed(TOKENS[:7]), first)
+    workers = session.team.workers
+    session.close()
+    assert len(workers) == 2 and not any(worker.is_alive() for worker in workers)
+    session.close()  # twice is harmless
 
 
 def test_kernels_swapped_after_the_check_are_not_loaded(artifact, tmp_path) -> None:

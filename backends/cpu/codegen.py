@@ -18,8 +18,8 @@ that a kernel since the last barrier wrote, or writes bytes one of them read
 (`tgt.Kernel.WRITES`; arena regions from plan-memory, cache regions from subviews):
 the q, k and v projections of a layer read the same rows and write disjoint buffers,
 so no barrier separates them, and none follows the last kernel: each thread returns when its
-share is done, and the caller waits for all of them. One native call per chunk or token per
-thread; no per-op calls from Python. The library also exports `llmc_description` (`describe`): what it was
+share is done, and the thread team (`team.py`) waits for all of them. One native call per chunk or
+token; no per-op calls from Python. The library also exports `llmc_description` (`describe`): what it was
 compiled for, which the runtime checks the manifest against before any call.
 """
 
@@ -48,6 +48,7 @@ from llmc.abi import (
 from llmc.backends.builder import I64, VOID, KernelBuilder
 from llmc.backends.cpu.kernels import I64PTR, KernelLibrary
 from llmc.backends.cpu.quant import I8PTR, prefetch
+from llmc.backends.cpu.team import team_run, team_work
 from llmc.errors import LlmcError
 from llmc.ir import entry_functions, tgt
 from llmc.ir.layouts import Layout
@@ -145,7 +146,7 @@ class _EntryEmitter:
             sync = [self.sync] if op.SYNCS else []
             self.b.call(kernel, [*(v[value] for _, value in op.abi()), self.tid, self.nth, *sync])
         elif isinstance(op, func.ReturnOp):
-            self.b.ret_void()  # no barrier: the caller waits for every thread to return (`runtime.session._Team`)
+            self.b.ret_void()  # no barrier: the thread team's done barrier follows every call (`team.py`)
         else:
             raise LlmcError(f"cpu codegen: no emitter for {op.name}")
 
@@ -157,6 +158,8 @@ def read_probe(module: ir.Module) -> ir.Function:
     read bandwidth the decode kernels are measured against."""
     types = [_parameter_type(name, kind) for name, kind in READ_PROBE_ARGUMENTS.items()]
     fn = ir.Function(module, ir.FunctionType(VOID, types), name=READ_PROBE)
+    for arg, name in zip(fn.args, READ_PROBE_ARGUMENTS):
+        arg.name = name
     f = KernelBuilder(module, fn)
     p, nbytes, tid, nth, out = fn.args
     lanes = ir.VectorType(ir.IntType(32), 16)
@@ -197,9 +200,9 @@ def describe(module: ir.Module, description: dict) -> ir.GlobalVariable:
 def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int], description: dict
                 ) -> tuple[list[ir.Module], dict[str, int]]:
     """The LLVM modules of an artifact: the first holds every entry point (`entry_symbol(stage)`
-    each), the read probe (`READ_PROBE`) and the `description` (`DESCRIPTION`), the others one
-    kernel each (compiled and cached alone); also the number of barriers each entry point's
-    threads pass."""
+    each), the read probe (`READ_PROBE`), the thread team that runs them (`team`) and the
+    `description` (`DESCRIPTION`), the others one kernel each (compiled and cached alone); also
+    the number of barriers each entry point's threads pass."""
     llvm_module = ir.Module("llmc")
     lib = KernelLibrary(llvm_module, separate=True)
     barriers: dict[str, int] = {}
@@ -213,6 +216,9 @@ def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int], description
             emitter.emit(op)
         barriers[stage] = emitter.barriers
     read_probe(llvm_module)
+    jobs = [llvm_module.get_global(symbol) for symbol in team_jobs(module)]
+    team_work(lib, jobs)
+    team_run(lib, jobs)
     describe(llvm_module, description)
     return [llvm_module, *lib.modules], barriers
 
@@ -223,8 +229,13 @@ def cpu_facts(module: ModuleOp) -> tuple[dict, dict[str, dict]]:
     entries = {stage: {"symbol": entry_symbol(stage), "arguments": entry_arguments(function)}
                for stage, function in entry_functions(module).items()}
     facts = {"target": "cpu", "cpu": {"name": target.cpu.data, "features": sorted(target.features)},
-             "max_threads": MAX_THREADS, "read_probe": READ_PROBE}
+             "max_threads": MAX_THREADS, "read_probe": READ_PROBE, "team_jobs": team_jobs(module)}
     return facts, entries
+
+
+def team_jobs(module: ModuleOp) -> list[str]:
+    """What the thread team runs, by job index: the entry points' symbols, then the read probe's."""
+    return [entry_symbol(stage) for stage in entry_functions(module)] + [READ_PROBE]
 
 
 def build(module: ModuleOp, weight_offsets: Mapping[str, int], describe: Describe, stage: Path, options) -> Built:

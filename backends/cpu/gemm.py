@@ -39,9 +39,9 @@ from llmc.backends.cpu.quant import (
     QRowsAccess,
     SplitWeight,
     TiledWeight,
-    lanes_of_slices,
     rows_dot,
     scaled_block,
+    shuffle,
     vec,
     vpdpbusd,
 )
@@ -274,34 +274,41 @@ def _tile_a32_groups(f: KernelBuilder, rows: Rows, access: list[SplitWeight], t:
 def _tile_a8(f: KernelBuilder, rows: Rows, access: list[SplitWeight], t: ir.Value, r: int, j0: ir.Value, c: int,
              isa: tgt.Isa) -> list:
     """Integer weights × quantized rows: per 64-group one integer dot product per (row, column)
-    and plane of the rows (int16 rows: `hi` and `lo`, joined as `(hi << 8) + lo` in int32)."""
+    and plane of the rows (int16 rows: `hi` and `lo`, joined as `(hi << 8) + lo` in int32), its
+    16 lanes scaled into one register-wide sum per (row, column) (8 lanes on 256-bit paths), the
+    weight offsets times the row's slice sums into its first 4 lanes."""
     b, nw = f.b, len(access)
-    accs = _accumulators(f, vec(F32, 16), nw, r, c, "acc")
-    offs = _accumulators(f, vec(F32, 4), nw, r, c, "off")
+    width = 8 if isa in (tgt.Isa.AVX2, tgt.Isa.VNNI256) else 16
+    accs = _accumulators(f, vec(F32, width), nw, r, c, "acc")
     groups = access[0].groups
+    zero4, first4 = ir.Constant(vec(F32, 4), [0.0] * 4), [min(i, 4) for i in range(width)]  # (zero past lane 3)
     with f.loop(0, groups, name="g", unroll=False) as g:
         cols = []
         for w in access:
+            w.prefetch(j0, c, g, PREFETCH_BYTES)
             per_col = []
             for ci in range(c):
                 j = f.add(j0, ci)
-                w.prefetch(j, g, PREFETCH_BYTES)
                 scale = w.scale4(j, g)
-                per_col.append((w.codes(j, g), scale, w.offset4(j, g, scale)))
+                offset = shuffle(f, w.offset4(j, g, scale), first4, zero4)
+                per_col.append((w.codes(j, g), scale, offset))
             cols.append(per_col)
         for ri in range(r):
             row = f.add(rows.first, f.add(t, ri))
             xq = [rows.q.qs(row, g, plane) for plane in range(rows.q.planes)]
             d4, s4 = rows.q.d4(row, g), rows.q.s4(row, g)
+            sums = shuffle(f, s4, first4, zero4)
             for wi, per_col in enumerate(cols):
                 for ci, (codes, scale, offset) in enumerate(per_col):
                     dot = b.sitofp(rows_dot(f, isa, codes, xq, access[wi].bits), vec(F32, 16))
-                    lanes = lanes_of_slices(f, b.fmul(scale, d4))
-                    acc, off = accs[wi][ri][ci], offs[wi][ri][ci]
-                    b.store(f.fadd(b.load(acc), f.fmul(dot, lanes)), acc)
-                    b.store(f.fadd(b.load(off), f.fmul(offset, s4)), off)
-    return [[[f.fadd(f.reduce_vector(b.load(accs[wi][ri][ci])), f.reduce_vector(b.load(offs[wi][ri][ci])))
-              for ci in range(c)] for ri in range(r)] for wi in range(nw)]
+                    scales = b.fmul(scale, d4)
+                    acc = accs[wi][ri][ci]
+                    total = f.fadd(b.load(acc), f.fmul(offset, sums))
+                    for first in range(0, 16, width):  # the 16 lanes, a register's width at a time
+                        lanes = shuffle(f, scales, [(first + i) // 4 for i in range(width)])
+                        total = f.fadd(total, f.fmul(shuffle(f, dot, list(range(first, first + width))), lanes))
+                    b.store(total, acc)
+    return [[[f.reduce_vector(b.load(accs[wi][ri][ci])) for ci in range(c)] for ri in range(r)] for wi in range(nw)]
 
 
 # ------------------------------------------------------------------ the tiles layout

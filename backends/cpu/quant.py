@@ -48,11 +48,6 @@ def shuffle(f: KernelBuilder, v: ir.Value, mask: list[int], other: ir.Value | No
     return f.b.shuffle_vector(v, other, ir.Constant(vec(I32, len(mask)), mask))
 
 
-def lanes_of_slices(f: KernelBuilder, v4: ir.Value) -> ir.Value:
-    """`<4 x float>` per slice → `<16 x float>`, each slice's value over its 4 dot-product lanes."""
-    return shuffle(f, v4, [i // 4 for i in range(16)])
-
-
 def typed_ptr(f: KernelBuilder, base: ir.Value, plane: Plane, element: ir.Type) -> ir.Value:
     return f.b.bitcast(f.b.gep(base, [ir.Constant(I64, plane.offset)], inbounds=True), element.as_pointer())
 
@@ -142,11 +137,15 @@ class SplitWeight:
             codes = b.or_(codes, b.shl(plane, splat_i(vec(I8, 64), bit)))
         return codes
 
-    def prefetch(self, j: ir.Value, g: ir.Value, ahead: int) -> None:
-        """Prefetch the codes `ahead` bytes past group `g` of row `j` (into L1)."""
+    def prefetch(self, j: ir.Value, rows: int, g: ir.Value, ahead: int) -> None:
+        """Prefetch (into L1) the codes `ahead` bytes past group `g` of rows j..j+rows, which lie
+        together in the codes plane: a walk over them at `rows` groups' bytes per group, each
+        cache line once."""
         f = self.f
-        per_group = GROUP if self.bits == 8 else GROUP // 2
-        prefetch(f, self.ptrs["codes"], f.add(f.add(f.mul(j, self.code_bytes), f.mul(g, per_group)), ahead))
+        step = rows * (GROUP if self.bits == 8 else GROUP // 2)
+        at = f.add(f.add(f.mul(j, self.code_bytes), f.mul(g, step)), ahead)
+        for line in range(0, step, CACHE_LINE):
+            prefetch(f, self.ptrs["codes"], f.add(at, line))
 
     def _field4(self, name: str, j: ir.Value, g: ir.Value) -> ir.Value:
         """A field's value for each of the 4 slices of group `g` of row `j`: `<4 x float>`."""
@@ -409,7 +408,8 @@ class QRowsAccess:
 
 def integer_dot(f: KernelBuilder, isa: Isa, codes: ir.Value, x: ir.Value, bits: int, times: int = 1) -> ir.Value:
     """64 unsigned codes × 64 int8 values → `<16 x i32>`, lane `l` the sum of products `4l..4l+3`
-    (times `times`, a power of two: on AVX2 a factor of `pmaddwd`'s, elsewhere a shift)."""
+    (times `times`, a power of two: on AVX2 a factor of `pmaddwd`'s, elsewhere a shift). AVX2 takes
+    codes below 8 bits only (`vpmaddubsw`'s pairs must not saturate; `rows_dot` widens 8-bit codes)."""
     b = f.b
     if isa is Isa.VNNI512:
         return _times(f, vpdpbusd(f, ir.Constant(vec(I32, 16), [0] * 16), codes, x), times)
@@ -419,18 +419,10 @@ def integer_dot(f: KernelBuilder, isa: Isa, codes: ir.Value, x: ir.Value, bits: 
         parts = [b.call(fn, [ir.Constant(vec(I32, 8), [0] * 8), c, v]) for c, v in halves]
         return _times(f, shuffle(f, parts[0], list(range(16)), parts[1]), times)
     if isa is Isa.AVX2:
+        assert bits < 8, "8-bit codes take 16-bit words on AVX2 (rows_dot)"
         maddubs = declare(f, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vec(I8, 32), vec(I8, 32)])
-        maddwd = declare(f, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16), vec(I16, 16)])
-        ones = splat_i(vec(I16, 16), times)
-        parts = []
-        for c, v in halves:
-            if bits < 8:  # codes ≤ 63: pairs of products fit in i16 without saturating
-                parts.append(b.call(maddwd, [b.call(maddubs, [c, v]), ones]))
-            else:  # 8-bit codes: high and low nibbles separately, 16·high + low
-                high = b.call(maddubs, [b.lshr(c, splat_i(vec(I8, 32), 4)), v])
-                low = b.call(maddubs, [b.and_(c, splat_i(vec(I8, 32), 15)), v])
-                parts.append(b.add(b.call(maddwd, [high, splat_i(vec(I16, 16), 16 * times)]),
-                                   b.call(maddwd, [low, ones])))
+        ones = splat_i(vec(I16, 16), times)  # codes ≤ 63: pairs of products fit in i16 without saturating
+        parts = [_pmaddwd(f, b.call(maddubs, [c, v]), ones) for c, v in halves]
         return shuffle(f, parts[0], list(range(16)), parts[1])
     wide = b.mul(b.zext(codes, vec(I32, 64)), b.sext(x, vec(I32, 64)))
     total = None
@@ -444,9 +436,42 @@ def _times(f: KernelBuilder, lanes: ir.Value, times: int) -> ir.Value:
     return lanes if times == 1 else f.b.shl(lanes, splat_i(lanes.type, times.bit_length() - 1))
 
 
+def _pmaddwd(f: KernelBuilder, a: ir.Value, c: ir.Value) -> ir.Value:
+    fn = declare(f, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16), vec(I16, 16)])
+    return f.b.call(fn, [a, c])
+
+
+def _words(f: KernelBuilder, low: ir.Value, high: ir.Value, h: int) -> list[ir.Value]:
+    """Bytes 32h..32h+31 of two `<64 x i8>` as two `<16 x i16>` (`low` the low bytes, `high` the high
+    ones), in `vpunpck{l,h}bw` order: bytes 0–7 and 16–23 of the half, then 8–15 and 24–31."""
+    out = []
+    for first in (0, 8):
+        picks = [32 * h + first + (w if w < 8 else w + 8) for w in range(16)]
+        pairs = [i for p in picks for i in (p, 64 + p)]
+        out.append(f.b.bitcast(shuffle(f, low, pairs, high), vec(I16, 16)))
+    return out
+
+
+def words_dot(f: KernelBuilder, codes: ir.Value, xs: list[ir.Value]) -> ir.Value:
+    """AVX2, 8-bit codes (or int16 rows): codes and values widened to 16-bit words, one `vpmaddwd` per 16
+    (no byte pair can saturate): `<16 x i32>` whose lanes 4s..4s+3 sum slice s's products, as
+    `integer_dot`'s; an int16 row's planes joined as `256 · hi + lo` before the products."""
+    b = f.b
+    zero = ir.Constant(vec(I8, 64), [0] * 64)
+    negative = b.sext(b.icmp_signed("<", xs[-1], zero), vec(I8, 64))  # the sign of the low bytes
+    high = negative if len(xs) == 1 else b.add(xs[0], negative)  # 256 · hi + lo = 256 · (hi − [lo < 0]) + (lo & 255)
+    parts = []
+    for h in (0, 1):
+        c, v = _words(f, codes, zero, h), _words(f, xs[-1], high, h)
+        parts.append(b.add(_pmaddwd(f, c[0], v[0]), _pmaddwd(f, c[1], v[1])))
+    return shuffle(f, parts[0], list(range(16)), parts[1])
+
+
 def rows_dot(f: KernelBuilder, isa: Isa, codes: ir.Value, xs: list[ir.Value], bits: int) -> ir.Value:
     """64 codes × a row's 64 values, given as its int8 planes (`QRowsAccess.qs`): `<16 x i32>` as
     `integer_dot`'s; for int16 rows `256 · dot(codes, hi) + dot(codes, lo)`."""
+    if isa is Isa.AVX2 and bits == 8:
+        return words_dot(f, codes, xs)
     if len(xs) == 1:
         return integer_dot(f, isa, codes, xs[0], bits)
     hi, lo = xs

@@ -5,7 +5,8 @@ Kernels see every integer weight format the same way (`llmc.ir.formats`): per ro
 or a minimum. `SplitWeight` loads them from the split layout (`llmc.ir.layouts`),
 `QRowsAccess` reads and writes quantized activation rows (int8, or int16 as two int8
 planes whose dot products it joins), and `integer_dot` multiplies 64 codes by 64 int8
-values into 16 lanes of 4 products each, with the instructions the kernel's `isa` names:
+values into 16 lanes of 4 products each, with the instructions the kernel's `isa` names
+(`rows_dot`: a row's planes; on AVX2, 8-bit codes and int16 rows as 16-bit words, `words_dot`):
 
     w = SplitWeight(f, ptr, weight_type)
     codes = w.codes(j, g)                         # <64 x i8>
@@ -408,8 +409,8 @@ class QRowsAccess:
 
 def integer_dot(f: KernelBuilder, isa: Isa, codes: ir.Value, x: ir.Value, bits: int, times: int = 1) -> ir.Value:
     """64 unsigned codes × 64 int8 values → `<16 x i32>`, lane `l` the sum of products `4l..4l+3`
-    (times `times`, a power of two: on AVX2 a factor of `pmaddwd`'s, elsewhere a shift). AVX2 takes
-    codes below 8 bits only (`vpmaddubsw`'s pairs must not saturate; `rows_dot` widens 8-bit codes)."""
+    (times `times`, a power of two). AVX2 takes codes below 8 bits only (`vpmaddubsw`'s pairs of
+    products must not saturate: `words_dot` takes 8-bit codes)."""
     b = f.b
     if isa is Isa.VNNI512:
         return _times(f, vpdpbusd(f, ir.Constant(vec(I32, 16), [0] * 16), codes, x), times)
@@ -421,9 +422,9 @@ def integer_dot(f: KernelBuilder, isa: Isa, codes: ir.Value, x: ir.Value, bits: 
     if isa is Isa.AVX2:
         assert bits < 8, "8-bit codes take 16-bit words on AVX2 (rows_dot)"
         maddubs = declare(f, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vec(I8, 32), vec(I8, 32)])
-        ones = splat_i(vec(I16, 16), times)  # codes ≤ 63: pairs of products fit in i16 without saturating
+        ones = splat_i(vec(I16, 16), 1)  # codes ≤ 63: pairs of products fit in i16 without saturating
         parts = [_pmaddwd(f, b.call(maddubs, [c, v]), ones) for c, v in halves]
-        return shuffle(f, parts[0], list(range(16)), parts[1])
+        return _times(f, shuffle(f, parts[0], list(range(16)), parts[1]), times)
     wide = b.mul(b.zext(codes, vec(I32, 64)), b.sext(x, vec(I32, 64)))
     total = None
     for i in range(4):
@@ -469,8 +470,9 @@ def words_dot(f: KernelBuilder, codes: ir.Value, xs: list[ir.Value]) -> ir.Value
 
 def rows_dot(f: KernelBuilder, isa: Isa, codes: ir.Value, xs: list[ir.Value], bits: int) -> ir.Value:
     """64 codes × a row's 64 values, given as its int8 planes (`QRowsAccess.qs`): `<16 x i32>` as
-    `integer_dot`'s; for int16 rows `256 · dot(codes, hi) + dot(codes, lo)`."""
-    if isa is Isa.AVX2 and bits == 8:
+    `integer_dot`'s; for int16 rows `256 · dot(codes, hi) + dot(codes, lo)`. On AVX2, 8-bit codes and
+    int16 rows take `words_dot` (one `vpmaddwd` per 16 values, where bytes took two multiplies)."""
+    if isa is Isa.AVX2 and (bits == 8 or len(xs) == 2):
         return words_dot(f, codes, xs)
     if len(xs) == 1:
         return integer_dot(f, isa, codes, xs[0], bits)

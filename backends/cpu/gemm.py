@@ -39,6 +39,7 @@ from llmc.backends.cpu.quant import (
     QRowsAccess,
     SplitWeight,
     TiledWeight,
+    dot_slices,
     rows_dot,
     scaled_block,
     shuffle,
@@ -275,10 +276,11 @@ def _tile_a8(f: KernelBuilder, rows: Rows, access: list[SplitWeight], t: ir.Valu
              isa: tgt.Isa) -> list:
     """Integer weights × quantized rows: per 64-group one integer dot product per (row, column)
     and plane of the rows (int16 rows: `hi` and `lo`, joined as `(hi << 8) + lo` in int32), its
-    16 lanes scaled into one register-wide sum per (row, column) (8 lanes on 256-bit paths), the
-    weight offsets times the row's slice sums into its first 4 lanes."""
+    lanes (`dot_slices`) scaled into one sum per (row, column), the weight offsets times the row's
+    slice sums into its first 4 lanes."""
     b, nw = f.b, len(access)
-    width = 8 if isa in (tgt.Isa.AVX2, tgt.Isa.VNNI256) else 16
+    slices = dot_slices(isa)
+    width = len(slices)
     accs = _accumulators(f, vec(F32, width), nw, r, c, "acc")
     groups = access[0].groups
     zero4, first4 = ir.Constant(vec(F32, 4), [0.0] * 4), [min(i, 4) for i in range(width)]  # (zero past lane 3)
@@ -300,14 +302,10 @@ def _tile_a8(f: KernelBuilder, rows: Rows, access: list[SplitWeight], t: ir.Valu
             sums = shuffle(f, s4, first4, zero4)
             for wi, per_col in enumerate(cols):
                 for ci, (codes, scale, offset) in enumerate(per_col):
-                    dot = b.sitofp(rows_dot(f, isa, codes, xq, access[wi].bits), vec(F32, 16))
-                    scales = b.fmul(scale, d4)
+                    dot = b.sitofp(rows_dot(f, isa, codes, xq, access[wi].bits), vec(F32, width))
+                    lanes = shuffle(f, b.fmul(scale, d4), list(slices))
                     acc = accs[wi][ri][ci]
-                    total = f.fadd(b.load(acc), f.fmul(offset, sums))
-                    for first in range(0, 16, width):  # the 16 lanes, a register's width at a time
-                        lanes = shuffle(f, scales, [(first + i) // 4 for i in range(width)])
-                        total = f.fadd(total, f.fmul(shuffle(f, dot, list(range(first, first + width))), lanes))
-                    b.store(total, acc)
+                    b.store(f.fadd(f.fadd(b.load(acc), f.fmul(offset, sums)), f.fmul(dot, lanes)), acc)
     return [[[f.reduce_vector(b.load(accs[wi][ri][ci])) for ci in range(c)] for ri in range(r)] for wi in range(nw)]
 
 

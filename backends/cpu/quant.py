@@ -10,7 +10,7 @@ values into 16 lanes of 4 products each, with the instructions the kernel's `isa
 
     w = SplitWeight(f, ptr, weight_type)
     codes = w.codes(j, g)                         # <64 x i8>
-    lanes = integer_dot(f, Isa.VNNI512, codes, x.qs(t, g), w.bits)   # <16 x i32>, lane l = Σ 4l..4l+3
+    lanes = integer_dot(f, Isa.VNNI512, codes, x.qs(t, g), w.bits)   # <16 x i32>, lane l of slice l // 4
 """
 
 from __future__ import annotations
@@ -407,10 +407,18 @@ class QRowsAccess:
             f.store(b.fmul(d, total), s_ptr, f.add(at_d, half))
 
 
+def dot_slices(isa: Isa) -> tuple[int, ...]:
+    """The 16-slice each lane of `integer_dot`'s sums belongs to: 16 lanes of 4 products (lane l:
+    slice l // 4), or on 256-bit paths 8 lanes of 8 (the two 32-blocks' sums joined by `vphaddd`)."""
+    if isa in (Isa.AVX2, Isa.VNNI256):
+        return (0, 0, 2, 2, 1, 1, 3, 3)
+    return tuple(lane // 4 for lane in range(16))
+
+
 def integer_dot(f: KernelBuilder, isa: Isa, codes: ir.Value, x: ir.Value, bits: int, times: int = 1) -> ir.Value:
-    """64 unsigned codes × 64 int8 values → `<16 x i32>`, lane `l` the sum of products `4l..4l+3`
-    (times `times`, a power of two). AVX2 takes codes below 8 bits only (`vpmaddubsw`'s pairs of
-    products must not saturate: `words_dot` takes 8-bit codes)."""
+    """64 unsigned codes × 64 int8 values → the int32 sums of `dot_slices(isa)`'s lanes (times `times`,
+    a power of two). AVX2 takes codes below 8 bits only (`vpmaddubsw`'s pairs of products must not
+    saturate: `words_dot` takes 8-bit codes)."""
     b = f.b
     if isa is Isa.VNNI512:
         return _times(f, vpdpbusd(f, ir.Constant(vec(I32, 16), [0] * 16), codes, x), times)
@@ -418,13 +426,13 @@ def integer_dot(f: KernelBuilder, isa: Isa, codes: ir.Value, x: ir.Value, bits: 
     if isa is Isa.VNNI256:
         fn = declare(f, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), [vec(I32, 8), vec(I8, 32), vec(I8, 32)])
         parts = [b.call(fn, [ir.Constant(vec(I32, 8), [0] * 8), c, v]) for c, v in halves]
-        return _times(f, shuffle(f, parts[0], list(range(16)), parts[1]), times)
+        return _times(f, _phaddd(f, *parts), times)
     if isa is Isa.AVX2:
         assert bits < 8, "8-bit codes take 16-bit words on AVX2 (rows_dot)"
         maddubs = declare(f, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vec(I8, 32), vec(I8, 32)])
         ones = splat_i(vec(I16, 16), 1)  # codes ≤ 63: pairs of products fit in i16 without saturating
         parts = [_pmaddwd(f, b.call(maddubs, [c, v]), ones) for c, v in halves]
-        return _times(f, shuffle(f, parts[0], list(range(16)), parts[1]), times)
+        return _times(f, _phaddd(f, *parts), times)
     wide = b.mul(b.zext(codes, vec(I32, 64)), b.sext(x, vec(I32, 64)))
     total = None
     for i in range(4):
@@ -435,6 +443,12 @@ def integer_dot(f: KernelBuilder, isa: Isa, codes: ir.Value, x: ir.Value, bits: 
 
 def _times(f: KernelBuilder, lanes: ir.Value, times: int) -> ir.Value:
     return lanes if times == 1 else f.b.shl(lanes, splat_i(lanes.type, times.bit_length() - 1))
+
+
+def _phaddd(f: KernelBuilder, a: ir.Value, c: ir.Value) -> ir.Value:
+    """Two 32-blocks' 8 lanes (lanes 0–3 of slice 2h, 4–7 of slice 2h + 1) → 8, pairs added (`dot_slices`)."""
+    fn = declare(f, "llvm.x86.avx2.phadd.d", vec(I32, 8), [vec(I32, 8), vec(I32, 8)])
+    return f.b.call(fn, [a, c])
 
 
 def _pmaddwd(f: KernelBuilder, a: ir.Value, c: ir.Value) -> ir.Value:
@@ -455,8 +469,8 @@ def _words(f: KernelBuilder, low: ir.Value, high: ir.Value, h: int) -> list[ir.V
 
 def words_dot(f: KernelBuilder, codes: ir.Value, xs: list[ir.Value]) -> ir.Value:
     """AVX2, 8-bit codes (or int16 rows): codes and values widened to 16-bit words, one `vpmaddwd` per 16
-    (no byte pair can saturate): `<16 x i32>` whose lanes 4s..4s+3 sum slice s's products, as
-    `integer_dot`'s; an int16 row's planes joined as `256 · hi + lo` before the products."""
+    (no byte pair can saturate), lanes as `integer_dot`'s; an int16 row's planes joined as
+    `256 · hi + lo` before the products."""
     b = f.b
     zero = ir.Constant(vec(I8, 64), [0] * 64)
     negative = b.sext(b.icmp_signed("<", xs[-1], zero), vec(I8, 64))  # the sign of the low bytes
@@ -465,11 +479,11 @@ def words_dot(f: KernelBuilder, codes: ir.Value, xs: list[ir.Value]) -> ir.Value
     for h in (0, 1):
         c, v = _words(f, codes, zero, h), _words(f, xs[-1], high, h)
         parts.append(b.add(_pmaddwd(f, c[0], v[0]), _pmaddwd(f, c[1], v[1])))
-    return shuffle(f, parts[0], list(range(16)), parts[1])
+    return _phaddd(f, *parts)
 
 
 def rows_dot(f: KernelBuilder, isa: Isa, codes: ir.Value, xs: list[ir.Value], bits: int) -> ir.Value:
-    """64 codes × a row's 64 values, given as its int8 planes (`QRowsAccess.qs`): `<16 x i32>` as
+    """64 codes × a row's 64 values, given as its int8 planes (`QRowsAccess.qs`): lanes as
     `integer_dot`'s; for int16 rows `256 · dot(codes, hi) + dot(codes, lo)`. On AVX2, 8-bit codes and
     int16 rows take `words_dot` (one `vpmaddwd` per 16 values, where bytes took two multiplies)."""
     if isa is Isa.AVX2 and (bits == 8 or len(xs) == 2):

@@ -277,33 +277,32 @@ def _tile_a8(f: KernelBuilder, rows: Rows, access: list[SplitWeight], t: ir.Valu
     """Integer weights × quantized rows: per 64-group one integer dot product per (row, column)
     and plane of the rows (int16 rows: `hi` and `lo`, joined as `(hi << 8) + lo` in int32), its
     lanes (`dot_slices`) scaled into one sum per (row, column), the weight offsets times the row's
-    slice sums into its first 4 lanes."""
+    slice (or 32-block) sums into its first lanes."""
     b, nw = f.b, len(access)
     slices = dot_slices(isa)
     width = len(slices)
     accs = _accumulators(f, vec(F32, width), nw, r, c, "acc")
-    groups = access[0].groups
-    zero4, first4 = ir.Constant(vec(F32, 4), [0.0] * 4), [min(i, 4) for i in range(width)]  # (zero past lane 3)
-    with f.loop(0, groups, name="g", unroll=False) as g:
+    n = 4 // min(w.scale_step() for w in access)  # scale changes per 64-group: its slices, or its 32-blocks
+    zero, first = ir.Constant(vec(F32, n), [0.0] * n), [min(i, n) for i in range(width)]  # (zero past lane n − 1)
+    with f.loop(0, access[0].groups, name="g", unroll=False) as g:
         cols = []
         for w in access:
             w.prefetch(j0, c, g, PREFETCH_BYTES)
             per_col = []
             for ci in range(c):
                 j = f.add(j0, ci)
-                scale = w.scale4(j, g)
-                offset = shuffle(f, w.offset4(j, g, scale), first4, zero4)
-                per_col.append((w.codes(j, g), scale, offset))
+                scale = w.scale(j, g, n)
+                per_col.append((w.codes(j, g), scale, shuffle(f, w.offset(j, g, scale), first, zero)))
             cols.append(per_col)
         for ri in range(r):
             row = f.add(rows.first, f.add(t, ri))
             xq = [rows.q.qs(row, g, plane) for plane in range(rows.q.planes)]
-            d4, s4 = rows.q.d4(row, g), rows.q.s4(row, g)
-            sums = shuffle(f, s4, first4, zero4)
+            d, s = rows.q.group_scales(row, g, n)
+            sums = shuffle(f, s, first, zero)
             for wi, per_col in enumerate(cols):
                 for ci, (codes, scale, offset) in enumerate(per_col):
                     dot = b.sitofp(rows_dot(f, isa, codes, xq, access[wi].bits), vec(F32, width))
-                    lanes = shuffle(f, b.fmul(scale, d4), list(slices))
+                    lanes = shuffle(f, b.fmul(scale, d), [sl * n // 4 for sl in slices])
                     acc = accs[wi][ri][ci]
                     b.store(f.fadd(f.fadd(b.load(acc), f.fmul(offset, sums)), f.fmul(dot, lanes)), acc)
     return [[[f.reduce_vector(b.load(accs[wi][ri][ci])) for ci in range(c)] for ri in range(r)] for wi in range(nw)]

@@ -148,47 +148,54 @@ class SplitWeight:
         for line in range(0, step, CACHE_LINE):
             prefetch(f, self.ptrs["codes"], f.add(at, line))
 
-    def _field4(self, name: str, j: ir.Value, g: ir.Value) -> ir.Value:
-        """A field's value for each of the 4 slices of group `g` of row `j`: `<4 x float>`."""
+    def scale_step(self) -> int:
+        """16-slices per scale change: 2 where every field spans whole 32-blocks, else 1."""
+        return 2 if all(field.group % (2 * SLICE) == 0 for field in self.fmt.fields) else 1
+
+    def _field(self, name: str, j: ir.Value, g: ir.Value, n: int) -> ir.Value:
+        """A field's value for each of the `n` equal parts of group `g` of row `j` (4: its slices; 2: its
+        32-blocks, where the field spans them): `<n x float>`."""
         f = self.f
         field = self.fmt.field(name)
         per_row = self.kp // field.group
         row = f.mul(j, per_row)
         ty = F16 if field.dtype == "f16" else I8
-        if field.group == SLICE:
-            v = load_vector(f, self.ptrs[name], f.add(row, f.mul(g, 4)), vec(ty, 4))
-        elif field.group == 2 * SLICE:
-            v = shuffle(f, load_vector(f, self.ptrs[name], f.add(row, f.mul(g, 2)), vec(ty, 2)), [0, 0, 1, 1])
+        distinct = max(1, GROUP // field.group)  # the field's values in one group
+        assert distinct <= n, (name, n)
+        if distinct > 1:
+            v = load_vector(f, self.ptrs[name], f.add(row, f.mul(g, distinct)), vec(ty, distinct))
         else:
             per = field.group // GROUP
             one = f.b.load(f.ptr(self.ptrs[name], f.add(row, f.b.sdiv(g, f.i64(per)) if per > 1 else g)))
             v = f.b.insert_element(ir.Constant(vec(ty, 1), None), one, ir.Constant(I32, 0))
-            v = shuffle(f, v, [0, 0, 0, 0])
+        if distinct < n:
+            v = shuffle(f, v, [i * distinct // n for i in range(n)])
         return _to_float(f, v, field.dtype)
 
-    def _product(self, names: tuple[str, ...], j: ir.Value, g: ir.Value) -> ir.Value:
+    def _product(self, names: tuple[str, ...], j: ir.Value, g: ir.Value, n: int) -> ir.Value:
         out = None
         for name in names:
-            v = self._field4(name, j, g)
+            v = self._field(name, j, g, n)
             out = v if out is None else self.f.b.fmul(out, v)
         return out
 
-    def scale4(self, j: ir.Value, g: ir.Value) -> ir.Value:
-        return self._product(self.fmt.scale, j, g)
+    def scale(self, j: ir.Value, g: ir.Value, n: int = 4) -> ir.Value:
+        """The scale of each of the `n` parts of group `g` of row `j` (`_field`)."""
+        return self._product(self.fmt.scale, j, g, n)
 
-    def zero4(self) -> ir.Value | None:
+    def zero(self, n: int = 4) -> ir.Value | None:
         zero = self.fmt.zero
-        return ir.Constant(vec(F32, 4), [float(zero)] * 4) if zero is not None else None
+        return ir.Constant(vec(F32, n), [float(zero)] * n) if zero is not None else None
 
-    def minimum4(self, j: ir.Value, g: ir.Value) -> ir.Value | None:
+    def minimum(self, j: ir.Value, g: ir.Value, n: int = 4) -> ir.Value | None:
         if not self.fmt.minimum:
             return None
-        m = self._product(self.fmt.minimum, j, g)
+        m = self._product(self.fmt.minimum, j, g, n)
         return self.f.b.fneg(m) if self.fmt.minimum_sign < 0 else m
 
-    def offset4(self, j: ir.Value, g: ir.Value, scale4: ir.Value) -> ir.Value:
-        """Per slice, what multiplies the activations' sums: the minimum, or `−zero · scale`."""
-        return weight_offset(self.f, self.fmt, self.minimum4(j, g), scale4)
+    def offset(self, j: ir.Value, g: ir.Value, scale: ir.Value) -> ir.Value:
+        """Per part (as `scale`'s), what multiplies the activations' sums: the minimum, or `−zero · scale`."""
+        return weight_offset(self.f, self.fmt, self.minimum(j, g, scale.type.count), scale)
 
     def values(self, j: ir.Value, g: ir.Value, slices: int = 4) -> list[ir.Value]:
         """The dequantized weights of group `g` of row `j`: `slices` × `<16 x float>`.
@@ -198,8 +205,8 @@ class SplitWeight:
         """
         f, b = self.f, self.f.b
         codes = self.codes(j, g)
-        scale = self.scale4(j, g)
-        zero, minimum = self.zero4(), self.minimum4(j, g)
+        scale = self.scale(j, g)
+        zero, minimum = self.zero(), self.minimum(j, g)
         out = []
         for s in range(slices):
             u = b.uitofp(shuffle(f, codes, list(range(16 * s, 16 * s + 16))), vec(F32, 16))
@@ -354,11 +361,15 @@ class QRowsAccess:
     def qs(self, t: ir.Value, g: ir.Value, plane: int = 0) -> ir.Value:
         return load_vector(self.f, self.qs_ptr(t, plane), self.f.mul(g, GROUP), vec(I8, 64))
 
-    def d4(self, t: ir.Value, g: ir.Value) -> ir.Value:
-        return load_vector(self.f, self.d_ptr(t), self.f.mul(g, 4), vec(F32, 4), align=4)
-
-    def s4(self, t: ir.Value, g: ir.Value) -> ir.Value:
-        return load_vector(self.f, self.s_ptr(t), self.f.mul(g, 4), vec(F32, 4), align=4)
+    def group_scales(self, t: ir.Value, g: ir.Value, n: int = 4) -> tuple[ir.Value, ir.Value]:
+        """Row t's scale and sum for each of the `n` parts of 64-group `g` (4: its slices; 2: its
+        32-blocks, the sum of their two slices'): two `<n x float>`."""
+        f = self.f
+        d = load_vector(f, self.d_ptr(t), f.mul(g, 4), vec(F32, 4), align=4)
+        s = load_vector(f, self.s_ptr(t), f.mul(g, 4), vec(F32, 4), align=4)
+        if n == 4:
+            return d, s
+        return shuffle(f, d, [0, 2]), f.fadd(shuffle(f, s, [0, 2]), shuffle(f, s, [1, 3]))
 
     def join_dots(self, dots: list[ir.Value]) -> ir.Value:
         """One int32 dot product per lane from each plane's: `(dot_hi << 8) + dot_lo` for int16 rows

@@ -420,7 +420,8 @@ class QRowsAccess:
 
 def dot_slices(isa: Isa) -> tuple[int, ...]:
     """The 16-slice each lane of `integer_dot`'s sums belongs to: 16 lanes of 4 products (lane l:
-    slice l // 4), or on 256-bit paths 8 lanes of 8 (the two 32-blocks' sums joined by `vphaddd`)."""
+    slice l // 4), or on 256-bit paths 8 lanes of 8 (the two 32-blocks' sums joined by a horizontal
+    add, `vphaddd` or on AVX2's bytes `vphaddw`, which interleaves their 128-bit halves)."""
     if isa in (Isa.AVX2, Isa.VNNI256):
         return (0, 0, 2, 2, 1, 1, 3, 3)
     return tuple(lane // 4 for lane in range(16))
@@ -441,9 +442,10 @@ def integer_dot(f: KernelBuilder, isa: Isa, codes: ir.Value, x: ir.Value, bits: 
     if isa is Isa.AVX2:
         assert bits < 8, "8-bit codes take 16-bit words on AVX2 (rows_dot)"
         maddubs = declare(f, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vec(I8, 32), vec(I8, 32)])
-        ones = splat_i(vec(I16, 16), 1)  # codes ≤ 63: pairs of products fit in i16 without saturating
-        parts = [_pmaddwd(f, b.call(maddubs, [c, v]), ones) for c, v in halves]
-        return _times(f, _phaddd(f, *parts), times)
+        phaddw = declare(f, "llvm.x86.avx2.phadd.w", vec(I16, 16), [vec(I16, 16), vec(I16, 16)])
+        # codes ≤ 63: pairs of products, and pairs of those (4 · 63 · 127 < 2^15), fit in i16
+        quads = b.call(phaddw, [b.call(maddubs, [c, v]) for c, v in halves])
+        return _times(f, _pmaddwd(f, quads, splat_i(vec(I16, 16), 1)), times)
     wide = b.mul(b.zext(codes, vec(I32, 64)), b.sext(x, vec(I32, 64)))
     total = None
     for i in range(4):

@@ -284,6 +284,7 @@ def _tile_a8(f: KernelBuilder, rows: Rows, access: list[SplitWeight], t: ir.Valu
     accs = _accumulators(f, vec(F32, width), nw, r, c, "acc")
     n = 4 // min(w.scale_step() for w in access)  # scale changes per 64-group: its slices, or its 32-blocks
     zero, first = ir.Constant(vec(F32, n), [0.0] * n), [min(i, n) for i in range(width)]  # (zero past lane n − 1)
+    tiled = [i % n for i in range(width)]  # the offsets over every lane: only the first n meet nonzero sums
     with f.loop(0, access[0].groups, name="g", unroll=False) as g:
         cols = []
         for w in access:
@@ -292,7 +293,7 @@ def _tile_a8(f: KernelBuilder, rows: Rows, access: list[SplitWeight], t: ir.Valu
             for ci in range(c):
                 j = f.add(j0, ci)
                 scale = w.scale(j, g, n)
-                per_col.append((w.codes(j, g), scale, shuffle(f, w.offset(j, g, scale), first, zero)))
+                per_col.append((w.codes(j, g), scale, shuffle(f, w.offset(j, g, scale), tiled)))
             cols.append(per_col)
         for ri in range(r):
             row = f.add(rows.first, f.add(t, ri))

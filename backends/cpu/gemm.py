@@ -10,10 +10,12 @@ loop depends on what the operands are:
 - integer weights × float rows (`a32`): per 64-weight group, the codes dequantized in
   registers (`quant.SplitWeight.values`) and multiplied with explicit vectors;
 - integer weights × quantized rows (`a8`), split layout: per 64-weight group, one
-  integer dot product of codes and int8 values (`quant.integer_dot`), scaled per
-  16-weight slice by the weight's and the row's scales, plus the weight minimums times
-  the rows' sums; int16 rows (`a16`) the same with one dot product per int8 plane,
-  joined as `(dot(codes, hi) << 8) + dot(codes, lo)` before the same scaling;
+  integer dot product of codes and int8 values (`quant.rows_dot`), scaled per 32-block
+  (per 16-weight slice where a format's scales change there) by the weight's and the
+  row's scales, plus the weight minimums times the rows' sums, into one register-wide
+  sum per row and column; int16 rows (`a16`) the same with one dot product per int8
+  plane, joined as `(dot(codes, hi) << 8) + dot(codes, lo)` (on AVX2: the planes joined
+  into 16-bit words first) before the same scaling;
 - the same in the tiles layout (`gemm_tiles`, AVX-512 VNNI): per strip of 16 columns
   and 32-block, 8 `vpdpbusd` of code vectors by broadcast activations, the 16 columns'
   sums in the lanes, for up to 8 rows while the block's codes are in registers (a

@@ -5,8 +5,9 @@ Kernels see every integer weight format the same way (`llmc.ir.formats`): per ro
 or a minimum. `SplitWeight` loads them from the split layout (`llmc.ir.layouts`),
 `QRowsAccess` reads and writes quantized activation rows (int8, or int16 as two int8
 planes whose dot products it joins), and `integer_dot` multiplies 64 codes by 64 int8
-values into 16 lanes of 4 products each, with the instructions the kernel's `isa` names
-(`rows_dot`: a row's planes; on AVX2, 8-bit codes and int16 rows as 16-bit words, `words_dot`):
+values into int32 lanes, each summing products of one 16-slice (`dot_slices`), with the
+instructions the kernel's `isa` names (`rows_dot`: a row's planes; on AVX2, 8-bit codes and
+int16 rows as 16-bit words, `words_dot`):
 
     w = SplitWeight(f, ptr, weight_type)
     codes = w.codes(j, g)                         # <64 x i8>

@@ -6,7 +6,7 @@ prints
 
     import       0.03 s
     optimize     0.06 s
-    quantize     2.90 s   q4_1 ×210, f32 ×61, q8_0 ×1; a16 ×211; est. decode 1.20×, prefill 1.15× of a8 (calibrated on 128 tokens)
+    quantize     2.90 s   q4_1 ×210, f32 ×61, q8_0 ×1; a16 ×211; est. decode 1.20×, prefill 1.30× of a8 (calibrated on 128 tokens)
     split        0.08 s   prefill chunk 128, KV capacity 4096
     group        0.05 s
     lower        0.36 s   arena: prefill 0.9 MB, prefill_kv 0.9 MB, decode 0.0 MB, score 0.9 MB

@@ -10,10 +10,12 @@ loop depends on what the operands are:
 - integer weights × float rows (`a32`): per 64-weight group, the codes dequantized in
   registers (`quant.SplitWeight.values`) and multiplied with explicit vectors;
 - integer weights × quantized rows (`a8`), split layout: per 64-weight group, one
-  integer dot product of codes and int8 values (`quant.integer_dot`), scaled per
-  16-weight slice by the weight's and the row's scales, plus the weight minimums times
-  the rows' sums; int16 rows (`a16`) the same with one dot product per int8 plane,
-  joined as `(dot(codes, hi) << 8) + dot(codes, lo)` before the same scaling;
+  integer dot product of codes and int8 values (`quant.rows_dot`), scaled per 32-block
+  (per 16-weight slice where a format's scales change there) by the weight's and the
+  row's scales, plus the weight minimums times the rows' sums, into one register-wide
+  sum per row and column; int16 rows (`a16`) the same with one dot product per int8
+  plane, joined as `(dot(codes, hi) << 8) + dot(codes, lo)` (on AVX2: the planes joined
+  into 16-bit words first) before the same scaling;
 - the same in the tiles layout (`gemm_tiles`, AVX-512 VNNI): per strip of 16 columns
   and 32-block, 8 `vpdpbusd` of code vectors by broadcast activations, the 16 columns'
   sums in the lanes, for up to 8 rows while the block's codes are in registers (a
@@ -39,9 +41,10 @@ from llmc.backends.cpu.quant import (
     QRowsAccess,
     SplitWeight,
     TiledWeight,
-    lanes_of_slices,
+    dot_slices,
     rows_dot,
     scaled_block,
+    shuffle,
     vec,
     vpdpbusd,
 )
@@ -274,34 +277,38 @@ def _tile_a32_groups(f: KernelBuilder, rows: Rows, access: list[SplitWeight], t:
 def _tile_a8(f: KernelBuilder, rows: Rows, access: list[SplitWeight], t: ir.Value, r: int, j0: ir.Value, c: int,
              isa: tgt.Isa) -> list:
     """Integer weights × quantized rows: per 64-group one integer dot product per (row, column)
-    and plane of the rows (int16 rows: `hi` and `lo`, joined as `(hi << 8) + lo` in int32)."""
+    and plane of the rows (int16 rows: `hi` and `lo`, joined as `(hi << 8) + lo` in int32), its
+    lanes (`dot_slices`) scaled into one sum per (row, column), the weight offsets times the row's
+    slice (or 32-block) sums into its first lanes."""
     b, nw = f.b, len(access)
-    accs = _accumulators(f, vec(F32, 16), nw, r, c, "acc")
-    offs = _accumulators(f, vec(F32, 4), nw, r, c, "off")
-    groups = access[0].groups
-    with f.loop(0, groups, name="g", unroll=False) as g:
+    slices = dot_slices(isa)
+    width = len(slices)
+    accs = _accumulators(f, vec(F32, width), nw, r, c, "acc")
+    n = 4 // min(w.scale_step() for w in access)  # scale changes per 64-group: its slices, or its 32-blocks
+    zero, first = ir.Constant(vec(F32, n), [0.0] * n), [min(i, n) for i in range(width)]  # (zero past lane n − 1)
+    tiled = [i % n for i in range(width)]  # the offsets over every lane: only the first n meet nonzero sums
+    with f.loop(0, access[0].groups, name="g", unroll=False) as g:
         cols = []
         for w in access:
+            w.prefetch(j0, c, g, PREFETCH_BYTES)
             per_col = []
             for ci in range(c):
                 j = f.add(j0, ci)
-                w.prefetch(j, g, PREFETCH_BYTES)
-                scale = w.scale4(j, g)
-                per_col.append((w.codes(j, g), scale, w.offset4(j, g, scale)))
+                scale = w.scale(j, g, n)
+                per_col.append((w.codes(j, g), scale, shuffle(f, w.offset(j, g, scale), tiled)))
             cols.append(per_col)
         for ri in range(r):
             row = f.add(rows.first, f.add(t, ri))
             xq = [rows.q.qs(row, g, plane) for plane in range(rows.q.planes)]
-            d4, s4 = rows.q.d4(row, g), rows.q.s4(row, g)
+            d, s = rows.q.group_scales(row, g, n)
+            sums = shuffle(f, s, first, zero)
             for wi, per_col in enumerate(cols):
                 for ci, (codes, scale, offset) in enumerate(per_col):
-                    dot = b.sitofp(rows_dot(f, isa, codes, xq, access[wi].bits), vec(F32, 16))
-                    lanes = lanes_of_slices(f, b.fmul(scale, d4))
-                    acc, off = accs[wi][ri][ci], offs[wi][ri][ci]
-                    b.store(f.fadd(b.load(acc), f.fmul(dot, lanes)), acc)
-                    b.store(f.fadd(b.load(off), f.fmul(offset, s4)), off)
-    return [[[f.fadd(f.reduce_vector(b.load(accs[wi][ri][ci])), f.reduce_vector(b.load(offs[wi][ri][ci])))
-              for ci in range(c)] for ri in range(r)] for wi in range(nw)]
+                    dot = b.sitofp(rows_dot(f, isa, codes, xq, access[wi].bits), vec(F32, width))
+                    lanes = shuffle(f, b.fmul(scale, d), [sl * n // 4 for sl in slices])
+                    acc = accs[wi][ri][ci]
+                    b.store(f.fadd(f.fadd(b.load(acc), f.fmul(offset, sums)), f.fmul(dot, lanes)), acc)
+    return [[[f.reduce_vector(b.load(accs[wi][ri][ci])) for ci in range(c)] for ri in range(r)] for wi in range(nw)]
 
 
 # ------------------------------------------------------------------ the tiles layout

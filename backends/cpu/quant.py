@@ -5,11 +5,13 @@ Kernels see every integer weight format the same way (`llmc.ir.formats`): per ro
 or a minimum. `SplitWeight` loads them from the split layout (`llmc.ir.layouts`),
 `QRowsAccess` reads and writes quantized activation rows (int8, or int16 as two int8
 planes whose dot products it joins), and `integer_dot` multiplies 64 codes by 64 int8
-values into 16 lanes of 4 products each, with the instructions the kernel's `isa` names:
+values into int32 lanes, each summing products of one 16-slice (`dot_slices`), with the
+instructions the kernel's `isa` names (`rows_dot`: a row's planes; on AVX2, 8-bit codes and
+int16 rows as 16-bit words, `words_dot`):
 
     w = SplitWeight(f, ptr, weight_type)
     codes = w.codes(j, g)                         # <64 x i8>
-    lanes = integer_dot(f, Isa.VNNI512, codes, x.qs(t, g), w.bits)   # <16 x i32>, lane l = Σ 4l..4l+3
+    lanes = integer_dot(f, Isa.VNNI512, codes, x.qs(t, g), w.bits)   # <16 x i32>, lane l of slice l // 4
 """
 
 from __future__ import annotations
@@ -46,11 +48,6 @@ def splat_i(ty: ir.VectorType, value: int) -> ir.Constant:
 def shuffle(f: KernelBuilder, v: ir.Value, mask: list[int], other: ir.Value | None = None) -> ir.Value:
     other = other if other is not None else ir.Constant(v.type, None)
     return f.b.shuffle_vector(v, other, ir.Constant(vec(I32, len(mask)), mask))
-
-
-def lanes_of_slices(f: KernelBuilder, v4: ir.Value) -> ir.Value:
-    """`<4 x float>` per slice → `<16 x float>`, each slice's value over its 4 dot-product lanes."""
-    return shuffle(f, v4, [i // 4 for i in range(16)])
 
 
 def typed_ptr(f: KernelBuilder, base: ir.Value, plane: Plane, element: ir.Type) -> ir.Value:
@@ -142,53 +139,64 @@ class SplitWeight:
             codes = b.or_(codes, b.shl(plane, splat_i(vec(I8, 64), bit)))
         return codes
 
-    def prefetch(self, j: ir.Value, g: ir.Value, ahead: int) -> None:
-        """Prefetch the codes `ahead` bytes past group `g` of row `j` (into L1)."""
+    def prefetch(self, j: ir.Value, rows: int, g: ir.Value, ahead: int) -> None:
+        """Prefetch (into L1) the codes `ahead` bytes past group `g` of rows j..j+rows, which lie
+        together in the codes plane: a walk over them at `rows` groups' bytes per group, each
+        cache line once."""
         f = self.f
-        per_group = GROUP if self.bits == 8 else GROUP // 2
-        prefetch(f, self.ptrs["codes"], f.add(f.add(f.mul(j, self.code_bytes), f.mul(g, per_group)), ahead))
+        step = rows * (GROUP if self.bits == 8 else GROUP // 2)
+        at = f.add(f.add(f.mul(j, self.code_bytes), f.mul(g, step)), ahead)
+        for line in range(0, step, CACHE_LINE):
+            prefetch(f, self.ptrs["codes"], f.add(at, line))
 
-    def _field4(self, name: str, j: ir.Value, g: ir.Value) -> ir.Value:
-        """A field's value for each of the 4 slices of group `g` of row `j`: `<4 x float>`."""
+    def scale_step(self) -> int:
+        """16-slices per scale change: 2 where every field spans whole 32-blocks, else 1."""
+        return 2 if all(field.group % (2 * SLICE) == 0 for field in self.fmt.fields) else 1
+
+    def _field(self, name: str, j: ir.Value, g: ir.Value, n: int) -> ir.Value:
+        """A field's value for each of the `n` equal parts of group `g` of row `j` (4: its slices; 2: its
+        32-blocks, where the field spans them): `<n x float>`."""
         f = self.f
         field = self.fmt.field(name)
         per_row = self.kp // field.group
         row = f.mul(j, per_row)
         ty = F16 if field.dtype == "f16" else I8
-        if field.group == SLICE:
-            v = load_vector(f, self.ptrs[name], f.add(row, f.mul(g, 4)), vec(ty, 4))
-        elif field.group == 2 * SLICE:
-            v = shuffle(f, load_vector(f, self.ptrs[name], f.add(row, f.mul(g, 2)), vec(ty, 2)), [0, 0, 1, 1])
+        distinct = max(1, GROUP // field.group)  # the field's values in one group
+        assert distinct <= n, (name, n)
+        if distinct > 1:
+            v = load_vector(f, self.ptrs[name], f.add(row, f.mul(g, distinct)), vec(ty, distinct))
         else:
             per = field.group // GROUP
             one = f.b.load(f.ptr(self.ptrs[name], f.add(row, f.b.sdiv(g, f.i64(per)) if per > 1 else g)))
             v = f.b.insert_element(ir.Constant(vec(ty, 1), None), one, ir.Constant(I32, 0))
-            v = shuffle(f, v, [0, 0, 0, 0])
+        if distinct < n:
+            v = shuffle(f, v, [i * distinct // n for i in range(n)])
         return _to_float(f, v, field.dtype)
 
-    def _product(self, names: tuple[str, ...], j: ir.Value, g: ir.Value) -> ir.Value:
+    def _product(self, names: tuple[str, ...], j: ir.Value, g: ir.Value, n: int) -> ir.Value:
         out = None
         for name in names:
-            v = self._field4(name, j, g)
+            v = self._field(name, j, g, n)
             out = v if out is None else self.f.b.fmul(out, v)
         return out
 
-    def scale4(self, j: ir.Value, g: ir.Value) -> ir.Value:
-        return self._product(self.fmt.scale, j, g)
+    def scale(self, j: ir.Value, g: ir.Value, n: int = 4) -> ir.Value:
+        """The scale of each of the `n` parts of group `g` of row `j` (`_field`)."""
+        return self._product(self.fmt.scale, j, g, n)
 
-    def zero4(self) -> ir.Value | None:
+    def zero(self, n: int = 4) -> ir.Value | None:
         zero = self.fmt.zero
-        return ir.Constant(vec(F32, 4), [float(zero)] * 4) if zero is not None else None
+        return ir.Constant(vec(F32, n), [float(zero)] * n) if zero is not None else None
 
-    def minimum4(self, j: ir.Value, g: ir.Value) -> ir.Value | None:
+    def minimum(self, j: ir.Value, g: ir.Value, n: int = 4) -> ir.Value | None:
         if not self.fmt.minimum:
             return None
-        m = self._product(self.fmt.minimum, j, g)
+        m = self._product(self.fmt.minimum, j, g, n)
         return self.f.b.fneg(m) if self.fmt.minimum_sign < 0 else m
 
-    def offset4(self, j: ir.Value, g: ir.Value, scale4: ir.Value) -> ir.Value:
-        """Per slice, what multiplies the activations' sums: the minimum, or `−zero · scale`."""
-        return weight_offset(self.f, self.fmt, self.minimum4(j, g), scale4)
+    def offset(self, j: ir.Value, g: ir.Value, scale: ir.Value) -> ir.Value:
+        """Per part (as `scale`'s), what multiplies the activations' sums: the minimum, or `−zero · scale`."""
+        return weight_offset(self.f, self.fmt, self.minimum(j, g, scale.type.count), scale)
 
     def values(self, j: ir.Value, g: ir.Value, slices: int = 4) -> list[ir.Value]:
         """The dequantized weights of group `g` of row `j`: `slices` × `<16 x float>`.
@@ -198,8 +206,8 @@ class SplitWeight:
         """
         f, b = self.f, self.f.b
         codes = self.codes(j, g)
-        scale = self.scale4(j, g)
-        zero, minimum = self.zero4(), self.minimum4(j, g)
+        scale = self.scale(j, g)
+        zero, minimum = self.zero(), self.minimum(j, g)
         out = []
         for s in range(slices):
             u = b.uitofp(shuffle(f, codes, list(range(16 * s, 16 * s + 16))), vec(F32, 16))
@@ -354,11 +362,15 @@ class QRowsAccess:
     def qs(self, t: ir.Value, g: ir.Value, plane: int = 0) -> ir.Value:
         return load_vector(self.f, self.qs_ptr(t, plane), self.f.mul(g, GROUP), vec(I8, 64))
 
-    def d4(self, t: ir.Value, g: ir.Value) -> ir.Value:
-        return load_vector(self.f, self.d_ptr(t), self.f.mul(g, 4), vec(F32, 4), align=4)
-
-    def s4(self, t: ir.Value, g: ir.Value) -> ir.Value:
-        return load_vector(self.f, self.s_ptr(t), self.f.mul(g, 4), vec(F32, 4), align=4)
+    def group_scales(self, t: ir.Value, g: ir.Value, n: int = 4) -> tuple[ir.Value, ir.Value]:
+        """Row t's scale and sum for each of the `n` parts of 64-group `g` (4: its slices; 2: its
+        32-blocks, the sum of their two slices'): two `<n x float>`."""
+        f = self.f
+        d = load_vector(f, self.d_ptr(t), f.mul(g, 4), vec(F32, 4), align=4)
+        s = load_vector(f, self.s_ptr(t), f.mul(g, 4), vec(F32, 4), align=4)
+        if n == 4:
+            return d, s
+        return shuffle(f, d, [0, 2]), f.fadd(shuffle(f, s, [0, 2]), shuffle(f, s, [1, 3]))
 
     def join_dots(self, dots: list[ir.Value]) -> ir.Value:
         """One int32 dot product per lane from each plane's: `(dot_hi << 8) + dot_lo` for int16 rows
@@ -407,9 +419,19 @@ class QRowsAccess:
             f.store(b.fmul(d, total), s_ptr, f.add(at_d, half))
 
 
+def dot_slices(isa: Isa) -> tuple[int, ...]:
+    """The 16-slice each lane of `integer_dot`'s sums belongs to: 16 lanes of 4 products (lane l:
+    slice l // 4), or on 256-bit paths 8 lanes of 8 (the two 32-blocks' sums joined by a horizontal
+    add, `vphaddd` or on AVX2's bytes `vphaddw`, which interleaves their 128-bit halves)."""
+    if isa in (Isa.AVX2, Isa.VNNI256):
+        return (0, 0, 2, 2, 1, 1, 3, 3)
+    return tuple(lane // 4 for lane in range(16))
+
+
 def integer_dot(f: KernelBuilder, isa: Isa, codes: ir.Value, x: ir.Value, bits: int, times: int = 1) -> ir.Value:
-    """64 unsigned codes × 64 int8 values → `<16 x i32>`, lane `l` the sum of products `4l..4l+3`
-    (times `times`, a power of two: on AVX2 a factor of `pmaddwd`'s, elsewhere a shift)."""
+    """64 unsigned codes × 64 int8 values → the int32 sums of `dot_slices(isa)`'s lanes (times `times`,
+    a power of two). AVX2 takes codes below 8 bits only (`vpmaddubsw`'s pairs of products must not
+    saturate: `words_dot` takes 8-bit codes)."""
     b = f.b
     if isa is Isa.VNNI512:
         return _times(f, vpdpbusd(f, ir.Constant(vec(I32, 16), [0] * 16), codes, x), times)
@@ -417,21 +439,14 @@ def integer_dot(f: KernelBuilder, isa: Isa, codes: ir.Value, x: ir.Value, bits: 
     if isa is Isa.VNNI256:
         fn = declare(f, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), [vec(I32, 8), vec(I8, 32), vec(I8, 32)])
         parts = [b.call(fn, [ir.Constant(vec(I32, 8), [0] * 8), c, v]) for c, v in halves]
-        return _times(f, shuffle(f, parts[0], list(range(16)), parts[1]), times)
+        return _times(f, _phaddd(f, *parts), times)
     if isa is Isa.AVX2:
+        assert bits < 8, "8-bit codes take 16-bit words on AVX2 (rows_dot)"
         maddubs = declare(f, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vec(I8, 32), vec(I8, 32)])
-        maddwd = declare(f, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16), vec(I16, 16)])
-        ones = splat_i(vec(I16, 16), times)
-        parts = []
-        for c, v in halves:
-            if bits < 8:  # codes ≤ 63: pairs of products fit in i16 without saturating
-                parts.append(b.call(maddwd, [b.call(maddubs, [c, v]), ones]))
-            else:  # 8-bit codes: high and low nibbles separately, 16·high + low
-                high = b.call(maddubs, [b.lshr(c, splat_i(vec(I8, 32), 4)), v])
-                low = b.call(maddubs, [b.and_(c, splat_i(vec(I8, 32), 15)), v])
-                parts.append(b.add(b.call(maddwd, [high, splat_i(vec(I16, 16), 16 * times)]),
-                                   b.call(maddwd, [low, ones])))
-        return shuffle(f, parts[0], list(range(16)), parts[1])
+        phaddw = declare(f, "llvm.x86.avx2.phadd.w", vec(I16, 16), [vec(I16, 16), vec(I16, 16)])
+        # codes ≤ 63: pairs of products, and pairs of those (4 · 63 · 127 < 2^15), fit in i16
+        quads = b.call(phaddw, [b.call(maddubs, [c, v]) for c, v in halves])
+        return _times(f, _pmaddwd(f, quads, splat_i(vec(I16, 16), 1)), times)
     wide = b.mul(b.zext(codes, vec(I32, 64)), b.sext(x, vec(I32, 64)))
     total = None
     for i in range(4):
@@ -444,9 +459,49 @@ def _times(f: KernelBuilder, lanes: ir.Value, times: int) -> ir.Value:
     return lanes if times == 1 else f.b.shl(lanes, splat_i(lanes.type, times.bit_length() - 1))
 
 
+def _phaddd(f: KernelBuilder, a: ir.Value, c: ir.Value) -> ir.Value:
+    """Two 32-blocks' 8 lanes (lanes 0–3 of slice 2h, 4–7 of slice 2h + 1) → 8, pairs added (`dot_slices`)."""
+    fn = declare(f, "llvm.x86.avx2.phadd.d", vec(I32, 8), [vec(I32, 8), vec(I32, 8)])
+    return f.b.call(fn, [a, c])
+
+
+def _pmaddwd(f: KernelBuilder, a: ir.Value, c: ir.Value) -> ir.Value:
+    fn = declare(f, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16), vec(I16, 16)])
+    return f.b.call(fn, [a, c])
+
+
+def _words(f: KernelBuilder, low: ir.Value, high: ir.Value, h: int) -> list[ir.Value]:
+    """Bytes 32h..32h+31 of two `<64 x i8>` as two `<16 x i16>` (`low` the low bytes, `high` the high
+    ones), in `vpunpck{l,h}bw` order: bytes 0–7 and 16–23 of the half, then 8–15 and 24–31."""
+    out = []
+    for first in (0, 8):
+        picks = [32 * h + first + (w if w < 8 else w + 8) for w in range(16)]
+        pairs = [i for p in picks for i in (p, 64 + p)]
+        out.append(f.b.bitcast(shuffle(f, low, pairs, high), vec(I16, 16)))
+    return out
+
+
+def words_dot(f: KernelBuilder, codes: ir.Value, xs: list[ir.Value]) -> ir.Value:
+    """AVX2, 8-bit codes (or int16 rows): codes and values widened to 16-bit words, one `vpmaddwd` per 16
+    (no byte pair can saturate), lanes as `integer_dot`'s; an int16 row's planes joined as
+    `256 · hi + lo` before the products."""
+    b = f.b
+    zero = ir.Constant(vec(I8, 64), [0] * 64)
+    negative = b.sext(b.icmp_signed("<", xs[-1], zero), vec(I8, 64))  # the sign of the low bytes
+    high = negative if len(xs) == 1 else b.add(xs[0], negative)  # 256 · hi + lo = 256 · (hi − [lo < 0]) + (lo & 255)
+    parts = []
+    for h in (0, 1):
+        c, v = _words(f, codes, zero, h), _words(f, xs[-1], high, h)
+        parts.append(b.add(_pmaddwd(f, c[0], v[0]), _pmaddwd(f, c[1], v[1])))
+    return _phaddd(f, *parts)
+
+
 def rows_dot(f: KernelBuilder, isa: Isa, codes: ir.Value, xs: list[ir.Value], bits: int) -> ir.Value:
-    """64 codes × a row's 64 values, given as its int8 planes (`QRowsAccess.qs`): `<16 x i32>` as
-    `integer_dot`'s; for int16 rows `256 · dot(codes, hi) + dot(codes, lo)`."""
+    """64 codes × a row's 64 values, given as its int8 planes (`QRowsAccess.qs`): lanes as
+    `integer_dot`'s; for int16 rows `256 · dot(codes, hi) + dot(codes, lo)`. On AVX2, 8-bit codes and
+    int16 rows take `words_dot` (one `vpmaddwd` per 16 values, where bytes took two multiplies)."""
+    if isa is Isa.AVX2 and (bits == 8 or len(xs) == 2):
+        return words_dot(f, codes, xs)
     if len(xs) == 1:
         return integer_dot(f, isa, codes, xs[0], bits)
     hi, lo = xs

@@ -86,22 +86,24 @@ def target_machine_for(target: TargetAttr):
 
 
 # `a16`'s time over `a8`'s per matmul, (prefill, decode), by the integer dot product of the
-# `a8` kernels. AVX2: measured on a 2-core AMD EPYC (znver3), SmolLM2-135M all-a16 against
-# all-a8 on a quiet machine (`llmc bench --prompt-tokens 128,512 --decode-tokens 64`, 2
-# threads): prefill 0.85–0.90×, decode 0.81–0.84× — both do twice the integer dot products on
-# the same weight bytes, and a8's decode here is near enough to compute-bound that it shows.
+# `a8` kernels. AVX2: measured with `--cpu x86-64-v3` on a 2-core AMD EPYC (Zen 4, shared with
+# other work), SmolLM2-135M all-a16 against all-a8, each a16 run right after its a8 run (`llmc
+# bench --prompt-tokens 128,512 --decode-tokens 64`, 3 rounds at 1 and at 2 threads, medians):
+# prefill 0.71–0.88×, decode 0.83–0.91× (1.32× the instructions per decoded token) — a16's
+# int16 rows multiply as 16-bit words (`vpmaddwd`, widened per tile) where a8's bytes take
+# `vpmaddubsw`, and a8's decode here is near enough to compute-bound that it shows.
 # VNNI-512: measured on a 2-core AMX Xeon, the same command at --repeat 5 with `--cpu
 # icelake-server`: prefill 0.78–0.81×, decode 0.95×. AMX: a16 takes no tiles (its prefill runs
 # on VNNI-512) where a8's prefill does: prefill 0.65–0.68× of a8 on tiles, decode 1.0× (both
 # VNNI-512). VNNI-256: not measured, AVX2's factors until it is.
-A16_COST = {Isa.AVX2: (1.15, 1.2), Isa.VNNI256: (1.15, 1.2), Isa.VNNI512: (1.25, 1.05)}
+A16_COST = {Isa.AVX2: (1.3, 1.2), Isa.VNNI256: (1.3, 1.2), Isa.VNNI512: (1.25, 1.05)}
 A16_PREFILL_ON_AMX = 1.5
 
 
 def a16_cost(target: TargetAttr) -> tuple[float, float]:
     """`a16`'s cost as a multiple of `a8`'s on `target`: (prefill, decode).
 
-        a16_cost(cpu_target("x86-64-v3"))   # (1.15, 1.2)
+        a16_cost(cpu_target("x86-64-v3"))   # (1.3, 1.2)
     """
     isa = integer_isa(target)
     prefill, decode = A16_COST[isa]

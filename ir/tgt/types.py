@@ -102,7 +102,7 @@ class Isa(StrEnum):
     AMX = "amx"  # AMX-INT8 tiles for blocks of 16 rows, VNNI-512 for the rest
     VNNI512 = "vnni512"  # AVX-512 VNNI vpdpbusd on 512-bit vectors
     VNNI256 = "vnni256"  # AVX-VNNI vpdpbusd on 256-bit vectors
-    AVX2 = "avx2"  # pmaddubsw + pmaddwd
+    AVX2 = "avx2"  # pmaddubsw + pmaddwd (8-bit codes and int16 rows: pmaddwd on 16-bit words)
     GENERIC = "generic"  # plain widening multiplies, any target
     MMA_F16 = "mma_f16"  # CUDA tensor cores, mma.sync m16n8k16 f16 → f32 (float rows; prefill and score)
 

@@ -38,6 +38,7 @@ and the standard library here.
 
 from __future__ import annotations
 
+import statistics
 import sys
 import threading
 import time
@@ -129,7 +130,9 @@ class CallCost:
             scale = seconds / (1 + ROW_COST * (rows - 1))
             self.line = (scale * (1 - ROW_COST), scale * ROW_COST, least)
         else:
-            slope, intercept = np.polyfit(list(self.seconds), list(self.seconds.values()), 1)
+            # the standard library's least squares: numpy's would wake OpenBLAS's threads, which spin on the
+            # cores the kernels' threads run on
+            slope, intercept = statistics.linear_regression(list(self.seconds), list(self.seconds.values()))
             self.line = (intercept, max(slope, 0.0), least)
 
     def __call__(self, rows: int) -> float:

@@ -18,7 +18,8 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +56,9 @@ def default_threads() -> int:
 class _Team:
     """`count` threads that run the library's jobs together (`llmc.abi`'s thread team): the calling
     thread is thread 0, the workers stay inside `llmc_team_work` between calls (spinning for a
-    while, then asleep), so a call is one native call with no Python in between."""
+    while, then asleep), so a call is one native call with no Python in between. `close()`, or the
+    team's garbage collection, stops the workers; until then the team's words stay allocated, since
+    the workers watch them."""
 
     def __init__(self, library: ctypes.CDLL, jobs: list[str], count: int):
         self.count, self.jobs = count, {name: index for index, name in enumerate(jobs)}
@@ -70,6 +73,7 @@ class _Team:
                         for tid in range(1, count)]
         for worker in self.workers:
             worker.start()
+        self.close = weakref.finalize(self, _Team._stop, self._run, self.at, self.workers, self.words)
 
     def run(self, job: str, args: Sequence[int]) -> None:
         """Run `job` (a symbol of `team_jobs`) on every thread with `args` (its arguments in order; the
@@ -77,12 +81,13 @@ class _Team:
         self.words[TEAM_ARGS:TEAM_ARGS + len(args)] = args
         self._run(self.at, self.jobs[job])
 
-    def close(self) -> None:
-        if self.workers:
-            self._run(self.at, TEAM_STOP)
-            for worker in self.workers:
+    @staticmethod
+    def _stop(run: Callable, at: ctypes.c_void_p, workers: list[threading.Thread], words: np.ndarray) -> None:
+        """End the workers (`words`, which they watch, is held until they have)."""
+        if workers:
+            run(at, TEAM_STOP)
+            for worker in workers:
                 worker.join()
-            self.workers = []
 
 
 def _ptr(a: np.ndarray) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import re
 import subprocess
@@ -347,6 +348,19 @@ def test_the_thread_team_wakes_after_sleeping_and_stops_on_close(artifact) -> No
     session.close()
     assert len(workers) == 2 and not any(worker.is_alive() for worker in workers)
     session.close()  # twice is harmless
+
+
+def test_a_session_dropped_without_close_stops_its_workers(artifact) -> None:
+    """The workers watch the team's memory: a session collected without `close()` stops them first
+    (they once read freed memory as a new job, and crashed the process)."""
+    session = Session(artifact(QSPECS["mixed"], chunk=4), threads=3)
+    session.feed(TOKENS[:7])
+    workers = session.team.workers
+    del session
+    gc.collect()
+    for worker in workers:
+        worker.join(timeout=30)
+    assert not any(worker.is_alive() for worker in workers)
 
 
 def test_kernels_swapped_after_the_check_are_not_loaded(artifact, tmp_path) -> None:

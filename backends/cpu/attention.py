@@ -254,10 +254,10 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
         def score16(qbase: ir.Value, s16: ir.Value, at: ir.Value) -> None:
             """The query at `qbase` against staged rows s16..s16+15, 16 scores into `scores` at `at` + s16
             (rows past `count` hold stale values: their lanes go unread)."""
-            krows = [f.mul(f.add(s16, j), D) for j in range(16)]
             if rolled:
-                products = _dots(f, q, qbase, kbuf, krows, D)
+                products = _dots(f, f.ptr(q, qbase), f.ptr(kbuf, f.mul(s16, D)), 16, D)
             else:
+                krows = [f.mul(f.add(s16, j), D) for j in range(16)]
                 qv = [f.vload(q, f.add(qbase, o), w) for o, w in chunks]
                 products = [_sum16(f, [f.fmul(x, f.vload(kbuf, f.add(krow, o), w)) for x, (o, w) in zip(qv, chunks)])
                             for krow in krows]
@@ -439,23 +439,24 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                                 tile(t0, h, sequence)
 
 
-def _dots(f: KernelBuilder, x: ir.Value, at: ir.Value, rows: ir.Value, starts: list[ir.Value], D: int
-          ) -> list[ir.Value]:
-    """Per start s of `starts`, the products of the D floats at x[at] and at rows[s] as one `<VW x float>`
-    (its lanes still to be added up), summed over D's `VW`-float chunks in a loop rather than unrolled."""
+def _dots(f: KernelBuilder, x: ir.Value, rows: ir.Value, n: int, D: int) -> list[ir.Value]:
+    """Per row j < n of the rows of D floats at `rows`, the products of its floats and the D at `x` as one
+    `<VW x float>` (its lanes still to be added up), summed over D's `VW`-float chunks in a loop rather than
+    unrolled (one induction variable: row j at a constant offset)."""
     b, V = f.b, vec(F32, VW)
-    sums = [f.alloca(V, name=f"dot{j}") for j in range(len(starts))]
+    sums = [f.alloca(V, name=f"dot{j}") for j in range(n)]
     for total in sums:
         b.store(f.const(V, 0.0), total)
-    with f.loop(0, D - D % VW, VW, name="dc", unroll=False) as o:
-        xv = f.vload(x, f.add(at, o))
-        for s, total in zip(starts, sums):
-            b.store(f.fadd(b.load(total), f.fmul(xv, f.vload(rows, f.add(s, o)))), total)
+    with f.loop(0, D - D % VW, VW, name="dc") as o:
+        xv = f.vload(x, o)
+        for j, total in enumerate(sums):
+            b.store(f.fadd(b.load(total), f.fmul(xv, f.vload(rows, f.add(o, j * D)))), total)
     products = [b.load(total) for total in sums]
     if D % VW:
         o, w = D - D % VW, D % VW
-        xv = f.vload(x, f.add(at, o), w)
-        products = [f.fadd(p, _sum16(f, [f.fmul(xv, f.vload(rows, f.add(s, o), w))])) for p, s in zip(products, starts)]
+        xv = f.vload(x, f.i64(o), w)
+        products = [f.fadd(p, _sum16(f, [f.fmul(xv, f.vload(rows, f.i64(j * D + o), w))]))
+                    for j, p in enumerate(products)]
     return products
 
 

@@ -641,7 +641,8 @@ def partials(H, D) -> np.ndarray:
 
 
 @pytest.mark.parametrize("rope", [False, True])
-@pytest.mark.parametrize("H,KVH,D,S", [(4, 2, 8, 32), (4, 4, 8, 32), (6, 1, 6, 24), (9, 3, 64, 64)])
+@pytest.mark.parametrize("H,KVH,D,S", [(4, 2, 8, 32), (4, 4, 8, 32), (6, 1, 6, 24), (9, 3, 64, 64),
+                                        (4, 1, 136, 24)])  # (wider than UNROLLED_HEAD_DIM: loops, a narrow tail)
 @pytest.mark.parametrize("nth,cache", [(1, f32), (3, f32), (2, np.float16)])
 def test_attention(tmp_path, tm, rope, H, KVH, D, S, nth, cache):
     """A 5-row prefill at 0 (query tiles), then 3 more rows at start=5 (positions split
@@ -812,19 +813,20 @@ def test_attention_decode_long_and_capacity(tmp_path, tm, nth):
     assert not out5[2:].any()
 
 
-@pytest.mark.parametrize("H,KVH,D", [(2, 1, 32), (9, 3, 64), (3, 1, 32)])
+@pytest.mark.parametrize("H,KVH,D", [(2, 1, 32), (9, 3, 64), (3, 1, 32), (4, 1, 256)])
 def test_attention_writes_quantized_rows(tmp_path, tm, H, KVH, D):
+    """3 rows (decode's split positions) and 6 (prefill's query tiles) into quantized rows."""
     rng = np.random.default_rng(7)
-    S, R, n, start = 32, 4, 3, 5
+    S, R, start = 32, 8, 5
     k_fn = attention_kernel(tmp_path, tm, H, KVH, D, S, R, True, quantized=True)
     q, k, v = rand(rng, R, H, D), rand(rng, R, KVH, D), rand(rng, R, KVH, D)
     kc, vc = rand(rng, KVH, S, D), rand(rng, KVH, S, D)
-    pos = np.arange(start, start + n)
-    keys, values = kc.copy(), vc.copy()
-    keys[:, start : start + n] = ref_rope(k[:n], pos, 10000.0).transpose(1, 0, 2)
-    values[:, start : start + n] = v[:n].transpose(1, 0, 2)
-    ref = ref_attention(ref_rope(q[:n], pos, 10000.0), keys, values, pos).reshape(n, H * D)
-    for nth in (1, 2):
+    for n, nth in itertools.product((3, 6), (1, 2)):
+        pos = np.arange(start, start + n)
+        keys, values = kc.copy(), vc.copy()
+        keys[:, start : start + n] = ref_rope(k[:n], pos, 10000.0).transpose(1, 0, 2)
+        values[:, start : start + n] = v[:n].transpose(1, 0, 2)
+        ref = ref_attention(ref_rope(q[:n], pos, 10000.0), keys, values, pos).reshape(n, H * D)
         out = np.full(qrows_nbytes(R, H * D), 0xFF, np.uint8)
         qa, ka, kca, vca = q.copy(), k.copy(), kc.copy(), vc.copy()
         k_fn({"q": qa, "k": ka, "v": v, "k_cache": kca, "v_cache": vca, "out": out,

@@ -17,7 +17,7 @@ import numpy as np
 from llvmlite import ir
 
 from llmc.abi import KV_Q8_BLOCK
-from llmc.backends.builder import F32, F64, FPTR, I32, I64, KernelBuilder, _chunks
+from llmc.backends.builder import F32, F64, FPTR, I32, I64, VW, KernelBuilder, _chunks
 from llmc.backends.cpu.gemm import floats
 from llmc.backends.cpu.quant import F16, I8, QRowsAccess, q8_block, vec
 from llmc.ir import llm, tgt
@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 QUERY_TILE = 8  # prefill attention: query rows per tile (they share every staged K/V block)
 POS_BLOCK = 64  # attention: cache positions per online-softmax step
+# head dims up to this unroll a block's scores over every query and 16-float chunk; wider ones loop over them
+# (a 256-wide head unrolled is 6 MB of IR and 13 s of LLVM O3)
+UNROLLED_HEAD_DIM = 128
 
 
 def _rope_tables(lib: KernelLibrary, f: KernelBuilder, D: int, rope: llm.RopeAttr
@@ -39,19 +42,27 @@ def _rope_tables(lib: KernelLibrary, f: KernelBuilder, D: int, rope: llm.RopeAtt
     sin_t = f.alloca(F32, half, name="rope_sin")
     table = lib.inv_freq_table(D, rope)
 
-    def fill(pos: ir.Value) -> None:
+    def group(pos: ir.Value, o: ir.Value, w: int) -> None:
+        """Entries o..o+w of both tables: f32 angles (as numpy), cos and sin in f64 vectors."""
         b = f.b
-        freqs = b.bitcast(table, FPTR)
-        for o in range(0, half, 8):  # f32 angles (as numpy), cos and sin in f64 vectors
-            w = min(8, half - o)
-            angle = f.fmul(f.splat(b.sitofp(pos, F32), vec(F32, w)), f.vload(freqs, f.i64(o), w), flags=())
-            sin, cos = f.sincos(b.fpext(angle, vec(F64, w)))
-            cos, sin = b.fptrunc(cos, vec(F32, w)), b.fptrunc(sin, vec(F32, w))
-            if mscale != 1.0:
-                m = f.splat(ir.Constant(F32, mscale), vec(F32, w))
-                cos, sin = f.fmul(cos, m, flags=()), f.fmul(sin, m, flags=())
-            f.vstore(cos, cos_t, f.i64(o))
-            f.vstore(sin, sin_t, f.i64(o))
+        angle = f.fmul(f.splat(b.sitofp(pos, F32), vec(F32, w)), f.vload(b.bitcast(table, FPTR), o, w), flags=())
+        sin, cos = f.sincos(b.fpext(angle, vec(F64, w)))
+        cos, sin = b.fptrunc(cos, vec(F32, w)), b.fptrunc(sin, vec(F32, w))
+        if mscale != 1.0:
+            m = f.splat(ir.Constant(F32, mscale), vec(F32, w))
+            cos, sin = f.fmul(cos, m, flags=()), f.fmul(sin, m, flags=())
+        f.vstore(cos, cos_t, o)
+        f.vstore(sin, sin_t, o)
+
+    def fill(pos: ir.Value) -> None:
+        if 2 * half <= UNROLLED_HEAD_DIM:
+            for o in range(0, half, 8):
+                group(pos, f.i64(o), min(8, half - o))
+            return
+        with f.loop(0, half - half % 8, 8, name="rf", unroll=False) as o:  # wide heads: a loop, then the rest
+            group(pos, o, 8)
+        if half % 8:
+            group(pos, f.i64(half - half % 8), half % 8)
 
     return cos_t, sin_t, fill
 
@@ -105,6 +116,8 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
        merge them head by head (flash-decoding). More rows (prefill): the threads share
        tiles of `QUERY_TILE` rows × one kv head, dealt round-robin (later rows attend to
        more positions); every K and V row is loaded once for the tile's rows and heads.
+       Heads wider than `UNROLLED_HEAD_DIM` loop over the queries and the chunks of D where
+       narrower ones unroll them.
 
     With `slots` (a cache of several sequences, `[slots, KVH, S, D]`), row t lives in
     sequence slots[t]: its cache rows are that sequence's. Decode's rows (one per sequence)
@@ -124,6 +137,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
     qout = QRowsAccess(f, a["out"], op.out.type) if tgt.is_quantized(op.out) else None
     out = None if qout is not None else floats(f, a["out"])
     chunks = _chunks(D)
+    rolled = D > UNROLLED_HEAD_DIM
     window, softcap, scale = llm.scoring(op).values()
     scale = f.f32(scale if scale is not None else 1.0 / np.sqrt(np.float32(D)))
 
@@ -231,7 +245,25 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
             f.store(f.f32(0.0), l_buf, i)
         with f.loop(0, nq * D, name="az") as i:
             f.store(f.f32(0.0), acc, i)
-        qrow = [f.mul(f.add(f.mul(f.add(t0, i // G), H), f.add(f.mul(h, G), i % G)), D) for i in range(nq)]
+
+        def query_row(i: int | ir.Value) -> ir.Value:
+            """Query i's first element in q: row t0 + i / G, head h·G + i % G."""
+            r, g = (i // G, i % G) if isinstance(i, int) else (b.sdiv(i, f.i64(G)), b.srem(i, f.i64(G)))
+            return f.mul(f.add(f.mul(f.add(t0, r), H), f.add(f.mul(h, G), g)), D)
+
+        def score16(qbase: ir.Value, s16: ir.Value, at: ir.Value) -> None:
+            """The query at `qbase` against staged rows s16..s16+15, 16 scores into `scores` at `at` + s16
+            (rows past `count` hold stale values: their lanes go unread)."""
+            if rolled:
+                products = _dots(f, f.ptr(q, qbase), f.ptr(kbuf, f.mul(s16, D)), 16, D)
+            else:
+                krows = [f.mul(f.add(s16, j), D) for j in range(16)]
+                qv = [f.vload(q, f.add(qbase, o), w) for o, w in chunks]
+                products = [_sum16(f, [f.fmul(x, f.vload(kbuf, f.add(krow, o), w)) for x, (o, w) in zip(qv, chunks)])
+                            for krow in krows]
+            f.vstore(capped(f.fmul(f.hsum16(products), f.splat(scale, V16))), scores, f.add(at, s16))
+
+        qrow = [] if rolled else [query_row(i) for i in range(nq)]
         kv_base = f.add(base, f.mul(h, S * W))
         lane = ir.Constant(vec(I64, 16), list(range(16)))
         with f.loop(s_lo, s_hi, POS_BLOCK, name="blk", unroll=False) as s0:
@@ -245,15 +277,12 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                 for o, w in chunks:
                     f.vstore(f.const(vec(F32, w), 0.0), vbuf, f.add(f.mul(count, D), o))
             with f.loop(0, count, 16, name="s16", unroll=False) as s16:
-                for i in range(nq):
-                    qv = [f.vload(q, f.add(qrow[i], o), w) for o, w in chunks]
-                    products = []
-                    for j in range(16):  # (rows past `count` hold stale values: their lanes go unread)
-                        krow = f.mul(f.add(s16, j), D)
-                        terms = [f.fmul(x, f.vload(kbuf, f.add(krow, o), w)) for x, (o, w) in zip(qv, chunks)]
-                        products.append(_sum16(f, terms))
-                    f.vstore(capped(f.fmul(f.hsum16(products), f.splat(scale, V16))), scores,
-                             f.add(f.i64(i * POS_BLOCK), s16))
+                if rolled:
+                    with f.loop(0, nq, name="sq", unroll=False) as i:
+                        score16(query_row(i), s16, f.mul(i, POS_BLOCK))
+                else:
+                    for i in range(nq):
+                        score16(qrow[i], s16, f.i64(i * POS_BLOCK))
             with f.loop(0, nq, name="sm", unroll=False) as i:
                 row = f.ptr(scores, f.mul(i, POS_BLOCK))
                 r = b.sdiv(i, f.i64(G))
@@ -371,15 +400,24 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                     f.store(b.load(present), limits, r)
                     b.store(f.smax(b.load(s_hi), b.load(present)), s_hi)
                 attend(t0, TQ, h, f.smin(b.load(s_lo), b.load(s_hi)), b.load(s_hi), sequence_base(sequence))
-                for r in range(TQ):
+
+                def finish(r: int | ir.Value, g: int | ir.Value) -> None:
+                    """Query (row t0 + r, head h·G + g)'s output, where the row attended to anything."""
                     t = f.add(t0, r)
+                    i = r * G + g if isinstance(r, int) else f.add(f.mul(r, G), g)
                     with f.when(b.icmp_signed(">", f.load(limits, r), f.i64(0))):
+                        inv = b.fdiv(f.f32(1.0), f.load(l_buf, i))
+                        ys = [f.fmul(f.vload(acc, f.i64(i * D + o) if isinstance(i, int) else f.add(f.mul(i, D), o), w),
+                                     f.splat(inv, vec(F32, w))) for o, w in chunks]
+                        store_head(t, f.add(f.mul(h, G), g), ys)
+
+                if rolled:
+                    with f.loop(0, TQ * G, name="po", unroll=False) as i:
+                        finish(b.sdiv(i, f.i64(G)), b.srem(i, f.i64(G)))
+                else:
+                    for r in range(TQ):
                         for g in range(G):
-                            i = r * G + g
-                            inv = b.fdiv(f.f32(1.0), f.load(l_buf, i))
-                            ys = [f.fmul(f.vload(acc, f.i64(i * D + o), w), f.splat(inv, vec(F32, w)))
-                                  for o, w in chunks]
-                            store_head(t, f.add(f.mul(h, G), g), ys)
+                            finish(r, g)
 
             with f.loop(0, mine, name="pt", unroll=False) as i:
                 item = f.add(tid, f.mul(i, nth))
@@ -399,6 +437,27 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                                 seen = b.or_(seen, earlier)
                             with f.when(b.not_(seen)):
                                 tile(t0, h, sequence)
+
+
+def _dots(f: KernelBuilder, x: ir.Value, rows: ir.Value, n: int, D: int) -> list[ir.Value]:
+    """Per row j < n of the rows of D floats at `rows`, the products of its floats and the D at `x` as one
+    `<VW x float>` (its lanes still to be added up), summed over D's `VW`-float chunks in a loop rather than
+    unrolled (one induction variable: row j at a constant offset)."""
+    b, V = f.b, vec(F32, VW)
+    sums = [f.alloca(V, name=f"dot{j}") for j in range(n)]
+    for total in sums:
+        b.store(f.const(V, 0.0), total)
+    with f.loop(0, D - D % VW, VW, name="dc") as o:
+        xv = f.vload(x, o)
+        for j, total in enumerate(sums):
+            b.store(f.fadd(b.load(total), f.fmul(xv, f.vload(rows, f.add(o, j * D)))), total)
+    products = [b.load(total) for total in sums]
+    if D % VW:
+        o, w = D - D % VW, D % VW
+        xv = f.vload(x, f.i64(o), w)
+        products = [f.fadd(p, _sum16(f, [f.fmul(xv, f.vload(rows, f.i64(j * D + o), w))]))
+                    for j, p in enumerate(products)]
+    return products
 
 
 def _sum16(f: KernelBuilder, terms: list[ir.Value]) -> ir.Value:

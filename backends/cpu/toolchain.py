@@ -10,7 +10,8 @@ serialised by a lock; targets are initialised once, on first use. `compile_objec
 compiles the modules the kernel cache lacks in `$LLMC_JOBS` processes (`llmc compile
 --jobs N`, default every CPU this process may run on; a program calling the compiler gets
 one unless it sets `$LLMC_JOBS`, since workers import its main module): this one and
-workers, where two or more miss and they are big enough to pay for a worker's start. Each worker builds the
+workers, where two or more miss and they are big enough to pay for a worker's start; the workers compile the
+modules built first while this process builds the IR of the others. Each worker builds the
 same target machine from its description, so the objects are those of the serial path.
 The system C compiler (`$CC`, else `cc`) links the objects; libm is linked (kernels may
 call `cos`/`sin`).
@@ -18,6 +19,7 @@ call `cos`/`sin`).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import multiprocessing
 import os
@@ -27,7 +29,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
@@ -201,15 +202,7 @@ def compile_objects(modules: Sequence[str | ir.Module | Deferred], tm: llvm.Targ
     status = _status.get()
     if status is not None:
         status(f"codegen: {cached} of {len(texts)} modules compiled, {cached} from the cache")
-    for i in missing:
-        module = modules[i]
-        if isinstance(module, Deferred):
-            texts[i] = str(module.build())
-    parallel = hasattr(tm, "llmc_machine") and sum(len(texts[i]) for i in missing) >= PARALLEL_IR
-    processes = min(jobs(), len(missing)) if parallel else 1  # this one and its workers
-    compiled = _in_workers(texts, missing, tm, level, processes - 1) if processes > 1 else \
-        ((i, _compiled(texts[i], tm, level)) for i in missing)
-    for done, (i, obj) in enumerate(compiled, cached + 1):
+    for done, (i, obj) in enumerate(_compiling(modules, texts, missing, tm, level), cached + 1):
         if keys[i] is not None:
             kernel_cache.store(keys[i], obj)
         objects[i] = obj
@@ -218,47 +211,90 @@ def compile_objects(modules: Sequence[str | ir.Module | Deferred], tm: llvm.Targ
     return objects, cached  # type: ignore[return-value]
 
 
-def _in_workers(texts: list[str], which: list[int], tm: llvm.TargetMachine, level: int, workers: int
-                ) -> Iterator[tuple[int, bytes]]:
-    """(i, the object of `texts[i]`) for each i of `which` as it is done, by this process and `workers` worker
-    processes, each taking the longest module left; a worker's error is a `ToolchainError` of one line."""
-    todo = deque(sorted(which, key=lambda i: -len(texts[i])))
+class _Built:
+    """The modules built and not yet taken by a process to compile, longest first."""
+
+    def __init__(self, texts: list[str | None]):
+        self.texts = texts
+        self.waiting: list[int] = []
+        self.building = True
+        self.changed = threading.Condition()
+
+    def put(self, i: int) -> None:
+        with self.changed:
+            bisect.insort(self.waiting, i, key=lambda j: -len(self.texts[j]))
+            self.changed.notify()
+
+    def take(self, wait: bool) -> int | None:
+        """The longest module waiting; with `wait`, waits for one while modules are being built."""
+        with self.changed:
+            while wait and self.building and not self.waiting:
+                self.changed.wait()
+            return self.waiting.pop(0) if self.waiting else None
+
+    def close(self, drop: bool = False) -> None:
+        """No more modules will be built (with `drop`, those waiting are given up)."""
+        with self.changed:
+            self.building = False
+            if drop:
+                self.waiting.clear()
+            self.changed.notify_all()
+
+
+def _compiling(modules: Sequence[str | ir.Module | Deferred], texts: list[str | None], which: list[int],
+               tm: llvm.TargetMachine, level: int) -> Iterator[tuple[int, bytes]]:
+    """(i, the object of module i) for each i of `which` as it is done. This process builds the deferred modules
+    one after another; once the IR built reaches `PARALLEL_IR`, worker processes (`jobs()` in all, at most one per
+    module) start compiling the longest module built so far while this process builds the rest, then compiles
+    with them. A worker's error is a `ToolchainError` of one line."""
+    built = _Built(texts)
     done: queue.SimpleQueue = queue.SimpleQueue()  # (i, object or the worker's exception)
+    workers = min(jobs(), len(which)) - 1 if hasattr(tm, "llmc_machine") else 0
+    pool: ProcessPoolExecutor | None = None
+    size, left = 0, len(which)
 
     def feed() -> None:  # one thread per worker process: the next module to it, its object back
-        while (i := _take(todo)) is not None:
+        while (i := built.take(wait=True)) is not None:
             try:
                 done.put((i, pool.submit(_compile_in_worker, texts[i], tm.llmc_machine, level).result()))
             except Exception as e:
                 done.put((i, e))
                 return
 
-    context = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
-                                          else "spawn")  # never fork: this process holds LLVM's state
-    pool = ProcessPoolExecutor(workers, mp_context=context)
-    feeders = [threading.Thread(target=feed, daemon=True) for _ in range(workers)]
+    def checked(i: int, result: bytes | Exception) -> tuple[int, bytes]:
+        if isinstance(result, ToolchainError):
+            raise result
+        if isinstance(result, Exception):  # the worker process died, or could not start
+            raise ToolchainError(f"a codegen worker process failed on kernel module {_name(texts[i])}: "
+                                 f"{_first_lines(result)}")
+        return i, result
+
     try:
-        for thread in feeders:
-            thread.start()
-        for _ in which:
-            mine = _take(todo) if done.empty() else None
-            i, result = (mine, _compiled(texts[mine], tm, level)) if mine is not None else done.get()
-            if isinstance(result, ToolchainError):
-                raise result
-            if isinstance(result, Exception):  # the worker process died, or could not start
-                raise ToolchainError(f"a codegen worker process failed on kernel module {_name(texts[i])}: "
-                                     f"{_first_lines(result)}")
-            yield i, result
+        for i in which:
+            module = modules[i]
+            if isinstance(module, Deferred):
+                texts[i] = str(module.build())
+            size += len(texts[i])
+            built.put(i)
+            if pool is None and workers > 0 and size >= PARALLEL_IR:
+                context = multiprocessing.get_context(
+                    "forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
+                    else "spawn")  # never fork: this process holds LLVM's state
+                pool = ProcessPoolExecutor(workers, mp_context=context)
+                for _ in range(workers):
+                    threading.Thread(target=feed, daemon=True).start()
+            while not done.empty():
+                left -= 1
+                yield checked(*done.get())
+        built.close()
+        while left:
+            mine = built.take(wait=False) if done.empty() else None
+            left -= 1
+            yield checked(*((mine, _compiled(texts[mine], tm, level)) if mine is not None else done.get()))
     finally:
-        todo.clear()
-        pool.shutdown(cancel_futures=True)
-
-
-def _take(todo: deque) -> int | None:
-    try:
-        return todo.popleft()
-    except IndexError:
-        return None
+        built.close(drop=True)
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
 
 
 def _compile_in_worker(text: str, machine: tuple, level: int) -> bytes:

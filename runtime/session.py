@@ -61,7 +61,7 @@ class _Team:
     the workers watch them."""
 
     def __init__(self, library: ctypes.CDLL, jobs: list[str], count: int):
-        self.count, self.jobs = count, {name: index for index, name in enumerate(jobs)}
+        self.jobs = {name: index for index, name in enumerate(jobs)}
         self.words = np.zeros(TEAM_WORDS, np.int64)
         self.words[TEAM_THREADS] = count
         self.at = ctypes.c_void_p(self.words.ctypes.data)

@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 QUERY_TILE = 8  # prefill attention: query rows per tile (they share every staged K/V block)
 POS_BLOCK = 64  # attention: cache positions per online-softmax step (prefill: the block staged for a tile)
 DECODE_POS_BLOCK = 32  # decode's, whose K block (8 KB at D 64) stays in L1 beside the V rows streaming past
-DIRECT_V_CHUNKS = 8  # decode: V rows read once from the cache for up to this many queries' 16-float chunks (AVX2: 16 ymm)
+# decode: each V row read once from the cache for a set of queries whose sums, this many 16-float chunks, stay in
+# registers (8: two queries of head dim 64; AVX2's 16 ymm registers hold them, where 12 spilled)
+DIRECT_V_CHUNKS = 8
 # head dims up to this unroll a block's scores over every query and 16-float chunk; wider ones loop over them
 # (a 256-wide head unrolled is 6 MB of IR and 13 s of LLVM O3)
 UNROLLED_HEAD_DIM = 128
@@ -118,8 +120,8 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
        weighted values) per query head in `partials`, and after a barrier the threads
        merge them head by head (flash-decoding); its blocks are `DECODE_POS_BLOCK` positions,
        only K staged, each V row converted once for up to `DIRECT_V_CHUNKS` sums in registers
-       (at depth 2048 the kernel 1.6x faster than with V staged too). More rows (prefill): the threads share
-       tiles of `QUERY_TILE` rows × one kv head, dealt round-robin (later rows attend to
+       (at depth 2048 the kernel 1.4–1.5x faster than with V staged too). More rows (prefill):
+       the threads share tiles of `QUERY_TILE` rows × one kv head, dealt round-robin (later rows attend to
        more positions); every K and V row is loaded once for the tile's rows and heads.
        Heads wider than `UNROLLED_HEAD_DIM` loop over the queries and the chunks of D where
        narrower ones unroll them.

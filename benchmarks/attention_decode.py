@@ -1,0 +1,93 @@
+"""Decode attention alone: one CPU attention kernel, one query row at a depth, over `--layers` layers' caches in
+turn (so the K and V rows come from DRAM, as in a decode step, not from a cache level), one thread.
+
+    .venv/bin/python benchmarks/attention_decode.py --shape 9,3,64 --depth 2048 --layers 30
+
+Prints the best and median microseconds per layer and the cache bytes read per second. Run it at two commits
+(a worktree of each) to compare kernels; `--cpu x86-64-v3` builds the AVX2 code on an AVX-512 host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from llvmlite import ir
+from xdsl.dialects.builtin import IndexType, f16, i32
+from xdsl.ir import Block
+
+from llmc.backends.cpu import KernelLibrary, compile_to_object, link_shared, target_machine
+from llmc.ir import llm, tgt
+from llmc.ir.layouts import qrows_nbytes
+
+ROWS = 4  # the kernel's row capacity (decode takes 1)
+
+
+def attention_op(H: int, KVH: int, D: int, capacity: int) -> tgt.AttentionOp:
+    """A decode attention kernel as the CPU pipeline emits it: f16 caches, RoPE, int16 rows out."""
+    types = [tgt.memref(ROWS, H, D), tgt.memref(ROWS, KVH, D), tgt.memref(ROWS, KVH, D),
+             tgt.memref(KVH, capacity, D, element_type=f16), tgt.memref(KVH, capacity, D, element_type=f16),
+             tgt.QRowsType(ROWS, H * D, 16), tgt.memref(ROWS, element_type=i32),
+             tgt.AttentionOp.partials_type(H, D), IndexType()]
+    block = Block(arg_types=types)
+    op = tgt.AttentionOp(*block.args, llm.RopeAttr(10000.0), **llm.AttentionOp.scoring_properties())
+    block.add_op(op)
+    op.verify()
+    return op
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="9,3,64", help="query heads, kv heads, head dim (default SmolLM2's 9,3,64)")
+    p.add_argument("--depth", type=int, default=2048, help="cache positions before the query (default 2048)")
+    p.add_argument("--layers", type=int, default=30, help="layers' caches taken in turn (default 30)")
+    p.add_argument("--repeat", type=int, default=20, help="passes over the layers; best and median reported")
+    p.add_argument("--cpu", default="native", help="LLVM CPU to build for (default: this host)")
+    args = p.parse_args()
+    H, KVH, D = (int(v) for v in args.shape.split(","))
+    capacity = max(4096, args.depth + 1)
+    if min(H, KVH, D, args.layers, args.repeat) < 1 or args.depth < 0 or H % KVH or D % 32:
+        p.error("--shape needs heads ≥ 1 (query heads a multiple of kv heads) and a head dim of 32s; "
+                "--depth ≥ 0, --layers and --repeat ≥ 1")
+    op = attention_op(H, KVH, D, capacity)
+    module = ir.Module("attention_decode")
+    fn = KernelLibrary(module).kernel(op)
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = ctypes.CDLL(str(link_shared([compile_to_object(module, target_machine(args.cpu))],
+                                          str(Path(tmp) / "attention.so"))))
+        kernel = getattr(lib, fn.name)
+        rng = np.random.default_rng(0)
+        shared = {"q": rng.standard_normal((ROWS, H, D)).astype(np.float32),
+                  "k": rng.standard_normal((ROWS, KVH, D)).astype(np.float32),
+                  "v": rng.standard_normal((ROWS, KVH, D)).astype(np.float32),
+                  "out": np.zeros(qrows_nbytes(ROWS, H * D, 16), np.uint8),
+                  "positions": np.full(ROWS, args.depth, np.int32),
+                  "partials": np.zeros(tgt.dims(tgt.AttentionOp.partials_type(H, D)), np.float32)}
+        caches = [{"k_cache": rng.standard_normal((KVH, capacity, D)).astype(np.float16),
+                   "v_cache": rng.standard_normal((KVH, capacity, D)).astype(np.float16)} for _ in range(args.layers)]
+        sync = np.zeros(2, np.int64)
+        calls = [[ctypes.c_int64(1) if name == "rows" else ctypes.c_void_p({**shared, **layer}[name].ctypes.data)
+                  for name, _ in op.abi()] + [ctypes.c_int64(0), ctypes.c_int64(1), ctypes.c_void_p(sync.ctypes.data)]
+                 for layer in caches]
+        per_layer = []
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            for call in calls:
+                kernel(*call)
+            per_layer.append((time.perf_counter() - start) / args.layers)
+    best, median = min(per_layer), statistics.median(per_layer)
+    read = 2 * KVH * (args.depth + 1) * D * 2  # K and V rows, f16
+    print(f"attention decode, H {H} KVH {KVH} D {D}, depth {args.depth}, {args.layers} layers' caches, cpu "
+          f"{args.cpu}, 1 thread: best {best * 1e6:.1f} us per layer (median {median * 1e6:.1f}), "
+          f"{read / best / 1e9:.1f} GB/s of cache rows")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

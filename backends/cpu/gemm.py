@@ -338,8 +338,8 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
     """Quantized rows × weights in the tiles layout. Whole 16-row blocks on AMX tiles where the
     kernel has `isa amx` (and the runtime allowed them); every other row on VNNI-512: per strip
     of 16 columns and 32-block, 8 `vpdpbusd` of the block's code vectors and 4 broadcast
-    int8 values of each row (the 16 columns' sums in the lanes; int16 rows: 8 per plane, joined
-    as `(hi << 8) + lo`), scaled once per scale group: `acc += dot · (d_w · d_x) + off_w · s_x`.
+    int8 values of each row (the 16 columns' sums in the lanes; int16 rows: 8 per plane, `lo`'s
+    accumulated onto `hi`'s sums shifted left by 8), scaled once per scale group: `acc += dot · (d_w · d_x) + off_w · s_x`.
     AMX reads int8 rows only (`pack` gives int16 rows `vnni512`)."""
     assert rows.quantized
     b = f.b
@@ -394,16 +394,17 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
             scale = w.scale16(s, sl)
             offset = w.offset16(s, sl, scale)
             for ri in range(r):
-                dots = []
-                for xs in xs_by_row[ri]:  # per plane of the rows
-                    chains = [ir.Constant(vec(I32, STRIP), [0] * STRIP)] * n_chains  # short dependency chains
+                zero = ir.Constant(vec(I32, STRIP), [0] * STRIP)
+                dot = zero
+                for plane, xs in enumerate(xs_by_row[ri]):  # int16 rows: `lo`'s products added onto `hi`'s << 8
+                    if plane:
+                        dot = b.shl(dot, ir.Constant(vec(I32, STRIP), [8] * STRIP))
+                    chains = [dot] + [zero] * (n_chains - 1)  # short dependency chains
                     for n, quad in enumerate(quads):
                         chains[n % n_chains] = vpdpbusd(f, chains[n % n_chains], codes[quad], xs[quad])
                     dot = chains[0]
                     for other in chains[1:]:
                         dot = b.add(dot, other)
-                    dots.append(dot)
-                dot = q.join_dots(dots)
                 row_scales = q.block_scales(f.add(t, ri), sl, step)
                 b.store(scaled_block(f, b.load(accs[ri]), dot, scale, offset, *row_scales), accs[ri])
     return [b.load(acc) for acc in accs]

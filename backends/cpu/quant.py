@@ -321,8 +321,8 @@ class QRowsAccess:
     """Quantized activation rows (`!tgt.qrows<R x W>`, int8 or int16) at `base` (an `i8*`), row by row.
 
     Int16 rows are two int8 planes (`hi`, `lo`: `planes` is 2): a reader takes each plane's
-    values (`qs(t, g, plane)`) through the int8 dot products and joins the two sums
-    (`join_dots`)."""
+    values (`qs(t, g, plane)`) through the int8 dot products and joins the two sums as
+    `(dot_hi << 8) + dot_lo` (no overflow: 4 products of 255 · 127, shifted, stay below 2^31)."""
 
     def __init__(self, f: KernelBuilder, base: ir.Value, qrows: QRowsType):
         self.f = f
@@ -371,14 +371,6 @@ class QRowsAccess:
         if n == 4:
             return d, s
         return shuffle(f, d, [0, 2]), f.fadd(shuffle(f, s, [0, 2]), shuffle(f, s, [1, 3]))
-
-    def join_dots(self, dots: list[ir.Value]) -> ir.Value:
-        """One int32 dot product per lane from each plane's: `(dot_hi << 8) + dot_lo` for int16 rows
-        (no overflow: 4 products of 255 · 127, shifted, stay below 2^31)."""
-        if self.planes == 1:
-            return dots[0]
-        hi, lo = dots
-        return self.f.b.add(self.f.b.shl(hi, splat_i(hi.type, 8)), lo)
 
     def store_block(self, t: ir.Value, block: int | ir.Value, v0: ir.Value, v1: ir.Value) -> None:
         """Quantize 32 floats (two `<16 x float>`) into block `block` of row `t`.

@@ -262,5 +262,6 @@ def test_the_attention_decode_benchmark_times_the_cpu_kernel() -> None:
     assert run.returncode == 0, run.stderr
     best = float(run.stdout.split("best ")[1].split(" us")[0])
     assert 0 < best < 1e6 and "H 4 KVH 2 D 32, depth 100, 2 layers' caches" in run.stdout
-    bad = subprocess.run([sys.executable, str(script), "--shape", "9,2,64"], capture_output=True, text=True, timeout=300)
+    bad = subprocess.run([sys.executable, str(script), "--shape", "9,2,64"], capture_output=True, text=True,
+                         timeout=300)
     assert bad.returncode == 2 and "multiple of kv heads" in bad.stderr

@@ -339,7 +339,8 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
     kernel has `isa amx` (and the runtime allowed them); every other row on VNNI-512: per strip
     of 16 columns and 32-block, 8 `vpdpbusd` of the block's code vectors and 4 broadcast
     int8 values of each row (the 16 columns' sums in the lanes; int16 rows: 8 per plane, `lo`'s
-    accumulated onto `hi`'s sums shifted left by 8), scaled once per scale group: `acc += dot · (d_w · d_x) + off_w · s_x`.
+    accumulated onto `hi`'s sums shifted left by 8), scaled once per scale group:
+    `acc += dot · (d_w · d_x) + off_w · s_x`.
     AMX reads int8 rows only (`pack` gives int16 rows `vnni512`)."""
     assert rows.quantized
     b = f.b

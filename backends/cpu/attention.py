@@ -276,7 +276,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
         span = DECODE_POS_BLOCK if tq == 1 else POS_BLOCK
         lane = ir.Constant(vec(I64, 16), list(range(16)))
 
-        def weigh_v_rows(nq: int, s0: ir.Value, count: ir.Value) -> None:
+        def weigh_v_rows(s0: ir.Value, count: ir.Value) -> None:
             """Decode (one row, its G queries): acc += p · V over the block's positions, each V row read once
             from the cache for a set of queries whose sums stay in registers."""
             valid = f.smax(0, f.smin(count, f.sub(f.load(limits, 0), s0)))
@@ -361,7 +361,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                         for (o, _), even, odd in zip(chunks, *sums):
                             f.vstore(f.fadd(b.load(even), b.load(odd)), acc, f.add(arow, o))
             if direct_v:
-                weigh_v_rows(nq, s0, count)
+                weigh_v_rows(s0, count)
 
     def store_head(t: ir.Value, head: ir.Value, ys: list[ir.Value]) -> None:
         """Row t's output for query head `head`: float, or quantized blocks of 32."""

@@ -22,11 +22,26 @@ from llvmlite import ir
 from xdsl.dialects.builtin import IndexType, f16, i32
 from xdsl.ir import Block
 
-from llmc.backends.cpu import KernelLibrary, compile_to_object, link_shared, target_machine
+from llmc.backends.cpu import KernelLibrary, compile_to_object, link_shared
+from llmc.backends.cpu.target import cpu_target, target_machine_for
+from llmc.errors import UsageError
 from llmc.ir import llm, tgt
 from llmc.ir.layouts import qrows_nbytes
 
 ROWS = 4  # the kernel's row capacity (decode takes 1)
+MAX_CACHE_BYTES = 4 << 30  # the layers' K and V caches together, f16
+
+
+def shape(text: str) -> tuple[int, int, int]:
+    """`--shape H,KVH,D`: three positive integers, query heads a multiple of kv heads, D a multiple of 32."""
+    try:
+        H, KVH, D = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not three integers H,KVH,D") from None
+    if min(H, KVH, D) < 1 or H % KVH or D % 32:
+        raise argparse.ArgumentTypeError(f"'{text}': heads ≥ 1, query heads a multiple of kv heads, "
+                                         "head dim a multiple of 32")
+    return H, KVH, D
 
 
 def attention_op(H: int, KVH: int, D: int, capacity: int) -> tgt.AttentionOp:
@@ -44,22 +59,29 @@ def attention_op(H: int, KVH: int, D: int, capacity: int) -> tgt.AttentionOp:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="9,3,64", help="query heads, kv heads, head dim (default SmolLM2's 9,3,64)")
+    p.add_argument("--shape", type=shape, default=(9, 3, 64),
+                   help="query heads, kv heads, head dim: H,KVH,D (default SmolLM2's 9,3,64)")
     p.add_argument("--depth", type=int, default=2048, help="cache positions before the query (default 2048)")
     p.add_argument("--layers", type=int, default=30, help="layers' caches taken in turn (default 30)")
     p.add_argument("--repeat", type=int, default=20, help="passes over the layers; best and median reported")
     p.add_argument("--cpu", default="native", help="LLVM CPU to build for (default: this host)")
     args = p.parse_args()
-    H, KVH, D = (int(v) for v in args.shape.split(","))
+    H, KVH, D = args.shape
+    if args.depth < 0 or min(args.layers, args.repeat) < 1:
+        p.error("--depth must be ≥ 0, --layers and --repeat ≥ 1")
     capacity = max(4096, args.depth + 1)
-    if min(H, KVH, D, args.layers, args.repeat) < 1 or args.depth < 0 or H % KVH or D % 32:
-        p.error("--shape needs heads ≥ 1 (query heads a multiple of kv heads) and a head dim of 32s; "
-                "--depth ≥ 0, --layers and --repeat ≥ 1")
+    if args.layers * 2 * KVH * capacity * D * 2 > MAX_CACHE_BYTES:
+        p.error(f"{args.layers} layers' caches of {capacity} positions exceed {MAX_CACHE_BYTES >> 30} GiB: "
+                "lower --depth or --layers")
+    try:
+        machine = target_machine_for(cpu_target(args.cpu))
+    except UsageError as e:
+        p.error(f"--cpu: {e}")
     op = attention_op(H, KVH, D, capacity)
     module = ir.Module("attention_decode")
     fn = KernelLibrary(module).kernel(op)
     with tempfile.TemporaryDirectory() as tmp:
-        lib = ctypes.CDLL(str(link_shared([compile_to_object(module, target_machine(args.cpu))],
+        lib = ctypes.CDLL(str(link_shared([compile_to_object(module, machine)],
                                           str(Path(tmp) / "attention.so"))))
         kernel = getattr(lib, fn.name)
         rng = np.random.default_rng(0)
@@ -69,8 +91,8 @@ def main() -> int:
                   "out": np.zeros(qrows_nbytes(ROWS, H * D, 16), np.uint8),
                   "positions": np.full(ROWS, args.depth, np.int32),
                   "partials": np.zeros(tgt.dims(tgt.AttentionOp.partials_type(H, D)), np.float32)}
-        caches = [{"k_cache": rng.standard_normal((KVH, capacity, D)).astype(np.float16),
-                   "v_cache": rng.standard_normal((KVH, capacity, D)).astype(np.float16)} for _ in range(args.layers)]
+        caches = [{name: rng.standard_normal((KVH, capacity, D), dtype=np.float32).astype(np.float16)
+                   for name in ("k_cache", "v_cache")} for _ in range(args.layers)]
         sync = np.zeros(2, np.int64)
         calls = [[ctypes.c_int64(1) if name == "rows" else ctypes.c_void_p({**shared, **layer}[name].ctypes.data)
                   for name, _ in op.abi()] + [ctypes.c_int64(0), ctypes.c_int64(1), ctypes.c_void_p(sync.ctypes.data)]

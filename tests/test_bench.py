@@ -254,14 +254,16 @@ def test_missing_model_for_peers_is_one_line(artifact, capsys, tmp_path) -> None
 
 
 def test_the_attention_decode_benchmark_times_the_cpu_kernel() -> None:
-    """`benchmarks/attention_decode.py` builds the decode attention kernel and reports its time per layer; a shape
-    whose query heads are not a multiple of the kv heads is a usage error."""
+    """`benchmarks/attention_decode.py` builds the decode attention kernel and reports its time per layer; a bad
+    shape, an unknown CPU or caches too large for memory are one usage error (argparse's usage line, then it)."""
     script = Path(__file__).parents[1] / "benchmarks" / "attention_decode.py"
     run = subprocess.run([sys.executable, str(script), "--shape", "4,2,32", "--depth", "100", "--layers", "2",
                           "--repeat", "2"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     best = float(run.stdout.split("best ")[1].split(" us")[0])
     assert 0 < best < 1e6 and "H 4 KVH 2 D 32, depth 100, 2 layers' caches" in run.stdout
-    bad = subprocess.run([sys.executable, str(script), "--shape", "9,2,64"], capture_output=True, text=True,
-                         timeout=300)
-    assert bad.returncode == 2 and "multiple of kv heads" in bad.stderr
+    for options, message in ((["--shape", "9,2,64"], "multiple of kv heads"), (["--shape", "9,3"], "three integers"),
+                             (["--cpu", "bogus"], "unknown CPU 'bogus'"), (["--depth", "100000000"], "exceed")):
+        bad = subprocess.run([sys.executable, str(script), *options], capture_output=True, text=True, timeout=300)
+        last = bad.stderr.strip().splitlines()[-1]
+        assert bad.returncode == 2 and last.startswith("attention_decode.py: error:") and message in last, bad.stderr

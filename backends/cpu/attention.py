@@ -273,7 +273,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
         qrow = [] if rolled else [query_row(i) for i in range(nq)]
         kv_base = f.add(base, f.mul(h, S * W))
         direct_v = tq == 1
-        span = DECODE_POS_BLOCK if tq == 1 else POS_BLOCK
+        span = DECODE_POS_BLOCK if direct_v else POS_BLOCK
         lane = ir.Constant(vec(I64, 16), list(range(16)))
 
         def weigh_v_rows(s0: ir.Value, count: ir.Value) -> None:

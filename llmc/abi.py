@@ -44,8 +44,15 @@ IMPLICIT_ARGUMENTS: dict[str, str] = {
     "weights": POINTER,  # the mapped weights file
     "tid": INT64,  # this thread's index, of
     "nth": INT64,  # this many threads (at most `max_threads`)
-    "sync": POINTER,  # the threads' barrier: two int64, zeroed once
+    "sync": POINTER,  # the threads' barrier and work counters: `SYNC_WORDS` int64, zeroed once
 }
+# `sync`: the barrier's two words (arrivals, generation) in the first 64-byte line, then a line per work
+# counter. A kernel that deals its work (`tgt.Kernel.DEALS`) takes the next chunk from its counter; codegen
+# gives each such kernel between two barriers its own counter, and the last thread to arrive at a barrier
+# zeroes the ones used before it (so each starts at zero).
+SYNC_LINE_WORDS = 8
+WORK_COUNTERS = 8
+SYNC_WORDS = SYNC_LINE_WORDS * (1 + WORK_COUNTERS)
 # The most threads an entry point runs on: the manifest's `max_threads`, the runtime's cap on its team, and the
 # rows of `tgt.attention`'s partials (one per CPU thread or CUDA block sharing a row's cache positions).
 MAX_THREADS = 64

@@ -129,7 +129,7 @@ def benchmark(directory: Path, prompts: int | Sequence[int] = (512,), decode_tok
                 token = int(tokens[depth])
                 start = time.perf_counter()
                 for _ in range(decode_tokens):
-                    token = int(np.argmax(session.feed([token])))
+                    token = session.greedy([token])
                 best = min(best, time.perf_counter() - start)
             speeds.decode[depth] = decode_tokens / best
         status("bench: read bandwidth over the weights")

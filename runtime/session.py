@@ -28,6 +28,7 @@ from llmc.abi import (
     KV_DTYPES,
     READ_PROBE_ARGUMENTS,
     READ_PROBE_STEP,
+    SYNC_WORDS,
     TEAM_ARGS,
     TEAM_RUN,
     TEAM_STOP,
@@ -234,14 +235,19 @@ class Conversation:
 
     def feed(self, tokens: list[int] | np.ndarray) -> np.ndarray:
         """Run `tokens` after the ones already fed; returns the last token's logits (a copy)."""
-        tokens = np.asarray(tokens, dtype=np.int32)
-        self._check(tokens)
-        self._feed(tokens, self.logits)
-        return self.logits[0].copy()
+        return self._last_logits(tokens).copy()
 
     def greedy(self, tokens: list[int] | np.ndarray) -> int:
         """`feed`, then the most likely next token (a target may take the argmax where the logits are)."""
-        return int(np.argmax(self.feed(tokens)))
+        return int(np.argmax(self._last_logits(tokens)))
+
+    def _last_logits(self, tokens: list[int] | np.ndarray) -> np.ndarray:
+        """Run `tokens` after the ones already fed; the last token's logits where the call left them (the next
+        call overwrites them)."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        self._check(tokens)
+        self._feed(tokens, self.logits)
+        return self.logits[0]
 
     def _feed(self, tokens: np.ndarray, logits: np.ndarray | None) -> None:
         if tokens.size == 1 and self.position > 0:
@@ -335,8 +341,11 @@ class Session(Conversation):
         if not 1 <= self.threads <= most:
             raise LlmcError(f"--threads must be in 1..{most} (what the artifact's kernels split work for), "
                             f"got {self.threads}")
-        self.sync = np.zeros(2, np.int64)
+        self.sync = np.zeros(SYNC_WORDS, np.int64)
         self.team = _Team(self.library, self.manifest.data["team_jobs"], self.threads)
+        self.buffers = {"tokens": _ptr(self.tokens), "positions": _ptr(self.positions), "slots": _ptr(self.slot_ids),
+                        "k_cache": _ptr(self.k_cache), "v_cache": _ptr(self.v_cache), "arena": _ptr(self.arena),
+                        "weights": self.weights.ctypes.data, "tid": 0, "nth": self.threads, "sync": _ptr(self.sync)}
 
     def close(self) -> None:
         """Stop the worker threads."""
@@ -345,11 +354,8 @@ class Session(Conversation):
     def _call(self, entry: str, n: int, logits: np.ndarray | None) -> None:
         assert logits is not None
         symbol, names = self.entries[entry]
-        buffers = {"tokens": _ptr(self.tokens), "positions": _ptr(self.positions), "slots": _ptr(self.slot_ids), "n": n,
-                   "k_cache": _ptr(self.k_cache), "v_cache": _ptr(self.v_cache), "logits": _ptr(logits),
-                   "arena": _ptr(self.arena), "weights": self.weights.ctypes.data, "tid": 0, "nth": self.threads,
-                   "sync": _ptr(self.sync)}
-        self.team.run(symbol, [buffers[name] for name in names])
+        arguments = {**self.buffers, "n": n, "logits": _ptr(logits)}  # (the session's buffers' addresses, kept)
+        self.team.run(symbol, [arguments[name] for name in names])
 
     @property
     def where(self) -> str:

@@ -17,7 +17,7 @@ import pytest
 from runtime_only import runtime_only
 from tiny_models import TinySpec
 
-from llmc.abi import AMX_FLAG, TEAM_SLEEPERS
+from llmc.abi import AMX_FLAG, SYNC_LINE_WORDS, TEAM_SLEEPERS
 from llmc.cli import main
 from llmc.driver import BackendOptions, compile_model
 from llmc.errors import LlmcError
@@ -311,7 +311,8 @@ def test_more_threads_than_the_kernels_split_for_is_one_line(artifact, capsys) -
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("name", ["f32-odd-heads", "a8-mixed", "a8-half-groups"])
 def test_threads_give_the_single_thread_logits(artifact, threads: int, name: str) -> None:
-    """Threads split each kernel's outputs (and quantize the int8 blocks they computed); only
+    """Threads split each kernel's outputs (and quantize the int8 blocks they computed; the projections deal
+    their last columns from work counters, which the barriers zero for the next call); only
     decode's attention sums its positions in another order (each thread's share, merged), so
     the logits agree to rounding, and a run repeats bit for bit: running truly in parallel,
     no thread disturbs another."""
@@ -326,6 +327,8 @@ def test_threads_give_the_single_thread_logits(artifact, threads: int, name: str
         want = [one.feed(chunk).copy() for chunk in (TOKENS[:7], TOKENS[7:8], TOKENS[8:])] + [one.score(TOKENS[:5])]
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=0, atol=1e-3 * np.abs(w).max())
+        for session in (one, many):  # every work counter zeroed for the next call (one thread: by no one else)
+            assert not session.sync[SYNC_LINE_WORDS:].any()
         runs.append(got)
     for run in runs[1:]:
         for g, first in zip(run, runs[0]):

@@ -28,7 +28,7 @@ from xdsl.dialects.builtin import f16 as F16_ATTR
 from xdsl.dialects.builtin import f32 as F32_ATTR
 from xdsl.ir import Attribute, Block
 
-from llmc.abi import AMX_FLAG
+from llmc.abi import AMX_FLAG, SYNC_WORDS
 from llmc.backends.builder import FPTR, I64
 from llmc.backends.cpu import (
     KernelLibrary,
@@ -39,12 +39,14 @@ from llmc.backends.cpu import (
     target_machine,
 )
 from llmc.backends.cpu import amx as amx_tiles
+from llmc.backends.cpu.codegen import read_probe
+from llmc.backends.cpu.gemm import CHUNK_BYTES, CHUNKS_PER_THREAD, DEALT_SHARE, TILE_COLS
 from llmc.backends.cpu.target import CPUS, cpu_target, integer_isa, llvm_features
 from llmc.errors import LlmcError, UsageError
 from llmc.ir import llm, tgt
 from llmc.ir.formats import FORMATS, Storage, integer_matmul, quantize_rows
 from llmc.ir.interpreter import rope_inv_freq
-from llmc.ir.layouts import Layout, QRowLayout, pack, pack_split, qrows_nbytes
+from llmc.ir.layouts import STRIP, Layout, QRowLayout, pack, pack_split, qrows_nbytes
 from llmc.ir.tgt_interpreter import QRows
 from llmc.runtime import amx as amx_permission
 
@@ -98,7 +100,8 @@ class Kernel:
 
     def __call__(self, values: dict[str, object], nth: int = 1, tid: int | None = None) -> None:
         """Run the kernel on `nth` threads at once (each with its tid, as an entry point
-        does), or only thread `tid`'s share (kernels that do not synchronise)."""
+        does), or only thread `tid`'s share (kernels that do not synchronise; threads 0, 1, …
+        in turn make one call: thread 0 takes what the work counter deals, the others none)."""
         args = []
         for name, _ in self.op.abi():
             v = values[name]
@@ -107,11 +110,14 @@ class Kernel:
             else:
                 assert isinstance(v, np.ndarray) and v.flags.c_contiguous, name
                 args.append(ctypes.c_void_p(v.ctypes.data))
-        sync = np.zeros(2, np.int64)
-        extra = [ctypes.c_void_p(sync.ctypes.data)] if self.op.SYNCS else []
+        sync = np.zeros(SYNC_WORDS, np.int64)
+        if not tid:  # a call's threads (run at once, or one by one from tid 0) share a work counter
+            self.work = np.zeros(1, np.int64)
+        extra = [ctypes.c_void_p(self.work.ctypes.data)] if self.op.DEALS else []
+        extra += [ctypes.c_void_p(sync.ctypes.data)] if self.op.SYNCS else []
         if tid is not None:
             assert not self.op.SYNCS, "a kernel that synchronises runs on all its threads"
-            self.c(*args, ctypes.c_int64(tid), ctypes.c_int64(nth))
+            self.c(*args, ctypes.c_int64(tid), ctypes.c_int64(nth), *extra)
             return
         threads = [threading.Thread(target=self.c, args=(*args, ctypes.c_int64(tid), ctypes.c_int64(nth), *extra))
                    for tid in range(1, nth)]
@@ -397,6 +403,39 @@ def test_matmul_a8_equals_the_integer_reference(tmp_path, tm, storage):
                 ref = integer_matmul(rows.qs[first:n], rows.d[first:n], rows.s[first:n], qt)
                 assert_close(out[: ref.shape[0]], ref, rtol=2e-6)
                 assert not out[ref.shape[0]:].any()
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_projections_deal_their_last_columns_from_the_work_counter(tmp_path, tm, threads):
+    """Each thread takes a fixed share of most of a projection's columns, then chunks of the last
+    `DEALT_SHARE` (whole rounds of one per thread, of at least `CHUNK_BYTES` of weights) from the work
+    counter as it is free. Threads at once, or one after the other (the first then
+    takes every chunk): each column is added once (an accumulating matmul), bit for bit as by one thread;
+    the counter ends at the chunks dealt plus one failed take per thread."""
+    rng = np.random.default_rng(23)
+    N, K, R = 2048, 512, 3  # several chunks of `CHUNK_BYTES` in the dealt quarter
+    w = rand(rng, N, K)
+    buf, _ = qrows_of(rand(rng, R, K), R)
+    layouts = [(tm.isas[0], Layout.SPLIT, TILE_COLS[1])] + \
+        [(tgt.Isa.VNNI512, Layout.TILES, STRIP)] * (tm.isas[0] is tgt.Isa.VNNI512)
+    for isa, layout, unit in layouts:
+        wtype, data, _ = weight_of(Storage.Q4_1, w, layout)
+        k = Kernel(tmp_path, tm, matmul_op(accumulate=True, isa=isa), [tgt.QRowsType(R, K), wtype, tgt.memref(R, N), IDX])
+        units = N // unit
+        most = units * DEALT_SHARE[0] // DEALT_SHARE[1]
+        chunk = max(-(-CHUNK_BYTES // (unit * wtype.nbytes // N)), -(-most // (threads * CHUNKS_PER_THREAD)))
+        dealt = most // (threads * chunk) * threads
+        assert dealt >= threads
+        start = rand(rng, R, N)
+        alone, together, in_turn = start.copy(), start.copy(), start.copy()
+        k({"x": buf, "weight": data, "out": alone, "rows": R})
+        k({"x": buf, "weight": data, "out": together, "rows": R}, threads)
+        np.testing.assert_array_equal(together, alone)
+        assert k.work[0] == dealt + threads
+        for tid in range(threads):
+            k({"x": buf, "weight": data, "out": in_turn, "rows": R}, threads, tid=tid)
+        np.testing.assert_array_equal(in_turn, alone)
+        assert k.work[0] == dealt + threads
 
 
 # the instructions that mark each integer path in a kernel's assembly, and those it must not use
@@ -943,7 +982,7 @@ def test_one_function_per_distinct_kernel_and_readable_names():
     assert lib.kernel(op(tgt.Isa.VNNI512, rows=1)) is a  # decode's buffers hold fewer rows: the same kernel
     assert lib.kernel(op(tgt.Isa.AVX2)) is not a
     assert a.name == "matmul_q4_1_a8_k576_n192"
-    assert [arg.name for arg in a.args] == ["x", "weight", "out", "rows", "tid", "nth"]
+    assert [arg.name for arg in a.args] == ["x", "weight", "out", "rows", "tid", "nth", "work"]
     assert len(lib.functions()) == 2 and len({f.name for f in lib.functions()}) == 2
 
 
@@ -1020,7 +1059,7 @@ def test_the_kernel_cache_returns_what_llvm_made_for_the_same_text_and_target(tm
 
     monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path))
     module = ir.Module(name="kernels")
-    KernelLibrary(module).barrier()
+    read_probe(module)
     text = str(module)
     first = compile_to_object(text, target_machine("x86-64-v3"))
     entries = list((tmp_path / "kernels").iterdir())

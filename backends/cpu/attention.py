@@ -219,7 +219,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
             with f.when(inside(t)):
                 fill(position(t))
                 _rope_apply(f, f.ptr(q, f.mul(item, D)), 1, D, op.rope, cos_t, sin_t)
-    f.b.call(lib.barrier(), [a["sync"], nth])
+    lib.wait(f.b, a["sync"], nth)
 
     # 2. attention: per query (row r of a tile, head g of the kv head's group) a running
     # max m, sum l and weighted sum acc, on the stack
@@ -390,7 +390,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                         f.store(f.load(l_buf, g), partials, f.add(base, 1))
                         for o, w in chunks:
                             f.vstore(f.vload(acc, f.i64(g * D + o), w), partials, f.add(base, 2 + o))
-            f.b.call(lib.barrier(), [a["sync"], nth])
+            lib.wait(f.b, a["sync"], nth)
             with f.loop(*f.share(f.mul(n, H), tid, nth), name="mg") as item:
                 t, head = b.sdiv(item, f.i64(H)), b.srem(item, f.i64(H))
                 with f.when(inside(t)):

@@ -13,12 +13,15 @@ only the `llmc_` symbols), with every buffer an offset into the arena (from `pla
 the weight file (from the artifact's weight layout) or into the KV cache (a layer's
 `tgt.subview`). `nth` threads call it at once, each with its `tid`, and every kernel splits its work
 among them (rows, output columns, cache positions). A barrier on
-`sync` (two i64: arrivals, generation) goes before a kernel only where it touches bytes
+`sync` (`llmc.abi.SYNC_WORDS`) goes before a kernel only where it touches bytes
 that a kernel since the last barrier wrote, or writes bytes one of them read
 (`tgt.Kernel.WRITES`; arena regions from plan-memory, cache regions from subviews):
 the q, k and v projections of a layer read the same rows and write disjoint buffers,
-so no barrier separates them, and none follows the last kernel: each thread returns when its
-share is done, and the thread team (`team.py`) waits for all of them. One native call per chunk or
+so no barrier separates them. Each kernel that deals its work (the projections, `tgt.Kernel.DEALS`)
+gets a work counter of its own in `sync` between two barriers, and the barrier after zeroes
+them; the last kernel's are zeroed by a barrier at the end. Otherwise none follows the last
+kernel: each thread returns when its share is done, and the thread team (`team.py`) waits for
+all of them. One native call per chunk or
 token; no per-op calls from Python. The library also exports `llmc_description` (`describe`): what it was
 compiled for, which the runtime checks the manifest against before any call.
 """
@@ -43,6 +46,8 @@ from llmc.abi import (
     READ_PROBE,
     READ_PROBE_ARGUMENTS,
     READ_PROBE_STEP,
+    SYNC_LINE_WORDS,
+    WORK_COUNTERS,
     entry_symbol,
 )
 from llmc.backends.builder import I64, VOID, KernelBuilder
@@ -100,12 +105,20 @@ class _EntryEmitter:
             arg: (arg.name_hint or f"arg{i}", 0, WHOLE) for i, arg in enumerate(function.body.block.args)}
         self.read: list[Region] = []  # since the last barrier
         self.written: list[Region] = []
+        self.counters = 0  # work counters of the kernels since the last barrier
         self.barriers = 0
 
     def barrier(self) -> None:
-        self.b.call(self.lib.barrier(), [self.sync, self.nth])
-        self.read, self.written = [], []
+        self.lib.wait(self.b, self.sync, self.nth, self.counters)
+        self.read, self.written, self.counters = [], [], 0
         self.barriers += 1
+
+    def work_counter(self) -> ir.Value:
+        """The next free work counter (`llmc.abi.SYNC_WORDS`), after a barrier if every one is in use."""
+        if self.counters == WORK_COUNTERS:
+            self.barrier()
+        self.counters += 1
+        return self.at(self.sync, SYNC_LINE_WORDS * self.counters)
 
     def _order(self, op: tgt.Kernel) -> None:
         """A barrier first if `op` conflicts with a kernel since the last one; then record its accesses."""
@@ -143,10 +156,13 @@ class _EntryEmitter:
         elif isinstance(op, tgt.Kernel):
             self._order(op)
             kernel = self.lib.kernel(op)
+            work = [self.work_counter()] if op.DEALS else []
             sync = [self.sync] if op.SYNCS else []
-            self.b.call(kernel, [*(v[value] for _, value in op.abi()), self.tid, self.nth, *sync])
+            self.b.call(kernel, [*(v[value] for _, value in op.abi()), self.tid, self.nth, *work, *sync])
         elif isinstance(op, func.ReturnOp):
-            self.b.ret_void()  # no barrier: the thread team's done barrier follows every call (`team.py`)
+            if self.counters:  # the last kernels' counters zeroed for the next call
+                self.barrier()
+            self.b.ret_void()  # no other barrier: the thread team's done barrier follows every call (`team.py`)
         else:
             raise LlmcError(f"cpu codegen: no emitter for {op.name}")
 

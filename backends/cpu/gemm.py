@@ -23,16 +23,20 @@ loop depends on what the operands are:
   tiles (`amx.gemm_amx`).
 
 Rows come in blocks that stay in L2 while every weight tile passes; threads share the
-output columns in whole units.
+output columns in whole units (`dealt`): each its fixed part of most of them, then chunks of
+the last `DEALT_SHARE` from the kernel's work counter, so a thread slowed down (another
+process on its core, a slower core) leaves the rest to the others rather than keeping them
+waiting at the next barrier.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from llvmlite import ir
 
-from llmc.backends.builder import F32, FPTR, I32, KernelBuilder
+from llmc.backends.builder import F32, FPTR, I32, I64, KernelBuilder
 from llmc.backends.cpu import amx
 from llmc.backends.cpu.quant import (
     F16,
@@ -63,6 +67,9 @@ BLOCK_BYTES = 192 * 1024
 MAX_BLOCK_ROWS = 64
 PREFETCH_BYTES = 4096  # how far ahead the integer kernels prefetch weight codes
 DOT_CHAINS = 2  # independent vpdpbusd chains per 32-block (its 8 products, 5 cycles each otherwise in a row)
+DEALT_SHARE = (1, 4)  # of a kernel's units of columns, at most this part is dealt (the rest in fixed shares) …
+CHUNKS_PER_THREAD = 4  # … in chunks of about this many per thread …
+CHUNK_BYTES = 32 * 1024  # … of at least this many weight bytes (a take costs a shared cache line, a new stream)
 
 
 def floats(f: KernelBuilder, p: ir.Value) -> ir.Value:
@@ -120,11 +127,49 @@ class Rows:
         return self.f.ptr(self.x, self.f.mul(self.f.add(self.first, t), self.K))
 
 
-def _share_blocks(f: KernelBuilder, N: int, unit: int, tid: ir.Value, nth: ir.Value
-                  ) -> tuple[ir.Value, ir.Value, int]:
-    """This thread's columns `[lo, hi)` in whole units, and the columns left over (for the last thread)."""
-    lo, hi = f.share(N // unit, tid, nth, unit)
-    return lo, hi, N % unit
+@contextmanager
+def dealt(f: KernelBuilder, units: int, unit_bytes: int, tid: ir.Value, nth: ir.Value, work: ir.Value,
+          dealing: ir.Value | None = None) -> Iterator[tuple[ir.Value, ir.Value]]:
+    """The body once per range `[lo, hi)` of `units` (each `unit_bytes` of weights) that thread
+    `tid` of `nth` takes: its fixed share of the first ones, then, until none is left, the next
+    chunk of the rest that the work counter `work` (an i64, zero when the kernel starts:
+    `llmc_barrier` zeroes it) gives out. The rest is whole rounds of `nth` equal chunks (threads
+    as fast as each other take as many) of at least `CHUNK_BYTES`, within the last `DEALT_SHARE`
+    of the units: none where that holds no round (a small kernel, shared as before). Every unit
+    goes to exactly one thread, however the threads interleave (or if they run one after the
+    other). With `dealing` false (an i1), the thread takes its share of all of them and never
+    touches the counter (a kernel that shares several rounds of work per call).
+
+        with dealt(f, 1536, 1440, tid, nth, work) as (lo, hi):  # 2 threads: [0,576) or [576,1152),
+            with f.loop(lo, hi) as u: ...                        # then 8 chunks of 48 units
+    """
+    b = f.b
+    num, den = DEALT_SHARE
+    most = f.i64(units * num // den)
+    per_round = f.mul(nth, CHUNKS_PER_THREAD)
+    chunk = f.smax(-(-CHUNK_BYTES // unit_bytes), b.sdiv(f.add(most, f.sub(per_round, 1)), per_round))
+    rounds = b.sdiv(most, f.mul(nth, chunk))
+    fixed = f.sub(f.i64(units), f.mul(rounds, f.mul(nth, chunk)))
+    if dealing is not None:
+        fixed = b.select(dealing, fixed, f.i64(units))
+    lo0 = b.sdiv(b.mul(fixed, tid), nth)
+    hi0 = b.sdiv(b.mul(fixed, f.add(tid, 1)), nth)
+    pre = b.block
+    head, grab, done = (b.append_basic_block(f"deal.{n}") for n in ("head", "grab", "done"))
+    b.branch(head)
+    b.position_at_end(head)
+    lo, hi = b.phi(I64, name="deal.lo"), b.phi(I64, name="deal.hi")
+    lo.add_incoming(lo0, pre)
+    hi.add_incoming(hi0, pre)
+    yield lo, hi
+    b.cbranch(b.icmp_signed("<", fixed, f.i64(units)), grab, done)  # (nothing dealt: never touch the counter)
+    b.position_at_end(grab)
+    taken = b.atomic_rmw("add", work, f.i64(1), "monotonic")
+    start = f.add(fixed, f.mul(taken, chunk))
+    lo.add_incoming(start, grab)
+    hi.add_incoming(f.smin(f.add(start, chunk), units), grab)
+    b.cbranch(b.icmp_signed("<", start, f.i64(units)), head, done)
+    b.position_at_end(done)
 
 
 def row_tiles(f: KernelBuilder, rows: Rows, first: ir.Value, end: ir.Value, sizes: tuple[int, ...],
@@ -146,13 +191,14 @@ def row_tiles(f: KernelBuilder, rows: Rows, first: ir.Value, end: ir.Value, size
 
 
 def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt.WeightType]],
-          finish: Finish, tid: ir.Value, nth: ir.Value, isa: tgt.Isa | None, unit: int | None = None,
+          finish: Finish, tid: ir.Value, nth: ir.Value, work: ir.Value, isa: tgt.Isa | None, unit: int | None = None,
           flush: Callable[[ir.Value, int, ir.Value], None] | None = None) -> None:
     """For every tile of rows ts and columns js: finish(ts, js, vals) with
     vals[w][r][c] = x̂[ts[r]] · weights[w][js[c]], x̂ the rows (RMS-normalised when
     `rows.norm`: the scale 1/rms is applied to the finished dot product, the norm weight
-    inside it). Thread `tid` of `nth` takes its share of the output columns in whole
-    `unit`s (a tile's width by default); the last thread takes the columns left over.
+    inside it). Thread `tid` of `nth` takes the output columns `dealt` it in whole `unit`s
+    (a tile's width by default; dealt from the counter `work` where the rows are one block,
+    a fixed share of each block otherwise); the last thread takes the columns left over.
     With `flush`, after the tiles of one unit of columns for a tile of rows `t` of `r`
     rows: flush(t, r, j0) (quantized outputs are written from there)."""
     b = f.b
@@ -162,7 +208,8 @@ def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt
     unit = unit or C
     assert unit % C == 0
     if weights[0][1].layout is Layout.TILES:
-        gemm_tiles(f, rows, N, [TiledWeight(f, p, t) for p, t in weights], finish, tid, nth, isa, unit, flush)
+        gemm_tiles(f, rows, N, [TiledWeight(f, p, t) for p, t in weights], sum(t.nbytes for _, t in weights) // N,
+                   finish, tid, nth, work, isa, unit, flush)
         return
     integer = weights[0][1].layout is Layout.SPLIT
     access = [SplitWeight(f, p, t) if integer else (weight_ptr(f, p, t.storage), t.storage) for p, t in weights]
@@ -200,14 +247,17 @@ def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt
 
         row_tiles(f, rows, t0, t_end, SPLIT_ROWS, row_tile)
 
+    one_block = b.icmp_signed("<=", rows.count, f.i64(TB))  # (several: each block's columns shared, not dealt)
+    column_bytes = sum(t.nbytes for _, t in weights) // N
+    rest = N % unit
     with f.loop(0, rows.count, TB, name="tb") as t0:
         t_end = f.smin(f.add(t0, TB), rows.count)
         if inv is not None:
             with f.loop(t0, t_end, name="tn") as t:
                 f.store(inv_rms(f, rows.row(t), K, rows.eps), inv, f.sub(t, t0))
-        lo, hi, rest = _share_blocks(f, N, unit, tid, nth)
-        with f.loop(lo, hi, unit, name="j") as j0:
-            unit_columns(t0, t_end, j0, unit)
+        with dealt(f, N // unit, unit * column_bytes, tid, nth, work, one_block) as (lo, hi):
+            with f.loop(f.mul(lo, unit), f.mul(hi, unit), unit, name="j") as j0:
+                unit_columns(t0, t_end, j0, unit)
         if rest:
             with f.when(b.icmp_signed("==", tid, b.sub(nth, f.i64(1)))):
                 unit_columns(t0, t_end, f.i64(N - rest), rest)
@@ -323,18 +373,8 @@ def broadcast_quad(f: KernelBuilder, q: QRowsAccess, t: ir.Value, k: ir.Value, p
     return f.b.bitcast(lanes, vec(I8, 64))
 
 
-def strips_of_thread(f: KernelBuilder, N: int, unit: int, tid: ir.Value, nth: ir.Value
-                     ) -> tuple[ir.Value, ir.Value, int, int]:
-    """This thread's columns `[lo, hi)` in whole units (of whole strips), the unit, and the columns
-    left over for the last thread (`N` not a multiple of the unit)."""
-    unit = max(STRIP, unit)
-    assert unit % STRIP == 0
-    lo, hi = f.share(N // unit, tid, nth, unit)
-    return lo, hi, unit, N % unit
-
-
-def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], finish: Finish, tid: ir.Value,
-               nth: ir.Value, isa: tgt.Isa, unit: int, flush) -> None:
+def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], column_bytes: int, finish: Finish,
+               tid: ir.Value, nth: ir.Value, work: ir.Value, isa: tgt.Isa, unit: int, flush) -> None:
     """Quantized rows × weights in the tiles layout. Whole 16-row blocks on AMX tiles where the
     kernel has `isa amx` (and the runtime allowed them); every other row on VNNI-512: per strip
     of 16 columns and 32-block, 8 `vpdpbusd` of the block's code vectors and 4 broadcast
@@ -344,12 +384,13 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
     AMX reads int8 rows only (`pack` gives int16 rows `vnni512`)."""
     assert rows.quantized
     b = f.b
-    lo, hi, unit, rest = strips_of_thread(f, N, unit, tid, nth)
+    unit = max(STRIP, unit)  # (whole strips)
+    assert unit % STRIP == 0
+    rest = N % unit
     step = min(w.scale_step() for w in access)  # 16-slices per scale group (the same for every weight)
     start = f.i64(0)
     if isa is tgt.Isa.AMX:
         start = b.select(amx.enabled(f), b.and_(rows.count, f.i64(-amx.TILE)), f.i64(0))
-        amx.gemm_amx(f, rows.q, access, start, lo, hi, unit, finish, flush)
 
     def unit_rows(t: ir.Value, r: int, j0: ir.Value, width: int) -> None:
         """Rows t..t+r of the `width` columns from j0 (whole strips, the last one possibly partial)."""
@@ -371,8 +412,12 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
         """Rows first..count of the `width` columns from j0, in tiles of `STRIP_ROWS`."""
         row_tiles(f, rows, first, rows.count, STRIP_ROWS, lambda t, r: unit_rows(t, r, j0, width))
 
-    with f.loop(lo, hi, unit, name="ju") as j0:
-        span(start, j0, unit)
+    with dealt(f, N // unit, unit * column_bytes, tid, nth, work) as (lo, hi):
+        lo, hi = f.mul(lo, unit), f.mul(hi, unit)
+        if isa is tgt.Isa.AMX:
+            amx.gemm_amx(f, rows.q, access, start, lo, hi, unit, finish, flush)
+        with f.loop(lo, hi, unit, name="ju") as j0:
+            span(start, j0, unit)
     if rest:  # the columns left over, every row of them, on the last thread
         with f.when(b.icmp_signed("==", tid, b.sub(nth, f.i64(1)))):
             span(f.i64(0), f.i64(N - rest), rest)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from llvmlite import ir
 from xdsl.dialects.builtin import MemRefType
 
+from llmc.abi import SYNC_LINE_WORDS
 from llmc.backends.builder import F32, I32, I64, VOID, KernelBuilder, f32_table
 from llmc.backends.cpu import attention
 from llmc.backends.cpu.gemm import TILE_ROWS, Rows, floats, gemm, inv_rms, load_weight, weight_ptr
@@ -99,10 +100,11 @@ class KernelLibrary:
         f.finish()
         return fn
 
-    def barrier(self) -> ir.Function:
-        """`void llmc_barrier(i64* sync, i64 nth)` of the module (emitted on first use)."""
-        fn = self.module.globals.get("llmc_barrier")
-        return fn if fn is not None else _barrier_function(self.module)
+    def wait(self, b: ir.IRBuilder, sync: ir.Value, nth: ir.Value, counters: int = 0) -> None:
+        """Every thread waits at the barrier on `sync` for the others; the last to arrive first zeroes the
+        first `counters` work counters (`llmc.abi.SYNC_WORDS`), those of the kernels since the last barrier."""
+        fn = self.module.globals.get("llmc_barrier") or _barrier_function(self.module)
+        b.call(fn, [sync, nth, ir.Constant(I64, counters)])
 
     def functions(self) -> list[ir.Function]:
         """Every kernel emitted so far, in emission order."""
@@ -125,11 +127,12 @@ class KernelLibrary:
 
 
 def _parameters(op: tgt.Kernel) -> list[tuple[str, ir.Type]]:
-    """The kernel function's arguments: the op's operands (buffers `i8*`, indices `i64`), `tid`, `nth`, and
-    `sync` for a kernel that waits on the others."""
+    """The kernel function's arguments: the op's operands (buffers `i8*`, indices `i64`), `tid`, `nth`, then
+    `work` for a kernel that deals its work and `sync` for one that waits on the others."""
     params = [(name, I64 if not isinstance(v.type, (MemRefType, tgt.QRowsType, tgt.WeightType)) else I8PTR)
               for name, v in op.abi()]
     params += [("tid", I64), ("nth", I64)]
+    params += [("work", I64PTR)] if op.DEALS else []
     return params + [("sync", I64PTR)] if op.SYNCS else params
 
 
@@ -137,22 +140,24 @@ SPINS_BEFORE_YIELD = 2000
 
 
 def _barrier_function(module: ir.Module) -> ir.Function:
-    """`void llmc_barrier(i64* sync, i64 nth)`: wait until all `nth` threads arrive.
+    """`void llmc_barrier(i64* sync, i64 nth, i64 counters)`: wait until all `nth` threads arrive.
 
-    sync[0] counts arrivals; the last thread to arrive resets it and bumps the
-    generation sync[1], which the others watch: spinning with `pause` at first, then
-    yielding the core (another process may need it to run the thread everyone waits for).
+    sync[0] counts arrivals; the last thread to arrive zeroes the first `counters` work
+    counters (one per 64-byte line after the barrier's, `llmc.abi.SYNC_WORDS`), resets the
+    count and bumps the generation sync[1], which the others watch: spinning with `pause` at
+    first, then yielding the core (another process may need it to run the thread everyone
+    waits for).
     """
-    fn = ir.Function(module, ir.FunctionType(VOID, [I64PTR, I64]), name="llmc_barrier")
+    fn = ir.Function(module, ir.FunctionType(VOID, [I64PTR, I64, I64]), name="llmc_barrier")
     fn.linkage = "internal"
     fn.attributes.add("noinline")  # called ~1000 times per entry point: inlining would bloat them
-    sync, nth = fn.args
+    sync, nth, counters = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     spins = b.alloca(I64)
-    alone, arrive, last, wait, done = (fn.append_basic_block(n) for n in ("alone", "arrive", "last", "wait", "done"))
-    b.cbranch(b.icmp_signed("<=", nth, ir.Constant(I64, 1)), alone, arrive)
-    b.position_at_end(alone)
-    b.ret_void()
+    arrive, last, zero, zeroed, release, wait, done = (fn.append_basic_block(n) for n in (
+        "arrive", "last", "zero", "zeroed", "release", "wait", "done"))
+    alone = b.icmp_signed("<=", nth, ir.Constant(I64, 1))
+    b.cbranch(alone, last, arrive)  # (alone: the counters zeroed all the same)
 
     b.position_at_end(arrive)
     generation = b.gep(sync, [ir.Constant(I64, 1)])
@@ -162,8 +167,20 @@ def _barrier_function(module: ir.Module) -> ir.Function:
     b.cbranch(b.icmp_signed("==", arrived, b.sub(nth, ir.Constant(I64, 1))), last, wait)
 
     b.position_at_end(last)
+    b.cbranch(b.icmp_signed(">", counters, ir.Constant(I64, 0)), zero, zeroed)
+    b.position_at_end(zero)
+    i = b.phi(I64)
+    i.add_incoming(ir.Constant(I64, 0), last)
+    word = b.mul(b.add(i, ir.Constant(I64, 1)), ir.Constant(I64, SYNC_LINE_WORDS))
+    b.store_atomic(ir.Constant(I64, 0), b.gep(sync, [word]), "monotonic", 8)
+    following = b.add(i, ir.Constant(I64, 1))
+    i.add_incoming(following, zero)
+    b.cbranch(b.icmp_signed("<", following, counters), zero, zeroed)
+    b.position_at_end(zeroed)
+    b.cbranch(alone, done, release)
+    b.position_at_end(release)
     b.store_atomic(ir.Constant(I64, 0), sync, "monotonic", 8)
-    b.atomic_rmw("add", generation, ir.Constant(I64, 1), "release")
+    b.atomic_rmw("add", b.gep(sync, [ir.Constant(I64, 1)]), ir.Constant(I64, 1), "release")
     b.ret_void()
 
     b.position_at_end(wait)
@@ -347,7 +364,7 @@ def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> 
                 f.store(v, out, idx)
 
     isa = op.isa.data if op.isa is not None else None
-    gemm(f, rows, N, [(a["weight"], _weight_type(op.weight))], finish, a["tid"], a["nth"], isa)
+    gemm(f, rows, N, [(a["weight"], _weight_type(op.weight))], finish, a["tid"], a["nth"], a["work"], isa)
 
 
 @EMITTERS.implement(tgt.SwigluOp)
@@ -387,9 +404,9 @@ def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> 
     weights = [(a["gate"], _weight_type(op.gate)), (a["up"], _weight_type(op.up))]
     isa = op.isa.data if op.isa is not None else None
     if q is None:
-        gemm(f, rows, N, weights, finish, a["tid"], a["nth"], isa)
+        gemm(f, rows, N, weights, finish, a["tid"], a["nth"], a["work"], isa)
         return
-    gemm(f, rows, N, weights, finish, a["tid"], a["nth"], isa, unit=ACT_BLOCK, flush=flush)
+    gemm(f, rows, N, weights, finish, a["tid"], a["nth"], a["work"], isa, unit=ACT_BLOCK, flush=flush)
 
 
 # ------------------------------------------------------------------------ mixture of experts
@@ -462,7 +479,7 @@ def _moe(lib: KernelLibrary, f: KernelBuilder, op: tgt.MoeOp, a: dict) -> None:
             for i in range(K):
                 at = f.add(slot(t, i), F)
                 f.store(b.fdiv(f.load(scratch, at), b.load(chosen_sum)), scratch, at)
-    f.b.call(lib.barrier(), [a["sync"], nth])
+    lib.wait(f.b, a["sync"], nth)
 
     def expert(t: ir.Value, i: int) -> ir.Value:
         return b.fptosi(f.load(scratch, f.add(slot(t, i), F + 1)), I64)
@@ -497,7 +514,7 @@ def _moe(lib: KernelLibrary, f: KernelBuilder, op: tgt.MoeOp, a: dict) -> None:
                 f.store(f.fmul(f.silu(g), dot(xrow, up_buf, D)), scratch, f.add(slot(t, i), j))
 
             for_rows_of(e, gated)
-    f.b.call(lib.barrier(), [a["sync"], nth])
+    lib.wait(f.b, a["sync"], nth)
 
     with f.loop(*f.share(D, tid, nth), name="dn") as d:
         with f.loop(0, rows, name="z") as t:

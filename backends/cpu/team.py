@@ -71,7 +71,7 @@ def _dispatch(b: ir.IRBuilder, team: ir.Value, job: ir.Value, tid: ir.Value, job
 
 def _finish(lib: KernelLibrary, b: ir.IRBuilder, team: ir.Value) -> None:
     """Every thread arrives at the team's done barrier."""
-    b.call(lib.barrier(), [_word(b, team, TEAM_DONE), b.load(_word(b, team, TEAM_THREADS))])
+    lib.wait(b, _word(b, team, TEAM_DONE), b.load(_word(b, team, TEAM_THREADS)))
 
 
 def team_work(lib: KernelLibrary, jobs: list[ir.Function]) -> ir.Function:

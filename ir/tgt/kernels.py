@@ -68,12 +68,15 @@ class Kernel(IRDLOperation):
     function serves every entry point). `WRITES`: the operands it writes (it may read
     every operand): codegen puts a barrier between two kernels only where one writes
     what the other touches. `SYNCS`: the kernel also receives the entry point's barrier
-    (`i64* sync`) and waits on it between phases of its own.
+    (`i64* sync`) and waits on it between phases of its own. `DEALS`: it also receives a
+    work counter (`i64* work`, zero when it starts), from which the threads take the last
+    part of its work as each is free (a thread slowed down leaves its part to the others).
     """
 
     ROWS: ClassVar[tuple[str, ...]] = ("x", "out")
     WRITES: ClassVar[tuple[str, ...]] = ("out",)
     SYNCS: ClassVar[bool] = False
+    DEALS: ClassVar[bool] = False
 
     def abi(self) -> list[tuple[str, SSAValue]]:
         """`(name, value)` of every present operand in definition order: the call's arguments."""
@@ -120,7 +123,10 @@ def _eps_props(eps: float | None) -> dict[str, Attribute]:
 
 
 class _Projection(Kernel):
-    """What the matmul and SwiGLU kernels share: `quantize`, rows normalized and quantized by the kernel itself."""
+    """What the matmul and SwiGLU kernels share: `quantize`, rows normalized and quantized by the kernel itself;
+    their output columns dealt to the threads."""
+
+    DEALS: ClassVar[bool] = True
 
     def rows_type(self) -> Attribute:
         """The type of the rows the dot products read: `x`'s, or with `quantize` the private quantized rows'."""

@@ -148,8 +148,8 @@ def dealt(f: KernelBuilder, units: int, unit_bytes: int, tid: ir.Value, nth: ir.
     most = f.i64(units * num // den)
     per_round = f.mul(nth, CHUNKS_PER_THREAD)
     chunk = f.smax(-(-CHUNK_BYTES // unit_bytes), b.sdiv(f.add(most, f.sub(per_round, 1)), per_round))
-    rounds = b.sdiv(most, f.mul(nth, chunk))
-    fixed = f.sub(f.i64(units), f.mul(rounds, f.mul(nth, chunk)))
+    round_units = f.mul(nth, chunk)
+    fixed = f.sub(f.i64(units), f.mul(b.sdiv(most, round_units), round_units))
     if dealing is not None:
         fixed = b.select(dealing, fixed, f.i64(units))
     lo0 = b.sdiv(b.mul(fixed, tid), nth)
@@ -207,9 +207,10 @@ def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt
     R, C = SPLIT_ROWS[0], TILE_COLS[nw]
     unit = unit or C
     assert unit % C == 0
+    column_bytes = sum(t.nbytes for _, t in weights) // N  # (of every weight: what dealing a unit hands out)
     if weights[0][1].layout is Layout.TILES:
-        gemm_tiles(f, rows, N, [TiledWeight(f, p, t) for p, t in weights], sum(t.nbytes for _, t in weights) // N,
-                   finish, tid, nth, work, isa, unit, flush)
+        gemm_tiles(f, rows, N, [TiledWeight(f, p, t) for p, t in weights], column_bytes, finish, tid, nth, work, isa,
+                   unit, flush)
         return
     integer = weights[0][1].layout is Layout.SPLIT
     access = [SplitWeight(f, p, t) if integer else (weight_ptr(f, p, t.storage), t.storage) for p, t in weights]
@@ -248,7 +249,6 @@ def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt
         row_tiles(f, rows, t0, t_end, SPLIT_ROWS, row_tile)
 
     one_block = b.icmp_signed("<=", rows.count, f.i64(TB))  # (several: each block's columns shared, not dealt)
-    column_bytes = sum(t.nbytes for _, t in weights) // N
     rest = N % unit
     with f.loop(0, rows.count, TB, name="tb") as t0:
         t_end = f.smin(f.add(t0, TB), rows.count)

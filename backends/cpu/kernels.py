@@ -156,11 +156,11 @@ def _barrier_function(module: ir.Module) -> ir.Function:
     spins = b.alloca(I64)
     arrive, last, zero, zeroed, release, wait, done = (fn.append_basic_block(n) for n in (
         "arrive", "last", "zero", "zeroed", "release", "wait", "done"))
+    generation = b.gep(sync, [ir.Constant(I64, 1)])
     alone = b.icmp_signed("<=", nth, ir.Constant(I64, 1))
     b.cbranch(alone, last, arrive)  # (alone: the counters zeroed all the same)
 
     b.position_at_end(arrive)
-    generation = b.gep(sync, [ir.Constant(I64, 1)])
     seen = b.load_atomic(generation, "acquire", 8)
     b.store(ir.Constant(I64, 0), spins)
     arrived = b.atomic_rmw("add", sync, ir.Constant(I64, 1), "acq_rel")
@@ -180,7 +180,7 @@ def _barrier_function(module: ir.Module) -> ir.Function:
     b.cbranch(alone, done, release)
     b.position_at_end(release)
     b.store_atomic(ir.Constant(I64, 0), sync, "monotonic", 8)
-    b.atomic_rmw("add", b.gep(sync, [ir.Constant(I64, 1)]), ir.Constant(I64, 1), "release")
+    b.atomic_rmw("add", generation, ir.Constant(I64, 1), "release")
     b.ret_void()
 
     b.position_at_end(wait)

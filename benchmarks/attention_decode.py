@@ -22,6 +22,7 @@ from llvmlite import ir
 from xdsl.dialects.builtin import IndexType, f16, i32
 from xdsl.ir import Block
 
+from llmc.abi import SYNC_WORDS
 from llmc.backends.cpu import KernelLibrary, compile_to_object, link_shared
 from llmc.backends.cpu.target import cpu_target, target_machine_for
 from llmc.errors import UsageError
@@ -93,14 +94,17 @@ def main() -> int:
                   "partials": np.zeros(tgt.dims(tgt.AttentionOp.partials_type(H, D)), np.float32)}
         caches = [{name: rng.standard_normal((KVH, capacity, D), dtype=np.float32).astype(np.float16)
                    for name in ("k_cache", "v_cache")} for _ in range(args.layers)]
-        sync = np.zeros(2, np.int64)
+        sync = np.zeros(SYNC_WORDS, np.int64)
+        work = np.zeros(1, np.int64)  # the work counter: zero at each call, as the entry point's barrier leaves it
         calls = [[ctypes.c_int64(1) if name == "rows" else ctypes.c_void_p({**shared, **layer}[name].ctypes.data)
-                  for name, _ in op.abi()] + [ctypes.c_int64(0), ctypes.c_int64(1), ctypes.c_void_p(sync.ctypes.data)]
+                  for name, _ in op.abi()] + [ctypes.c_int64(0), ctypes.c_int64(1), ctypes.c_void_p(work.ctypes.data),
+                                              ctypes.c_void_p(sync.ctypes.data)]
                  for layer in caches]
         per_layer = []
         for _ in range(args.repeat):
             start = time.perf_counter()
             for call in calls:
+                work[0] = 0
                 kernel(*call)
             per_layer.append((time.perf_counter() - start) / args.layers)
     best, median = min(per_layer), statistics.median(per_layer)

@@ -9,8 +9,11 @@ Decode rate: the tokens produced after every prompt has been fed, over the time 
 engine's steps, each one `decode` call of all the rows), per second of wall time and per second of
 the process's CPU time (with `--threads 1` the second is steadier on a busy machine). The first
 sequence alone is measured the same way; every sequence's tokens are compared with the same
-sequence alone (they must be equal: a row's result does not depend on its neighbours). Prints one
-line per repeat and the best.
+sequence alone (they must be equal: a row's result does not depend on its neighbours). Each run
+starts from an empty cache, so every prompt is fed whole, as alone: a prompt still in a slot's cache
+from an earlier run would be fed from its last token, and an `a8` build rounds that chunking
+differently (its tokens could then differ for that reason alone). Prints one line per repeat and
+the best.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 
 from llmc.errors import LlmcError
 from llmc.runtime.batch import Engine, Request
-from llmc.runtime.session import open_session
+from llmc.runtime.session import Conversation, open_session
 
 
 def prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -32,9 +35,12 @@ def prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(3, vocab, length).tolist() for _ in range(n)]
 
 
-def decode(engine: Engine, batch: list[list[int]], tokens: int) -> tuple[list[list[int]], float, float]:
-    """Every prompt of `batch` at once: each one's tokens, and the decode rate (all rows) once every prompt
-    has been fed, in tokens per second of wall time and per second of the process's CPU time."""
+def decode(session: Conversation, rows: int, batch: list[list[int]], tokens: int
+           ) -> tuple[list[list[int]], float, float]:
+    """Every prompt of `batch` at once, on an engine of `rows` slots with an empty cache: each one's tokens, and
+    the decode rate (all rows) once every prompt has been fed, in tokens per second of wall time and per second
+    of the process's CPU time."""
+    engine = Engine(session, eos_id=None, max_active=rows)  # (a prompt a slot still held would be fed in part)
     got: list[list[int]] = [[] for _ in batch]
     for prompt, out in zip(batch, got):
         engine.submit(Request(prompt, tokens, emit=lambda token, logprob, out=out: out.append(token)))
@@ -65,13 +71,12 @@ def main() -> int:
     if args.rows > session.slot_count:
         p.error(f"--rows {args.rows}: this artifact decodes at most {session.slot_count} sequences together "
                 f"(compile it with --max-batch {args.rows})")
-    engine = Engine(session, eos_id=None, max_active=args.rows)
     batch = prompts(session.vocab_size, args.rows, args.prompt)
-    alone = [decode(engine, [prompt], args.tokens)[0][0] for prompt in batch]
+    alone = [decode(session, args.rows, [prompt], args.tokens)[0][0] for prompt in batch]
     best = (0.0, 0.0)
     for i in range(args.repeat):
-        _, one, one_cpu = decode(engine, batch[:1], args.tokens)
-        got, many, many_cpu = decode(engine, batch, args.tokens)
+        _, one, one_cpu = decode(session, args.rows, batch[:1], args.tokens)
+        got, many, many_cpu = decode(session, args.rows, batch, args.tokens)
         if got != alone:
             bad = [r for r in range(args.rows) if got[r] != alone[r]]
             print(f"rows {bad}: tokens differ from the same sequence alone", file=sys.stderr)

@@ -47,7 +47,8 @@ IMPLICIT_ARGUMENTS: dict[str, str] = {
     "sync": POINTER,  # the threads' barrier and work counters: `SYNC_WORDS` int64, zeroed once
 }
 # `sync`: the barrier's two words (arrivals, generation) in the first 64-byte line, then a line per work
-# counter. A kernel that deals its work (`tgt.Kernel.DEALS`) takes the next chunk from its counter; codegen
+# counter. A kernel that deals its work (`tgt.Kernel.DEALS`) takes the next chunk from its counter (or counts
+# on it which thread finishes last: one-row decode attention); codegen
 # gives each such kernel between two barriers its own counter, and the last thread to arrive at a barrier
 # zeroes the ones used before it (so each starts at zero).
 SYNC_LINE_WORDS = 8

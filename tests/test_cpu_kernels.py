@@ -110,11 +110,11 @@ class Kernel:
             else:
                 assert isinstance(v, np.ndarray) and v.flags.c_contiguous, name
                 args.append(ctypes.c_void_p(v.ctypes.data))
-        sync = np.zeros(SYNC_WORDS, np.int64)
-        if not tid:  # a call's threads (run at once, or one by one from tid 0) share a work counter
+        if not tid:  # a call's threads (run at once, or one by one from tid 0) share a work counter and a barrier
             self.work = np.zeros(1, np.int64)
+            self.sync = np.zeros(SYNC_WORDS, np.int64)
         extra = [ctypes.c_void_p(self.work.ctypes.data)] if self.op.DEALS else []
-        extra += [ctypes.c_void_p(sync.ctypes.data)] if self.op.SYNCS else []
+        extra += [ctypes.c_void_p(self.sync.ctypes.data)] if self.op.SYNCS else []
         if tid is not None:
             assert not self.op.SYNCS, "a kernel that synchronises runs on all its threads"
             self.c(*args, ctypes.c_int64(tid), ctypes.c_int64(nth), *extra)
@@ -824,6 +824,37 @@ def test_attention_with_a_q8_0_cache(tmp_path, tm, nth):
         keys, values = q8_values(kc, D), q8_values(vc, D)
         assert_close(ka[: hi - lo], kr[lo:hi])
         assert_close(out[: hi - lo], ref_attention(qr[lo:hi], keys, values, pos[lo:hi]))
+
+
+@pytest.mark.parametrize("nth", [1, 2, 3])
+@pytest.mark.parametrize("scoring", [{}, {"window": 4}])
+def test_one_decode_row_waits_at_no_barrier(tmp_path, tm, nth, scoring):
+    """One row at a time from position 0 (fewer positions than threads at first), with RoPE, GQA and an f16
+    cache, each against the reference over the cache so far. No thread waits inside the kernel (the barrier's
+    generation never moves), every thread arrives once on the work counter (the last merges), the row's K and V
+    are in the cache, and the queries are left as they came (each thread rotates a copy of its own)."""
+    rng = np.random.default_rng(9)
+    H, KVH, D, S, R, steps = 6, 2, 32, 16, 4, 7
+    k_fn = Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, p, s, n: tgt.AttentionOp(
+                      q, k, v, kc, vc, o, p, s, n, ROPE, **llm.AttentionOp.scoring_properties(**scoring)),
+                  [tgt.memref(R, H, D), tgt.memref(R, KVH, D), tgt.memref(R, KVH, D),
+                   tgt.memref(KVH, S, D, element_type=F16_ATTR), tgt.memref(KVH, S, D, element_type=F16_ATTR),
+                   tgt.memref(R, H, D), tgt.memref(R, element_type=i32), tgt.AttentionOp.partials_type(H, D), IDX])
+    q, k, v = rand(rng, steps, H, D), rand(rng, steps, KVH, D), rand(rng, steps, KVH, D)
+    kc, vc = np.zeros((KVH, S, D), np.float16), np.zeros((KVH, S, D), np.float16)
+    pos = np.arange(steps)
+    qr, kr = ref_rope(q, pos, 10000.0), ref_rope(k, pos, 10000.0)
+    for p in range(steps):
+        qa, ka, va = np.zeros((R, H, D), f32), np.zeros((R, KVH, D), f32), np.zeros((R, KVH, D), f32)
+        qa[0], ka[0], va[0] = q[p], k[p], v[p]
+        out = np.zeros((R, H, D), f32)
+        k_fn({"q": qa, "k": ka, "v": va, "k_cache": kc, "v_cache": vc, "out": out,
+              "positions": positions(p, 1, R), "partials": partials(H, D), "rows": 1}, nth)
+        assert k_fn.sync[:2].tolist() == [0, 0] and k_fn.work[0] == nth
+        np.testing.assert_array_equal(qa[0], q[p])
+        np.testing.assert_array_equal(kc[:, p], kr[p].astype(np.float16))
+        np.testing.assert_array_equal(vc[:, p], v[p].astype(np.float16))
+        assert_close(out[:1], ref_attention(qr[p : p + 1], kc, vc, pos[p : p + 1], **scoring))
 
 
 @pytest.mark.parametrize("nth", [1, 2, 5])

@@ -3,7 +3,8 @@
 `attention` is one layer's whole attention for a chunk of rows: RoPE and the cache write,
 then (after a barrier inside the kernel) each query row against the cache positions up
 to its own, by online softmax over blocks of `POS_BLOCK` positions. Decode splits the
-positions among the threads and merges their partials (flash-decoding), and reads each V
+positions among the threads and merges their partials (flash-decoding; one row without a barrier
+inside the kernel: the last thread writes the row's K and V, the last to finish merges), and reads each V
 row once from the cache for a set of queries (`DIRECT_V_CHUNKS`); prefill deals tiles of
 `QUERY_TILE` rows × one kv head to the threads. sin and cos are inline polynomials
 (`KernelBuilder.sincos`): no libm.
@@ -113,6 +114,12 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
     query head h reads kv head h / (H/KVH)); out [n, H·D], float or quantized. Rows whose
     position is outside the cache are skipped.
 
+    One row (decode): no barrier. The last thread, whose share of the positions ends with the
+    row's own, rotates and writes the row's K and V before it reads them (the other threads read
+    older positions only); each thread rotates the queries into a buffer of its own; each leaves
+    its partials, and the last of them to arrive (the work counter) merges every head.
+
+    Several rows:
     1. RoPE and the cache write, the threads sharing (row, head) pairs; a barrier.
     2. Online softmax over blocks of `POS_BLOCK` positions (the scores of one block on the
        stack, whatever the context length). Up to `op.split_rows` rows (decode: 4, or its
@@ -200,26 +207,34 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
             x = x if element is F32 else b.fptrunc(x, vec(element, w))
             b.store(x, b.bitcast(f.ptr(p, o), x.type.as_pointer()), align=1)
 
-    # 1. RoPE and the cache write
+    # 1. RoPE and the cache write (several rows: every thread's share, then a barrier)
     if op.rope is not None:
         cos_t, sin_t, fill = _rope_tables(lib, f, D, op.rope)
-    with f.loop(*f.share(f.mul(n, KVH), tid, nth), name="ck") as item:
-        t = b.sdiv(item, f.i64(KVH))
-        with f.when(inside(t)):
-            pos, h = position(t), b.srem(item, f.i64(KVH))
-            if op.rope is not None:
-                fill(pos)
-                _rope_apply(f, f.ptr(k, f.mul(item, D)), 1, D, op.rope, cos_t, sin_t)
-            dst = f.add(slot_base(t), f.mul(f.add(f.mul(h, S), pos), W))
-            for src, cache in ((k, k_cache), (v, v_cache)):
-                store_row(cache, dst, [f.vload(src, f.add(f.mul(item, D), o), w) for o, w in chunks])
-    if op.rope is not None:
-        with f.loop(*f.share(f.mul(n, H), tid, nth), name="cq") as item:
-            t = b.sdiv(item, f.i64(H))
+
+    def write_rows() -> None:
+        with f.loop(*f.share(f.mul(n, KVH), tid, nth), name="ck") as item:
+            t = b.sdiv(item, f.i64(KVH))
             with f.when(inside(t)):
-                fill(position(t))
-                _rope_apply(f, f.ptr(q, f.mul(item, D)), 1, D, op.rope, cos_t, sin_t)
-    lib.wait(f.b, a["sync"], nth)
+                write_kv(t, b.srem(item, f.i64(KVH)))
+        if op.rope is not None:
+            with f.loop(*f.share(f.mul(n, H), tid, nth), name="cq") as item:
+                t = b.sdiv(item, f.i64(H))
+                with f.when(inside(t)):
+                    fill(position(t))
+                    _rope_apply(f, f.ptr(q, f.mul(item, D)), 1, D, op.rope, cos_t, sin_t)
+        lib.wait(f.b, a["sync"], nth)
+
+    def write_kv(t: ir.Value, h: ir.Value, filled: bool = False) -> None:
+        """Row t's K (rotated in place, unless the tables are `filled` for its position already) and V of kv
+        head h into the cache."""
+        pos, item = position(t), f.add(f.mul(t, KVH), h)
+        if op.rope is not None:
+            if not filled:
+                fill(pos)
+            _rope_apply(f, f.ptr(k, f.mul(item, D)), 1, D, op.rope, cos_t, sin_t)
+        dst = f.add(slot_base(t), f.mul(f.add(f.mul(h, S), pos), W))
+        for src, cache in ((k, k_cache), (v, v_cache)):
+            store_row(cache, dst, [f.vload(src, f.add(f.mul(item, D), o), w) for o, w in chunks])
 
     # 2. attention: per query (row r of a tile, head g of the kv head's group) a running
     # max m, sum l and weighted sum acc, on the stack
@@ -239,8 +254,10 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
     def capped(x: ir.Value) -> ir.Value:
         return x if softcap is None else f.softcap(x, softcap)
 
-    def attend(t0: ir.Value, tq: int, h: ir.Value, s_lo: ir.Value, s_hi: ir.Value, base: ir.Value) -> None:
-        """Queries of rows t0..t0+tq (each from its `starts[r]` up to its `limits[r]`) × the G heads of kv head h,
+    def attend(t0: ir.Value, tq: int, h: ir.Value, s_lo: ir.Value, s_hi: ir.Value, base: ir.Value,
+               queries: ir.Value = q) -> None:
+        """Queries of rows t0..t0+tq (each from its `starts[r]` up to its `limits[r]`; in `queries`, laid out as `q`)
+        × the G heads of kv head h,
         over cache positions [s_lo, s_hi) of the sequence whose cache begins at element `base`,
         a block of positions at a time: the block's K rows (and for prefill its V rows) staged as f32,
         16 scores at once (`KernelBuilder.hsum16` of 16 rows' products), then per query a vector max
@@ -262,10 +279,10 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
             """The query at `qbase` against staged rows s16..s16+15, 16 scores into `scores` at `at` + s16
             (rows past `count` hold stale values: their lanes go unread)."""
             if rolled:
-                products = _dots(f, f.ptr(q, qbase), f.ptr(kbuf, f.mul(s16, D)), 16, D)
+                products = _dots(f, f.ptr(queries, qbase), f.ptr(kbuf, f.mul(s16, D)), 16, D)
             else:
                 krows = [f.mul(f.add(s16, j), D) for j in range(16)]
-                qv = [f.vload(q, f.add(qbase, o), w) for o, w in chunks]
+                qv = [f.vload(queries, f.add(qbase, o), w) for o, w in chunks]
                 products = [_sum16(f, [f.fmul(x, f.vload(kbuf, f.add(krow, o), w)) for x, (o, w) in zip(qv, chunks)])
                             for krow in krows]
             f.vstore(capped(f.fmul(f.hsum16(products), f.splat(scale, V16))), scores, f.add(at, s16))
@@ -372,50 +389,94 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
         for blk in range(D // ACT_BLOCK):
             qout.store_block(t, f.add(f.mul(head, D // ACT_BLOCK), blk), ys[2 * blk], ys[2 * blk + 1])
 
-    split = b.icmp_signed("<=", n, f.i64(SPLIT))
     stride = D + 2  # a partial: max, sum, D weighted values
+
+    def leave_partials(t: ir.Value, h: ir.Value) -> None:
+        """This thread's partials of row t's queries of kv head h (`attend`'s running max, sum and sums)."""
+        for g in range(G):
+            base = f.mul(f.add(f.mul(f.add(f.mul(tid, SPLIT), t), H), f.add(f.mul(h, G), g)), stride)
+            f.store(f.load(m_buf, g), partials, base)
+            f.store(f.load(l_buf, g), partials, f.add(base, 1))
+            for o, w in chunks:
+                f.vstore(f.vload(acc, f.i64(g * D + o), w), partials, f.add(base, 2 + o))
+
+    def share_positions(t: ir.Value) -> tuple[ir.Value, ir.Value]:
+        """This thread's positions of row t: its part of them in order (the last thread's ends at the row's own)."""
+        lo = first_position(t)
+        s_lo, s_hi = (f.add(lo, s) for s in f.share(f.sub(f.add(position(t), 1), lo), tid, nth))
+        f.store(s_hi, limits, 0)
+        f.store(s_lo, starts, 0)
+        return s_lo, s_hi
+
+    def merge(t: ir.Value, head: ir.Value) -> None:
+        """Row t's output for query head `head` from every thread's partial (flash-decoding)."""
+        def part(j: ir.Value) -> ir.Value:
+            return f.mul(f.add(f.mul(f.add(f.mul(j, SPLIT), t), H), head), stride)
+
+        top = f.alloca(F32, name="top")
+        b.store(f.f32(float("-inf")), top)
+        with f.loop(0, nth, name="mx") as j:
+            b.store(f.intrinsic("llvm.maxnum", b.load(top), f.load(partials, part(j))), top)
+        M = b.load(top)
+        total = f.alloca(F32, name="total")
+        b.store(f.f32(0.0), total)
+        sums = [f.alloca(vec(F32, w), name=f"sum{o}") for o, w in chunks]
+        for acc_o, (_, w) in zip(sums, chunks):
+            b.store(f.const(vec(F32, w), 0.0), acc_o)
+        with f.loop(0, nth, name="mj") as j:
+            base = part(j)
+            weight = f.exp(b.fsub(f.load(partials, base), M))
+            b.store(f.fadd(b.load(total), f.fmul(weight, f.load(partials, f.add(base, 1)))), total)
+            for acc_o, (o, w) in zip(sums, chunks):
+                x = f.vload(partials, f.add(base, 2 + o), w)
+                b.store(f.fadd(b.load(acc_o), f.fmul(f.splat(weight, x.type), x)), acc_o)
+        inv = b.fdiv(f.f32(1.0), b.load(total))
+        store_head(t, head, [f.fmul(b.load(acc_o), f.splat(inv, acc_o.type.pointee)) for acc_o in sums])
+
+    def decode_alone() -> None:
+        """One row, no barrier: the last thread, whose positions end with the row's own, writes its K and V rows
+        before it reads them (the others read older positions only); each thread rotates the queries into a
+        buffer of its own; the last thread to leave its partials (counted on `work`) merges them."""
+        t = f.i64(0)
+        queries = q if op.rope is None else f.alloca(F32, H * D, name="queries")
+        with f.when(inside(t)):
+            if op.rope is not None:
+                fill(position(t))
+                for o in range(0, H * D, VW):
+                    f.vstore(f.vload(q, f.i64(o), min(VW, H * D - o)), queries, f.i64(o))
+                _rope_apply(f, queries, H, D, op.rope, cos_t, sin_t)
+            with f.when(b.icmp_signed("==", tid, f.sub(nth, 1))):
+                with f.loop(0, KVH, name="dk") as h:
+                    write_kv(t, h, filled=True)
+            s_lo, s_hi = share_positions(t)
+            with f.loop(0, KVH, name="dh") as h:
+                attend(t, 1, h, s_lo, s_hi, slot_base(t), queries)
+                leave_partials(t, h)
+        arrived = b.atomic_rmw("add", a["work"], f.i64(1), "acq_rel")  # (partials written before, read after)
+        with f.when(b.icmp_signed("==", arrived, f.sub(nth, 1))), f.when(inside(t)):
+            with f.loop(0, H, name="mg") as head:
+                merge(t, head)
+
+    alone = b.icmp_signed("==", n, f.i64(1))
+    with f.when(b.not_(alone)):
+        write_rows()
+    split = b.icmp_signed("<=", n, f.i64(SPLIT))
     with b.if_else(split) as (decode, prefill):
         with decode:
-            with f.loop(0, n, name="dt") as t, f.when(inside(t)):
-                lo = first_position(t)
-                s_lo, s_hi = (f.add(lo, s) for s in f.share(f.sub(f.add(position(t), 1), lo), tid, nth))
-                f.store(s_hi, limits, 0)
-                f.store(s_lo, starts, 0)
-                with f.loop(0, KVH, name="dh") as h:
-                    attend(t, 1, h, s_lo, s_hi, slot_base(t))
-                    for g in range(G):
-                        base = f.mul(f.add(f.mul(f.add(f.mul(tid, SPLIT), t), H),
-                                           f.add(f.mul(h, G), g)), stride)
-                        f.store(f.load(m_buf, g), partials, base)
-                        f.store(f.load(l_buf, g), partials, f.add(base, 1))
-                        for o, w in chunks:
-                            f.vstore(f.vload(acc, f.i64(g * D + o), w), partials, f.add(base, 2 + o))
-            lib.wait(f.b, a["sync"], nth)
-            with f.loop(*f.share(f.mul(n, H), tid, nth), name="mg") as item:
-                t, head = b.sdiv(item, f.i64(H)), b.srem(item, f.i64(H))
-                with f.when(inside(t)):
-                    def part(j: ir.Value) -> ir.Value:
-                        return f.mul(f.add(f.mul(f.add(f.mul(j, SPLIT), t), H), head), stride)
-
-                    top = f.alloca(F32, name="top")
-                    b.store(f.f32(float("-inf")), top)
-                    with f.loop(0, nth, name="mx") as j:
-                        b.store(f.intrinsic("llvm.maxnum", b.load(top), f.load(partials, part(j))), top)
-                    M = b.load(top)
-                    total = f.alloca(F32, name="total")
-                    b.store(f.f32(0.0), total)
-                    sums = [f.alloca(vec(F32, w), name=f"sum{o}") for o, w in chunks]
-                    for acc_o, (_, w) in zip(sums, chunks):
-                        b.store(f.const(vec(F32, w), 0.0), acc_o)
-                    with f.loop(0, nth, name="mj") as j:
-                        base = part(j)
-                        weight = f.exp(b.fsub(f.load(partials, base), M))
-                        b.store(f.fadd(b.load(total), f.fmul(weight, f.load(partials, f.add(base, 1)))), total)
-                        for acc_o, (o, w) in zip(sums, chunks):
-                            x = f.vload(partials, f.add(base, 2 + o), w)
-                            b.store(f.fadd(b.load(acc_o), f.fmul(f.splat(weight, x.type), x)), acc_o)
-                    inv = b.fdiv(f.f32(1.0), b.load(total))
-                    store_head(t, head, [f.fmul(b.load(acc_o), f.splat(inv, acc_o.type.pointee)) for acc_o in sums])
+            with b.if_else(alone) as (one_row, rows):
+                with one_row:
+                    decode_alone()
+                with rows:
+                    with f.loop(0, n, name="dt") as t, f.when(inside(t)):
+                        s_lo, s_hi = share_positions(t)
+                        with f.loop(0, KVH, name="dh") as h:
+                            attend(t, 1, h, s_lo, s_hi, slot_base(t))
+                            leave_partials(t, h)
+                    lib.wait(f.b, a["sync"], nth)
+                    with f.loop(*f.share(f.mul(n, H), tid, nth), name="mg") as item:
+                        t, head = b.sdiv(item, f.i64(H)), b.srem(item, f.i64(H))
+                        with f.when(inside(t)):
+                            merge(t, head)
         with prefill:
             tiles = b.sdiv(f.add(n, TQ - 1), f.i64(TQ))
             items = f.mul(tiles, KVH)

@@ -17,7 +17,8 @@ among them (rows, output columns, cache positions). A barrier on
 that a kernel since the last barrier wrote, or writes bytes one of them read
 (`tgt.Kernel.WRITES`; arena regions from plan-memory, cache regions from subviews):
 the q, k and v projections of a layer read the same rows and write disjoint buffers,
-so no barrier separates them. Each kernel that deals its work (the projections, `tgt.Kernel.DEALS`)
+so no barrier separates them. Each kernel that deals its work (the projections, `tgt.Kernel.DEALS`;
+attention counts on it which thread merges one decode row)
 gets a work counter of its own in `sync` between two barriers, and the barrier after zeroes
 them; the last kernel's are zeroed by a barrier at the end. Otherwise none follows the last
 kernel: each thread returns when its share is done, and the thread team (`team.py`) waits for

@@ -69,8 +69,9 @@ class Kernel(IRDLOperation):
     every operand): codegen puts a barrier between two kernels only where one writes
     what the other touches. `SYNCS`: the kernel also receives the entry point's barrier
     (`i64* sync`) and waits on it between phases of its own. `DEALS`: it also receives a
-    work counter (`i64* work`, zero when it starts), from which the threads take the last
-    part of its work as each is free (a thread slowed down leaves its part to the others).
+    work counter (`i64* work`, zero when it starts): the threads take the last part of its
+    work from it as each is free (a thread slowed down leaves its part to the others), or
+    count on it which of them finishes last (and does what needs every thread's part).
     """
 
     ROWS: ClassVar[tuple[str, ...]] = ("x", "out")
@@ -399,7 +400,8 @@ class AttentionOp(Kernel):
     fused into the attention kernel. `window`, `softcap` and `scale` score as `llm.attention` says. Writes float or quantized rows `[rows, heads·head_dim]`.
     The cache holds f32, f16 or q8_0 rows (`--kv-type`; i8, `kv_row_width`). `partials` is scratch where, for up to
     as many rows as it has room for (`ATTENTION_SPLIT_ROWS`, or decode's batch), each thread
-    leaves its share of the positions' result for the merge (flash-decoding).
+    leaves its share of the positions' result for the merge (flash-decoding); with one row, the
+    last thread to leave its share (counted on the work counter) merges them.
 
     ```mlir
     tgt.attention %q, %k, %v, %kc, %vc -> %a positions %positions partials %p rows %n rope <theta 100000.0> : memref<128x9x64xf32>, memref<128x3x64xf32>, memref<128x3x64xf32>, memref<3x4096x64xf16>, memref<3x4096x64xf16> -> !tgt.qrows<128x576>, memref<128xi32>, memref<64x4x9x66xf32>
@@ -410,6 +412,7 @@ class AttentionOp(Kernel):
     ROWS: ClassVar[tuple[str, ...]] = ("q", "k", "v", "out", "positions", "slots")
     WRITES: ClassVar[tuple[str, ...]] = ("q", "k", "k_cache", "v_cache", "out", "partials")  # rope: q, k in place
     SYNCS: ClassVar[bool] = True
+    DEALS: ClassVar[bool] = True  # (one decode row: the last thread to leave its partials merges them)
     q = operand_def(MemRefType)
     k = operand_def(MemRefType)
     v = operand_def(MemRefType)

@@ -665,11 +665,12 @@ def positions(start: int, n: int, capacity: int) -> np.ndarray:
     return out
 
 
-def attention_kernel(tmp_path, tm, H, KVH, D, S, R, rope, quantized=False, cache=f32):
+def attention_kernel(tmp_path, tm, H, KVH, D, S, R, rope, quantized=False, cache=f32, **scoring):
     out = tgt.QRowsType(R, H * D) if quantized else tgt.memref(R, H, D)
     element = F16_ATTR if cache == np.float16 else F32_ATTR
-    return Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, p, s, n: tgt.AttentionOp(q, k, v, kc, vc, o, p, s, n,
-                                                                                     ROPE if rope else None),
+    return Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, p, s, n: tgt.AttentionOp(
+                      q, k, v, kc, vc, o, p, s, n, ROPE if rope else None,
+                      **llm.AttentionOp.scoring_properties(**scoring)),
                   [tgt.memref(R, H, D), tgt.memref(R, KVH, D), tgt.memref(R, KVH, D),
                    tgt.memref(KVH, S, D, element_type=element), tgt.memref(KVH, S, D, element_type=element), out,
                    tgt.memref(R, element_type=i32), tgt.AttentionOp.partials_type(H, D), IDX])
@@ -835,11 +836,7 @@ def test_one_decode_row_waits_at_no_barrier(tmp_path, tm, nth, scoring):
     are in the cache, and the queries are left as they came (each thread rotates a copy of its own)."""
     rng = np.random.default_rng(9)
     H, KVH, D, S, R, steps = 6, 2, 32, 16, 4, 7
-    k_fn = Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, p, s, n: tgt.AttentionOp(
-                      q, k, v, kc, vc, o, p, s, n, ROPE, **llm.AttentionOp.scoring_properties(**scoring)),
-                  [tgt.memref(R, H, D), tgt.memref(R, KVH, D), tgt.memref(R, KVH, D),
-                   tgt.memref(KVH, S, D, element_type=F16_ATTR), tgt.memref(KVH, S, D, element_type=F16_ATTR),
-                   tgt.memref(R, H, D), tgt.memref(R, element_type=i32), tgt.AttentionOp.partials_type(H, D), IDX])
+    k_fn = attention_kernel(tmp_path, tm, H, KVH, D, S, R, True, cache=np.float16, **scoring)
     q, k, v = rand(rng, steps, H, D), rand(rng, steps, KVH, D), rand(rng, steps, KVH, D)
     kc, vc = np.zeros((KVH, S, D), np.float16), np.zeros((KVH, S, D), np.float16)
     pos = np.arange(steps)

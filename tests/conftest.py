@@ -10,8 +10,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import host
 import pytest
+from kernel_harness import Machine
 from tiny_models import TinySpec, dequantized_like_gguf, random_weights, write_gguf, write_hf
+
+from llmc.backends.cpu import target_machine
 
 _WORKER = "PYTEST_XDIST_WORKER"  # set in the processes of `-n N`
 _KERNEL_CACHE = pytest.StashKey[str]()
@@ -92,3 +96,12 @@ def smollm2_path() -> Path:
     from llmc.frontend import resolve
 
     return resolve("smollm2-135m")
+
+
+@pytest.fixture(scope="module", params=["native", "x86-64-v3"])
+def tm(request) -> Machine:
+    """Every kernel test runs for the host CPU and for AVX2 (x86-64-v3) code, where the host's own
+    best path is not AVX2 already (the paths no host CPU runs: `test_every_integer_path_compiles`)."""
+    if request.param != "native":
+        host.skip_unless_another_path(request.param)
+    return Machine(request.param, target_machine(request.param))

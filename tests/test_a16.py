@@ -17,19 +17,9 @@ from pathlib import Path
 import host
 import numpy as np
 import pytest
+from kernel_harness import Kernel, Machine, assert_close, kernel_op, rand
 from llvmlite import ir
-from test_cpu_kernels import (
-    ISA_INSTRUCTIONS,
-    Kernel,
-    Machine,
-    assert_close,
-    kernel_op,
-    matmul_op,
-    rand,
-    silu64,
-    swiglu_op,
-    weight_of,
-)
+from test_cpu_kernels import ISA_INSTRUCTIONS, matmul_op, silu64, swiglu_op, weight_of
 from tiny_models import TinySpec
 from xdsl.context import Context
 from xdsl.dialects.builtin import IndexType

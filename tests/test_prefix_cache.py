@@ -15,6 +15,7 @@ import test_cuda
 from test_batch import QSPEC, SPEC, into
 
 from llmc.errors import LlmcError
+from llmc.runtime import batch
 from llmc.runtime.artifact import load_manifest
 from llmc.runtime.batch import Engine, Request
 from llmc.runtime.codec import TextCodec
@@ -160,9 +161,12 @@ def test_the_free_slot_with_the_longest_common_prefix_is_taken_and_the_one_free_
     session.close()
 
 
-def test_speculation_counts_only_the_accepted_rows_as_cached(artifact) -> None:
+def test_speculation_counts_only_the_accepted_rows_as_cached(artifact, monkeypatch) -> None:
     """Drafts verify rejects are left in the cache's rows but not among the slot's tokens: the next request
-    reuses only what was fed and accepted, and its text is a plain fresh decode's."""
+    reuses only what was fed and accepted, and its text is a plain fresh decode's. Every draft is verified
+    (`MARGIN` 0): whether verifying pays is timed, and a tiny model's calls take microseconds, so after the
+    first rejection the engine would otherwise decode plainly on a quiet machine."""
+    monkeypatch.setattr(batch, "MARGIN", 0.0)
     session, fresh = (Session(artifact(SPEC, max_batch=2, max_seq=64, speculate=8)) for _ in range(2))
     engine = Engine(session, eos_id=None, speculate=True)
     prompt = [150, 150, 7, 9, 11, 150]  # (after 150 150, the drafter proposes 7; the model says 150)

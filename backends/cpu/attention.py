@@ -442,8 +442,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
         with f.when(inside(t)):
             if op.rope is not None:
                 fill(position(t))
-                for o in range(0, H * D, VW):
-                    f.vstore(f.vload(q, f.i64(o), min(VW, H * D - o)), queries, f.i64(o))
+                f.vec_map(H * D, [q], queries, lambda x: x[0], name="qc")
                 _rope_apply(f, queries, H, D, op.rope, cos_t, sin_t)
             with f.when(b.icmp_signed("==", tid, f.sub(nth, 1))):
                 with f.loop(0, KVH, name="dk") as h:

@@ -23,7 +23,6 @@ from llmc.abi import SYNC_WORDS
 from llmc.backends.cpu import KernelLibrary, compile_to_object, link_shared
 from llmc.backends.cpu.target import cpu_target, integer_isa
 from llmc.ir import tgt
-from llmc.ir.formats import quantize_rows
 from llmc.ir.layouts import QRowLayout, qrows_nbytes
 from llmc.ir.tgt_interpreter import QRows
 from llmc.runtime import amx as amx_permission
@@ -107,14 +106,13 @@ def rand(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarra
     return (rng.standard_normal(shape) * scale).astype(f32)
 
 
-def qrows_of(x: np.ndarray, capacity: int) -> tuple[np.ndarray, QRows]:
-    """`x` quantized into an arena buffer of `capacity` rows, and a view of it for the references."""
-    width = x.shape[1]
-    buf = np.zeros(qrows_nbytes(capacity, width), np.uint8)
-    views = QRowLayout(width).views(buf, capacity)
-    for view, values in zip(views, quantize_rows(x)):
-        view[: x.shape[0]] = values
-    return buf, QRows(*views)
+def qrows_of(x: np.ndarray, capacity: int, bits: int = 8) -> tuple[np.ndarray, QRows]:
+    """`x` quantized to `bits`-wide rows in an arena buffer of `capacity` rows, and a view of it for the
+    references."""
+    buf = np.zeros(qrows_nbytes(capacity, x.shape[1], bits), np.uint8)
+    rows = QRows(*QRowLayout(x.shape[1], bits).views(buf, capacity))
+    rows.write(x)
+    return buf, rows
 
 
 def read_qrows(buf: np.ndarray, capacity: int, width: int, rows: int) -> tuple[np.ndarray, ...]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import host
 import numpy as np
 import pytest
-from kernel_harness import Kernel, Machine, assert_close, kernel_op, rand
+from kernel_harness import Kernel, Machine, assert_close, kernel_op, qrows_of, rand
 from llvmlite import ir
 from test_cpu_kernels import ISA_INSTRUCTIONS, matmul_op, silu64, swiglu_op, weight_of
 from tiny_models import TinySpec
@@ -33,21 +33,12 @@ from llmc.ir import find_function, llm, tgt
 from llmc.ir.formats import FORMATS, QMAX, Storage, integer_matmul, join_planes, quantize_rows, split_planes
 from llmc.ir.interpreter import KVCache, forward_logits
 from llmc.ir.layouts import Layout, QRowLayout
-from llmc.ir.tgt_interpreter import KernelWeights, QRows, cache_for, run_entry
+from llmc.ir.tgt_interpreter import KernelWeights, cache_for, run_entry
 from llmc.passes.pipeline import PHASES, CompileOptions, run_phase
 from llmc.verify import teacher_forced
 
 f32 = np.float32
 IDX = IndexType()
-
-
-def qrows16(x: np.ndarray, capacity: int) -> tuple[np.ndarray, QRows]:
-    """`x` quantized to int16 rows in an arena buffer of `capacity` rows, and a view of it."""
-    layout = QRowLayout(x.shape[1], 16)
-    buf = np.zeros(capacity * layout.row_bytes, np.uint8)
-    rows = QRows(*layout.views(buf, capacity))
-    rows.write(x)
-    return buf, rows
 
 
 def read16(buf: np.ndarray, capacity: int, width: int, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -164,7 +155,7 @@ def test_matmul_a16_equals_the_integer_reference(tmp_path, native, storage):
     w = rand(rng, N, K)
     w[:, :64] *= 20
     qt = FORMATS[storage].quantize(w)
-    buf, rows = qrows16(rand(rng, R, K, scale=3.0), R)
+    buf, rows = qrows_of(rand(rng, R, K, scale=3.0), R, 16)
     own = integer_isa(cpu_target("native"))
     paths = [(isa, Layout.SPLIT) for isa in sorted({own, tgt.Isa.AVX2, tgt.Isa.GENERIC}, key=list(tgt.Isa).index)]
     paths += [(tgt.Isa.VNNI512, Layout.TILES)] * (own is tgt.Isa.VNNI512)
@@ -226,7 +217,7 @@ def test_vnni_paths_equal_the_integer_reference_with_vpdpbusd_emulated(tmp_path)
     w = rand(rng, N, K)
     qt = FORMATS[Storage.Q4_1].quantize(w)
     x = rand(rng, R, K, scale=3.0)
-    buf, rows = qrows16(x, R)
+    buf, rows = qrows_of(x, R, 16)
     for isa, layout in ((tgt.Isa.VNNI512, Layout.TILES), (tgt.Isa.VNNI512, Layout.SPLIT), (tgt.Isa.VNNI256, Layout.SPLIT)):
         wtype, data, _ = weight_of(Storage.Q4_1, w, layout)
         k = EmulatedVnniKernel(tmp_path, matmul_op(isa=isa), [tgt.QRowsType(R, K, 16), wtype, tgt.memref(R, N), IDX])
@@ -246,7 +237,7 @@ def test_swiglu_a16_reads_and_writes_int16_rows(tmp_path, native, layout):
     wg, wu = rand(rng, N, K, scale=0.3), rand(rng, N, K, scale=0.3)
     qg, qu = (FORMATS[Storage.Q4_1].quantize(w) for w in (wg, wu))
     (gtype, gdata, _), (utype, udata, _) = (weight_of(Storage.Q4_1, w, layout) for w in (wg, wu))
-    buf, rows = qrows16(rand(rng, R, K, scale=2.0), R)
+    buf, rows = qrows_of(rand(rng, R, K, scale=2.0), R, 16)
     types = [tgt.QRowsType(R, K, 16), gtype, utype, tgt.QRowsType(R, N, 16), IDX]
     if layout is Layout.SPLIT or own is tgt.Isa.VNNI512:
         k = Kernel(tmp_path, native, swiglu_op(isa=own), types)

@@ -389,30 +389,32 @@ def test_swiglu_a8_writes_quantized_rows(tmp_path, tm, storage, N):
         check_swiglu_rows(out, rows, qg, qu, R, N, n)
 
 
+@pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize("storage", [Storage.Q4_1, Storage.Q6_K], ids=str)
-def test_a8_rows_equal_each_row_alone(tmp_path, tm, storage):
-    """A batch's rows walk each weight block together in tiles of up to 8 rows (then 4, 2, 1): every row
-    of a call of 1..11 rows is bit for bit that row alone, matmul and SwiGLU, on each integer path."""
+def test_rows_equal_each_row_alone(tmp_path, tm, storage, bits):
+    """A batch's rows walk each weight block together in tiles of up to 8 rows (then 4, 2, 1; from 4 rows
+    one `vpdpbusd` chain per row and plane, fewer rows two chains each): every row of a call of 1..11 rows
+    is bit for bit that row alone, matmul and SwiGLU, on each integer path, int8 and int16 rows."""
     rng = np.random.default_rng(5)
     N, K, R = 96, 256, 11
-    buf, _ = qrows_of(rand(rng, R, K, scale=3.0), R)
+    buf, _ = qrows_of(rand(rng, R, K, scale=3.0), R, bits)
     qts = [FORMATS[storage].quantize(rand(rng, N, K)) for _ in range(2)]
     paths = [(isa, Layout.SPLIT) for isa in tm.isas if isa is not tgt.Isa.GENERIC] + \
         [(tgt.Isa.VNNI512, Layout.TILES)] * (tm.isas[0] is tgt.Isa.VNNI512)
     for isa, layout in paths:
         wtype = tgt.WeightType((N, K), storage, layout)
         gd, ud = (pack(qt, layout) for qt in qts)
-        matmul = Kernel(tmp_path, tm, matmul_op(isa=isa), [tgt.QRowsType(R, K), wtype, tgt.memref(R, N), IDX])
+        matmul = Kernel(tmp_path, tm, matmul_op(isa=isa), [tgt.QRowsType(R, K, bits), wtype, tgt.memref(R, N), IDX])
         swiglu = Kernel(tmp_path, tm, swiglu_op(isa=isa),
-                        [tgt.QRowsType(R, K), wtype, wtype, tgt.QRowsType(R, N), IDX])
+                        [tgt.QRowsType(R, K, bits), wtype, wtype, tgt.QRowsType(R, N, bits), IDX])
 
         def run(x: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-            out, act = np.zeros((R, N), f32), np.zeros(qrows_nbytes(R, N), np.uint8)
+            out, act = np.zeros((R, N), f32), np.zeros(qrows_nbytes(R, N, bits), np.uint8)
             matmul({"x": x, "weight": gd, "out": out, "rows": n})
             swiglu({"x": x, "gate": gd, "up": ud, "out": act, "rows": n})
             return out, act.reshape(R, -1)
 
-        row_bytes = QRowLayout(K).row_bytes
+        row_bytes = QRowLayout(K, bits).row_bytes
         alone = []
         for t in range(R):
             x = np.zeros_like(buf)

@@ -428,7 +428,13 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
     """`<16 x float>` per row: rows t..t+r · the 16 columns of strip s of `w`, scaled every `step` 16-slices."""
     b = f.b
     accs = [acc for [acc] in _accumulators(f, vec(F32, STRIP), 1, r, 1, "tacc")[0]]
-    n_chains = DOT_CHAINS if r < 4 else 1  # (several rows are independent chains already; integer sums are exact)
+    # Several rows: one vpdpbusd chain per row and plane, emitted quad by quad across the rows, so that a row's
+    # products wait on no other row's. Fewer: `DOT_CHAINS` chains a row, `lo`'s onto `hi`'s << 8 (fewer adds).
+    # (Integer sums are exact in any order.)
+    across = r >= 4
+    n_chains = 1 if across else DOT_CHAINS
+    zero = ir.Constant(vec(I32, STRIP), [0] * STRIP)
+    eight = ir.Constant(vec(I32, STRIP), [8] * STRIP)
     with f.loop(0, w.blocks, name="blk", unroll=False) as blk:
         w.prefetch(s, blk, PREFETCH_BYTES)
         codes = w.quads(s, blk)
@@ -439,18 +445,24 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
             sl = f.add(f.mul(blk, TILE_K // SLICE), first)
             scale = w.scale16(s, sl)
             offset = w.offset16(s, sl, scale)
+            dots = [zero] * r
+            if across:
+                chains = [[zero] * q.planes for _ in range(r)]
+                for quad in quads:
+                    for ri in range(r):
+                        for plane, xs in enumerate(xs_by_row[ri]):
+                            chains[ri][plane] = vpdpbusd(f, chains[ri][plane], codes[quad], xs[quad])
+                dots = [c[0] if q.planes == 1 else b.add(b.shl(c[0], eight), c[1]) for c in chains]
+            else:
+                for ri in range(r):
+                    for plane, xs in enumerate(xs_by_row[ri]):  # int16 rows: `lo`'s products onto `hi`'s << 8
+                        chains = [b.shl(dots[ri], eight) if plane else zero] + [zero] * (n_chains - 1)
+                        for n, quad in enumerate(quads):
+                            chains[n % n_chains] = vpdpbusd(f, chains[n % n_chains], codes[quad], xs[quad])
+                        dots[ri] = chains[0]
+                        for other in chains[1:]:
+                            dots[ri] = b.add(dots[ri], other)
             for ri in range(r):
-                zero = ir.Constant(vec(I32, STRIP), [0] * STRIP)
-                dot = zero
-                for plane, xs in enumerate(xs_by_row[ri]):  # int16 rows: `lo`'s products added onto `hi`'s << 8
-                    if plane:
-                        dot = b.shl(dot, ir.Constant(vec(I32, STRIP), [8] * STRIP))
-                    chains = [dot] + [zero] * (n_chains - 1)  # short dependency chains
-                    for n, quad in enumerate(quads):
-                        chains[n % n_chains] = vpdpbusd(f, chains[n % n_chains], codes[quad], xs[quad])
-                    dot = chains[0]
-                    for other in chains[1:]:
-                        dot = b.add(dot, other)
                 row_scales = q.block_scales(f.add(t, ri), sl, step)
-                b.store(scaled_block(f, b.load(accs[ri]), dot, scale, offset, *row_scales), accs[ri])
+                b.store(scaled_block(f, b.load(accs[ri]), dots[ri], scale, offset, *row_scales), accs[ri])
     return [b.load(acc) for acc in accs]

@@ -68,10 +68,10 @@ def _to_float(f: KernelBuilder, value: ir.Value, dtype: str) -> ir.Value:
     return f.b.sitofp(value, ty)
 
 
-def prefetch(f: KernelBuilder, base: ir.Value, offset: ir.Value) -> None:
-    """Prefetch the cache line at byte `offset` of `base` (an `i8*`) into L1."""
+def prefetch(f: KernelBuilder, base: ir.Value, offset: ir.Value, level: int = 1) -> None:
+    """Prefetch the cache line at byte `offset` of `base` (an `i8*`) into L1 (`level` 2: L2)."""
     fn = declare(f, "llvm.prefetch.p0", ir.VoidType(), [I8PTR, I32, I32, I32])
-    f.b.call(fn, [f.b.gep(base, [offset]), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+    f.b.call(fn, [f.b.gep(base, [offset]), ir.Constant(I32, 0), ir.Constant(I32, 4 - level), ir.Constant(I32, 1)])
 
 
 def vpdpbusd(f: KernelBuilder, acc: ir.Value, codes: ir.Value, x: ir.Value) -> ir.Value:

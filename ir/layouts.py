@@ -149,22 +149,23 @@ def pack_tiles(qt: QuantizedTensor) -> np.ndarray:
     if codes.shape != (strips * STRIP, kp) or codes.dtype != np.uint8:  # padded to whole strips and tiles
         codes = np.zeros((strips * STRIP, kp), np.uint8)
         codes[:n, :k] = qt.codes
-    # [strip, feature, block, quad, 4] → [strip, block, quad, feature, 4]
-    quads = codes.reshape(strips, STRIP, blocks, QUADS, 4).transpose(0, 2, 3, 1, 4)
     out = np.zeros(weight_nbytes(qt.storage, Layout.TILES, qt.shape), np.uint8)
     for plane in tile_planes(qt.storage, qt.shape):
         dst = plane.view(out)
         if plane.name == "codes":
-            packed = quads
-            if fmt.bits != 8:
-                low = quads & 15
-                packed = low[:, :, : QUADS // 2] | (low[:, :, QUADS // 2 :] << 4)
-            dst.reshape(packed.shape)[...] = packed  # (transposed as it is copied)
-        elif plane.name.startswith("bit"):
+            words = codes.reshape(strips, STRIP, blocks, QUADS, 4)
+            if fmt.bits != 8:  # quad q's low nibbles under quad q + 4's
+                words = (words[:, :, :, : QUADS // 2] & 15) | ((words[:, :, :, QUADS // 2 :] & 15) << 4)
+            # a quad's 4 bytes as one word: [strip, feature, block, quad] → [strip, block, quad, feature]
+            words = np.ascontiguousarray(words).view("<u4")[..., 0]
+            dst.view("<u4").reshape(strips, blocks, -1, STRIP)[...] = words.transpose(0, 2, 3, 1)
+        elif plane.name.startswith("bit"):  # per quad, bit f·4 + i: code i of feature f's bit
             bit = int(plane.name[3:])
-            rows = ((quads >> bit) & 1).reshape(strips, blocks, QUADS, STRIP * 4)
-            mask = np.packbits(rows, axis=-1, bitorder="little")  # [strips, blocks, quads, 8] bytes
-            dst[...] = np.ascontiguousarray(mask).view("<u8").reshape(strips, -1)
+            words = ((codes >> bit) & 1).reshape(strips, STRIP, blocks, QUADS, 4).view("<u4")[..., 0]
+            nibbles = (words | words >> 7 | words >> 14 | words >> 21).astype(np.uint8) & 15
+            nibbles = nibbles.transpose(0, 2, 3, 1)  # [strip, block, quad, feature]
+            dst.view(np.uint8).reshape(strips, blocks, QUADS, STRIP // 2)[...] = \
+                nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
         else:
             values = np.zeros((strips * STRIP, kp // fmt.field(plane.name).group), qt.fields[plane.name].dtype)
             values[:n, : qt.fields[plane.name].shape[1]] = qt.fields[plane.name]

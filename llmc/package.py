@@ -16,7 +16,9 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,9 @@ from llmc.ir import entry_functions, llm, tgt
 from llmc.ir.formats import QuantizedTensor
 from llmc.ir.layouts import Layout, align, pack
 from llmc.runtime.artifact import MANIFEST, SCHEMA_VERSION, sha256_file
+
+PACK_THREADS = 4  # threads encoding and packing the weights as `write_weights` writes them …
+PACK_AHEAD_BYTES = 512 << 20  # … holding up to this many packed bytes (or one weight) not yet written
 
 
 @dataclass(frozen=True)
@@ -72,19 +77,35 @@ def weight_bytes(encoded: np.ndarray | QuantizedTensor, weight_type: tgt.WeightT
 
 def write_weights(model: Model, layout: WeightLayout, path: Path) -> str:
     """Each weight in its storage type and layout, at its offset, written in order from its array (not
-    copied); the sha256 of the file, taken as it is written."""
+    copied); the sha256 of the file, taken as it is written. The weights are encoded and packed on up to
+    `PACK_THREADS` cores (numpy lets go of the GIL), up to `PACK_AHEAD_BYTES` of them ahead of the one being
+    written."""
     digest = hashlib.sha256()
-    with open(path, "wb") as f:
+
+    def packed(name: str, weight_type: tgt.WeightType) -> np.ndarray:
+        data = weight_bytes(model.weights.encode(name, weight_type.storage), weight_type)
+        assert data.nbytes == weight_type.nbytes, (name, data.nbytes, weight_type.nbytes)
+        return data
+
+    with open(path, "wb") as f, ThreadPoolExecutor(max(1, min(PACK_THREADS, os.cpu_count() or 1))) as pool:
 
         def put(data) -> None:
             digest.update(data)
             f.write(data)
 
-        for name, (offset, weight_type) in layout.entries.items():
-            data = weight_bytes(model.weights.encode(name, weight_type.storage), weight_type)
-            assert data.nbytes == weight_type.nbytes, (name, data.nbytes, weight_type.nbytes)
+        ahead: deque[tuple[int, int, Future]] = deque()  # (offset, bytes, packing) of the weights in flight
+
+        def write_oldest() -> None:
+            offset, _, data = ahead.popleft()
             put(bytes(offset - f.tell()))  # (the alignment before it)
-            put(memoryview(data).cast("B"))
+            put(memoryview(data.result()).cast("B"))
+
+        for name, (offset, weight_type) in layout.entries.items():
+            while ahead and sum(n for _, n, _ in ahead) + weight_type.nbytes > PACK_AHEAD_BYTES:
+                write_oldest()
+            ahead.append((offset, weight_type.nbytes, pool.submit(packed, name, weight_type)))
+        while ahead:
+            write_oldest()
         put(bytes(layout.size - f.tell()))
     return digest.hexdigest()
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from llmc.ir.formats import FORMATS, GGUF_STORAGE, SLICE, QuantizedTensor, Storage, quantize_rows
-from llmc.ir.layouts import Layout, QRowLayout, pack_split, unpack_split, weight_nbytes
+from llmc.ir.layouts import Layout, QRowLayout, pack, pack_split, unpack, weight_nbytes
 
 GGUF_INTEGER = [s for s, f in FORMATS.items() if f.ggml is not None and f.bits is not None]
 INTEGER = [s for s in Storage if not s.is_float]
@@ -71,19 +71,22 @@ def test_q4_0_search_beats_llama_cpps_rounding_and_q8_0_matches_gguf() -> None:
                                   gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0))
 
 
+@pytest.mark.parametrize("layout", [Layout.SPLIT, Layout.TILES], ids=str)
 @pytest.mark.parametrize(("storage", "k"), [(s, k) for s in INTEGER for k in (256, 288, 576, 1536)
                                              if FORMATS[s].fits(k)], ids=str)
-def test_split_layout_round_trips_and_keeps_the_size(storage: Storage, k: int) -> None:
+def test_layouts_round_trip_and_keep_the_size(storage: Storage, k: int, layout: Layout) -> None:
+    """Packed (split: 5 rows; tiles: 21, a strip and part of one) and unpacked again, every code and field
+    comes back."""
     fmt = FORMATS[storage]
-    qt = fmt.quantize(_weights(rows=5, k=k))
-    data = pack_split(qt)
-    assert data.size == weight_nbytes(storage, Layout.SPLIT, qt.shape)
-    back = unpack_split(data, storage, qt.shape)
+    qt = fmt.quantize(_weights(rows=5 if layout is Layout.SPLIT else 21, k=k))
+    data = pack(qt, layout)
+    assert data.size == weight_nbytes(storage, layout, qt.shape)
+    back = unpack(data, storage, layout, qt.shape)
     np.testing.assert_array_equal(back.codes, qt.codes)
     for name, values in qt.fields.items():
         np.testing.assert_array_equal(back.fields[name], values)
     stored = fmt.nbytes(qt.shape)
-    if k % 64 == 0:  # only the 64-byte alignment of each plane is added
+    if k % 64 == 0 and layout is Layout.SPLIT:  # only the 64-byte alignment of each plane is added
         assert data.size <= stored + 64 * (len(fmt.fields) + 2)
 
 

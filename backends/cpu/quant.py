@@ -265,11 +265,24 @@ class TiledWeight:
         return out
 
     def prefetch(self, s: ir.Value, b: ir.Value, ahead: int) -> None:
-        """Prefetch the codes `ahead` bytes past block b of strip s: every cache line of a block's size
-        (a 4-bit block is 4 lines; one prefetch per block left 3 of them to the hardware's prefetcher)."""
-        at = self.f.add(self.f.mul(self._block(s, b), self.block_bytes), ahead)
+        """Prefetch (into L1) what the block `ahead` code bytes past block b of strip s reads: every cache line
+        of its codes (a 4-bit block is 4 lines; one prefetch per block left 3 of them to the hardware's
+        prefetcher), and the line of each other plane (scales, minimums, high bits: streams of their own)."""
+        f = self.f
+        block = f.add(self._block(s, b), ahead // self.block_bytes)
+        at = f.mul(block, self.block_bytes)
         for line in range(0, self.block_bytes, CACHE_LINE):
-            prefetch(self.f, self.ptrs["codes"], self.f.add(at, line))
+            prefetch(f, self.ptrs["codes"], f.add(at, line))
+        for name in self.planes:
+            if name.startswith("bit"):
+                offset = f.mul(block, QUADS * 8)  # (an i64 per quad)
+            elif name != "codes":
+                field = self.fmt.field(name)
+                offset = f.mul(f.b.sdiv(f.mul(block, TILE_K), f.i64(field.group)),
+                               STRIP * (2 if field.dtype == "f16" else 1))
+            else:
+                continue
+            prefetch(f, f.b.bitcast(self.ptrs[name], I8PTR), offset)
 
     def _field16(self, name: str, s: ir.Value, sl: ir.Value | int) -> ir.Value:
         """Field `name` of the 16 features of strip s for 16-slice `sl`: `<16 x float>`."""

@@ -267,3 +267,25 @@ def test_the_attention_decode_benchmark_times_the_cpu_kernel() -> None:
         bad = subprocess.run([sys.executable, str(script), *options], capture_output=True, text=True, timeout=300)
         last = bad.stderr.strip().splitlines()[-1]
         assert bad.returncode == 2 and last.startswith("attention_decode.py: error:") and message in last, bad.stderr
+
+
+def test_the_decode_step_benchmark_times_each_artifact_in_turns(artifact) -> None:
+    """`benchmarks/decode_step.py` times one decode call of each artifact in alternating turns; rows the artifact's
+    cache has no slots for, a depth past its capacity or a missing artifact are one usage error."""
+    script = Path(__file__).parents[1] / "benchmarks" / "decode_step.py"
+    built = artifact("gguf")
+    run = subprocess.run([sys.executable, str(script), str(built), str(built), "--depth", "5", "--turns", "2",
+                          "--calls", "3"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert len(lines) == 2 and all(line.startswith(f"{built.name}: 1 row at depth 5: median ") for line in lines)
+    assert all(0 < float(line.split("best ")[1].split(" ms")[0]) < 1e4 for line in lines)
+    for options, message in ((["--rows", "2"], "need --max-batch 2"), (["--depth", "32"], "--max-seq above 32"),
+                             (["--turns", "0"], "must be positive")):
+        bad = subprocess.run([sys.executable, str(script), str(built), *options], capture_output=True, text=True,
+                             timeout=300)
+        last = bad.stderr.strip().splitlines()[-1]
+        assert bad.returncode == 2 and last.startswith("decode_step.py: error:") and message in last, bad.stderr
+    missing = subprocess.run([sys.executable, str(script), str(built.parent / "none")], capture_output=True,
+                             text=True, timeout=300)
+    assert missing.returncode == 2 and "not an llmc artifact" in missing.stderr.strip().splitlines()[-1]

@@ -217,8 +217,16 @@ class Conversation:
             logits: np.ndarray | None) -> None:
         """Run `entry` on rows `tokens` at `positions` of cache `slots` (the caller checks them: a
         chunk's rows are consecutive positions of one slot, decode's rows distinct slots, verify's
-        rows one slot's); the logits go to `logits` (None: a target may leave them on the device)."""
-        self._call(self._entry(entry), self._stage(tokens, positions, slots), logits)
+        rows one slot's); the logits go to `logits` (None: a target may leave them on the device), a C-contiguous
+        float32 array with room for the rows the entry point writes (ValueError otherwise: the kernels write
+        through its address)."""
+        entry = self._entry(entry)
+        if logits is not None:
+            rows = min(len(tokens), self.manifest.entry_points[entry]["logits"][0])
+            if logits.dtype != np.float32 or not logits.flags.c_contiguous or logits.size < rows * self.vocab_size:
+                raise ValueError(f"{entry}'s logits need a C-contiguous float32 array of {rows} × {self.vocab_size}, "
+                                 f"not {logits.dtype} {list(logits.shape)}")
+        self._call(entry, self._stage(tokens, positions, slots), logits)
 
     def _run_here(self, entry: str, tokens: np.ndarray, logits: np.ndarray | None) -> None:
         """`run` at this conversation's position and slot."""

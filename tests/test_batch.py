@@ -156,6 +156,12 @@ def test_each_row_of_a_batched_decode_is_its_sequence_alone(artifact, spec: Tiny
     batched = Session(artifact(spec, max_batch=batch), threads=threads)
     alone = Session(artifact(spec, max_batch=batch), threads=threads)
     assert_rows_are_each_sequence_alone(batched, alone, PROMPTS[:batch])
+    rows = np.arange(batch, dtype=np.int32)
+    for wrong in (np.zeros((batch - 1, batched.vocab_size), np.float32), np.zeros((batch, 7), np.float32),
+                  np.zeros((batch, batched.vocab_size), np.float64),
+                  np.zeros((batch, 2 * batched.vocab_size), np.float32)[:, ::2]):
+        with pytest.raises(ValueError, match="logits need a C-contiguous float32 array"):
+            batched.run("decode", rows, rows, rows, wrong)  # (nothing written through a buffer too small)
     batched.close()
     alone.close()
 

@@ -17,12 +17,11 @@ from pathlib import Path
 import host
 import numpy as np
 import pytest
-from kernel_harness import Kernel, Machine, assert_close, kernel_op, qrows_of, rand
+from kernel_harness import IDX, Kernel, Machine, assert_close, f32, kernel_op, qrows_of, rand
 from llvmlite import ir
 from test_cpu_kernels import ISA_INSTRUCTIONS, matmul_op, silu64, swiglu_op, weight_of
 from tiny_models import TinySpec
 from xdsl.context import Context
-from xdsl.dialects.builtin import IndexType
 from xdsl.parser import Parser
 from xdsl.utils.exceptions import VerifyException
 
@@ -36,9 +35,6 @@ from llmc.ir.layouts import Layout, QRowLayout
 from llmc.ir.tgt_interpreter import KernelWeights, cache_for, run_entry
 from llmc.passes.pipeline import PHASES, CompileOptions, run_phase
 from llmc.verify import teacher_forced
-
-f32 = np.float32
-IDX = IndexType()
 
 
 def read16(buf: np.ndarray, capacity: int, width: int, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

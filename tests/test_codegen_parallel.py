@@ -64,7 +64,7 @@ def test_a_workers_error_is_one_line(monkeypatch) -> None:
     monkeypatch.setenv("LLMC_CACHE_DIR", "off")
     monkeypatch.setenv(toolchain.JOBS, "2")
     monkeypatch.setattr(toolchain, "PARALLEL_IR", 0)
-    monkeypatch.setattr(toolchain, "_compiled", lambda text, tm, level: time.sleep(2) or b"")
+    monkeypatch.setattr(toolchain, "_compiled", lambda text, tm, level, assembly: time.sleep(2) or b"")
     with pytest.raises(toolchain.ToolchainError) as error:
         toolchain.compile_objects([BAD.format("first"), BAD.format("second")], toolchain.target_machine())
     message = str(error.value)

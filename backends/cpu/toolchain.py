@@ -187,14 +187,16 @@ class Deferred:
     build: Callable[[], ir.Module]
 
 
-def compile_objects(modules: Sequence[str | ir.Module | Deferred], tm: llvm.TargetMachine, level: int = 3
-                    ) -> tuple[list[bytes], int]:
-    """`compile_to_object` of each module, and how many of them the kernel cache held; where two or more miss
-    the cache and their IR is `PARALLEL_IR` or more, `jobs()` processes compile them: this one and workers."""
+def compile_objects(modules: Sequence[str | ir.Module | Deferred], tm: llvm.TargetMachine, level: int = 3,
+                    assembly: bool = False) -> tuple[list[bytes], int]:
+    """`compile_to_object` of each module (with `assembly`, its assembly text, UTF-8: NVPTX's PTX), and how many
+    of them the kernel cache held; where two or more miss the cache and their IR is `PARALLEL_IR` or more,
+    `jobs()` processes compile them: this one and workers."""
     description = getattr(tm, "llmc_description", None)
     texts = [None if isinstance(module, Deferred) else str(module) for module in modules]
+    kind = "assembly" if assembly else "object"
     keys = [None if description is None else kernel_cache.cache_key(
-        f"deferred {module.identity}" if isinstance(module, Deferred) else text, "object", *description, f"O{level}")
+        f"deferred {module.identity}" if isinstance(module, Deferred) else text, kind, *description, f"O{level}")
         for module, text in zip(modules, texts)]
     objects = [None if key is None else kernel_cache.lookup(key) for key in keys]
     missing = [i for i, obj in enumerate(objects) if obj is None]
@@ -202,7 +204,7 @@ def compile_objects(modules: Sequence[str | ir.Module | Deferred], tm: llvm.Targ
     status = _status.get()
     if status is not None:
         status(f"codegen: {cached} of {len(texts)} modules compiled, {cached} from the cache")
-    for done, (i, obj) in enumerate(_compiling(modules, texts, missing, tm, level), cached + 1):
+    for done, (i, obj) in enumerate(_compiling(modules, texts, missing, tm, level, assembly), cached + 1):
         if keys[i] is not None:
             kernel_cache.store(keys[i], obj)
         objects[i] = obj
@@ -242,7 +244,7 @@ class _Built:
 
 
 def _compiling(modules: Sequence[str | ir.Module | Deferred], texts: list[str | None], which: list[int],
-               tm: llvm.TargetMachine, level: int) -> Iterator[tuple[int, bytes]]:
+               tm: llvm.TargetMachine, level: int, assembly: bool) -> Iterator[tuple[int, bytes]]:
     """(i, the object of module i) for each i of `which` as it is done. This process builds the deferred modules
     one after another; once the IR built reaches `PARALLEL_IR`, worker processes (`jobs()` in all, at most one per
     module) start compiling the longest module built so far while this process builds the rest, then compiles
@@ -256,7 +258,7 @@ def _compiling(modules: Sequence[str | ir.Module | Deferred], texts: list[str | 
     def feed() -> None:  # one thread per worker process: the next module to it, its object back
         while (i := built.take(wait=True)) is not None:
             try:
-                done.put((i, pool.submit(_compile_in_worker, texts[i], tm.llmc_machine, level).result()))
+                done.put((i, pool.submit(_compile_in_worker, texts[i], tm.llmc_machine, level, assembly).result()))
             except Exception as e:
                 done.put((i, e))
                 return
@@ -290,20 +292,23 @@ def _compiling(modules: Sequence[str | ir.Module | Deferred], texts: list[str | 
         while left:
             mine = built.take(wait=False) if done.empty() else None
             left -= 1
-            yield checked(*((mine, _compiled(texts[mine], tm, level)) if mine is not None else done.get()))
+            yield checked(*((mine, _compiled(texts[mine], tm, level, assembly)) if mine is not None
+                            else done.get()))
     finally:
         built.close(drop=True)
         if pool is not None:
             pool.shutdown(cancel_futures=True)
 
 
-def _compile_in_worker(text: str, machine: tuple, level: int) -> bytes:
-    return _compiled(text, _machine(*machine), level)
+def _compile_in_worker(text: str, machine: tuple, level: int, assembly: bool) -> bytes:
+    return _compiled(text, _machine(*machine), level, assembly)
 
 
-def _compiled(text: str, tm: llvm.TargetMachine, level: int) -> bytes:
-    """The object of one module of `compile_objects`; LLVM's error a `ToolchainError` of one line."""
+def _compiled(text: str, tm: llvm.TargetMachine, level: int, assembly: bool) -> bytes:
+    """The object (or assembly) of one module of `compile_objects`; LLVM's error a `ToolchainError` of one line."""
     try:
+        if assembly:
+            return _emit(text, tm, level, tm.emit_assembly).encode()
         return _emit(text, tm, level, tm.emit_object)
     except RuntimeError as e:
         raise ToolchainError(f"codegen of kernel module {_name(text)} failed: {_first_lines(e)}") from None

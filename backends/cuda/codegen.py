@@ -1,4 +1,4 @@
-"""`tgt` entry points → one LLVM module of CUDA kernels and a launch plan per entry point.
+"""`tgt` entry points → LLVM modules of CUDA kernels (one per op) and a launch plan per entry point.
 
 An entry point becomes the list of launches its kernel ops need, in program order
 (one stream: each launch sees the writes of the ones before it). Each launch names a
@@ -29,7 +29,7 @@ from xdsl.ir import SSAValue
 
 from llmc.abi import ARGMAX_TOKEN, PTX_DESCRIPTION
 from llmc.backends.cuda.device import Emulated, Ptx
-from llmc.backends.cuda.kernels import KernelLibrary, Launch, PerRows, argmax_kernel
+from llmc.backends.cuda.kernels import KernelLibrary, Launch, PerRows
 from llmc.errors import LlmcError
 from llmc.ir import entry_functions, tgt
 from llmc.ir.target import Built, Describe, content_name, module_target
@@ -79,13 +79,11 @@ def _launch_entry(launch: Launch, args: list[dict]) -> dict:
 
 
 def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int], emulated: bool = False
-                ) -> tuple[ir.Module, dict[str, list[dict]], dict]:
-    """The LLVM module of every kernel the entry points launch, for the GPU (or, `emulated`,
-    for the CPU emulator), each entry point's launch plan, and the launch of greedy
-    decoding's argmax over the logits (into `{"argument": "token"}`: 4 bytes)."""
-    llvm_module = ir.Module("llmc_cuda")
-    device = Emulated() if emulated else Ptx()
-    lib = KernelLibrary(llvm_module, device)
+                ) -> tuple[list[ir.Module], dict[str, list[dict]], dict]:
+    """The LLVM modules of the kernels the entry points launch (one per op, `KernelLibrary`), for the
+    GPU (or, `emulated`, for the CPU emulator), each entry point's launch plan, and the launch of
+    greedy decoding's argmax over the logits (into `{"argument": "token"}`: 4 bytes)."""
+    lib = KernelLibrary(Emulated() if emulated else Ptx())
     plans: dict[str, list[dict]] = {}
     for stage, function in entry_functions(module).items():
         plan = _Plan(lib, function, weight_offsets)
@@ -94,7 +92,8 @@ def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int], emulated: b
         plans[stage] = plan.launches
     vocab = tgt.dims(function.body.block.args[-1])[1]  # the logits of any entry point
     args = [{"argument": "logits", "offset": 0}, {"argument": ARGMAX_TOKEN, "offset": 0}, {"count": vocab}]
-    return llvm_module, plans, _launch_entry(argmax_kernel(llvm_module, device), args)
+    argmax = _launch_entry(lib.argmax(), args)
+    return lib.modules, plans, argmax
 
 
 def described(ptx: str, description: dict) -> str:
@@ -110,10 +109,11 @@ def build(module: ModuleOp, weight_offsets: Mapping[str, int], describe: Describ
     from llmc.backends.cuda.toolchain import assemble, have_ptxas, ptx
 
     target = module_target(module)
-    llvm_module, plans, argmax = emit_module(module, weight_offsets)
+    llvm_modules, plans, argmax = emit_module(module, weight_offsets)
     facts = {"target": "cuda", "gpu": {"arch": target.cpu.data, "features": sorted(target.features), "argmax": argmax}}
     description = describe(facts, {name: {"launches": plan} for name, plan in plans.items()})
-    text = described(ptx(llvm_module, target), description).encode()
+    joined, cached = ptx(llvm_modules, target)
+    text = described(joined, description).encode()
     kernels = stage / content_name("kernels", text, ".ptx")
     kernels.write_bytes(text)
     files, cubins, notes = {"kernels": kernels}, {}, []
@@ -128,7 +128,8 @@ def build(module: ModuleOp, weight_offsets: Mapping[str, int], describe: Describ
             notes.append(f"{arch}: ≤{most} registers, {spills} spill bytes")
     else:
         notes.append("no ptxas on PATH: PTX only, the driver compiles it at load")
-    kernel_count = sum(not fn.is_declaration for fn in llvm_module.functions)
-    note = (f"{kernels.name} (cuda {target.cpu.data}, {kernel_count} kernels; {'; '.join(notes)}; "
+    kernel_count = sum(not fn.is_declaration for m in llvm_modules for fn in m.functions)
+    note = (f"{kernels.name} (cuda {target.cpu.data}, {kernel_count} kernels, {cached} of {len(llvm_modules)} modules "
+            f"from the cache; {'; '.join(notes)}; "
             f"launches per decode: {len(plans['decode'])})")
     return Built({**description, "gpu": {**description["gpu"], "cubins": cubins}}, files, note)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 
-from llmc.backends.cpu.toolchain import compile_to_object, link_shared, target_machine
+from llmc.backends.cpu.toolchain import compile_objects, link_shared, target_machine
 from llmc.backends.cuda.codegen import emit_module
 from llmc.errors import LlmcError
 
@@ -30,8 +30,9 @@ _ERRORS = {-1: "a block of more than 1024 threads", -2: "a deadlock: the block's
 
 def build_host_kernels(module: ModuleOp, weight_offsets: dict[str, int], out: Path) -> Path:
     """The host build of every kernel of `module` (plus the emulator), as a shared library at `out`."""
-    llvm_module, _, _ = emit_module(module, weight_offsets, emulated=True)
-    return link_shared([compile_to_object(llvm_module, target_machine()), EMULATOR_C], out)
+    llvm_modules, _, _ = emit_module(module, weight_offsets, emulated=True)
+    objects, _ = compile_objects(llvm_modules, target_machine())
+    return link_shared([*objects, EMULATOR_C], out)
 
 
 class EmulatedDevice:

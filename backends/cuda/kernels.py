@@ -1,7 +1,7 @@
 """CUDA kernel emitters: each `tgt` kernel op → one or more GPU kernels and their launch geometry.
 
-`KernelLibrary(module, device).launches(op)` emits (once per distinct op and row
-class) the kernels that carry out `op` and returns how to launch them, in order. Every
+`KernelLibrary(device).launches(op)` emits (once per distinct op and row
+class, into a module of the op's own) the kernels that carry out `op` and returns how to launch them, in order. Every
 kernel of an op takes the op's operands in definition order (`tgt.Kernel.abi`):
 buffers as `i8*`, indices as `i64`, so the launch plan's arguments come from the op
 definition. A grid dimension is a number or `PerRows(r)`: `ceil(rows / r)` blocks,
@@ -17,8 +17,9 @@ decided at launch from the entry point's `n`.
 
 Shapes, formats and constants are baked in; only `rows` and `positions` arrive at run time.
 
-    lib = KernelLibrary(module, Ptx())
+    lib = KernelLibrary(Ptx())
     lib.launches(op)   # [Launch("matmul_q4_1_a32_k576_n576_r1", (144, PerRows(1), 1), 128)]
+    lib.modules        # [<ir.Module "matmul_q4_1_a32_k576_n576_r1">]
 """
 
 from __future__ import annotations
@@ -50,11 +51,13 @@ def _max_rows(op: tgt.Kernel) -> int:
 
 
 class KernelLibrary:
-    """Emits CUDA kernels into `module` for `device` (`Ptx` or `Emulated`), once per distinct op."""
+    """Emits CUDA kernels for `device` (`Ptx` or `Emulated`), once per distinct op: the kernels of each op
+    in an LLVM module of their own (`modules`, in emission order), compiled and cached alone
+    (`llmc.backends.cpu.toolchain.compile_objects`), so the same op in another model skips LLVM."""
 
-    def __init__(self, module: ir.Module, device: Ptx | Emulated):
-        self.module = module
+    def __init__(self, device: Ptx | Emulated):
         self.device = device
+        self.modules: list[ir.Module] = []
         self._cache: dict[tuple, list[Launch]] = {}
         self.kernels: dict[str, ir.Function] = {}
 
@@ -67,8 +70,15 @@ class KernelLibrary:
             if quantized:
                 raise LlmcError(f"cuda: {op.name} takes quantized rows ({', '.join(quantized)}); CUDA kernels "
                                 f"take float rows (a32): compile without --compute a8")
-            self._cache[key] = emitter(Emit(self, op, f"{kernel_name(op)}_r{rows}", rows))
+            name = f"{kernel_name(op)}_r{rows}"
+            self.modules.append(ir.Module(name))
+            self._cache[key] = emitter(Emit(self, op, name, rows))
         return self._cache[key]
+
+    def argmax(self) -> Launch:
+        """Greedy decoding's argmax kernel (`argmax_kernel`), in a module of its own."""
+        self.modules.append(ir.Module(ARGMAX))
+        return argmax_kernel(self.modules[-1], self.device)
 
     def new_kernel(self, name: str, op: tgt.Kernel) -> tuple[KernelBuilder, dict[str, ir.Value]]:
         params = [(n, I64 if not isinstance(v.type, (MemRefType, tgt.QRowsType, tgt.WeightType)) else I8PTR)
@@ -76,11 +86,12 @@ class KernelLibrary:
         base, count = name, 1
         while name in self.kernels:  # same op and rows, other shapes (RoPE of q and of k)
             name, count = f"{base}_v{count}", count + 1
-        fn = self.device.kernel(self.module, name, [t for _, t in params], THREADS)
+        module = self.modules[-1]  # (the op's, `launches`)
+        fn = self.device.kernel(module, name, [t for _, t in params], THREADS)
         for arg, (arg_name, _) in zip(fn.args, params):
             arg.name = arg_name
         self.kernels[name] = fn
-        return KernelBuilder(self.module, fn), dict(zip((n for n, _ in params), fn.args))
+        return KernelBuilder(module, fn), dict(zip((n for n, _ in params), fn.args))
 
 
 # ---------------------------------------------------------------------- row kernels

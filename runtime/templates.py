@@ -32,6 +32,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from itertools import chain
+from types import FrameType
 from typing import Any
 
 from jinja2 import BaseLoader, Template, TemplateError, meta, nodes, pass_context
@@ -47,6 +48,7 @@ from llmc.errors import LlmcError, printable
 MAX_INT_BITS = 1 << 16  # integers past this make arithmetic slow (CPython's division is quadratic)
 _ON_TIME = "llmc_on_time"  # the filter `_CodeGenerator` puts on every loop
 _PERCENT_CONVERSION = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?[^\d]")
+_TRACED = ("jinja2.", "markupsafe.", __name__)  # the modules whose calls `_Budget.tick` checks
 _FLOAT_DIGITS = 320  # the most characters '%f' writes for a float beyond its precision
 
 
@@ -157,10 +159,12 @@ class _Budget:
         if time.monotonic() > self.deadline:
             raise _Exceeded(f"the model's chat template ran for more than {self.seconds:g} s")
 
-    def tick(self, frame: object, event: str, arg: object) -> None:
-        """A trace function that ends what runs at the deadline, checked at each call (compiling:
-        jinja2's own code)."""
-        self.on_time()
+    def tick(self, frame: FrameType, event: str, arg: object) -> None:
+        """A trace function that ends what runs at the deadline, checked at each call of jinja2's
+        own code (compiling). Only there: Python drops what a garbage collector's callback or a
+        finalizer raises, and the trace function with it, so the deadline would be gone."""
+        if frame.f_globals.get("__name__", "").startswith(_TRACED):
+            self.on_time()
 
 
 def _percent_size(budget: _Budget, form: str, values: object) -> int:

@@ -6,6 +6,7 @@ against transformers)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import sys
@@ -144,6 +145,32 @@ def test_template_that_does_not_compile_fails_each_time() -> None:
     codec = _codec(HOSTILE["template slow to compile"][0], QUICK)
     first, second = _refused(codec)[0], _refused(codec)[0]
     assert first == second == "the model's chat template ran for more than 0.25 s"
+
+
+def _identity(value: object) -> object:
+    return value
+
+
+def test_compile_deadline_survives_a_garbage_collector_callback() -> None:
+    """A garbage collector's callback that runs past the deadline while the template compiles (pytest's
+    plugins install such callbacks) cannot take the deadline with it: what it raises Python drops, and the
+    trace function with it, so the deadline is kept in jinja2's own calls only."""
+    slept: list[bool] = []
+
+    def past_the_deadline(phase: str, info: dict) -> None:
+        if not slept:
+            slept.append(True)
+            time.sleep(QUICK.compile_seconds + 0.05)
+        _identity(phase)  # a call of Python code in the callback, after the deadline
+
+    gc.callbacks.append(past_the_deadline)
+    try:
+        message, seconds, _ = _refused(_codec(HOSTILE["template slow to compile"][0], QUICK))
+    finally:
+        gc.callbacks.remove(past_the_deadline)
+    assert slept
+    assert message == "the model's chat template ran for more than 0.25 s"
+    assert seconds < MAX_SECONDS, f"{seconds:.2f} s"
 
 
 def test_limits_are_the_codecs() -> None:

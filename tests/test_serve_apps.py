@@ -16,7 +16,8 @@ import re
 from pathlib import Path
 
 import pytest
-from test_serve import LETTERS, REPEATS, client, server  # noqa: F401, F811 (fixtures, on this module's artifact)
+import test_serve
+from test_serve import LETTERS, REPEATS
 from tiny_models import TinySpec
 
 httpx = pytest.importorskip("httpx")
@@ -40,6 +41,7 @@ WEATHER = {"type": "function", "function": {  # (no other properties, though it 
     "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"enum": ["Paris", "Rome"]}}}}}
 CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "additionalProperties": False, "required": ["zone"], "properties": {"zone": {"const": "UTC"}}}}}
+server, client = test_serve.server, test_serve.client  # the fixtures, on this module's `artifact`
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 

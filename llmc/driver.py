@@ -82,7 +82,7 @@ def run_phases(model: Model, options: CompileOptions, last: str, dump: IRDumper 
         target_description(target).check_ops(module)  # an op the target has no kernel for: refused before the work
         run_phase(module, "import", dump, options)
         progress(f"{'import':<10} {time.perf_counter() - start:6.2f} s")
-        for phase in list(PHASES)[1:]:
+        for phase in list(PHASES)[1:] if last != "import" else []:
             start = time.perf_counter()
             _status(progress, f"{phase}: running")
             tokens = calibration_for(model, options, target) if phase == "quantize" else []

@@ -11,17 +11,23 @@ from llmc.runtime.bench import EngineSpeeds
 INSTALL_HINT = "pip install 'llmc[bench]' (matplotlib)"
 
 
-def check_matplotlib() -> None:
+def check_plot(path: Path) -> None:
+    """Refuse, before any measuring, a `--plot` that cannot be written: no matplotlib, a folder, or a
+    file in a folder that does not exist."""
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:
         raise UsageError(f"--plot needs matplotlib: {INSTALL_HINT}")
+    if path.is_dir():
+        raise UsageError(f"cannot write --plot {path}: it is a folder; name a .png file")
+    if not path.parent.is_dir():
+        raise UsageError(f"cannot write --plot {path}: there is no folder {path.parent}")
 
 
 def plot_bench(path: Path, engines: Sequence[EngineSpeeds], prompts: Sequence[int], depths: Sequence[int],
                decode_tokens: int, where: str, title: str = "") -> None:
     """Two panels: prefill tokens/s per (depth, prompt), decode tokens/s per depth; one bar per engine."""
-    check_matplotlib()
+    check_plot(path)
     import matplotlib
 
     matplotlib.use("Agg")

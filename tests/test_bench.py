@@ -222,6 +222,14 @@ def test_plot_writes_a_png(artifact, capsys, tmp_path) -> None:
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+def test_an_unwritable_plot_is_refused_before_measuring(artifact, capsys, tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    for path, message in [(tmp_path, "it is a folder"), (tmp_path / "missing" / "b.png", "there is no folder")]:
+        code, out, err = _bench(capsys, artifact("gguf"), "--plot", str(path))
+        assert code == 2 and err.count("\n") == 1 and message in err, err
+        assert "llmc" not in out  # (no table: nothing was measured)
+
+
 @pytest.mark.parametrize("options", [
     ["--prompt-tokens", "0"], ["--prompt-tokens", "abc"], ["--prompt-tokens", "4,,8"], ["--depth", "-1"],
     ["--vs", "vllm"], ["--vs", "llama.cpp,bogus"], ["--decode-tokens", "0"],

@@ -24,7 +24,7 @@ from llmc.errors import LlmcError
 from llmc.frontend import import_model, load_model
 from llmc.ir import find_function, tgt
 from llmc.ir.interpreter import KVCache, forward_logits
-from llmc.passes.pipeline import CompileOptions
+from llmc.passes.pipeline import PHASES, CompileOptions
 from llmc.runtime.artifact import ArtifactError
 from llmc.runtime.session import CapacityError, Session
 from llmc.verify import teacher_forced
@@ -197,7 +197,9 @@ def test_compile_cli_options(tiny, tmp_path, capsys) -> None:
     assert 'llm.phase = "lower"' in captured.out and "tgt.attention" in captured.out
     assert "lower" in captured.err  # progress per phase
     assert main(["compile", model, "--max-seq", "1000"]) == 2
-    assert "--max-seq must be in 1..64" in capsys.readouterr().err
+    assert "--max-seq must be in 2..64" in capsys.readouterr().err
+    assert main(["compile", model, "--max-seq", "1"]) == 2  # (no room for a token after the prompt's)
+    assert "--max-seq must be in 2..64 (the model's context length), got 1" in capsys.readouterr().err
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
@@ -208,6 +210,41 @@ def test_compile_cli_options(tiny, tmp_path, capsys) -> None:
     assert main(["compile", model, "-o", str(tmp_path / "a"), "--max-seq", "32", "--dump-ir", str(dumps)]) == 0
     names = sorted(p.name for p in dumps.iterdir())
     assert names[0] == "00-phase-import.mlir" and any("plan-memory" in n for n in names)
+
+
+def test_compile_to_stops_after_that_phase(tiny, capsys) -> None:
+    """`--compile-to P` prints P's IR and runs no phase after it (import included)."""
+    model = str(tiny(SPECS["gqa"], "gguf"))
+    for i, phase in enumerate(PHASES):
+        assert main(["compile", model, "--compile-to", phase, "--prefill-chunk", "4", "--max-seq", "32"]) == 0
+        out, err = capsys.readouterr()
+        assert f'llm.phase = "{phase}"' in out, phase
+        ran = [line.split()[0] for line in err.splitlines() if line.split() and line.split()[0] in PHASES]
+        assert ran == list(PHASES)[: i + 1], err
+
+
+def test_unwritable_ir_outputs_are_refused_before_the_work(tiny, tmp_path, capsys) -> None:
+    """An `-o` for IR text that is a folder or lies in no folder, and a `--dump-ir` that is a file, end in one
+    line and exit 2 before any phase runs (`llmc ir`, `opt`, `compile --compile-to`)."""
+    model = str(tiny(SPECS["gqa"], "gguf"))
+    ir_file = tmp_path / "q.mlir"
+    assert main(["ir", model, "-o", str(ir_file)]) == 0
+    capsys.readouterr()
+    folder, a_file, nowhere = tmp_path / "folder", tmp_path / "a_file", tmp_path / "missing" / "x.mlir"
+    folder.mkdir()
+    a_file.write_text("mine")
+    for command, message in [
+        (["ir", model, "-o", str(folder)], "it is a folder"),
+        (["opt", str(ir_file), "-o", str(folder)], "it is a folder"),
+        (["compile", model, "--compile-to", "split", "-o", str(folder)], "it is a folder"),
+        (["compile", model, "--compile-to", "split", "-o", str(nowhere)], "there is no folder"),
+        (["ir", model, "-o", str(nowhere)], "there is no folder"),
+        (["compile", model, "--compile-to", "optimize", "--dump-ir", str(a_file)], "cannot write --dump-ir"),
+    ]:
+        assert main(command) == 2, command
+        out, err = capsys.readouterr()
+        assert err.count("\n") == 1 and message in err and "import" not in err, (command, err)
+    assert a_file.read_text() == "mine" and not nowhere.parent.exists()
 
 
 def test_a_second_compile_takes_the_kernels_from_the_cache(tiny, tmp_path, monkeypatch) -> None:

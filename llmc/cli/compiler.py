@@ -15,17 +15,34 @@ from llmc.errors import UsageError
 def _out(text: str, path: str | None) -> None:
     if path is None or path == "-":
         sys.stdout.write(text)
-    else:
+        return
+    try:
         Path(path).write_text(text)
+    except OSError as e:
+        raise UsageError(f"cannot write -o {path}: {e.strerror or e}") from None
+
+
+def _check_out(path: str | None) -> None:
+    """Refuse, before any work, an `-o` for IR text that could not be written: a folder, or a file in a
+    folder that does not exist."""
+    if path is None or path == "-":
+        return
+    if Path(path).is_dir():
+        raise UsageError(f"cannot write -o {path}: it is a folder; name a file for the IR")
+    if not Path(path).parent.is_dir():
+        raise UsageError(f"cannot write -o {path}: there is no folder {Path(path).parent}")
 
 
 def _dumper(args: argparse.Namespace):
     from llmc.passes.pipeline import IRDumper
 
-    return IRDumper(
-        print_to=(lambda s: print(s, file=sys.stderr, end="")) if args.print_ir_after_all else None,
-        directory=Path(args.dump_ir) if getattr(args, "dump_ir", None) else None,
-    )
+    directory = getattr(args, "dump_ir", None)
+    try:
+        return IRDumper(print_to=(lambda s: print(s, file=sys.stderr, end="")) if args.print_ir_after_all else None,
+                        directory=Path(directory) if directory else None)
+    except OSError as e:  # (made before any work)
+        raise UsageError(f"cannot write --dump-ir {directory}: {e.strerror or e}; name a folder for the IR files") \
+            from None
 
 
 def cmd_ir(args: argparse.Namespace) -> int:
@@ -36,6 +53,7 @@ def cmd_ir(args: argparse.Namespace) -> int:
     from llmc.ir.text import print_module
     from llmc.passes.pipeline import phases_through, run_phase
 
+    _check_out(args.output)
     dump = _dumper(args)
     model = load_model(args.model, args.allow_pickle, args.tokenizer)
     module = import_model(model)
@@ -61,6 +79,7 @@ def cmd_opt(args: argparse.Namespace) -> int:
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"cannot read {args.file}: {e}") from e
     passes = parse_passes(args.passes or "")
+    _check_out(args.output)
     module = parse_module(text, source)
     verify_module(module)
     dump = _dumper(args)
@@ -95,6 +114,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from llmc.driver import BackendOptions, compile_model
 
     options = compile_options(args)
+    if args.compile_to:
+        _check_out(args.output)
     dump = _dumper(args)
     out = Path(args.output) if args.output else (None if args.compile_to else _default_output(args.model))
     backend = BackendOptions(args.target, args.cpu, args.gpu)

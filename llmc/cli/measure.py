@@ -69,9 +69,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.draft:
         raise UsageError("--draft is for --speculate")
     if args.plot:
-        from llmc.plot import check_matplotlib
+        from llmc.plot import check_plot
 
-        check_matplotlib()
+        check_plot(Path(args.plot))
     manifest = load_manifest(directory, check_files=False)  # (the session checks the files)
     prompts, depths, notes = fit_defaults(manifest.kv_cache["shape"][2], args.prompt_tokens, args.depth,
                                           args.decode_tokens)

@@ -4,6 +4,10 @@ A module records the last phase it went through (`llm.phase`); a pass that needs
 a later phase refuses an earlier one with a message that says which phase to run:
 
     llmc: error: pass 'lower' needs IR after phase 'group'; this module is at phase 'optimize'
+
+and a pass that takes IR up to a phase (`last_phase`) refuses a later one:
+
+    llmc: error: pass 'lower' needs IR of phase 'group' at the latest; this module is at phase 'lower' (the pass ran on it already)
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class LlmcPass(ModulePass):
     """A module pass that checks the module's phase before running."""
 
     requires_phase: ClassVar[str | None] = None
+    last_phase: ClassVar[str | None] = None  # the latest phase whose IR the pass takes (None: any)
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         phase = module_phase(op)
@@ -36,6 +41,9 @@ class LlmcPass(ModulePass):
             if PHASE_ORDER.index(phase) < PHASE_ORDER.index(self.requires_phase):
                 raise LlmcError(f"pass '{self.name}' needs IR after phase '{self.requires_phase}'; "
                                 f"this module is at phase '{phase}'")
+        if self.last_phase and phase in PHASE_ORDER and PHASE_ORDER.index(phase) > PHASE_ORDER.index(self.last_phase):
+            raise LlmcError(f"pass '{self.name}' needs IR of phase '{self.last_phase}' at the latest; this module "
+                            f"is at phase '{phase}' (the pass ran on it already)")
         self.run(ctx, op)
 
     def run(self, ctx: Context, module: ModuleOp) -> None:

@@ -388,9 +388,13 @@ def lower_function(function: func.FuncOp) -> func.FuncOp:
 class LowerPass(LlmcPass):
     name = "lower"
     requires_phase = "split"
+    last_phase = "group"
 
     def run(self, ctx: Context, module: ModuleOp) -> None:
         for function in self.functions(module):
+            if "tgt.max_tokens" in function.attributes:  # (a module lowered by `lower` alone is still at 'group')
+                raise LlmcError(f"pass 'lower' needs IR of phase 'group' at the latest; @{function.sym_name.data} "
+                                f"is lowered already")
             lowered = lower_function(function)
             module.body.block.insert_op_before(lowered, function)
             module.body.block.erase_op(function)

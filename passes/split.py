@@ -63,8 +63,11 @@ DEFAULT_SPECULATE = 8  # drafted tokens `@verify` checks at once (with the last 
 MAX_SPECULATE = MAX_BATCH - 1  # `@verify`'s rows, like decode's, share attention's partials
 
 
-def check_speculate(drafts: int) -> None:
-    """Refuse a `--speculate` that `@verify` cannot take (before a compile starts, and in the pass)."""
+def check_rows(max_batch: int, drafts: int) -> None:
+    """Refuse a `--max-batch` or `--speculate` the entry points cannot take, whatever the model (before a
+    compile starts, and in the pass)."""
+    if not 1 <= max_batch <= MAX_BATCH:
+        raise UsageError(f"--max-batch must be in 1..{MAX_BATCH}, got {max_batch}")
     if not 0 <= drafts <= MAX_SPECULATE:
         raise UsageError(f"--speculate must be in 0..{MAX_SPECULATE}, got {drafts}")
 
@@ -132,6 +135,7 @@ def _take_slots(function: func.FuncOp) -> None:
 class SplitPass(LlmcPass):
     name = "split"
     requires_phase = "quantize"
+    last_phase = "quantize"
 
     prefill_chunk: int = 0  # 0: the target's default (`TargetDescription.prefill_chunk`), at most max_seq
     max_seq: int = 0  # 0: the model's context length, capped at DEFAULT_MAX_SEQ_CAP
@@ -145,8 +149,8 @@ class SplitPass(LlmcPass):
         assert isinstance(cache, llm.KVCacheType)
         layers, kv_heads, context_length, head_dim = cache.shape
         max_seq = self.max_seq or min(context_length, DEFAULT_MAX_SEQ_CAP)
-        if not 1 <= max_seq <= context_length:
-            raise UsageError(f"--max-seq must be in 1..{context_length} (the model's context length), got {max_seq}")
+        if not 2 <= max_seq <= context_length:  # (a prompt token and one generated)
+            raise UsageError(f"--max-seq must be in 2..{context_length} (the model's context length), got {max_seq}")
         target = module.attributes.get(tgt.TARGET)
         default = target_description(target).prefill_chunk if isinstance(target, tgt.TargetAttr) \
             else DEFAULT_PREFILL_CHUNK
@@ -157,9 +161,7 @@ class SplitPass(LlmcPass):
             raise UsageError(f"--kv-type must be one of {', '.join(llm.KV_TYPES)}, got '{self.kv_type}'")
         if self.kv_type == "q8_0" and head_dim % 32:
             raise UsageError(f"--kv-type q8_0 needs a head dimension that is a multiple of 32, got {head_dim}")
-        if not 1 <= self.max_batch <= MAX_BATCH:
-            raise UsageError(f"--max-batch must be in 1..{MAX_BATCH}, got {self.max_batch}")
-        check_speculate(self.speculate)
+        check_rows(self.max_batch, self.speculate)
         batched = self.max_batch > 1
         rows = {"prefill": chunk, "prefill_kv": chunk, "decode": self.max_batch, "score": chunk,
                 "verify": min(self.speculate + 1, max_seq)}

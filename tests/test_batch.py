@@ -311,5 +311,6 @@ def test_max_batch_errors_are_one_line(tiny, capsys) -> None:
     assert exit_.value.code == 2
     assert main(["compile", model, "--max-batch", "65", "--compile-to", "split"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
+    assert not any(line.startswith("import") for line in err)  # refused before the model loads
     assert any("--max-batch: must be a positive integer, got 0" in line for line in err)
     assert any("--max-batch must be in 1..64, got 65" in line for line in err)

@@ -89,15 +89,19 @@ def test_hand_written_ir_round_trips() -> None:
     [
         ("tensor<32x32xf32>) -> tensor<?x32xf32>\n    %wk", "tensor<32x32xf32>) -> tensor<?x31xf32>\n    %wk",
          "llm.matmul: output width (weight vs result) mismatch: 32 vs 31"),
-        ("tensor<32x32xf32>", "tensor<32x30xf32>", "llm.matmul: reduction dimension (input vs weight) mismatch: 32 vs 30"),
+        ("tensor<32x32xf32>", "tensor<32x64xf32>", "llm.matmul: reduction dimension (input vs weight) mismatch: 32 vs 64"),
+        ("tensor<32x32xf32>", "tensor<32x30xf32>", "llm.weight: weight @blk.0.attn_q: rows of 30 are not whole q4_1 "
+                                                   "blocks"),
+        ("@blk.0.attn_norm f32", "@blk.0.attn_norm q4_k", "llm.weight: weight @blk.0.attn_norm: a q4_k weight must be "
+                                                          "a matrix, got tensor<32>"),
         ("tensor<32xf32>", "tensor<33xf32>", "llm.rms_norm: normalized width (input vs weight) mismatch: 32 vs 33"),
         ("-> tensor<?x40xf32>\n    func", "-> tensor<?x41xf32>\n    func", "llm.reshape: element count differs"),
         ("tensor<?x2x8xf32>", "tensor<?x1x16xf32>", "llm.attention: head dimension (query vs key) mismatch: 8 vs 16"),
         ("!llm.kv_cache<2x", "!llm.kv_cache<1x", "llm.attention: layer 1 is outside the cache's 1 layers"),
-        ("tensor<40x32xf32>", "tensor<40x16xf32>", "llm.embedding: embedding width (table vs result) mismatch: 16 vs 32"),
+        ("tensor<40x32xf32>", "tensor<40x64xf32>", "llm.embedding: embedding width (table vs result) mismatch: 64 vs 32"),
         ("tensor<?xi32>, !llm", "tensor<?xi64>, !llm", "llm.rope: positions must have element type i32, got i64"),
     ],
-    ids=["matmul-result", "matmul-k", "rms-norm", "reshape-count", "attention-head-dim", "attention-layer",
+    ids=["matmul-result", "matmul-k", "weight-blocks", "weight-not-a-matrix", "rms-norm", "reshape-count", "attention-head-dim", "attention-layer",
          "embedding", "rope-positions"],
 )
 def test_verifiers_name_the_op_and_dimensions(old: str, new: str, message: str) -> None:
@@ -195,3 +199,25 @@ def test_opt_cli_verifier_error_is_one_line(tmp_path, capsys) -> None:
     assert main(["opt", str(src)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "llm.rope: positions must have element type i32" in err
+
+
+def test_a_pass_refuses_ir_it_has_run_on(tiny, tmp_path, capsys) -> None:
+    """`split` and `lower` on IR they made end in one line saying so, not in a KeyError: by the module's phase,
+    and by the functions themselves where the phase does not tell (`lower` alone leaves the module at 'group')."""
+    quantized = tmp_path / "q.mlir"
+    assert main(["compile", str(tiny(SPECS["gqa"], "gguf")), "--compile-to", "quantize", "-o", str(quantized)]) == 0
+    split = "split{max_seq=16 prefill_chunk=4}"
+    lowered = tmp_path / "low.mlir"
+    assert main(["opt", str(quantized), "-p", f"{split},group,lower,fuse-norm,pack,plan-memory", "-o", str(lowered)]) == 0
+    capsys.readouterr()
+    for source, passes, expected in [
+        (quantized, f"{split},split", "pass 'split' needs IR of phase 'quantize' at the latest; this module is at "
+                                      "phase 'split'"),
+        (quantized, f"{split},group,lower,lower", "pass 'lower' needs IR of phase 'group' at the latest; @prefill is "
+                                                  "lowered already"),
+        (lowered, "lower", "this module is at phase 'lower' (the pass ran on it already)"),
+        (lowered, "pack,lower", "this module is at phase 'lower'"),
+    ]:
+        assert main(["opt", str(source), "-p", passes]) == 2, passes
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and expected in err, (passes, err)

@@ -45,7 +45,7 @@ from xdsl.irdl import (
 from xdsl.traits import Pure
 
 from llmc.ir.activations import ACTIVATIONS, Activation
-from llmc.ir.formats import Storage
+from llmc.ir.formats import FORMATS, Storage
 from llmc.ir.llm.attributes import (
     SCORING,
     ActivationAttr,
@@ -100,6 +100,11 @@ class WeightOp(IRDLOperation, _ShapeChecks):
         if None in shape or not shape:
             self._fail(f"weight @{self.sym_name} must have a static, non-empty shape, got tensor<{_dims(shape)}>")
         self._element("result", self.result)
+        storage = FORMATS[self.storage.data]
+        if not storage.is_float and len(shape) < 2:
+            self._fail(f"weight @{self.sym_name}: a {storage.storage} weight must be a matrix, got tensor<{_dims(shape)}>")
+        if not storage.fits(shape[-1]):
+            self._fail(f"weight @{self.sym_name}: rows of {shape[-1]} are not whole {storage.storage} blocks")
 
 
 @irdl_op_definition

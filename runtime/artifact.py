@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -168,6 +169,10 @@ def _check_schema(path: Path, data: dict) -> None:
                 and (tokenizer["chat_template"] is None or isinstance(tokenizer["chat_template"], str))):
             raise ValueError("tokenizer must hold bos_id and eos_id (integers or null), add_bos (a boolean) and "
                              "chat_template (a string or null)")
+        for key in ("bos_id", "eos_id"):
+            if tokenizer[key] is not None and not 0 <= tokenizer[key] < data["model"]["vocab_size"]:
+                raise ValueError(f"tokenizer.{key} {tokenizer[key]} is not a token of the model's "
+                                 f"{data['model']['vocab_size']}")
         if cpu and not (isinstance(data["cpu"]["features"], list)
                         and all(isinstance(f, str) for f in data["cpu"]["features"])):
             raise ValueError("cpu.features must be a list of strings")
@@ -336,6 +341,26 @@ def verified_bytes(manifest: Manifest, role: str) -> bytes:
     return data
 
 
+_PT_LOAD = 1
+
+
+def check_elf_extents(data: bytes, path: Path) -> None:
+    """Refuse a shared library whose segments reach past its end (a truncated file that the manifest's
+    size and sha256 were made to match): the loader maps them, and the first read past the end is a
+    SIGBUS, not an error. A 64-bit little-endian ELF's header, program headers and loaded segments must
+    lie inside `data`."""
+    size = len(data)
+    if size < 64 or data[:6] != b"\x7fELF\x02\x01":
+        raise ArtifactError(f"{path}: not a 64-bit little-endian ELF shared library; recompile")
+    phoff, phentsize, phnum = struct.unpack_from("<Q", data, 32)[0], *struct.unpack_from("<HH", data, 54)
+    if phentsize != 56 or phoff + phnum * phentsize > size:
+        raise ArtifactError(f"{path}: its program headers lie past its end (truncated?); recompile")
+    for i in range(phnum):
+        kind, _, offset, _, _, filesz = struct.unpack_from("<IIQQQQ", data, phoff + i * phentsize)
+        if kind == _PT_LOAD and offset + filesz > size:
+            raise ArtifactError(f"{path}: a segment ends at byte {offset + filesz} of {size} (truncated?); recompile")
+
+
 def load_verified_library(manifest: Manifest, check: bool = True):
     """`kernels.so` loaded with ctypes from a private copy whose sha256 was checked.
 
@@ -346,8 +371,10 @@ def load_verified_library(manifest: Manifest, check: bool = True):
 
     path = manifest.file("kernels")
     if not check:
+        check_elf_extents(path.read_bytes(), path)
         return ctypes.CDLL(str(path))
     data = verified_bytes(manifest, "kernels")
+    check_elf_extents(data, path)
     with tempfile.TemporaryDirectory(prefix="llmc-kernels-") as private:  # mode 0700
         copy = os.path.join(private, path.name)
         with open(copy, "wb") as f:

@@ -9,6 +9,7 @@ beside the old artifact so that a failed compile leaves it as it was.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -106,6 +107,14 @@ def _truncated_weights(consistent: bool) -> Callable[[Path, dict], None]:
     return edit
 
 
+def _truncated_kernels(directory: Path, m: dict) -> None:
+    """The kernels library cut in half, the manifest's size and sha256 of it made to match (the loader would
+    map segments past the end: a SIGBUS at the first read)."""
+    kernels = directory / m["files"]["kernels"]["path"]
+    kernels.write_bytes(kernels.read_bytes()[: kernels.stat().st_size // 2])
+    m["files"]["kernels"].update(bytes=kernels.stat().st_size, sha256=hashlib.sha256(kernels.read_bytes()).hexdigest())
+
+
 def _kernels_elsewhere(how: str) -> Callable[[Path, dict], None]:
     """The kernels entry names a library outside the folder: by absolute path, by `../`, by a symlink."""
 
@@ -147,6 +156,7 @@ CPU_CASES = {
     "weights-truncated": (_truncated_weights(consistent=False), "not the", []),
     "weights-truncated-manifest-too": (_truncated_weights(consistent=True), MATCHES + "files.weights.bytes", [],
                                        "contents do not match the manifest"),
+    "kernels-truncated-manifest-too": (_truncated_kernels, "a segment ends at byte", []),
     "kernels-absolute": (_kernels_elsewhere("absolute"), "outside the artifact directory", []),
     "kernels-parent": (_kernels_elsewhere("parent"), "outside the artifact directory", []),
     "kernels-symlink": (_kernels_elsewhere("symlink"), "outside the artifact directory", []),
@@ -171,7 +181,11 @@ def test_crafted_cpu_manifest_is_one_line(artifact, tmp_path, capsys, case: str,
 
 
 TOKENIZER_CASES = {
-    "bos-outside-vocabulary": ({"bos_id": 10**6, "add_bos": True}, "token id outside the vocabulary"),
+    "bos-outside-vocabulary": ({"bos_id": 10**6, "add_bos": True}, "tokenizer.bos_id 1000000 is not a token"),
+    "bos-past-int64": ({"bos_id": 2**64, "add_bos": True}, "is not a token of the model's"),
+    "bos-negative": ({"bos_id": -5, "add_bos": True}, "tokenizer.bos_id -5 is not a token"),
+    "eos-negative": ({"eos_id": -1}, "tokenizer.eos_id -1 is not a token"),
+    "eos-outside-vocabulary": ({"eos_id": 10**9}, "tokenizer.eos_id 1000000000 is not a token"),
     "eos-not-an-integer": ({"eos_id": "2"}, "tokenizer must hold"),
     "add-bos-not-a-boolean": ({"add_bos": "yes"}, "tokenizer must hold"),
 }

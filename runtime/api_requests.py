@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from llmc.errors import LlmcError, printable
 from llmc.runtime.batch import Request
 from llmc.runtime.codec import TextCodec
-from llmc.runtime.sampling import SamplingOptions
+from llmc.runtime.sampling import REPETITION_PENALTIES, SamplingOptions
 from llmc.runtime.session import CapacityError
 from llmc.runtime.templates import template_variables
 from llmc.runtime.tools import ToolUse, history, with_system_text
@@ -104,7 +104,6 @@ _NEUTRAL: dict[str, Callable[[object], bool]] = {
     "suffix": lambda v: v is None,
 }
 MAX_TEMPERATURE = 2.0  # as OpenAI
-MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
 MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}  # as OpenAI
 GRAMMAR_FORMATS = ("gbnf", "lark")
@@ -262,10 +261,8 @@ def _sampling(body: dict, kind: str, vocabulary: int) -> SamplingOptions:
     top_p = _number(body, "top_p", 1.0, 0, 1, "in (0, 1]")
     if top_p == 0:
         raise invalid("top_p", "top_p must be a number in (0, 1], got 0")
-    repetition = _number(body, "repetition_penalty", 1.0, 0, MAX_REPETITION_PENALTY,
-                         f"in (0, {MAX_REPETITION_PENALTY:g}] (1: none)")
-    if repetition == 0:
-        raise invalid("repetition_penalty", "repetition_penalty must be a number > 0 (1: none), got 0")
+    repetition = _number(body, "repetition_penalty", 1.0, *REPETITION_PENALTIES,
+                         "in [{:g}, {:g}] (1: none)".format(*REPETITION_PENALTIES))
     return SamplingOptions(
         temperature=_number(body, "temperature", 1.0, 0, MAX_TEMPERATURE, f"in [0, {MAX_TEMPERATURE:g}]"),
         top_k=top_k, top_p=top_p, seed=None if seed is None else seed % 2**64,

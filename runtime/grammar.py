@@ -119,6 +119,11 @@ class Grammar:
             raise GrammarError(f"{what}: {_one_line(self.start.get_error())}")
         self.vocab_size = tokenizer.vocab_size
         self.lock = threading.Lock()
+        first = self.constraint()  # a grammar that no text matches (`root ::= root`) fails at its first mask
+        try:
+            first.allowed()
+        except GrammarError as e:
+            raise GrammarError(f"{what}: no text matches it ({_one_line(first.matcher.get_error())})") from e
 
     @classmethod
     def json_schema(cls, codec: TextCodec, schema: dict) -> Grammar:

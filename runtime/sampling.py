@@ -16,6 +16,8 @@ from typing import Protocol
 import numpy as np
 
 MOST_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+# repetition penalties from 1/10 to 10: past them, a score divided or multiplied by the penalty reaches inf
+REPETITION_PENALTIES = (0.1, 10.0)
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,10 @@ class SamplingOptions:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name.replace('_', '-')} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"repetition-penalty must be > 0, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTIES
+        if not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition-penalty must be in [{low:g}, {high:g}] (1: none), got "
+                             f"{self.repetition_penalty:g}")
         for token, bias in self.logit_bias:
             if not isinstance(token, (int, np.integer)) or token < 0:
                 raise ValueError(f"logit-bias: a token id must be an integer >= 0, got {token!r}")

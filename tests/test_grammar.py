@@ -105,6 +105,11 @@ def test_gbnf_and_lark_grammars_shape_the_text(session, codec) -> None:
     (lambda c: Grammar.json_schema(c, ["a"]), "a JSON schema must be an object, got list"),
     (lambda c: Grammar.lark(c, "start: foo"), 'Lark grammar: at 1\\(8\\): unknown name: "foo"'),
     (lambda c: Grammar.gbnf(c, "root ::= missing"), "GBNF grammar: Rule 'missing' not found"),
+    # grammars that no text matches: refused when compiled, not when the first token is sampled
+    (lambda c: Grammar.gbnf(c, "root ::= root"), "GBNF grammar: no text matches it"),
+    (lambda c: Grammar.lark(c, "start: start"), "Lark grammar: no text matches it"),
+    (lambda c: Grammar.json_schema(c, {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}),
+     "JSON schema: no text matches it"),
 ])
 def test_refused_grammars_raise_one_line_errors(codec, make, message) -> None:
     with pytest.raises(GrammarError, match=message) as caught:

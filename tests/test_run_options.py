@@ -107,6 +107,17 @@ def test_stop_strings_hold_back_what_could_begin_one() -> None:
     assert [ending.push("aEN"), ending.flush()] == ["a", "EN"]
 
 
+def test_any_integer_seed_is_taken_modulo_2_64(capsys, directory) -> None:
+    """`--seed -1` samples as `--seed 2**64 - 1` does (the server's rule), not an internal error; another seed
+    samples otherwise."""
+    texts = {}
+    for seed in ("-1", str(2**64 - 1), "7"):
+        code, texts[seed], err = run(capsys, directory, "-p", "the cat", "-n", "12", "--temperature", "1.5",
+                                     "--seed", seed, "--no-speculate")
+        assert code == 0, err
+    assert texts["-1"] == texts[str(2**64 - 1)] != texts["7"]
+
+
 def test_closing_line_says_why_it_stopped(capsys, directory, codec) -> None:
     code, _, err = run(capsys, directory, "-p", "the cat", "-n", "5")
     assert code == 0 and closing(err)[1:3] == (5, "length (-n 5)") and closing(err)[3]
@@ -164,7 +175,9 @@ def refused(capsys, directory: Path, *options: str) -> str:
         (["--min-p", "x"], "expected a number, got 'x'"),
         (["--presence-penalty", "3"], "presence-penalty must be in [-2, 2]"),
         (["--frequency-penalty", "-3"], "frequency-penalty must be in [-2, 2]"),
-        (["--repeat-penalty", "0"], "repetition-penalty must be > 0"),
+        (["--repeat-penalty", "0"], "repetition-penalty must be in [0.1, 10]"),
+        (["--repeat-penalty", "1e-320"], "repetition-penalty must be in [0.1, 10]"),
+        (["-p", "ab\udcff"], "the text is not UTF-8: character 2 is byte 0xff"),
         (["--logit-bias", "5=1000"], "the bias of token 5 must be in [-100, 100]"),
         (["--logit-bias", "5"], "expected ID=BIAS"),
         (["--logit-bias", "99999=1"], "token 99999 is outside the model's vocabulary"),

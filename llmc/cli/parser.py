@@ -42,6 +42,10 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    return _int(text) % 2**64
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -283,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
                                help="sample among the K likeliest (0 = all)")
     sampling_args.add_argument("--top-p", type=float, default=1.0, metavar="P",
                                help="nucleus sampling mass in (0, 1] (default: 1)")
-    sampling_args.add_argument("--seed", type=_int, metavar="S", help="random seed for sampling")
+    sampling_args.add_argument("--seed", type=_seed, metavar="S",
+                               help="random seed for sampling (any integer, taken modulo 2**64 as the server does)")
     sampling_args.add_argument("--min-p", type=_number, default=0.0, metavar="P",
                                help="drop tokens less likely than P times the likeliest, in [0, 1] (default: 0)")
     sampling_args.add_argument("--presence-penalty", type=_number, default=0.0, metavar="X",
@@ -294,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "in [-2, 2] (OpenAI's; default: 0)")
     sampling_args.add_argument("--repeat-penalty", "--repetition-penalty", type=_number, default=1.0, metavar="X",
                                help="divide the positive logits (multiply the negative ones) of the tokens in the "
-                                    "prompt and the text so far by X > 0 (llama.cpp's and transformers'; default: 1)")
+                                    "prompt and the text so far by X in [0.1, 10] (llama.cpp's and transformers'; default: 1)")
     sampling_args.add_argument("--logit-bias", type=_token_bias, action="append", metavar="ID=BIAS",
                                help="add BIAS in [-100, 100] to token ID's logit (-100 bans it, 100 forces it; "
                                     "repeatable)")

@@ -38,6 +38,7 @@ from llmc.abi import KV_LAYOUT, KV_LAYOUT_SLOTS, entry_arguments
 from llmc.errors import LlmcError
 from llmc.ir import llm, tgt
 from llmc.ir.activations import activation_of
+from llmc.ir.formats import FORMATS
 from llmc.ir.interfaces import OpInterface
 from llmc.ir.interpreter import scalar
 from llmc.ir.layouts import Layout
@@ -151,6 +152,9 @@ def _weight(lo: _Lowering, op: llm.WeightOp) -> None:
         shape = tuple(d for d in llm.shape_of(op.result) if d is not None)
         if len(shape) > 2:  # experts' matrices: their rows stacked, `[experts·out, in]`
             shape = (math.prod(shape[:-1]), shape[-1])
+        if len(shape) < 2 and not FORMATS[op.storage.data].is_float:  # (`quantize` makes such vectors f32)
+            raise LlmcError(f"lower: weight @{op.sym_name} is a {op.storage.data} vector; kernels read vectors "
+                            f"as floats (run `quantize`, or store it f32)")
         weight_type = tgt.WeightType(shape, op.storage.data, Layout.STORED)
         lo.weights[op.sym_name] = lo.emit(tgt.WeightOp(op.sym_name, weight_type)).result
     lo.buffers[op.result] = lo.weights[op.sym_name]

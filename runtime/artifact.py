@@ -170,9 +170,12 @@ def _check_schema(path: Path, data: dict) -> None:
             raise ValueError("tokenizer must hold bos_id and eos_id (integers or null), add_bos (a boolean) and "
                              "chat_template (a string or null)")
         for key in ("bos_id", "eos_id"):
-            if tokenizer[key] is not None and not 0 <= tokenizer[key] < data["model"]["vocab_size"]:
-                raise ValueError(f"tokenizer.{key} {tokenizer[key]} is not a token of the model's "
-                                 f"{data['model']['vocab_size']}")
+            if tokenizer[key] is not None and not 0 <= tokenizer[key] < 2**31:
+                raise ValueError(f"tokenizer.{key} {tokenizer[key]} is not a token id")
+        if tokenizer["add_bos"] and tokenizer["bos_id"] is not None and tokenizer["bos_id"] >= data["model"]["vocab_size"]:
+            # (an end-of-text id past the vocabulary is harmless: it is never sampled)
+            raise ValueError(f"tokenizer.bos_id {tokenizer['bos_id']}, put before every prompt, is not a token of "
+                             f"the model's {data['model']['vocab_size']}")
         if cpu and not (isinstance(data["cpu"]["features"], list)
                         and all(isinstance(f, str) for f in data["cpu"]["features"])):
             raise ValueError("cpu.features must be a list of strings")

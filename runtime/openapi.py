@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from llmc.runtime.sampling import REPETITION_PENALTIES
+
 if TYPE_CHECKING:
     from llmc.runtime.api_requests import Limits
 
@@ -62,7 +64,8 @@ def openapi_schema(model: str, limits: Limits, max_choices: int = 1) -> dict:
         "user": {},
         "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
         "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
-        "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 10,
+        "repetition_penalty": _nullable({"type": "number", "minimum": REPETITION_PENALTIES[0],
+                                         "maximum": REPETITION_PENALTIES[1],
                                          "description": "llama.cpp's, over the prompt and the reply (1: none)"}),
         "logit_bias": _nullable({"type": "object", "maxProperties": 1024,
                                  "propertyNames": {"pattern": "^[0-9]+$"},

@@ -35,7 +35,7 @@ class SamplingOptions:
     min_p: float = 0.0  # drop tokens below min_p × the top token's probability
     presence_penalty: float = 0.0  # OpenAI's, over the generated tokens (-2..2)
     frequency_penalty: float = 0.0  # OpenAI's, over the generated tokens (-2..2)
-    repetition_penalty: float = 1.0  # HF/llama.cpp's, over prompt + generated tokens (> 0)
+    repetition_penalty: float = 1.0  # HF/llama.cpp's, over prompt + generated tokens (0.1..10)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias -100..100), OpenAI's
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the k likeliest (k <= 20)
 

@@ -48,7 +48,7 @@ from llmc.errors import LlmcError, printable
 MAX_INT_BITS = 1 << 16  # integers past this make arithmetic slow (CPython's division is quadratic)
 _ON_TIME = "llmc_on_time"  # the filter `_CodeGenerator` puts on every loop
 _PERCENT_CONVERSION = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?[^\d]")
-_TRACED = ("jinja2.", "markupsafe.", __name__)  # the modules whose calls `_Budget.tick` checks
+_TRACED = ("jinja2.", "markupsafe", __name__)  # the modules whose calls `_Budget.tick` checks
 _FLOAT_DIGITS = 320  # the most characters '%f' writes for a float beyond its precision
 
 

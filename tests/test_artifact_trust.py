@@ -181,11 +181,12 @@ def test_crafted_cpu_manifest_is_one_line(artifact, tmp_path, capsys, case: str,
 
 
 TOKENIZER_CASES = {
-    "bos-outside-vocabulary": ({"bos_id": 10**6, "add_bos": True}, "tokenizer.bos_id 1000000 is not a token"),
-    "bos-past-int64": ({"bos_id": 2**64, "add_bos": True}, "is not a token of the model's"),
-    "bos-negative": ({"bos_id": -5, "add_bos": True}, "tokenizer.bos_id -5 is not a token"),
-    "eos-negative": ({"eos_id": -1}, "tokenizer.eos_id -1 is not a token"),
-    "eos-outside-vocabulary": ({"eos_id": 10**9}, "tokenizer.eos_id 1000000000 is not a token"),
+    "bos-outside-vocabulary": ({"bos_id": 10**6, "add_bos": True}, "tokenizer.bos_id 1000000, put before every "
+                                                                     "prompt, is not a token of the model's"),
+    "bos-past-int64": ({"bos_id": 2**64, "add_bos": True}, f"tokenizer.bos_id {2**64} is not a token id"),
+    "bos-negative": ({"bos_id": -5, "add_bos": True}, "tokenizer.bos_id -5 is not a token id"),
+    "eos-negative": ({"eos_id": -1}, "tokenizer.eos_id -1 is not a token id"),
+    "eos-past-int32": ({"eos_id": 2**31}, f"tokenizer.eos_id {2**31} is not a token id"),
     "eos-not-an-integer": ({"eos_id": "2"}, "tokenizer must hold"),
     "add-bos-not-a-boolean": ({"add_bos": "yes"}, "tokenizer must hold"),
 }

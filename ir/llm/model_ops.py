@@ -100,9 +100,7 @@ class WeightOp(IRDLOperation, _ShapeChecks):
         if None in shape or not shape:
             self._fail(f"weight @{self.sym_name} must have a static, non-empty shape, got tensor<{_dims(shape)}>")
         self._element("result", self.result)
-        storage = FORMATS[self.storage.data]
-        if not storage.is_float and len(shape) < 2:
-            self._fail(f"weight @{self.sym_name}: a {storage.storage} weight must be a matrix, got tensor<{_dims(shape)}>")
+        storage = FORMATS[self.storage.data]  # (a quantized vector is valid: `quantize` makes it f32)
         if not storage.fits(shape[-1]):
             self._fail(f"weight @{self.sym_name}: rows of {shape[-1]} are not whole {storage.storage} blocks")
 

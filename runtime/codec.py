@@ -152,7 +152,7 @@ class TextCodec:
         except UnicodeEncodeError as e:  # (a command line's bytes that are not UTF-8 arrive as lone surrogates)
             code = ord(text[e.start])
             what = f"byte {code - 0xDC00:#04x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
-            raise TokenizerError(f"the text is not UTF-8: character {e.start} is {what}") from None
+            raise TokenizerError(f"{failed}: it is not UTF-8 (character {e.start} is {what})") from None
         with tokenizer_failures(lambda problem: TokenizerError(f"{failed}: {problem}")):
             # `encode_batch` releases the GIL while it works (`encode` holds it: a long prompt would stop
             # every other thread, the server's event loop among them)

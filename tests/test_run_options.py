@@ -177,7 +177,7 @@ def refused(capsys, directory: Path, *options: str) -> str:
         (["--frequency-penalty", "-3"], "frequency-penalty must be in [-2, 2]"),
         (["--repeat-penalty", "0"], "repetition-penalty must be in [0.1, 10]"),
         (["--repeat-penalty", "1e-320"], "repetition-penalty must be in [0.1, 10]"),
-        (["-p", "ab\udcff"], "the text is not UTF-8: character 2 is byte 0xff"),
+        (["-p", "ab\udcff"], "tokenizer failed on this text: it is not UTF-8 (character 2 is byte 0xff)"),
         (["--logit-bias", "5=1000"], "the bias of token 5 must be in [-100, 100]"),
         (["--logit-bias", "5"], "expected ID=BIAS"),
         (["--logit-bias", "99999=1"], "token 99999 is outside the model's vocabulary"),

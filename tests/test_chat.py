@@ -332,3 +332,15 @@ def test_sigint_handler_is_restored_after_a_reply(artifacts) -> None:
         run_chat(chat, read=lambda prompt: next(lines), out=null, err=null)
     assert signal.getsignal(signal.SIGINT) is before
     assert [m["role"] for m in chat.messages] == ["user", "assistant"]
+
+
+@pytest.mark.parametrize("errors", ["strict", "surrogateescape"])
+def test_a_line_that_is_not_utf8_is_not_sent_and_the_chat_goes_on(artifacts, errors: str) -> None:
+    """Whatever the locale makes of standard input's undecodable bytes (`PYTHONIOENCODING` stands in for it)."""
+    proc = subprocess.run([sys.executable, "-m", "llmc", "chat", str(artifacts["short"]), "-n", "3"],
+                          input=b"\xff\xfe\nhello\n", capture_output=True, timeout=60,
+                          env={**os.environ, "PYTHONIOENCODING": f"utf-8:{errors}"})
+    stderr = proc.stderr.decode()
+    assert proc.returncode == 0, stderr
+    assert "[the line is not UTF-8 text (at character 0): not sent]" in stderr
+    assert proc.stdout.decode().count("> ") == 3 and "Traceback" not in stderr  # then "hello" was answered

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from llmc.errors import UsageError
 from llmc.runtime.bench import EngineSpeeds
+from llmc.textfile import check_writable
 
 INSTALL_HINT = "pip install 'llmc[bench]' (matplotlib)"
 
@@ -18,10 +19,7 @@ def check_plot(path: Path) -> None:
 
     if importlib.util.find_spec("matplotlib") is None:
         raise UsageError(f"--plot needs matplotlib: {INSTALL_HINT}")
-    if path.is_dir():
-        raise UsageError(f"cannot write --plot {path}: it is a folder; name a .png file")
-    if not path.parent.is_dir():
-        raise UsageError(f"cannot write --plot {path}: there is no folder {path.parent}")
+    check_writable("--plot", path, "a .png file")
 
 
 def plot_bench(path: Path, engines: Sequence[EngineSpeeds], prompts: Sequence[int], depths: Sequence[int],

@@ -1,13 +1,15 @@
 """A user's text file, read for an option (`-f`, `--json-schema`, `--grammar`, `--calibrate`): bounded,
-UTF-8, every failure one line naming the option and the file. Standard library only (`llmc run` reads with it
-and loads no compiler).
+UTF-8, every failure one line naming the option and the file; and a file an option will write, checked before
+the work. Standard library only (`llmc run` reads with it and loads no compiler).
 
     text = read_text("--grammar", "json.gbnf", 1 << 20)   # or UsageError: --grammar json.gbnf: cannot read it: …
+    check_writable("--plot", Path("a/b.png"), "a .png file")  # or UsageError: … there is no folder a
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from llmc.errors import UsageError
 
@@ -28,3 +30,12 @@ def read_text(option: str, name: str, limit: int) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise UsageError(f"{option} {name}: not UTF-8 text (byte {e.start} is {data[e.start]:#04x})") from None
+
+
+def check_writable(option: str, path: Path, what: str) -> None:
+    """Refuse, before any work, a file `option` names that could not be written: a folder, or a file in a
+    folder that does not exist (`what` names what to give instead of a folder)."""
+    if path.is_dir():
+        raise UsageError(f"cannot write {option} {path}: it is a folder; name {what}")
+    if not path.parent.is_dir():
+        raise UsageError(f"cannot write {option} {path}: there is no folder {path.parent}")

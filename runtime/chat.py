@@ -164,8 +164,8 @@ HELP = "/reset forgets the conversation, /system TEXT sets the system prompt, /q
 def run_chat(chat: Chat, read: Callable[[str], str] = input, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
              verbose: bool = False) -> None:
     """The terminal loop: read a line at `> `, answer it, until /quit, end of input or Ctrl-C at the prompt."""
-    if read is input:
-        sys.stdin.reconfigure(errors="surrogateescape")  # a line that is not UTF-8 is refused below, whatever the locale
+    if read is input and hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is refused below, whatever
+        sys.stdin.reconfigure(errors="surrogateescape")        # the locale
     if read is input and sys.stdin.isatty():
         try:
             import readline  # noqa: F401  (line editing and history for input())

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from llmc.cli.common import compile_options, progress
 from llmc.errors import UsageError
+from llmc.textfile import check_writable
 
 
 def _out(text: str, path: str | None) -> None:
@@ -23,14 +24,9 @@ def _out(text: str, path: str | None) -> None:
 
 
 def _check_out(path: str | None) -> None:
-    """Refuse, before any work, an `-o` for IR text that could not be written: a folder, or a file in a
-    folder that does not exist."""
-    if path is None or path == "-":
-        return
-    if Path(path).is_dir():
-        raise UsageError(f"cannot write -o {path}: it is a folder; name a file for the IR")
-    if not Path(path).parent.is_dir():
-        raise UsageError(f"cannot write -o {path}: there is no folder {Path(path).parent}")
+    """An `-o` for IR text (not standard output) checked before any work."""
+    if path is not None and path != "-":
+        check_writable("-o", Path(path), "a file for the IR")
 
 
 def _dumper(args: argparse.Namespace):

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TextIO
 
-from llmc.runtime.codec import TextCodec
+from llmc.runtime.codec import TextCodec, not_utf8
 from llmc.runtime.generate import Generation
 from llmc.runtime.sampling import SamplingOptions
 from llmc.runtime.session import CapacityError, Conversation
@@ -193,10 +193,9 @@ def run_chat(chat: Chat, read: Callable[[str], str] = input, out: TextIO = sys.s
         text = line.strip()
         if not text:
             continue
-        try:
-            text.encode()
-        except UnicodeEncodeError as e:  # (bytes that are not UTF-8 arrive as lone surrogates)
-            note(f"[the line is not UTF-8 text (at character {e.start}): not sent]")
+        problem = not_utf8(text)
+        if problem:  # (before the line joins the conversation)
+            note(f"[the line is not UTF-8 text ({problem}): not sent]")
             continue
         if text.startswith("/"):
             command, _, rest = text.partition(" ")

@@ -127,6 +127,18 @@ def read_chat_template(path: Path | str, limits: RenderLimits = DEFAULT_LIMITS, 
     return text
 
 
+def not_utf8(text: str) -> str | None:
+    """Where `text` is not UTF-8 ("character 2 is byte 0xff"), or None: bytes that are not UTF-8 arrive from a
+    command line or standard input as lone surrogates, and no tokenizer takes them."""
+    try:
+        text.encode()
+        return None
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        what = f"byte {code - 0xDC00:#04x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
+        return f"character {e.start} is {what}"
+
+
 @dataclass
 class TextCodec:
     tokenizer: Tokenizer
@@ -147,12 +159,9 @@ class TextCodec:
     def encode(self, text: str, bos: bool = True) -> list[int]:
         """The text's ids, after the beginning-of-text token where the model adds one (and `bos`)."""
         failed = "the model's tokenizer failed on this text"
-        try:
-            text.encode()
-        except UnicodeEncodeError as e:  # (a command line's bytes that are not UTF-8 arrive as lone surrogates)
-            code = ord(text[e.start])
-            what = f"byte {code - 0xDC00:#04x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
-            raise TokenizerError(f"{failed}: it is not UTF-8 (character {e.start} is {what})") from None
+        problem = not_utf8(text)
+        if problem:
+            raise TokenizerError(f"{failed}: it is not UTF-8 ({problem})")
         with tokenizer_failures(lambda problem: TokenizerError(f"{failed}: {problem}")):
             # `encode_batch` releases the GIL while it works (`encode` holds it: a long prompt would stop
             # every other thread, the server's event loop among them)

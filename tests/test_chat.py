@@ -342,5 +342,5 @@ def test_a_line_that_is_not_utf8_is_not_sent_and_the_chat_goes_on(artifacts, err
                           env={**os.environ, "PYTHONIOENCODING": f"utf-8:{errors}"})
     stderr = proc.stderr.decode()
     assert proc.returncode == 0, stderr
-    assert "[the line is not UTF-8 text (at character 0): not sent]" in stderr
+    assert "[the line is not UTF-8 text (character 0 is byte 0xff): not sent]" in stderr
     assert proc.stdout.decode().count("> ") == 3 and "Traceback" not in stderr  # then "hello" was answered

@@ -179,6 +179,14 @@ class Model:
     def tokenizer(self) -> TextCodec:
         return self.make_tokenizer()
 
+    def check_bos(self) -> None:
+        """The token put before every prompt is one of the model's: an artifact whose is not would
+        be refused by the runtime (a tokenizer may hold more tokens than the embedding has rows)."""
+        codec = self.tokenizer
+        if codec.add_bos and codec.bos_id is not None and codec.bos_id >= self.config.vocab_size:
+            raise ModelFormatError(self.source, f"the tokenizer puts token {codec.bos_id} before every prompt, "
+                                                f"outside the model's vocabulary of {self.config.vocab_size}")
+
 
 # fused tensors (Phi-3's `qkv_proj` and `gate_up_proj`, as HF and GGUF store them) → their parts
 FUSED = ("attn_qkv", "ffn_gate_up")

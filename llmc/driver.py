@@ -209,6 +209,7 @@ def compile_loaded(model: Model, out: Path | None, options: CompileOptions, back
     if compile_to is not None:
         return print_module(module)
     assert out is not None
+    model.check_bos()  # (a graph's vocabulary is known once optimize has raised it)
     return build_artifact(module, model, out, backend, asdict(options) | asdict(backend), progress)
 
 

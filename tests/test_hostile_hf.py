@@ -20,7 +20,7 @@ from crafted import (
     safetensors_bytes,
     safetensors_of,
 )
-from hostile import SPEC, assert_cli_rejects, assert_rejected, hf_weights
+from hostile import SPEC, assert_cli_rejects, assert_rejected, cli_compile, hf_weights
 from tiny_models import TinySpec, random_weights, write_hf
 
 from llmc.errors import ModelFormatError
@@ -322,6 +322,24 @@ def test_cli_compile_of_crafted_hf_directory_prints_one_line(name: str, hf_dir: 
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     HF_CASES[name][0](hf_dir)
     assert_cli_rejects(hf_dir, tmp_path / "out", capsys)
+
+
+def test_cli_compile_refuses_a_bos_token_outside_the_model(hf_dir: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A tokenizer may hold more tokens than the embedding has rows; the one put before every prompt must be
+    a row of it (the runtime refuses such an artifact: compile must not write it)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken("<bos>", special=True, normalized=False)])
+    (hf_dir / "tokenizer.json").write_text(tokenizer.to_str())
+    settings = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(settings | {"bos_token": "<bos>", "add_bos_token": True}))
+    code, err = cli_compile(hf_dir, tmp_path / "out", capsys)
+    errors = [line for line in err.splitlines() if line.startswith("llmc: error:")]  # (after the phases' lines)
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert f"token {tokenizer.token_to_id('<bos>')} before every prompt, outside the model's vocabulary of" in err
+    assert not (tmp_path / "out").exists()
 
 
 # ------------------------------------------- config values: sizes the tensors cannot hold, numbers out of range

@@ -26,7 +26,7 @@ from llmc.driver import BackendOptions, compile_model
 from llmc.passes.pipeline import CompileOptions
 from llmc.runtime.artifact import MANIFEST, ArtifactError, load_manifest
 from llmc.runtime.cuda import check_kernels
-from llmc.runtime.session import Session, open_session
+from llmc.runtime.session import HUGE_PAGE, Session, load_weights, open_session
 
 SPEC = SPECS["gqa"]  # (the artifact test_compile.py builds too: one compile for both)
 
@@ -205,6 +205,18 @@ def test_untouched_copy_runs_with_and_without_hashing(artifact, tmp_path, capsys
     copy = _copy(artifact(SPEC), tmp_path / "copy")
     for extra in ([], ["--no-verify"]):
         assert main(["run", str(copy), "-p", "x", "-n", "1", *extra]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, (1 << 21) + 77])
+def test_weights_are_read_in_whole_read_only_and_on_a_2_mb_boundary(tmp_path: Path, size: int) -> None:
+    """`load_weights` (the CPU session's weights, in memory Linux may back with huge pages): the file's
+    bytes, all of them, at a 2 MB boundary, and not writable (the file mapping was read-only too)."""
+    data = os.urandom(size)
+    (tmp_path / "weights.bin").write_bytes(data)
+    weights = load_weights(tmp_path / "weights.bin")
+    assert weights.tobytes() == data and weights.ctypes.data % HUGE_PAGE == 0
+    with pytest.raises(ValueError, match="read-only"):
+        weights[:1] = 0
 
 
 def test_kernels_without_a_description_are_refused(artifact, tmp_path, capsys) -> None:

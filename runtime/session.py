@@ -363,20 +363,28 @@ class Session(Conversation):
             raise ArtifactError(f"{kernels}: cannot load: {e}") from e
         check_description(manifest, library_description(self.library, kernels), kernels)  # before any allocation
         super().__init__(manifest)
-        self.weights = load_weights(self.manifest.file("weights"))
-        self.amx, why = amx.enable(self.library)
-        if not self.amx and "failed" in why:
-            print(f"llmc: AMX tiles unavailable ({why}): prefill runs on VNNI", file=sys.stderr)
-        self.entries = {name: (entry["symbol"], entry["arguments"]) for name, entry in self.manifest.entry_points.items()}
-        kv = self.manifest.kv_cache
-        self.k_cache = np.zeros(kv["shape"], KV_DTYPES[kv["dtype"]])
-        self.v_cache = np.zeros(kv["shape"], KV_DTYPES[kv["dtype"]])
-        self.arena = np.zeros(max(e["arena_bytes"] for e in self.manifest.entry_points.values()) + 64, np.uint8)
         most = self.manifest.data["max_threads"]
         self.threads = threads or min(default_threads(), most)
         if not 1 <= self.threads <= most:
             raise LlmcError(f"--threads must be in 1..{most} (what the artifact's kernels split work for), "
                             f"got {self.threads}")
+        kv = self.manifest.kv_cache
+        arena_bytes = max(e["arena_bytes"] for e in self.manifest.entry_points.values()) + 64
+        try:
+            self.weights = load_weights(self.manifest.file("weights"))
+            self.k_cache = np.zeros(kv["shape"], KV_DTYPES[kv["dtype"]])
+            self.v_cache = np.zeros(kv["shape"], KV_DTYPES[kv["dtype"]])
+            self.arena = np.zeros(arena_bytes, np.uint8)
+        except (MemoryError, OSError) as e:
+            weights = self.manifest.data["files"]["weights"]["bytes"]
+            cache = 2 * int(np.prod(kv["shape"])) * np.dtype(KV_DTYPES[kv["dtype"]]).itemsize
+            raise ArtifactError(f"{directory}: cannot load it ({weights / 1e6:.1f} MB of weights, a {cache / 1e6:.1f} MB "
+                                f"KV cache, {arena_bytes / 1e6:.1f} MB of activations; a smaller cache: compile with a "
+                                f"smaller --max-seq): {getattr(e, 'strerror', None) or e}") from None
+        self.amx, why = amx.enable(self.library)
+        if not self.amx and "failed" in why:
+            print(f"llmc: AMX tiles unavailable ({why}): prefill runs on VNNI", file=sys.stderr)
+        self.entries = {name: (entry["symbol"], entry["arguments"]) for name, entry in self.manifest.entry_points.items()}
         self.sync = np.zeros(SYNC_WORDS, np.int64)
         self.team = _Team(self.library, self.manifest.data["team_jobs"], self.threads)
         self.buffers = {"tokens": _ptr(self.tokens), "positions": _ptr(self.positions), "slots": _ptr(self.slot_ids),

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from hostile import MAX_SECONDS, assert_one_clean_line, hang_guard
 from test_compile import SPECS
+from tiny_models import TinySpec
 
 from llmc.cli import main
 from llmc.driver import BackendOptions, compile_model
@@ -217,6 +218,29 @@ def test_weights_are_read_in_whole_read_only_and_on_a_2_mb_boundary(tmp_path: Pa
     assert weights.tobytes() == data and weights.ctypes.data % HUGE_PAGE == 0
     with pytest.raises(ValueError, match="read-only"):
         weights[:1] = 0
+
+
+_LOAD_IN_LITTLE_MEMORY = """
+import re, resource, sys
+import numpy, tokenizers, llmc.runtime.session, llmc.runtime.codec, llmc.runtime.generate, llmc.cli.artifact
+from llmc.cli import main
+size = int(re.search(r"VmSize:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (size + (8 << 20), resource.RLIM_INFINITY))
+sys.exit(main(["run", sys.argv[1], "-p", "x", "-n", "1"]))
+"""
+
+
+def test_an_artifact_larger_than_the_memory_left_is_one_line(artifact) -> None:
+    """Weights, KV cache and arena that the process cannot allocate (here a 2 x 16 MB KV cache with 8 MB of address
+    space left): one line that says what the artifact needs, not an internal MemoryError or OSError."""
+    import subprocess
+    import sys
+
+    directory = artifact(TinySpec(context_length=1 << 16), max_seq=1 << 16)
+    run = subprocess.run([sys.executable, "-c", _LOAD_IN_LITTLE_MEMORY, str(directory)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and run.stderr.startswith("llmc: error: "), run.stderr
+    assert "cannot load it (" in run.stderr and "MB KV cache" in run.stderr, run.stderr
 
 
 def test_kernels_without_a_description_are_refused(artifact, tmp_path, capsys) -> None:

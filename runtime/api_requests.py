@@ -221,7 +221,7 @@ def _logit_bias(body: dict, vocabulary: int) -> tuple[tuple[int, float], ...]:
         raise invalid("logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
     out = []
     for key, value in bias.items():
-        if not (key.isascii() and key.isdigit() and int(key) < vocabulary):
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < vocabulary):  # (ids < 2**31)
             raise invalid("logit_bias", f"logit_bias keys must be token ids below {vocabulary}, got {_show(key)}")
         if not _is_number(value) or not -100 <= value <= 100:
             raise invalid("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {_show(value)} for "
@@ -283,7 +283,7 @@ def _stop(body: dict) -> list[str]:
         raise invalid("stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
     if any(not s for s in stops):
         raise invalid("stop", "stop strings must not be empty")
-    return stops
+    return [_text(s, "stop") for s in stops]
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
@@ -600,6 +600,9 @@ class RequestParser:
         body = json_object(raw)
         _check_fields(body, kind)
         self.check_model(body.get("model"))
+        user = body.get("user")  # (an end user's id, for abuse monitoring at OpenAI: here only checked)
+        if user is not None and not isinstance(user, str):
+            raise invalid("user", f"user must be a string, got {_show(user)}")
         return body
 
     def _job(self, body: dict, kind: str, prompt: list[int], max_names: tuple[str, ...], default_max: int | None,
@@ -618,7 +621,7 @@ class RequestParser:
         if max_tokens is None:
             max_tokens = room if default_max is None else min(default_max, room)
         elif max_tokens > room:
-            raise invalid(max_name, f"{max_name} is {max_tokens}, but the KV cache holds {self.capacity} tokens per "
+            raise invalid(max_name, f"{max_name} is {_show(max_tokens)}, but the KV cache holds {self.capacity} tokens per "
                                     f"sequence and the prompt takes {len(prompt)}: at most {room} remain",
                           "context_length_exceeded")
         n = body.get("n")

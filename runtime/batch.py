@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmc.errors import LlmcError
+from llmc.runtime.grammar import GrammarError
 from llmc.runtime.sampling import Constraint, Sampler, SamplingOptions, TokenLogprob, log_probs
 from llmc.runtime.session import CapacityError, Conversation, common_prefix
 from llmc.runtime.speculate import PromptLookup, Speculation, accept
@@ -70,7 +71,7 @@ class Request:
     `emit(token, logprob)` receives each new token (the end-of-sequence token is not emitted)
     and, when `sampling.logprobs` is set, its `TokenLogprob` (else None); `finish(reason)` is
     called once: "stop" (end of sequence), "length" (`max_tokens` or the cache's capacity),
-    "cancelled", or "error: …". `constraint` (a grammar's, fresh for this request) masks the
+    "cancelled", "grammar: …" (its grammar failed while generating: a limit of its matcher), or "error: …". `constraint` (a grammar's, fresh for this request) masks the
     tokens it does not allow. `prompt_logprobs` (echo) is called once, before the first
     `emit`, with each prompt token's logprobs (None for the first); `max_tokens` may then be 0.
 
@@ -138,6 +139,11 @@ class CallCost:
     def __call__(self, rows: int) -> float:
         intercept, slope, least = self.line
         return max(intercept + slope * rows, least)
+
+
+def _failure(e: Exception) -> str:
+    """The finish reason of a sequence whose sampling failed with `e`: the request's grammar, or an error."""
+    return f"grammar: {e}" if isinstance(e, GrammarError) else f"error: {e}"
 
 
 def _finish(request: Request, reason: str) -> None:
@@ -276,7 +282,7 @@ class Engine:
         try:
             token = seq.sampler(logits)
         except Exception as e:
-            self._end(seq, f"error: {e}")
+            self._end(seq, _failure(e))
             return
         self._take(seq, [token])
 
@@ -372,7 +378,7 @@ class Engine:
             try:
                 accepted, token = accept(seq.sampler, logits, draft)
             except Exception as e:
-                self._end(seq, f"error: {e}")
+                self._end(seq, _failure(e))
                 continue
             if draft:
                 self.drafted += len(draft)

@@ -230,6 +230,7 @@ class Server:
                                 Exception: self._internal_error},
             lifespan=self._lifespan,
         )
+        self.app.router.redirect_slashes = False  # (Starlette's redirect names the client's Host: a 404 instead)
 
     # -------------------------------------------------------------- lifecycle
 

@@ -260,6 +260,10 @@ def test_concurrent_streams_equal_each_alone(client) -> None:
         ("completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias", "token ids below"),
         ("completions", {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias", "token ids below"),
         ("completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "in [-100, 100]"),
+        ("completions", {"prompt": "x", "logit_bias": {"9" * 5000: 1}}, "logit_bias", "token ids below"),
+        ("completions", {"prompt": "x", "user": ["a"]}, "user", "user must be a string"),
+        ("completions", {"prompt": "x", "stop": ["a", "\ud800"]}, "stop", "lone surrogate"),
+        ("completions", {"prompt": "x", "max_tokens": 10**4000}, "max_tokens", "…, but the KV cache holds"),
         ("completions", {"prompt": "x", "logprobs": 6}, "logprobs", "in [0, 5]"),
         ("completions", {"prompt": "x", "echo": 1}, "echo", "echo must be a boolean"),
         ("completions", {"prompt": "x", "response_format": {"type": "xml"}}, "response_format", "json_schema"),
@@ -374,6 +378,20 @@ def test_other_errors(server, client) -> None:
     with pytest.raises(openai.BadRequestError) as e:  # the official client reads the error body
         client.completions.create(model="tiny", prompt="x", n=MAX_CHOICES + 1)
     assert e.value.status_code == 400 and e.value.body["param"] == "n"
+
+
+def test_a_grammar_failing_while_it_generates_is_400(server) -> None:
+    """A grammar that compiles but outgrows its matcher's limits once tokens come (llguidance's items): the client's
+    grammar, so a 400 `invalid_grammar` (an error event, streamed), not a 500; and no slash redirect to a Host."""
+    body = {"prompt": "x", "max_tokens": 8, "grammar": 'root ::= "a"{1000000}'}
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert whole.status_code == 400, whole.text
+    assert whole.json()["error"]["code"] == "invalid_grammar" and "failed while generating" in whole.text
+    streamed = httpx.post(f"{server.url}/v1/completions", json=body | {"stream": True}, timeout=60)
+    assert streamed.status_code == 200 and '"code":"invalid_grammar"' in streamed.text, streamed.text
+    slash = httpx.post(f"{server.url}/v1/completions/", json=body, timeout=10, headers={"Host": "evil.example"})
+    assert slash.status_code == 404 and slash.json()["error"]["code"] == "not_found"
+    assert "Traceback" not in "".join(server.stderr)
 
 
 def test_disconnect_mid_stream_frees_the_slot_at_once(server, client) -> None:

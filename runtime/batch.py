@@ -7,7 +7,9 @@ read once for all of them. `Engine` schedules requests onto the slots:
 - a request waits in a bounded queue until a slot is free (`QueueFull` beyond it);
 - each step runs at most one prompt chunk (`prefill`, then `prefill_kv`) of one
   admitted request, then one `decode` over every sequence that is generating, so a new
-  prompt enters between the decode steps of the others;
+  prompt enters between the decode steps of the others; the prompts being fed take turns
+  chunk by chunk (the one fed least recently first), so a short prompt admitted behind
+  long ones is fed at the next step, not after them;
 - a request ends at its end-of-sequence token, at `max_tokens`, at the cache's capacity
   or when cancelled; its slot is free for the next step.
 
@@ -99,6 +101,7 @@ class _Sequence:
     sampler: Sampler
     cached: list[int]  # the tokens whose K/V its slot holds, in order (the engine's list for that slot)
     fed: int = 0  # prompt tokens already in the cache (reused or fed)
+    fed_at: int = -1  # when its last prompt chunk was fed (the engine's `prompt_tokens` then; -1: never)
     token: int | None = None  # the sampled token not yet fed (None while the prompt is being fed)
     generated: int = 0
     speculation: Speculation | None = None
@@ -311,9 +314,10 @@ class Engine:
             seq.speculation.drafter.extend(tokens)
 
     def _prefill_one(self) -> None:
-        """One prompt chunk of the first sequence still feeding its prompt (`prefill`, or `prefill_kv` after
-        the tokens already in its slot; `score` for a request that asks for its prompt's logprobs)."""
-        seq = next((s for s in self.running if s.token is None), None)
+        """One prompt chunk of the sequence feeding its prompt that was fed least recently (`prefill`, or
+        `prefill_kv` after the tokens already in its slot; `score` for a request that asks for its prompt's
+        logprobs)."""
+        seq = min((s for s in self.running if s.token is None), key=lambda s: s.fed_at, default=None)
         if seq is None:
             return
         prompt, scoring = seq.request.prompt, seq.request.prompt_logprobs is not None
@@ -334,6 +338,7 @@ class Engine:
         seq.fed += len(chunk)
         seq.cached.extend(chunk)
         self.prompt_tokens += len(chunk)
+        seq.fed_at = self.prompt_tokens
         if seq.fed == len(prompt):
             self._prompt_done(seq, logits[rows - 1])
 

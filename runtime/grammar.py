@@ -68,6 +68,16 @@ def llg_tokenizer(codec: TextCodec):
         return tokenizer
 
 
+def token_bytes(codec: TextCodec, token: int) -> bytes:
+    """The bytes `token` stands for, which may be part of a UTF-8 character (chat logprobs' `bytes`:
+    `token_bytes(codec, 23274)` is `b"\\xe6\\x97"`, the first two of 日's three, where its piece is U+FFFD),
+    from llguidance's tokenizer; a codec without the end-of-text token that llguidance needs: its piece's."""
+    try:
+        return llg_tokenizer(codec).decode_bytes([token])
+    except GrammarError:
+        return codec.piece(token).encode()
+
+
 class GrammarConstraint:
     """One generation's matcher (the `Constraint` a `Sampler` takes): the tokens allowed next as a bool mask,
     the tokens taken, rollback, and how many of a draft it would accept.

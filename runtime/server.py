@@ -71,6 +71,7 @@ from llmc.runtime.api_requests import MAX_CHOICES, ApiError, Choice, Job, Limits
 from llmc.runtime.artifact import MANIFEST
 from llmc.runtime.batch import Engine, QueueFull, Request
 from llmc.runtime.codec import TextCodec
+from llmc.runtime.grammar import token_bytes
 from llmc.runtime.openapi import openapi_schema
 from llmc.runtime.operations import Operations, ServeOptions, error_response, read_body, record_usage
 from llmc.runtime.session import Conversation
@@ -82,9 +83,9 @@ MALLOC_ARENAS = 2  # glibc's heaps, shared by all threads (mallopt's M_ARENA_MAX
 
 
 def _token(codec: TextCodec, token: int, logprob: float) -> dict:
-    """A token's entry in chat's logprobs: its text, logprob and UTF-8 bytes."""
-    text = codec.piece(token)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    """A token's entry in chat's logprobs: its text, logprob and bytes (its own: a part of a UTF-8 character
+    where the text is U+FFFD, so that the bytes of consecutive tokens join into the reply's text)."""
+    return {"token": codec.piece(token), "logprob": logprob, "bytes": list(token_bytes(codec, token))}
 
 
 class _Answer:
@@ -113,6 +114,9 @@ class _CompletionAnswer(_Answer):
     def __init__(self, codec: TextCodec, job: Job):
         super().__init__(codec, job)
         self.offsets = [0] * job.n  # each choice's text so far, in characters
+        # each choice's tokens decoded as `pieces` decodes them (echo: from the prompt's start), so that a token's
+        # offset counts the whole characters before it (a character of several tokens starts at its first)
+        self.streams = [codec.text_stream(() if job.echo is not None else job.prompt) for _ in range(job.n)]
 
     def piece(self, index: int, piece: Piece) -> list[dict]:
         return [{"index": index, "text": piece.text, "logprobs": self._logprobs(index, piece), "finish_reason": None}]
@@ -126,12 +130,11 @@ class _CompletionAnswer(_Answer):
     def _logprobs(self, index: int, piece: Piece) -> dict | None:
         if piece.logprobs is None:
             return None
-        texts = [self.codec.piece(token) for token in piece.tokens]
         offsets = []
-        for text in texts:
+        for token in piece.tokens:
             offsets.append(self.offsets[index])
-            self.offsets[index] += len(text)
-        return {"tokens": texts,
+            self.offsets[index] += len(self.streams[index].push(token))
+        return {"tokens": [self.codec.piece(token) for token in piece.tokens],
                 "token_logprobs": [None if lp is None else lp.logprob for lp in piece.logprobs],
                 "top_logprobs": [None if lp is None else {self.codec.piece(t): p for t, p in lp.top}
                                  for lp in piece.logprobs],

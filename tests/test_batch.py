@@ -207,6 +207,27 @@ def test_the_engine_gives_every_request_its_text_alone(artifact) -> None:
     session.close()
 
 
+def test_prompts_being_fed_take_turns_chunk_by_chunk(artifact) -> None:
+    """A short prompt admitted behind a long one is fed at the next step, not after the long one's seven chunks
+    (one client's long prompt does not hold up another's first token); each text stays what it is alone."""
+    session = Session(artifact(QSPEC, max_batch=2))
+    prompts = [[(7 * i) % 200 + 3 for i in range(28)], PROMPTS[1][:2]]
+    expected = [_alone_stream(session, prompt, 3) for prompt in prompts]
+    engine = Engine(session, eos_id=None)
+    got: list[list[int]] = [[], []]
+    engine.submit(Request(prompts[0], 3, emit=into(got[0])))
+    engine.step()  # the long prompt's first chunk of 4
+    engine.submit(Request(prompts[1], 3, emit=into(got[1])))
+    engine.step()
+    # the short prompt's one chunk came next (its first token, then the step's decode its second); the long one
+    # waits its turn
+    assert got == [[], expected[1][:2]]
+    while engine.busy:
+        engine.step()
+    assert got == expected
+    session.close()
+
+
 def test_the_engine_ends_at_eos_capacity_and_cancel_and_refuses_beyond_its_queue(artifact) -> None:
     session = Session(artifact(QSPEC, max_batch=2))
     stream = _alone_stream(session, PROMPTS[4], 8)

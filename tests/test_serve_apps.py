@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import test_serve
 from test_serve import LETTERS, REPEATS
-from tiny_models import TinySpec
+from tiny_models import TinySpec, _bytes_to_unicode
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -198,6 +198,23 @@ def test_completion_logprobs_and_text_offsets(client) -> None:
     assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(8)]
     assert all(len(top) <= 2 and max(top.values()) == p for top, p in zip(logprobs.top_logprobs,
                                                                            logprobs.token_logprobs))
+
+
+def test_logprobs_of_tokens_inside_a_character(client, codec) -> None:
+    """Tokens that each hold a part of a UTF-8 character (the tiny vocabulary's bytes): chat's `bytes` join into the
+    reply, and a completion's `text_offset` counts the whole characters before each token."""
+    text = "日本語 ok"
+    whole = chat(client, max_tokens=20, logprobs=True, extra_body={"grammar": f'root ::= "{text}"'})
+    content = whole.choices[0].logprobs.content
+    assert whole.choices[0].message.content == text and any(t.token == "\ufffd" for t in content)
+    assert b"".join(bytes(t.bytes) for t in content) == text.encode()
+    answer = completion(client, text + " is", max_tokens=0, echo=True, logprobs=1)
+    logprobs = answer.choices[0].logprobs
+    ids = codec.encode(text + " is", bos=False)
+    byte_of = {char: byte for byte, char in _bytes_to_unicode().items()}
+    spelled = [bytes(byte_of[c] for c in codec.tokenizer.id_to_token(i)) for i in ids]  # (byte-level BPE)
+    assert logprobs.text_offset == [len(b"".join(spelled[:i]).decode("utf-8", "ignore")) for i in range(len(ids))]
+    assert logprobs.text_offset[-1] < len(text + " is")  # (each of 日本語's 9 byte tokens counting 1: past the end)
 
 
 def test_echoed_prompt_logprobs_sum_to_perplexity_nll(client, artifact, codec) -> None:

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -270,3 +271,23 @@ def test_serve_options(directory) -> None:
         process.terminate()
         process.communicate(timeout=20)
     assert main(["serve", str(directory), "--api-key", ""]) == 2
+
+
+LLMC = [sys.executable, "-m", "llmc"]
+
+
+def test_a_reader_gone_is_quiet_and_a_full_disk_one_line(directory: Path) -> None:
+    """`llmc tokenize … | head`: the reader closes the pipe and llmc's next write ends it quietly (SIGPIPE's status
+    141, nothing on stderr); standard output on a full disk (/dev/full): one line, not an internal error."""
+    reader = subprocess.Popen([*LLMC, "tokenize", str(directory), "--jsonl", "-"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reader.stdin.write(b'"hello"\n')
+    reader.stdin.flush()
+    assert reader.stdout.readline()  # its answer to the first line, then the reader goes away
+    reader.stdout.close()
+    _, err = reader.communicate(b'"world"\n' * 1000, timeout=60)
+    assert reader.returncode == 141 and err == b"", err
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([*LLMC, "tokenize", str(directory), "hello"], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr == "llmc: error: cannot write: No space left on device\n", done.stderr

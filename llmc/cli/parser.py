@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import signal
 import sys
 
 from llmc import __version__
@@ -413,8 +416,23 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # (`llmc run … | head`: the reader has gone) quietly, as other tools, with SIGPIPE's status
+        _drop_stdout()
+        return 128 + signal.SIGPIPE
     except Exception as e:
         if args.debug:
             raise
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):  # (a full disk: not llmc's fault)
+            _drop_stdout()  # (what waits in its buffer could not be written at exit either)
+            print(f"llmc: error: cannot write: {e.strerror}", file=sys.stderr)
+            return 1
         print(f"llmc: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", file=sys.stderr)
         return 1
+
+
+def _drop_stdout() -> None:
+    """Point standard output at /dev/null: what is left in its buffer goes nowhere at exit, without a second error."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # (no file descriptor: a test's captured output)
+        pass

@@ -37,10 +37,11 @@ class LlmcPass(ModulePass):
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         phase = module_phase(op)
-        if self.requires_phase and phase in PHASE_ORDER:
-            if PHASE_ORDER.index(phase) < PHASE_ORDER.index(self.requires_phase):
-                raise LlmcError(f"pass '{self.name}' needs IR after phase '{self.requires_phase}'; "
-                                f"this module is at phase '{phase}'")
+        if phase is not None and phase not in PHASE_ORDER:
+            raise LlmcError(f"this module's phase '{phase}' (llm.phase) is not one of llmc's: {', '.join(PHASE_ORDER)}")
+        if self.requires_phase and (phase is None or PHASE_ORDER.index(phase) < PHASE_ORDER.index(self.requires_phase)):
+            raise LlmcError(f"pass '{self.name}' needs IR after phase '{self.requires_phase}'; this module "
+                            + ("records no phase (llm.phase)" if phase is None else f"is at phase '{phase}'"))
         if self.last_phase and phase in PHASE_ORDER and PHASE_ORDER.index(phase) > PHASE_ORDER.index(self.last_phase):
             raise LlmcError(f"pass '{self.name}' needs IR of phase '{self.last_phase}' at the latest; this module "
                             f"is at phase '{phase}' (the pass ran on it already)")

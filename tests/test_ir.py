@@ -211,6 +211,10 @@ def test_a_pass_refuses_ir_it_has_run_on(tiny, tmp_path, capsys) -> None:
     vector = tmp_path / "vector.mlir"  # (valid IR: `quantize` would make the vector f32; after it, lower refuses it)
     vector.write_text(quantized.read_text().replace("@blk.0.attn_norm f32 :", "@blk.0.attn_norm q8_0 :"))
     assert vector.read_text() != quantized.read_text()
+    no_phase, bogus_phase = tmp_path / "none.mlir", tmp_path / "bogus.mlir"
+    no_phase.write_text(re.sub(r', llm.phase = "quantize"|llm.phase = "quantize", ', "", quantized.read_text()))
+    bogus_phase.write_text(quantized.read_text().replace('llm.phase = "quantize"', 'llm.phase = "bogus"'))
+    assert "llm.phase" not in no_phase.read_text() and "bogus" in bogus_phase.read_text()
     for source, passes, expected in [
         (quantized, f"{split},split", "pass 'split' needs IR of phase 'quantize' at the latest; this module is at "
                                       "phase 'split'"),
@@ -219,6 +223,9 @@ def test_a_pass_refuses_ir_it_has_run_on(tiny, tmp_path, capsys) -> None:
         (lowered, "lower", "this module is at phase 'lower' (the pass ran on it already)"),
         (lowered, "pack,lower", "this module is at phase 'lower'"),
         (vector, f"{split},group,lower", "lower: weight @blk.0.attn_norm is a q8_0 vector"),
+        (no_phase, f"{split},group,lower", "pass 'split' needs IR after phase 'quantize'; this module records no "
+                                            "phase (llm.phase)"),
+        (bogus_phase, split, "this module's phase 'bogus' (llm.phase) is not one of llmc's: import, optimize"),
     ]:
         assert main(["opt", str(source), "-p", passes]) == 2, passes
         err = capsys.readouterr().err

@@ -43,6 +43,8 @@ def parse_module(text: str, source: str = "<input>") -> ModuleOp:
     except ParseError as e:
         lines = str(e).strip().splitlines()
         raise LlmcError(f"{lines[0].strip()}: {lines[-1].strip()}") from e
+    except RecursionError:  # (xDSL's parser recurses per nested region or attribute: a crafted file, not llmc's IR)
+        raise LlmcError(f"{source}: the IR is nested too deeply to parse") from None
 
 
 def verify_module(module: ModuleOp) -> None:

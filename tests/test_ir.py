@@ -189,6 +189,16 @@ def test_opt_cli_errors_are_one_line(tmp_path, capsys, argv: list[str], expected
     assert err.count("\n") == 1 and expected in err and "Traceback" not in err
 
 
+def test_ir_nested_too_deeply_is_one_line(tmp_path, capsys) -> None:
+    for name, text in (("modules", "builtin.module {\n" * 400 + "}\n" * 400),
+                       ("attribute", "builtin.module attributes {a = " + "[" * 100_000 + "]" * 100_000 + "} {\n}\n")):
+        src = tmp_path / f"{name}.mlir"
+        src.write_text(text)
+        assert main(["opt", str(src)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"llmc: error: {src}: the IR is nested too deeply to parse\n", err
+
+
 def test_opt_cli_verifier_error_is_one_line(tmp_path, capsys) -> None:
     src = tmp_path / "bad.mlir"
     src.write_text(WELL_FORMED.replace("%pos: tensor<?xi32>", "%pos: tensor<?xi64>")

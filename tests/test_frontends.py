@@ -216,12 +216,15 @@ def test_llmc_tokenize_errors_are_one_line(tiny: Callable[..., Path], tmp_path: 
     bad.write_text('"fine"\n{"not": "a string"}\n', encoding="utf-8")
     broken = tmp_path / "broken.jsonl"
     broken.write_text('"fine"\n"unterminated\n', encoding="utf-8")
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'"caf\xe9"\n')
     weird = write_gguf(SPECS["gqa"], random_weights(SPECS["gqa"]), tmp_path / "weird.gguf", pre="no-such-pre")
     for argv, message in (
         ([str(vocab_only)], "give the TEXT to tokenize, or --jsonl FILE"),
         ([str(vocab_only), "x", "--jsonl", str(bad)], "not both"),
         ([str(vocab_only), "--jsonl", str(bad)], "bad.jsonl:2: a JSON string per line, got dict"),
         ([str(vocab_only), "--jsonl", str(broken)], "broken.jsonl:2: not JSON"),
+        ([str(vocab_only), "--jsonl", str(latin)], "it is not UTF-8 (character 3 is byte 0xe9)"),
         ([str(vocab_only), "--jsonl", str(tmp_path / "missing.jsonl")], "cannot read"),
         ([str(weird), "x"], "unsupported pre-tokenizer 'no-such-pre'"),
         ([str(tmp_path / "nothing.gguf"), "x"], "no such model file"),

@@ -49,7 +49,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 def _open_text(path: str):
     try:
-        return open(path, encoding="utf-8")
+        return open(path, encoding="utf-8", errors="surrogateescape")  # (bytes not UTF-8: the codec says which)
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}") from None
 

@@ -33,7 +33,7 @@ from llmc.frontend.model import Model
 from llmc.ir import entry_functions, llm, tgt
 from llmc.ir.formats import QuantizedTensor
 from llmc.ir.layouts import Layout, align, pack
-from llmc.runtime.artifact import MANIFEST, SCHEMA_VERSION, sha256_file
+from llmc.runtime.artifact import MANIFEST, SCHEMA_VERSION, artifact_files, enclosing_artifact, sha256_file
 
 PACK_THREADS = 4  # threads encoding and packing the weights as `write_weights` writes them …
 PACK_AHEAD_BYTES = 512 << 20  # … holding up to this many packed bytes (or one weight) not yet written
@@ -186,25 +186,14 @@ def write_artifact(directory: Path, description: dict, model: Model, kernel_file
     return directory
 
 
-_MAX_MANIFEST_BYTES = 1 << 28
-
-
 def _foreign(directory: Path) -> str | None:
     """Why `directory` (an existing, non-empty folder) is not an llmc artifact alone, or None: an
     artifact has a manifest that says so (a schema version, llmc's version, its files by name)
     and holds nothing but the files it lists."""
-    manifest = directory / MANIFEST
-    if not manifest.is_file() or manifest.is_symlink():
+    if not (directory / MANIFEST).is_file() or (directory / MANIFEST).is_symlink():
         return "is not empty and holds no llmc artifact"
-    try:
-        if manifest.stat().st_size > _MAX_MANIFEST_BYTES:
-            raise ValueError("too large")
-        data = json.loads(manifest.read_text(encoding="utf-8"))
-        files = {entry["path"] for entry in data["files"].values()}
-        if not (type(data["schema_version"]) is int and isinstance(data["llmc_version"], str)
-                and all(isinstance(name, str) for name in files)):
-            raise ValueError("not llmc's schema")
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+    files = artifact_files(directory)
+    if files is None:
         return f"holds a {MANIFEST} that is not an llmc artifact's"
     for entry in directory.iterdir():
         if entry.name != MANIFEST and (entry.name not in files or entry.is_symlink() or not entry.is_file()):
@@ -218,6 +207,9 @@ def check_output_directory(directory: Path) -> None:
     real = Path(os.path.realpath(directory))
     if not real.name:
         raise UsageError(f"-o {directory}: name a folder for the artifact, not the file system's root")
+    outer = enclosing_artifact(real)
+    if outer is not None:
+        raise UsageError(f"-o {directory} is inside the artifact {outer}, which it would spoil; choose another -o")
     try:
         if real.exists():
             if not real.is_dir():

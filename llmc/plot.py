@@ -20,6 +20,8 @@ def check_plot(path: Path) -> None:
     if importlib.util.find_spec("matplotlib") is None:
         raise UsageError(f"--plot needs matplotlib: {INSTALL_HINT}")
     check_writable("--plot", path, "a .png file")
+    if path.suffix.lower() != ".png":
+        raise UsageError(f"--plot {path}: the plot is a PNG image; name a .png file")
 
 
 def plot_bench(path: Path, engines: Sequence[EngineSpeeds], prompts: Sequence[int], depths: Sequence[int],

@@ -1,6 +1,6 @@
 """A user's text file, read for an option (`-f`, `--json-schema`, `--grammar`, `--calibrate`): bounded,
 UTF-8, every failure one line naming the option and the file; and a file an option will write, checked before
-the work. Standard library only (`llmc run` reads with it and loads no compiler).
+the work. No compiler is imported (`llmc run` reads with it).
 
     text = read_text("--grammar", "json.gbnf", 1 << 20)   # or UsageError: --grammar json.gbnf: cannot read it: …
     check_writable("--plot", Path("a/b.png"), "a .png file")  # or UsageError: … there is no folder a
@@ -33,9 +33,15 @@ def read_text(option: str, name: str, limit: int) -> str:
 
 
 def check_writable(option: str, path: Path, what: str) -> None:
-    """Refuse, before any work, a file `option` names that could not be written: a folder, or a file in a
-    folder that does not exist (`what` names what to give instead of a folder)."""
+    """Refuse, before any work, a file `option` names that could not be written: a folder, a file in a
+    folder that does not exist (`what` names what to give instead of a folder), or a file inside an llmc
+    artifact."""
     if path.is_dir():
         raise UsageError(f"cannot write {option} {path}: it is a folder; name {what}")
     if not path.parent.is_dir():
         raise UsageError(f"cannot write {option} {path}: there is no folder {path.parent}")
+    from llmc.runtime.artifact import enclosing_artifact
+
+    outer = enclosing_artifact(path)
+    if outer is not None:
+        raise UsageError(f"cannot write {option} {path}: it is inside the artifact {outer}, which it would spoil")

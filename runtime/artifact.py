@@ -98,6 +98,38 @@ class Manifest:
 _MAX_BYTES = 1 << 40
 
 
+_MAX_MANIFEST_BYTES = 1 << 28
+
+
+def artifact_files(directory: Path) -> set[str] | None:
+    """The files the llmc manifest in `directory` lists (a schema version, llmc's version, its files by name), or
+    None where `directory` holds no llmc manifest."""
+    manifest = directory / MANIFEST
+    try:
+        if not manifest.is_file() or manifest.is_symlink() or manifest.stat().st_size > _MAX_MANIFEST_BYTES:
+            return None
+        data = json.loads(manifest.read_text(encoding="utf-8"))
+        files = {entry["path"] for entry in data["files"].values()}
+        if type(data["schema_version"]) is int and isinstance(data["llmc_version"], str) and all(
+                isinstance(name, str) for name in files):
+            return files
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        pass
+    return None
+
+
+def enclosing_artifact(path: Path) -> Path | None:
+    """The llmc artifact folder that `path` (a file or folder to write) lies inside, if any: writing there would
+    spoil it (its manifest lists what it holds)."""
+    folder = Path(os.path.realpath(path)).parent
+    while True:
+        if artifact_files(folder) is not None:
+            return folder
+        if folder == folder.parent:
+            return None
+        folder = folder.parent
+
+
 def _check_schema(path: Path, data: dict) -> None:
     """The fields the runtime uses exist and have sane types and sizes."""
 

@@ -383,6 +383,27 @@ def test_an_unwritable_output_is_one_line_before_compiling(tiny, tmp_path, capsy
     assert (tmp_path / "file").read_text() == "mine"
 
 
+def test_verify_of_an_artifact_of_another_model_is_one_line_before_the_reference(tiny, artifact, capsys) -> None:
+    """`llmc verify MODEL --artifact DIR` where DIR was compiled from another model: one line saying so, before the
+    reference runs (was a broadcast error, or a cosine of -0.04 that read as llmc's accuracy failing)."""
+    other = artifact(SPECS["qwen2-bias-untied-odd-heads"])
+    _refused(["verify", str(tiny(SPEC, "gguf")), "--artifact", str(other)], capsys,
+             f"--artifact {other} is of another model: its arch is 'qwen2'")  # (one line: no progress of a reference)
+
+
+def test_an_output_inside_an_artifact_is_refused_untouched(tiny, artifact, tmp_path, capsys) -> None:
+    """`-o ART/sub` (or deeper) would leave the artifact holding a folder it does not list: refused, the artifact
+    as it was; so are a --plot and an IR file inside it."""
+    outer = _copy(artifact(SPEC), tmp_path / "outer")
+    before = _snapshot(outer)
+    for out in (outer / "sub", outer / "a" / "b"):
+        _refused(_compile_argv(tiny, out), capsys, str(out), f"is inside the artifact {outer}")
+    for where in (["-o", str(outer / "manifest.json")], ["--dump-ir", str(outer)], ["--dump-ir", str(outer / "ir")]):
+        assert main(["ir", str(tiny(SPEC, "gguf")), *where]) == 2, where
+        assert f"it is inside the artifact {outer}" in capsys.readouterr().err
+    assert _snapshot(outer) == before
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_an_output_in_a_read_only_folder_is_one_line_before_compiling(tiny, tmp_path, capsys) -> None:
     locked = tmp_path / "locked"

@@ -224,7 +224,9 @@ def test_plot_writes_a_png(artifact, capsys, tmp_path) -> None:
 
 def test_an_unwritable_plot_is_refused_before_measuring(artifact, capsys, tmp_path) -> None:
     pytest.importorskip("matplotlib")
-    for path, message in [(tmp_path, "it is a folder"), (tmp_path / "missing" / "b.png", "there is no folder")]:
+    inside = artifact("gguf") / "manifest.json"  # (a PNG over an artifact's manifest would break it)
+    for path, message in [(tmp_path, "it is a folder"), (tmp_path / "missing" / "b.png", "there is no folder"),
+                          (tmp_path / "speeds.txt", "name a .png file"), (inside, "it is inside the artifact")]:
         code, out, err = _bench(capsys, artifact("gguf"), "--plot", str(path))
         assert code == 2 and err.count("\n") == 1 and message in err, err
         assert "llmc" not in out  # (no table: nothing was measured)

@@ -291,3 +291,13 @@ def test_a_reader_gone_is_quiet_and_a_full_disk_one_line(directory: Path) -> Non
         done = subprocess.run([*LLMC, "tokenize", str(directory), "hello"], stdout=full, stderr=subprocess.PIPE,
                               text=True, timeout=60)
     assert done.returncode == 1 and done.stderr == "llmc: error: cannot write: No space left on device\n", done.stderr
+
+
+@pytest.mark.parametrize("options", [["--json-schema", ""], ["--grammar", ""], ["--chat-template", ""], ["-f", ""],
+                                     ["--draft", ""]])
+def test_an_empty_name_is_refused(directory: Path, capsys, options: list[str]) -> None:
+    """An empty file name read as the option left out (unconstrained text, the model's template, prompt lookup):
+    refused, as an empty `-o` (which named the default artifact folder) and any other file or folder option."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(directory), *(["-p", "x"] if options[0] != "-f" else []), *options])
+    assert exit_info.value.code == 2 and "an empty name" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from llmc.cli.common import compile_options, progress
 from llmc.errors import UsageError
+from llmc.runtime.artifact import enclosing_artifact
 from llmc.textfile import check_writable
 
 
@@ -33,6 +34,9 @@ def _dumper(args: argparse.Namespace):
     from llmc.passes.pipeline import IRDumper
 
     directory = getattr(args, "dump_ir", None)
+    outer = enclosing_artifact(Path(directory) / "00.mlir") if directory else None
+    if outer is not None:
+        raise UsageError(f"cannot write --dump-ir {directory}: it is inside the artifact {outer}, which it would spoil")
     try:
         return IRDumper(print_to=(lambda s: print(s, file=sys.stderr, end="")) if args.print_ir_after_all else None,
                         directory=Path(directory) if directory else None)

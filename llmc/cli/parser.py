@@ -31,6 +31,14 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
+def _name(text: str) -> str:
+    """A file, folder or model an option names: not empty (an empty name would read as the option left out, or as
+    the current folder)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty name")
+    return text
+
+
 def _positive(text: str) -> int:
     value = _int(text)
     if value < 1:
@@ -103,7 +111,7 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
                         "activations as two int8 planes: near a32's accuracy, decode near a8's speed), a32 (float "
                         "activations), or auto (default): a8 or a16 per matmul, from a calibration, keeping "
                         "decode within 20%% and prefill within 50%% of all-a8")
-    p.add_argument("--calibrate", metavar="FILE",
+    p.add_argument("--calibrate", type=_name, metavar="FILE",
                    help="--compute auto: calibrate on the first 128 tokens of this UTF-8 text (default: a built-in "
                         "set of chat conversations in the model's template and plain text)")
 
@@ -144,12 +152,13 @@ def _add_raise_option(p: argparse.ArgumentParser) -> None:
 def _add_dump_options(p: argparse.ArgumentParser, to_directory: bool = True) -> None:
     p.add_argument("--print-ir-after-all", action="store_true", help="print the IR to stderr after every pass")
     if to_directory:
-        p.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass to DIR as numbered .mlir files")
+        p.add_argument("--dump-ir", type=_name, metavar="DIR",
+                       help="write the IR after every pass to DIR as numbered .mlir files")
 
 
 def _add_ir_output_options(p: argparse.ArgumentParser, to_directory: bool = True) -> None:
     """Where the IR a command prints goes, in which form, and the dumps after every pass."""
-    p.add_argument("-o", "--output", metavar="FILE", help="write the IR to FILE instead of stdout")
+    p.add_argument("-o", "--output", type=_name, metavar="FILE", help="write the IR to FILE instead of stdout")
     p.add_argument("--generic", action="store_true", help="print the generic op form instead of the custom one")
     _add_dump_options(p, to_directory)
 
@@ -194,12 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     model_help = ("a .gguf file, a Hugging Face model directory, an exported graph (.pt2 from torch.export.save, "
                   ".onnx), or a known model name (smollm2-135m)")
     model_args = argparse.ArgumentParser(add_help=False)
-    model_args.add_argument("model", metavar="MODEL", help=model_help)
+    model_args.add_argument("model", type=_name, metavar="MODEL", help=model_help)
     model_args.add_argument("--allow-pickle", action="store_true",
                             help="load pickle checkpoints (*.bin, *.pt) of a Hugging Face directory, through "
                                  "torch's weights-only loader, and .pt2 files whose loading can run code "
                                  "(pickled parts, guard code, compiled packages); without it they are refused")
-    model_args.add_argument("--tokenizer", metavar="PATH",
+    model_args.add_argument("--tokenizer", type=_name, metavar="PATH",
                             help="for a .pt2/.onnx graph: its tokenizer (a tokenizer.json, its directory, a .gguf "
                                  "file or a known model name; default: the tokenizer.json beside the graph)")
 
@@ -220,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ir_output_options(p)
 
     p = _command(sub, cmd_opt, [common], "parse, verify, transform and print IR")
-    p.add_argument("file", metavar="FILE.mlir", help="IR text to read ('-' for stdin)")
+    p.add_argument("file", type=_name, metavar="FILE.mlir", help="IR text to read ('-' for stdin)")
     p.add_argument("-p", "--passes", metavar="PASS,PASS",
                    help="comma-separated passes to run in order, options in braces as xDSL writes them: "
                         "'canonicalize,dce', 'quantize{compute=a16},split{prefill_chunk=4 max_seq=16},group' "
@@ -231,10 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="The capital of France is", help="text to run (default: %(default)r)")
     p.add_argument("--tolerance", type=float, default=0.9999, metavar="COS",
                    help="lowest acceptable cosine similarity per stage (default: %(default)s)")
-    p.add_argument("--artifact", metavar="DIR",
+    p.add_argument("--artifact", type=_name, metavar="DIR",
                    help="check this compiled artifact of MODEL, with the options it was compiled with "
                         "(default: compile one to a temporary directory)")
-    p.add_argument("--reference", metavar="DIR",
+    p.add_argument("--reference", type=_name, metavar="DIR",
                    help="take the reference from this Hugging Face directory of the same model (the checkpoint "
                         "a GGUF file was converted from; transformers reads few GGUF features) "
                         "(default: MODEL itself)")
@@ -250,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default="sm_80,sm_90", metavar="SM[,SM]",
                    help="with --target cuda: GPU architectures (sm_80, sm_86, sm_89, sm_90); PTX for the oldest, "
                         "a cubin for each when ptxas is on PATH (default: %(default)s)")
-    p.add_argument("-o", "--output", metavar="DIR",
+    p.add_argument("-o", "--output", type=_name, metavar="DIR",
                    help="artifact directory (default: MODEL's name + .llmc): a new or empty folder, or an artifact, "
                         "replaced once the compile succeeds; with --compile-to, the IR file")
     _add_compile_options(p)
@@ -267,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # what every command that runs an artifact takes, and what those that sample take
     artifact_args = argparse.ArgumentParser(add_help=False)
-    artifact_args.add_argument("artifact", metavar="DIR", help="an artifact directory from 'llmc compile'")
+    artifact_args.add_argument("artifact", type=_name, metavar="DIR", help="an artifact directory from 'llmc compile'")
     artifact_args.add_argument("--no-verify", action="store_true",
                                help="skip the sha256 check of the artifact's files (their sizes and places, and "
                                     "the manifest against its kernels, are checked still)")
@@ -282,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     artifact_args.add_argument("--ctx", type=_positive, metavar="N",
                                help="the most tokens a sequence holds, prompt and reply, up to what the artifact "
                                     "was compiled for (--max-seq) (default: all of it)")
-    artifact_args.add_argument("--chat-template", metavar="FILE",
+    artifact_args.add_argument("--chat-template", type=_name, metavar="FILE",
                                help="render chats with this Jinja chat template instead of the model's own")
     sampling_args = argparse.ArgumentParser(add_help=False)
     sampling_args.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: 0)")
@@ -308,10 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "repeatable)")
     grammar_args = argparse.ArgumentParser(add_help=False)
     constrained = grammar_args.add_mutually_exclusive_group()
-    constrained.add_argument("--json-schema", metavar="FILE|JSON",
+    constrained.add_argument("--json-schema", type=_name, metavar="FILE|JSON",
                              help="generate JSON that this JSON schema (a file, or the schema's text) accepts "
                                   "(constrained decoding: llguidance, from the serve extra)")
-    constrained.add_argument("--grammar", metavar="FILE",
+    constrained.add_argument("--grammar", type=_name, metavar="FILE",
                              help="generate text this grammar accepts: GBNF (llama.cpp's), or Lark where FILE ends "
                                   "in .lark")
     speculate_args = argparse.ArgumentParser(add_help=False)
@@ -319,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="draft the next tokens by prompt lookup (or --draft) and check them in one "
                                      "verify call: greedy text is unchanged, drafting backs off where drafts are "
                                      "rejected (default: on)")
-    speculate_args.add_argument("--draft", metavar="DIR",
+    speculate_args.add_argument("--draft", type=_name, metavar="DIR",
                                 help="draft with this artifact (a smaller model with the same vocabulary) instead "
                                      "of prompt lookup")
 
@@ -327,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "generate text with a compiled artifact")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("-p", "--prompt", help="the prompt text")
-    prompt.add_argument("-f", "--file", metavar="FILE",
+    prompt.add_argument("-f", "--file", type=_name, metavar="FILE",
                         help="read the prompt from this UTF-8 file ('-': standard input), less one final newline")
     p.add_argument("-n", type=_non_negative, default=128, metavar="N", help="most tokens to generate (default: 128)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -366,15 +375,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after each reply, a line of token counts (reused from the cache, fed, generated)")
 
     p = _command(sub, cmd_tokenize, [common], "print a text's tokens, as llama-tokenize does")
-    p.add_argument("model", metavar="MODEL", help="a .gguf file, a Hugging Face or artifact directory, or a known "
-                                                  "model name (smollm2-135m)")
+    p.add_argument("model", type=_name, metavar="MODEL",
+                   help="a .gguf file, a Hugging Face or artifact directory, or a known model name (smollm2-135m)")
     p.add_argument("text", metavar="TEXT", nargs="?", help="the text to tokenize")
     p.add_argument("--ids", action="store_true", help="print only the ids, as a JSON list")
-    p.add_argument("--jsonl", metavar="FILE", help="tokenize each line of FILE (- for standard input), a JSON string")
+    p.add_argument("--jsonl", type=_name, metavar="FILE",
+                   help="tokenize each line of FILE (- for standard input), a JSON string")
     p.add_argument("--no-bos", action="store_true", help="leave out the beginning-of-text token")
 
     p = _command(sub, cmd_bench, [common], "measure prefill and decode speed, next to other engines")
-    p.add_argument("artifact", metavar="DIR", help="an artifact directory from 'llmc compile'")
+    p.add_argument("artifact", type=_name, metavar="DIR", help="an artifact directory from 'llmc compile'")
     p.add_argument("--prompt-tokens", type=_int_list(1), metavar="N,N",
                    help="prefill lengths (default: 128,512,2048, those that fit the KV cache)")
     p.add_argument("--depth", type=_int_list(0), metavar="D,D",
@@ -385,21 +395,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threads to run on, for every engine (default: every CPU available)")
     p.add_argument("--vs", type=_peer_list, metavar="PEER,PEER",
                    help="also measure these engines: llama.cpp, transformers")
-    p.add_argument("--model", metavar="GGUF_OR_HF_DIR",
+    p.add_argument("--model", type=_name, metavar="GGUF_OR_HF_DIR",
                    help="the model the peers run (default: the artifact's source, if the manifest records one)")
-    p.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench binary (default: on PATH)")
-    p.add_argument("--plot", metavar="FILE.png", help="write a bar chart of the tokens/s (needs matplotlib)")
+    p.add_argument("--llama-bench", type=_name, metavar="PATH",
+                   help="llama.cpp's llama-bench binary (default: on PATH)")
+    p.add_argument("--plot", type=_name, metavar="FILE.png",
+                   help="write a bar chart of the tokens/s (needs matplotlib)")
     p.add_argument("--speculate", action="store_true",
                    help="instead: greedy decode tokens/s with speculative decoding against plain decode on "
                         "built-in input-grounded and open-ended chat prompts (--decode-tokens each), acceptance, "
                         "tokens per call")
-    p.add_argument("--draft", metavar="DIR", help="with --speculate: draft with this artifact, not prompt lookup")
+    p.add_argument("--draft", type=_name, metavar="DIR",
+                   help="with --speculate: draft with this artifact, not prompt lookup")
 
     p = _command(sub, cmd_perplexity, [common, model_args], "perplexity of a model on a text")
-    p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score")
+    p.add_argument("--text", required=True, type=_name, metavar="FILE", help="UTF-8 text to score")
     p.add_argument("--ctx", type=_positive, default=512, metavar="N", help="tokens per chunk (default: 512)")
     p.add_argument("--chunks", type=_positive, metavar="N", help="score only the first N chunks")
-    p.add_argument("--kl-base", metavar="MODEL|DIR", help="an artifact (or model) to compare the distributions with")
+    p.add_argument("--kl-base", type=_name, metavar="MODEL|DIR",
+                   help="an artifact (or model) to compare the distributions with")
     p.add_argument("--threads", type=_positive, metavar="N", help="threads to run on (default: every CPU available)")
     _add_compile_options(p)
     return parser

@@ -391,6 +391,14 @@ def test_verify_of_an_artifact_of_another_model_is_one_line_before_the_reference
              f"--artifact {other} is of another model: its arch is 'qwen2'")  # (one line: no progress of a reference)
 
 
+@pytest.mark.reference
+def test_verify_of_an_artifact_notes_the_compile_options_it_ignores(tiny, artifact, capsys) -> None:
+    """`llmc verify MODEL --artifact DIR --kv-type q8_0`: the artifact's own options are checked; a note says so."""
+    pytest.importorskip("transformers")
+    main(["verify", str(tiny(SPEC, "gguf")), "--artifact", str(artifact(SPEC)), "--kv-type", "q8_0"])
+    assert "the compile options do not apply to it" in capsys.readouterr().err
+
+
 def test_an_output_inside_an_artifact_is_refused_untouched(tiny, artifact, tmp_path, capsys) -> None:
     """`-o ART/sub` (or deeper) would leave the artifact holding a folder it does not list: refused, the artifact
     as it was; so are a --plot and an IR file inside it."""

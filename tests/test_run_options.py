@@ -301,3 +301,13 @@ def test_an_empty_name_is_refused(directory: Path, capsys, options: list[str]) -
     with pytest.raises(SystemExit) as exit_info:
         main(["run", str(directory), *(["-p", "x"] if options[0] != "-f" else []), *options])
     assert exit_info.value.code == 2 and "an empty name" in capsys.readouterr().err
+
+
+def test_a_chat_template_without_a_chat_is_refused(directory: Path, tmp_path: Path, capsys) -> None:
+    """`llmc run --chat-template FILE` without --chat or --system: the template would go unused, without a word."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    code, _, err = run(capsys, directory, "-p", "x", "--chat-template", str(template))
+    assert code == 2 and "--chat-template renders chats: add --chat" in err
+    code, _, err = run(capsys, directory, "-p", "x", "-n", "1", "--chat", "--chat-template", str(template))
+    assert code == 0, err

@@ -144,6 +144,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     source = _grammar_source(args)
     if any(not stop for stop in args.stop or ()):
         raise UsageError("--stop: a stop string cannot be empty")
+    if args.chat_template and not args.chat and args.system is None:
+        raise UsageError("--chat-template renders chats: add --chat (or --system) to render the prompt as one")
     with _loaded(args) as (session, codec):
         if args.system is not None and not codec.chat_template:
             raise UsageError("--system needs the model's chat template, and this model has none "

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from llmc.cli.common import compile_options, progress
+from llmc.cli.common import compile_options, compile_options_given, progress
 from llmc.errors import UsageError
 from llmc.runtime.artifact import enclosing_artifact
 from llmc.textfile import check_writable
@@ -96,6 +96,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from llmc.verify import verify_model
 
     artifact = Path(args.artifact) if args.artifact else None
+    if artifact is not None and compile_options_given(args):
+        progress(f"note: {artifact} is an artifact; the compile options do not apply to it (its own are checked)")
     reference = Path(args.reference) if args.reference else None
     ok = verify_model(args.model, args.prompt, args.tolerance, artifact, print, progress, args.allow_pickle,
                       compile_options(args), args.cpu, reference, args.tokenizer, args.per_layer)
@@ -118,7 +120,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
         _check_out(args.output)
     dump = _dumper(args)
     out = Path(args.output) if args.output else (None if args.compile_to else _default_output(args.model))
-    backend = BackendOptions(args.target, args.cpu, args.gpu)
+    if args.gpu is not None and args.target != "cuda":
+        raise UsageError("--gpu names the GPUs of --target cuda; this compile is for the CPU (add --target cuda)")
+    backend = BackendOptions(args.target, args.cpu, args.gpu or BackendOptions.gpu)
     from llmc import cache
     from llmc.backends.cpu.toolchain import JOBS, available_cpus, using_jobs
 

@@ -7,7 +7,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from llmc.cli.common import compile_options, progress
+from llmc.cli.common import compile_options, compile_options_given, progress
 from llmc.errors import UsageError
 
 
@@ -128,12 +128,6 @@ def _bench_speculation(directory: Path, args: argparse.Namespace) -> int:
     return 0 if all(r.identical for r in runs) else 1
 
 
-def _compile_options_given(args: argparse.Namespace) -> bool:
-    return bool(args.quant or args.quant_output or args.requantize or args.compute != "auto" or args.calibrate
-                or args.cpu != "native"
-                or args.max_seq or args.prefill_chunk or args.no_group or args.kv_type != "f16" or args.max_batch != 1)
-
-
 def cmd_perplexity(args: argparse.Namespace) -> int:
     """Perplexity by llama.cpp's method: the text in chunks of --ctx tokens, each from an empty cache, the
     second half of each chunk scored. MODEL is an artifact directory, or a model that is compiled first (with
@@ -156,7 +150,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         def session_of(spec: str, name: str) -> Conversation:
             path = Path(spec)
             if path.is_dir() and (path / MANIFEST).exists():
-                if _compile_options_given(args):
+                if compile_options_given(args):
                     progress(f"note: {spec} is an artifact; the compile options do not apply to it")
             else:
                 try:

@@ -256,9 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, cmd_compile, [common, model_args], "compile a model to an artifact")
     p.add_argument("--target", default="cpu", choices=["cpu", "cuda"], help="code generation target (default: cpu)")
-    p.add_argument("--gpu", default="sm_80,sm_90", metavar="SM[,SM]",
+    p.add_argument("--gpu", metavar="SM[,SM]",
                    help="with --target cuda: GPU architectures (sm_80, sm_86, sm_89, sm_90); PTX for the oldest, "
-                        "a cubin for each when ptxas is on PATH (default: %(default)s)")
+                        "a cubin for each when ptxas is on PATH (default: sm_80,sm_90)")
     p.add_argument("-o", "--output", type=_name, metavar="DIR",
                    help="artifact directory (default: MODEL's name + .llmc): a new or empty folder, or an artifact, "
                         "replaced once the compile succeeds; with --compile-to, the IR file")

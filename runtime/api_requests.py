@@ -420,9 +420,19 @@ def _tools(body: dict) -> tuple[list[dict], ToolUse | None]:
             raise invalid(f"{where}.function.name", f"two tools are named '{name}'")
         if not isinstance(function.get("description", ""), str):
             raise invalid(f"{where}.function.description", f"{where}.function.description must be a string")
+        _text(function.get("description", ""), f"{where}.function.description")
         if not isinstance(function.get("parameters", {}), dict):
             raise invalid(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON schema "
                                                           f"(an object)")
+        try:  # (its names and texts go into the prompt)
+            json.dumps(function.get("parameters", {}), ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise invalid(f"{where}.function.parameters", f"{where}.function.parameters holds a lone surrogate, "
+                                                          f"which is not Unicode text") from None
+        except RecursionError:  # (refused where the schema is compiled, with its own message)
+            pass
+        if function.get("strict") is not None and type(function["strict"]) is not bool:
+            raise invalid(f"{where}.function.strict", f"{where}.function.strict must be a boolean")
         functions.append({k: function[k] for k in ("name", "description", "parameters") if k in function})
     if choice is None:
         choice = "auto"

@@ -315,9 +315,9 @@ class Operations:
             if len(text) > self.limits.max_chars:
                 raise invalid("content", f"content has {len(text)} characters; this server takes at most "
                                          f"{self.limits.max_chars}")
-            tokens = await self._on_worker(self.codec.encode, text, body.get("add_special", False))
+            tokens = await self._on_worker("content", self.codec.encode, text, body.get("add_special", False))
             if body.get("with_pieces", False):
-                pieces = await self._on_worker(lambda: [self.codec.piece(t) for t in tokens])
+                pieces = await self._on_worker("content", lambda: [self.codec.piece(t) for t in tokens])
                 return JSONResponse({"tokens": [{"id": t, "piece": p} for t, p in zip(tokens, pieces)]})
             return JSONResponse({"tokens": tokens})
         except ApiError as e:
@@ -332,7 +332,7 @@ class Operations:
             if wrong is not None:
                 raise invalid("tokens", f"tokens[{wrong}] is {printable(json.dumps(tokens[wrong]), 60)}, not a token "
                                         f"id (an integer in 0..{vocabulary - 1})")
-            return JSONResponse({"content": await self._on_worker(self.codec.decode, tokens)})
+            return JSONResponse({"content": await self._on_worker("tokens", self.codec.decode, tokens)})
         except ApiError as e:
             return error_response(e)
 
@@ -349,13 +349,13 @@ class Operations:
                 raise invalid(name, f"{name} must be {_KINDS[fields[name]]}")
         return body
 
-    async def _on_worker(self, work: Callable, *args):
+    async def _on_worker(self, param: str, work: Callable, *args):
         """`work(*args)` on a thread (tokenizing a long text must not hold up the event loop); a tokenizer's
-        failure is a 400."""
+        failure is a 400 naming the field `param`."""
         try:
             return await run_sync(work, *args, limiter=self.workers)
         except LlmcError as e:
-            raise invalid(None, str(e), "tokenizer_failed") from None
+            raise invalid(param, str(e), "tokenizer_failed") from None
 
 
 _KINDS = {str: "a string", bool: "a boolean", list: "a list"}

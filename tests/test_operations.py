@@ -318,7 +318,7 @@ def test_tokenize_adds_the_beginning_of_text_token_with_add_special(codec) -> No
     ("/tokenize", b'{"content": "a", "add_special": 1}', "add_special", "must be a boolean"),
     ("/tokenize", b'{"content": "a", "parse_special": true}', "parse_special", "unknown field"),
     ("/tokenize", b'{"content": "' + b"x" * 200 + b'"}', "content", "at most 128"),
-    ("/tokenize", b'{"content": "\\ud800"}', None, "tokenizer failed"),
+    ("/tokenize", b'{"content": "\\ud800"}', "content", "tokenizer failed"),
     ("/detokenize", b'{"tokens": 5}', "tokens", "tokens must be a list"),
     ("/detokenize", b'{"tokens": [1, 100000]}', "tokens", "tokens[1] is 100000, not a token id"),
     ("/detokenize", b'{"tokens": [1, -1]}', "tokens", "tokens[1] is -1"),

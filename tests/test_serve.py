@@ -297,6 +297,15 @@ def test_concurrent_streams_equal_each_alone(client) -> None:
         ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
          "tool_choice", "needs tools"),
         ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+            {"type": "function", "function": {"name": "f", "description": "a \ud800"}}]},
+         "tools[0].function.description", "lone surrogate"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {"properties": {"\udfff": {}}}}}]},
+         "tools[0].function.parameters", "lone surrogate"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+            {"type": "function", "function": {"name": "f", "strict": "yes"}}]},
+         "tools[0].function.strict", "must be a boolean"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
             {"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"}},
          "response_format", "cannot be combined with tools"),
         ("chat/completions", {"messages": [{"role": "tool", "content": "22"}]}, "messages[0].tool_call_id",

@@ -192,7 +192,7 @@ def refused(capsys, directory: Path, *options: str) -> str:
         (["--json-schema", "{}", "--grammar", "g.gbnf"], "not allowed with argument"),
         (["--grammar", "missing.gbnf"], "--grammar missing.gbnf: cannot read it"),
         (["-f", "x"], "not allowed with argument -p"),
-        (["--chat-template", "missing.jinja"], "cannot read the chat template"),
+        (["--chat", "--chat-template", "missing.jinja"], "cannot read the chat template"),
     ],
 )
 def test_bad_options_are_one_line(capsys, directory, options: list[str], message: str) -> None:

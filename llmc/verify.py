@@ -224,7 +224,7 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
         run_phase(module, phase, options=options, weights=model.weights)
     graph_note = f"; {describe_graph(model, module)}" if model.graph is not None else ""
     c = model.config
-    if artifact is not None:  # (before the reference runs: an artifact of another model is a mistake, not a fidelity loss)
+    if artifact is not None:  # (before the reference: another model's artifact is a mistake, not a fidelity loss)
         for field, ours in (("arch", c.arch), ("layers", c.layers), ("hidden", c.hidden), ("heads", c.heads),
                             ("kv_heads", c.kv_heads), ("head_dim", c.head_dim), ("vocab_size", c.vocab_size)):
             if manifest["model"].get(field) != ours:

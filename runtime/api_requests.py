@@ -631,8 +631,8 @@ class RequestParser:
         if max_tokens is None:
             max_tokens = room if default_max is None else min(default_max, room)
         elif max_tokens > room:
-            raise invalid(max_name, f"{max_name} is {_show(max_tokens)}, but the KV cache holds {self.capacity} tokens per "
-                                    f"sequence and the prompt takes {len(prompt)}: at most {room} remain",
+            raise invalid(max_name, f"{max_name} is {_show(max_tokens)}, but the KV cache holds {self.capacity} "
+                                    f"tokens per sequence and the prompt takes {len(prompt)}: at most {room} remain",
                           "context_length_exceeded")
         n = body.get("n")
         if n is not None and not (_is_int(n) and 1 <= n <= self.max_choices):

@@ -73,9 +73,10 @@ class Request:
     `emit(token, logprob)` receives each new token (the end-of-sequence token is not emitted)
     and, when `sampling.logprobs` is set, its `TokenLogprob` (else None); `finish(reason)` is
     called once: "stop" (end of sequence), "length" (`max_tokens` or the cache's capacity),
-    "cancelled", "grammar: …" (its grammar failed while generating: a limit of its matcher), or "error: …". `constraint` (a grammar's, fresh for this request) masks the
-    tokens it does not allow. `prompt_logprobs` (echo) is called once, before the first
-    `emit`, with each prompt token's logprobs (None for the first); `max_tokens` may then be 0.
+    "cancelled", "grammar: …" (its grammar failed while generating: a limit of its matcher) or
+    "error: …". `constraint` (a grammar's, fresh for this request) masks the tokens it does not
+    allow. `prompt_logprobs` (echo) is called once, before the first `emit`, with each prompt
+    token's logprobs (None for the first); `max_tokens` may then be 0.
 
     >>> engine.submit(Request(prompt, 16, emit=lambda token, logprob: print(token)))  # doctest: +SKIP
     """

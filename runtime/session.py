@@ -378,9 +378,9 @@ class Session(Conversation):
         except (MemoryError, OSError) as e:
             weights = self.manifest.data["files"]["weights"]["bytes"]
             cache = 2 * int(np.prod(kv["shape"])) * np.dtype(KV_DTYPES[kv["dtype"]]).itemsize
-            raise ArtifactError(f"{directory}: cannot load it ({weights / 1e6:.1f} MB of weights, a {cache / 1e6:.1f} MB "
-                                f"KV cache, {arena_bytes / 1e6:.1f} MB of activations; a smaller cache: compile with a "
-                                f"smaller --max-seq): {getattr(e, 'strerror', None) or e}") from None
+            raise ArtifactError(f"{directory}: cannot load it ({weights / 1e6:.1f} MB of weights, a "
+                                f"{cache / 1e6:.1f} MB KV cache, {arena_bytes / 1e6:.1f} MB of activations; a smaller "
+                                f"cache: compile with a smaller --max-seq): {getattr(e, 'strerror', None) or e}") from None
         self.amx, why = amx.enable(self.library)
         if not self.amx and "failed" in why:
             print(f"llmc: AMX tiles unavailable ({why}): prefill runs on VNNI", file=sys.stderr)

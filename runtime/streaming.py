@@ -116,8 +116,8 @@ async def pieces(job: Job, choice: Choice, codec: TextCodec,
             return
         if reason is not None:
             if reason.startswith("grammar: "):  # (the client's grammar, schema or tools: a 400, as when compiled)
-                raise ApiError(400, f"the request's grammar failed while generating: {reason.removeprefix('grammar: ')}",
-                               code="invalid_grammar")
+                raise ApiError(400, "the request's grammar failed while generating: "
+                                    f"{reason.removeprefix('grammar: ')}", code="invalid_grammar")
             if reason not in ("stop", "length"):
                 raise ApiError(503 if reason == "cancelled" else 500,
                                "the server is shutting down" if reason == "cancelled" else f"generation failed "

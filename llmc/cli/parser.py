@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:  # (`llmc run … | head`: the reader has gone) quietly, as other tools, with SIGPIPE's status
+    except BrokenPipeError:  # (`llmc run … | head`: the reader has gone) quietly, with SIGPIPE's status
         _drop_stdout()
         return 128 + signal.SIGPIPE
     except Exception as e:

@@ -43,8 +43,8 @@ def reference_model(source: Path):
             model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     except Exception as e:  # transformers raises many types for files it cannot read
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise LlmcError(f"transformers cannot load {source} as the reference ({first}); --reference DIR "
-                        "names a Hugging Face directory of the same model") from e
+        raise LlmcError(f"transformers cannot load {source} as the reference ({first}); name a Hugging Face "
+                        "directory of the same model instead (verify's --reference, bench's --model)") from e
     return model.eval()
 
 

@@ -27,6 +27,7 @@ from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
 
+from llmc.errors import LlmcError
 from llmc.ir import tgt
 from llmc.ir.target import module_target
 from llmc.passes.base import LlmcPass
@@ -96,6 +97,10 @@ class FuseNormPass(LlmcPass):
     def run(self, ctx: Context, module: ModuleOp) -> None:
         if module_target(module).kind.data != "cpu":
             return
+        planned = next((f.sym_name.data for f in self.functions(module) if "tgt.arena_bytes" in f.attributes), None)
+        if planned is not None:
+            raise LlmcError(f"pass 'fuse-norm' runs before plan-memory: @{planned}'s arena is planned already, for "
+                            f"the IR before the fusion")
         for function in self.functions(module):
             rows = function.attributes.get("tgt.max_tokens")
             if rows is not None and rows.value.data <= MAX_ROWS:

@@ -80,7 +80,7 @@ def test_serial_errors_are_one_line_too(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("jobs", ["0", "-2", "x"])
-def test_jobs_must_be_positive(tiny, jobs: str, capsys, monkeypatch) -> None:
+def test_jobs_must_be_positive(tiny, jobs: str, capsys, monkeypatch, tmp_path) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["compile", str(tiny(SPEC, "gguf")), "--jobs", jobs])
     err = capsys.readouterr().err
@@ -88,6 +88,9 @@ def test_jobs_must_be_positive(tiny, jobs: str, capsys, monkeypatch) -> None:
     monkeypatch.setenv(toolchain.JOBS, jobs)
     with pytest.raises(toolchain.ToolchainError, match=f"LLMC_JOBS='{jobs}': expected a positive number"):
         toolchain.jobs()
+    assert main(["compile", str(tiny(SPEC, "gguf")), "-o", str(tmp_path / "out")]) == 2  # before any phase runs
+    err = capsys.readouterr().err
+    assert err == f"llmc: error: LLMC_JOBS='{jobs}': expected a positive number of processes\n", err
 
 
 def test_progress_rewrites_one_line_on_a_terminal(monkeypatch, capsys) -> None:

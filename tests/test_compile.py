@@ -624,7 +624,7 @@ def test_score_returns_every_rows_logits(tiny, artifact) -> None:
     _close(session.score(TOKENS[5:]), reference[5:])
 
 
-def test_perplexity_cli_on_a_tiny_model(artifact, tmp_path, capsys) -> None:
+def test_perplexity_cli_on_a_tiny_model(tiny, artifact, tmp_path, capsys) -> None:
     directory = artifact(QSPECS["mixed"])
     text = tmp_path / "text.txt"
     text.write_text("the cat in the hat sat on the mat in 2018 and then the cat ran " * 4 + "\n")
@@ -635,6 +635,9 @@ def test_perplexity_cli_on_a_tiny_model(artifact, tmp_path, capsys) -> None:
     assert re.search(r"^mean KL\s+0\.000000", out, re.M) and "same top   100.000" in out
     assert main(["perplexity", str(directory), "--text", str(text), "--ctx", "512"]) == 2
     assert "needs at least 1024" in capsys.readouterr().err
+    model = tiny(QSPECS["mixed"], "gguf")  # (compiled first: --max-seq below --ctx was raised without a word)
+    assert main(["perplexity", str(model), "--text", str(text), "--ctx", "16", "--max-seq", "8"]) == 2
+    assert "--max-seq 8 is below --ctx 16" in capsys.readouterr().err
 
 
 def test_an_artifact_for_a_cpu_this_machine_lacks_is_refused(artifact, tmp_path, capsys) -> None:

@@ -236,6 +236,8 @@ def test_a_pass_refuses_ir_it_has_run_on(tiny, tmp_path, capsys) -> None:
         (no_phase, f"{split},group,lower", "pass 'split' needs IR after phase 'quantize'; this module records no "
                                             "phase (llm.phase)"),
         (bogus_phase, split, "this module's phase 'bogus' (llm.phase) is not one of llmc's: import, optimize"),
+        (quantized, f"{split},group,lower,pack,plan-memory,fuse-norm", "pass 'fuse-norm' runs before plan-memory: "
+                                                                        "@prefill's arena is planned already"),
     ]:
         assert main(["opt", str(source), "-p", passes]) == 2, passes
         err = capsys.readouterr().err

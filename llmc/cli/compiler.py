@@ -124,13 +124,15 @@ def cmd_compile(args: argparse.Namespace) -> int:
         raise UsageError("--gpu names the GPUs of --target cuda; this compile is for the CPU (add --target cuda)")
     backend = BackendOptions(args.target, args.cpu, args.gpu or BackendOptions.gpu)
     from llmc import cache
-    from llmc.backends.cpu.toolchain import JOBS, available_cpus, using_jobs
+    from llmc.backends.cpu.toolchain import JOBS, available_cpus, jobs, using_jobs
 
     with contextlib.ExitStack() as settings:
         if args.no_cache:
             settings.enter_context(cache.disabled())
-        if args.jobs is not None or not os.environ.get(JOBS):  # (else $LLMC_JOBS, checked where it is read)
+        if args.jobs is not None or not os.environ.get(JOBS):
             settings.enter_context(using_jobs(args.jobs or available_cpus()))
+        else:
+            jobs()  # ($LLMC_JOBS checked before the model loads, not where codegen reads it)
         result = compile_model(args.model, out, options, backend, args.compile_to, dump,
                                progress=progress, allow_pickle=args.allow_pickle, tokenizer=args.tokenizer)
     if isinstance(result, str):

@@ -158,6 +158,9 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
                 except ImportError as e:
                     raise UsageError(f"{spec} is not an artifact directory, and compiling it needs the compiler "
                                      f"({e.name} is not installed)") from e
+                if args.max_seq and args.max_seq < args.ctx:
+                    raise UsageError(f"--max-seq {args.max_seq} is below --ctx {args.ctx}: a chunk of --ctx tokens "
+                                     f"needs a KV cache of as many")
                 progress(f"compiling {spec} (--ctx {args.ctx})")
                 options = replace(compile_options(args), max_seq=max(args.ctx, args.max_seq or 0),
                                   prefill_chunk=args.prefill_chunk or min(128, args.ctx))

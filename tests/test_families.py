@@ -155,7 +155,7 @@ def test_a_reference_transformers_cannot_load_is_one_line(tiny: Callable[..., Pa
     pytest.importorskip("transformers")
     assert main(["verify", str(tiny(FAMILIES["qwen3"], "gguf"))]) != 0
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("llmc:")]  # (in-process: tqdm's bars too)
-    assert len(err) == 1 and "transformers cannot load" in err[0] and "--reference DIR" in err[0], err
+    assert len(err) == 1 and "transformers cannot load" in err[0] and "verify's --reference" in err[0], err
     assert main(["verify", str(tiny(FAMILIES["qwen3"], "gguf")), "--reference", str(tmp_path)]) != 0
     assert "not a Hugging Face model directory" in capsys.readouterr().err
 

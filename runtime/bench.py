@@ -6,9 +6,10 @@ speed of N single-token steps (greedy, each token the argmax of the step before)
 tokens are a fixed pseudo-random sequence: the speed does not depend on the text.
 
 The results of llmc and of other engines (`llmc.peers`) are `EngineSpeeds`; `table`
-prints them side by side, with ratios against a baseline engine. `Session.read_bandwidth`
+prints them side by side, with ratios against a baseline engine. `Session.read_weights`
 measures the machine's streaming read speed over the artifact's weights, the limit of a
-decode step that reads every weight once. Only numpy here, like the rest of the runtime.
+decode step that reads every weight once. The host's other load changes by the second, so
+the two are taken in turn, a read after each decode step, and their medians compared. Only numpy here, like the rest of the runtime.
 Each test says what it is doing as it starts (`status`: `llmc bench` shows it as a progress line).
 """
 
@@ -50,6 +51,7 @@ class BenchResult:
     decode_tokens: int
     speeds: EngineSpeeds
     read_gb_per_s: float  # the weights read once by the kernels' read probe, on the same threads (GPU: a copy)
+    probed_decode: float  # decode tokens/s at the lowest depth, in the steps taken in turn with the probe's reads
     weight_bytes: int
     probe: str  # how read_gb_per_s was measured, for the report
 
@@ -132,12 +134,26 @@ def benchmark(directory: Path, prompts: int | Sequence[int] = (512,), decode_tok
                     token = session.greedy([token])
                 best = min(best, time.perf_counter() - start)
             speeds.decode[depth] = decode_tokens / best
-        status("bench: read bandwidth over the weights")
-        read = session.read_bandwidth()
+            if depth == min(depths):
+                status(f"bench: the read probe, a read of the weights after each of {decode_tokens} decode steps")
+                read, probed = _probe_between_steps(session, tokens, depth, decode_tokens)
     finally:
         session.close()
     return BenchResult(session.vocab_size, session.threads, session.where, session.capacity, prompts, depths,
-                       decode_tokens, speeds, read, session.weights.size, session.bandwidth_probe)
+                       decode_tokens, speeds, read, probed, session.weights.size, session.bandwidth_probe)
+
+
+def _probe_between_steps(session, tokens: np.ndarray, depth: int, steps: int) -> tuple[float, float]:
+    """The read probe's GB/s over the weights and decode's tokens/s at `depth`, each the median of `steps`
+    taken in turn (a step, then a read of the weights): whatever else loads the host falls on both alike."""
+    session.rewind(depth)
+    token, decode, read = int(tokens[depth]), [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        token = session.greedy([token])
+        decode.append(1 / (time.perf_counter() - start))
+        read.append(session.read_weights())
+    return float(np.median(read)), float(np.median(decode))
 
 
 # ------------------------------------------------------------------ speculative decoding
@@ -248,15 +264,17 @@ def decode_weight_bytes(manifest: Manifest) -> tuple[int, str]:
 
 
 def bandwidth_report(decode_bytes: int, source: str, result: BenchResult) -> str:
-    """The bytes a decode step reads, the read speed that implies, and the limit the read probe measured."""
+    """The bytes a decode step reads, the read speed that implies, and the limit the read probe measured
+    (medians of the steps and reads taken in turn: the percentage compares those two)."""
     depth = min(result.depths)
     speed = result.speeds.decode[depth]
-    implied = decode_bytes * speed / 1e9
     limit = result.read_gb_per_s * 1e9 / decode_bytes
     return (f"weights   {decode_bytes / 1e6:.1f} MB read per decode token ({source}); llmc decode at depth {depth}, "
-            f"{speed:.1f} tokens/s, reads {implied:.1f} GB/s\n"
-            f"bandwidth limit ≈ {limit:.1f} tokens/s ({result.read_gb_per_s:.1f} GB/s: {result.probe} over "
-            f"the {result.weight_bytes / 1e6:.1f} MB of weights); llmc decode at {100 * speed / limit:.0f}% of it")
+            f"{speed:.1f} tokens/s, reads {decode_bytes * speed / 1e9:.1f} GB/s\n"
+            f"bandwidth limit ≈ {limit:.1f} tokens/s ({result.read_gb_per_s:.1f} GB/s: {result.probe} over the "
+            f"{result.weight_bytes / 1e6:.1f} MB of weights, the median of {result.decode_tokens} reads taken in "
+            f"turn with decode steps, whose median was {result.probed_decode:.1f} tokens/s); llmc decode at "
+            f"{100 * result.probed_decode / limit:.0f}% of it")
 
 
 # ------------------------------------------------------------------ the table

@@ -181,7 +181,7 @@ class Driver:
         self._allocations, self._modules = [], []
 
 
-COPY_PROBE_BYTES = 1 << 30  # the most weights `read_bandwidth` copies: far past every cache
+COPY_PROBE_BYTES = 1 << 30  # the most weights `read_weights` copies: far past every cache
 MAX_GRAPHS = 16  # captured (entry point, rows) pairs kept beyond decode's and verify's (one per row count): chunks
 
 
@@ -331,19 +331,15 @@ class CudaSession(Conversation):
     def bandwidth_probe(self) -> str:
         return f"a device-to-device copy on {self.device.name}"
 
-    def read_bandwidth(self, repeat: int = 5) -> float:
+    def read_weights(self) -> float:
         """GB/s of a device-to-device copy of the weights (up to 1 GiB of them) into a scratch buffer: what
         decode's reads are measured against. A copy reads and writes each byte; both count."""
         size = min(self.weights.size, COPY_PROBE_BYTES)
         dev = self.device
         if "copy_probe" not in self.buffers:
             self.buffers["copy_probe"] = dev.alloc(size)
-        scratch = self.buffers["copy_probe"]
-        best = float("inf")
-        for _ in range(repeat + 1):
-            dev.synchronize()
-            start = time.perf_counter()
-            dev.copy(scratch, self.buffers["weights"], size)
-            dev.synchronize()
-            best = min(best, time.perf_counter() - start)
-        return 2 * size / best / 1e9
+        dev.synchronize()
+        start = time.perf_counter()
+        dev.copy(self.buffers["copy_probe"], self.buffers["weights"], size)
+        dev.synchronize()
+        return 2 * size / (time.perf_counter() - start) / 1e9

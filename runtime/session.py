@@ -416,12 +416,9 @@ class Session(Conversation):
         self.team.run(self.manifest.data["read_probe"], [args[name] for name in READ_PROBE_ARGUMENTS])
         return out
 
-    def read_bandwidth(self, repeat: int = 5) -> float:
-        """GB/s at which this session's threads read the weights once (the kernels' read
-        probe, as a decode step streams them), best of `repeat` passes after a warm one."""
-        size, best = self.weights.size, float("inf")
-        for _ in range(repeat + 1):
-            start = time.perf_counter()
-            self.read(self.weights.ctypes.data, size)
-            best = min(best, time.perf_counter() - start)
-        return size // READ_PROBE_STEP * READ_PROBE_STEP / best / 1e9
+    def read_weights(self) -> float:
+        """GB/s of one read of the weights by the kernels' read probe on this session's threads, as a
+        decode step streams them (the probe reads whole `READ_PROBE_STEP`s: only those count)."""
+        start = time.perf_counter()
+        self.read(self.weights.ctypes.data, self.weights.size)
+        return self.weights.size // READ_PROBE_STEP * READ_PROBE_STEP / (time.perf_counter() - start) / 1e9

@@ -168,11 +168,15 @@ class _EntryEmitter:
             raise LlmcError(f"cpu codegen: no emitter for {op.name}")
 
 
+READ_PROBE_STREAMS = 4  # the read probe's streams per thread: a projection reads 4 to 8 at once
+
+
 def read_probe(module: ir.Module) -> ir.Function:
     """`void llmc_read(i8* p, i64 bytes, i64 tid, i64 nth, i64* out)`: thread `tid` of `nth`
-    reads its share of `bytes` (whole 256-byte steps) once, as a decode step streams the
-    weights, and leaves the xor of what it read in out[tid]. `llmc bench` times it: the
-    read bandwidth the decode kernels are measured against."""
+    reads its share of `bytes` (whole 256-byte steps) once, as `READ_PROBE_STREAMS` streams side
+    by side (as a decode step streams the weights: codes and scale planes, gate and up), and
+    leaves the xor of what it read in out[tid]. The buffer may start anywhere. `llmc bench`
+    times it: the read bandwidth the decode kernels are measured against."""
     types = [_parameter_type(name, kind) for name, kind in READ_PROBE_ARGUMENTS.items()]
     fn = ir.Function(module, ir.FunctionType(VOID, types), name=READ_PROBE)
     for arg, name in zip(fn.args, READ_PROBE_ARGUMENTS):
@@ -183,13 +187,21 @@ def read_probe(module: ir.Module) -> ir.Function:
     accs = [f.alloca(lanes, name=f"acc{i}") for i in range(READ_PROBE_STEP // 64)]
     for acc in accs:
         f.b.store(ir.Constant(lanes, [0] * 16), acc)
-    lo, hi = f.share(f.b.sdiv(nbytes, f.i64(READ_PROBE_STEP)), tid, nth)
-    with f.loop(lo, hi, name="c", unroll=False) as c:
-        base = f.mul(c, READ_PROBE_STEP)
+
+    def read_step(step: ir.Value) -> None:
+        base = f.mul(step, READ_PROBE_STEP)
         prefetch(f, p, f.add(base, 4096))
         for i, acc in enumerate(accs):
-            v = f.b.load(f.b.bitcast(f.b.gep(p, [f.add(base, 64 * i)]), lanes.as_pointer()), align=64)
+            v = f.b.load(f.b.bitcast(f.b.gep(p, [f.add(base, 64 * i)]), lanes.as_pointer()), align=1)
             f.b.store(f.b.xor(f.b.load(acc), v), acc)
+
+    lo, hi = f.share(f.b.sdiv(nbytes, f.i64(READ_PROBE_STEP)), tid, nth)
+    length = f.b.sdiv(f.sub(hi, lo), f.i64(READ_PROBE_STREAMS))
+    with f.loop(f.i64(0), length, name="c", unroll=False) as c:  # the share as streams read side by side
+        for s in range(READ_PROBE_STREAMS):
+            read_step(f.add(f.add(lo, f.mul(length, s)), c))
+    with f.loop(f.add(lo, f.mul(length, READ_PROBE_STREAMS)), hi, name="t", unroll=False) as t:
+        read_step(t)
     total = f.b.load(accs[0])
     for acc in accs[1:]:
         total = f.b.xor(total, f.b.load(acc))

@@ -80,6 +80,11 @@ def error_response(error: ApiError) -> Response:
     return Response(json.dumps(error.body()), error.status, headers, media_type="application/json")
 
 
+def internal_error(exc: BaseException) -> Response:
+    """The 500 of an exception that nothing else answered: `internal error: KeyError: 'x'`."""
+    return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+
+
 async def read_body(request: HttpRequest, limits: Limits) -> bytes:
     """The request's body: at most `limits.max_body_bytes`, whole within `limits.body_seconds` (413 and 408
     otherwise): `raw = await read_body(request, Limits.for_capacity(4096))`."""
@@ -133,6 +138,33 @@ class ApiKeyCheck:
                 problem = "invalid API key (send the header 'Authorization: Bearer KEY')"
             return await error_response(ApiError(401, problem, code="invalid_api_key"))(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class InternalErrors:
+    """ASGI middleware, the innermost: an exception that escapes a route before its response has started is
+    answered here with `internal_error`'s 500, inside the CORS middleware, so that a browser may read it
+    (Starlette's own handler answers outside every middleware, without CORS headers). The exception is then
+    raised on, for the server's log, as Starlette does."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:
+            if not started:
+                await internal_error(exc)(scope, receive, send)
+            raise
 
 
 class AccessLog:
@@ -279,7 +311,8 @@ class _EngineCollector:
 
 
 class Operations:
-    """What `llmc serve` adds for operating it: `middleware` (access log, CORS, API key, outermost first),
+    """What `llmc serve` adds for operating it: `middleware` (access log, CORS, API key, internal errors, outermost
+    first),
     `routes` (GET /metrics, POST /tokenize, POST /detokenize) and `metrics` (the hooks the generation calls).
     `limits` bound the tokenizing routes' bodies (the server's, sized from its KV capacity)."""
 
@@ -299,6 +332,7 @@ class Operations:
                                               expose_headers=["Retry-After"]))
         if options.api_key is not None:
             self.middleware.append(Middleware(ApiKeyCheck, key=options.api_key))
+        self.middleware.append(Middleware(InternalErrors))
         self.routes = [Route("/metrics", self.metrics_page, methods=["GET"]),
                        Route("/tokenize", self.tokenize, methods=["POST"]),
                        Route("/detokenize", self.detokenize, methods=["POST"])]

@@ -73,7 +73,7 @@ from llmc.runtime.batch import Engine, QueueFull, Request
 from llmc.runtime.codec import TextCodec
 from llmc.runtime.grammar import token_bytes
 from llmc.runtime.openapi import openapi_schema
-from llmc.runtime.operations import Operations, ServeOptions, error_response, read_body, record_usage
+from llmc.runtime.operations import Operations, ServeOptions, error_response, internal_error, read_body, record_usage
 from llmc.runtime.session import Conversation
 from llmc.runtime.streaming import Disconnected, EventStream, Piece, TokenQueue, events, pieces, whole
 from llmc.runtime.tools import read_reply
@@ -267,7 +267,7 @@ class Server:
         return error_response(exc)
 
     async def _internal_error(self, request: HttpRequest, exc: Exception) -> Response:
-        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+        return internal_error(exc)  # (raised in a middleware: a route's is answered by `InternalErrors`)
 
     # -------------------------------------------------------------- simple routes
 

@@ -63,7 +63,8 @@ class Stats:
 def small_app(codec: TextCodec, options: ServeOptions, stats: Stats | None = None,
               limits: Limits | None = None) -> tuple[Starlette, Operations]:
     """A Starlette app with the operations' middleware and routes, an open /health, a /v1/answer that records
-    its usage, and a /v1/stream that sends "first", waits for `app.state.go`, then sends "second"."""
+    its usage, a /v1/stream that sends "first", waits for `app.state.go`, then sends "second", and a /v1/fail
+    that raises."""
     operations = Operations("tiny", codec, stats or Stats(), options, limits)
     go = threading.Event()
 
@@ -81,8 +82,12 @@ def small_app(codec: TextCodec, options: ServeOptions, stats: Stats | None = Non
             yield b"second\n"
         return StreamingResponse(parts(), media_type="text/plain")
 
+    async def fail(request):
+        raise RuntimeError("a fault of the test's own")
+
     app = Starlette(routes=[Route("/health", health), Route("/v1/answer", answer, methods=["POST"]),
-                            Route("/v1/stream", stream), *operations.routes], middleware=operations.middleware)
+                            Route("/v1/stream", stream), Route("/v1/fail", fail), *operations.routes],
+                    middleware=operations.middleware)
     app.state.go = go
     return app, operations
 
@@ -191,6 +196,19 @@ def test_cors_answers_preflights_and_marks_answers_even_refusals(codec) -> None:
         other = client.options("/v1/answer", headers={"Origin": "https://evil.example",
                                                        "Access-Control-Request-Method": "POST"})
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+
+
+def test_an_internal_error_is_a_json_500_that_a_browser_may_read(codec) -> None:
+    """A route's exception: OpenAI's error body, with CORS headers (Starlette's own 500 has none), and still
+    raised for the server's log."""
+    app, _ = small_app(codec, ServeOptions(cors_origins=(ORIGIN,), access_log=False))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        failed = client.get("/v1/fail", headers={"Origin": ORIGIN})
+    assert (failed.status_code, failed.headers["access-control-allow-origin"]) == (500, ORIGIN)
+    assert failed.json()["error"] == {"message": "internal error: RuntimeError: a fault of the test's own",
+                                      "type": "server_error", "param": None, "code": None}
+    with TestClient(app) as client, pytest.raises(RuntimeError, match="a fault of the test's own"):
+        client.get("/v1/fail")
 
 
 def test_cors_any_origin(codec) -> None:

@@ -69,6 +69,8 @@ def load_model(spec: str, allow_pickle: bool = False, tokenizer: str | None = No
             extra = "graph" if path.suffix == ".onnx" else "reference"
             raise UsageError(f"reading {path.suffix} files needs the {e.name} package: pip install 'llmc[{extra}]'") from e
         return graph_model(path, module, weights, tokenizer)
+    if tokenizer is not None:
+        raise UsageError(f"--tokenizer is for a .pt2 or .onnx graph: {path.name} carries its own tokenizer")
     if path.is_dir():
         from llmc.frontend.hf import load_hf
 

@@ -77,6 +77,7 @@ def run_phases(model: Model, options: CompileOptions, last: str, dump: IRDumper 
     with _updates(progress):
         start = time.perf_counter()
         _status(progress, f"import: {model.source}")
+        check_raisings_apply(model, options)
         module = import_model(model)
         module.attributes[tgt.TARGET] = target
         target_description(target).check_ops(module)  # an op the target has no kernel for: refused before the work
@@ -185,6 +186,13 @@ def check_backend(options: CompileOptions, backend: BackendOptions, compile_to: 
     if out is not None and compile_to is None:
         check_output_directory(out)
     return target
+
+
+def check_raisings_apply(model: Model, options: CompileOptions) -> None:
+    """`--no-raise` names raisings of a graph import (.pt2, .onnx): other models are built of raised ops."""
+    if options.no_raise and model.graph is None:
+        raise UsageError(f"--no-raise is for a .pt2 or .onnx graph: {model.source.name} is imported as the model "
+                         f"ops themselves, with nothing to raise")
 
 
 def compile_model(spec: str, out: Path | None, options: CompileOptions, backend: BackendOptions,

@@ -183,7 +183,7 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
     is transformers on the model's own file, or on `reference_source` (an HF directory of it); for
     an exported graph, torch eager (`.pt2`) or onnxruntime (`.onnx`) on the graph. With `per_layer`,
     then one row per projection (`per_layer_rows`)."""
-    from llmc.driver import BackendOptions, build_artifact, describe_graph, target_attr
+    from llmc.driver import BackendOptions, build_artifact, check_raisings_apply, describe_graph, target_attr
     from llmc.errors import UsageError
     from llmc.frontend import import_model, load_model
     from llmc.frontend.reference import reference_logits, reference_name
@@ -215,6 +215,7 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
     options = options or CompileOptions()
     check_calibrate(options)
     model = load_model(spec, allow_pickle, tokenizer)
+    check_raisings_apply(model, options)
     tokens = model.tokenizer.encode(prompt)
     if not tokens:
         raise UsageError("--prompt gives no tokens")

@@ -212,6 +212,23 @@ def test_compile_cli_options(tiny, tmp_path, capsys) -> None:
     assert names[0] == "00-phase-import.mlir" and any("plan-memory" in n for n in names)
 
 
+@pytest.mark.parametrize("form", ["gguf", "hf"])
+def test_graph_only_options_are_refused_for_other_models(tiny, tmp_path, capsys, form: str) -> None:
+    """--no-raise and --tokenizer name a .pt2/.onnx graph's raisings and tokenizer: on a GGUF file or an HF
+    directory they would do nothing, so they are refused (compile, verify, perplexity alike)."""
+    model = str(tiny(SPECS["gqa"], form))
+    text = tmp_path / "t.txt"
+    text.write_text("one two three four five six seven eight nine ten")
+    for argv, message in [(["compile", model, "--no-raise", "rope", "-o", str(tmp_path / "a")], "--no-raise is for"),
+                          (["compile", model, "--tokenizer", model, "-o", str(tmp_path / "a")], "--tokenizer is for"),
+                          (["verify", model, "--no-raise", "rope"], "--no-raise is for"),
+                          (["perplexity", model, "--text", str(text), "--tokenizer", model], "--tokenizer is for")]:
+        assert main(argv) == 2, argv
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("llmc: error")]
+        assert len(errors) == 1 and message in errors[0] and "graph" in errors[0], errors
+    assert not (tmp_path / "a").exists()
+
+
 def test_compile_to_stops_after_that_phase(tiny, capsys) -> None:
     """`--compile-to P` prints P's IR and runs no phase after it (import included)."""
     model = str(tiny(SPECS["gqa"], "gguf"))

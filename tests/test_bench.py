@@ -262,6 +262,13 @@ def test_capacity_is_checked_before_measuring(artifact, capsys, options: list[st
         assert code == 0 and "depths 2048 left out: the KV capacity is 32" in err
 
 
+@pytest.mark.parametrize("options", [["--vs", "transformers"], ["--plot", "b.png"], ["--depth", "0", "--model", "m"]])
+def test_options_speculate_does_not_take_are_refused(artifact, capsys, options: list[str]) -> None:
+    code = main(["bench", str(artifact("gguf")), "--speculate", *options])
+    out, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and "not for --speculate" in err and options[0] in err and not out
+
+
 def test_missing_model_for_peers_is_one_line(artifact, capsys, tmp_path) -> None:
     code = main(["bench", str(artifact("gguf")), *FAST, "--vs", "transformers", "--model", str(tmp_path / "none")])
     out, err = capsys.readouterr()

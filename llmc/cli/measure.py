@@ -115,6 +115,13 @@ def _bench_speculation(directory: Path, args: argparse.Namespace) -> int:
     from llmc.runtime.bench import speculation_benchmark, speculation_table
     from llmc.runtime.speculate_prompts import GROUNDED, OPEN_ENDED
 
+    given = [flag for flag, value in (("--prompt-tokens", args.prompt_tokens), ("--depth", args.depth),
+                                      ("--vs", args.vs), ("--model", args.model),
+                                      ("--llama-bench", args.llama_bench), ("--plot", args.plot))
+             if value is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)}: not for --speculate (it measures llmc alone, on its own prompts, "
+                         f"without a plot)")
     progress(f"measuring speculative decoding on {directory} ({len(GROUNDED) + len(OPEN_ENDED)} prompts, up to "
              f"{args.decode_tokens} tokens each, best of {args.repeat}, plain and speculative alternating)")
     draft = Path(args.draft) if args.draft else None

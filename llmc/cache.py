@@ -27,7 +27,7 @@ OFF = "off"
 def cache_dir(kind: str) -> Path | None:
     """The folder of results of `kind`, or None when the cache is off."""
     chosen = os.environ.get("LLMC_CACHE_DIR")
-    if chosen == OFF:
+    if chosen is not None and chosen.strip().lower() == OFF:  # (OFF, Off: off too, not a folder of that name)
         return None
     if chosen:
         return Path(chosen) / kind

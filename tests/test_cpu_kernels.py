@@ -670,3 +670,5 @@ def test_the_kernel_cache_returns_what_llvm_made_for_the_same_text_and_target(tm
     assert entries[0].read_bytes()[32:] == first  # stored again
     monkeypatch.setenv("LLMC_CACHE_DIR", cache.OFF)
     assert cache.cache_dir("kernels") is None and compile_to_object(text, target_machine("x86-64-v3")) == first
+    monkeypatch.setenv("LLMC_CACHE_DIR", " OFF")
+    assert cache.cache_dir("kernels") is None

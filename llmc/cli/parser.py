@@ -447,6 +447,12 @@ def main(argv: list[str] | None = None) -> int:
 def _drop_stdout() -> None:
     """Point standard output at /dev/null: what is left in its buffer goes nowhere at exit, without a second error."""
     try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        os.dup2(null, sys.stdout.fileno())
     except (OSError, ValueError):  # (no file descriptor: a test's captured output)
         pass
+    finally:
+        os.close(null)

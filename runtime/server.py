@@ -336,7 +336,15 @@ class Server:
         return await self._generate(request, self.requests.completion, "prompt", _CompletionAnswer)
 
     async def chat_completions(self, request: HttpRequest) -> Response:
-        return await self._generate(request, self.requests.chat, "messages", _ChatAnswer)
+        return await self._generate(request, self._chat_job, "messages", _ChatAnswer)
+
+    def _chat_job(self, raw: bytes) -> Job:
+        """A chat request, prepared on a worker thread; with logprobs, the token bytes they name come from
+        llguidance's tokenizer, built here on the first such request (~0.2 s), not on the event loop."""
+        job = self.requests.chat(raw)
+        if job.sampling.logprobs is not None:
+            token_bytes(self.codec, 0)
+        return job
 
     async def _generate(self, request: HttpRequest, prepare: Callable[[bytes], Job], prompt_param: str,
                         spelling: type[_Answer]) -> Response:

@@ -456,6 +456,29 @@ def test_the_server_wires_metrics_key_tokenize_and_access_log(served_session, ac
                for line in access_lines)
 
 
+def test_chat_logprobs_build_the_token_bytes_off_the_event_loop(served_session, monkeypatch) -> None:
+    """The first chat request with logprobs builds llguidance's tokenizer (the token bytes it reports) on a
+    request worker, not on the event loop, where it would hold up every stream for ~0.2 s."""
+    pytest.importorskip("llguidance")
+    from llmc.runtime import grammar
+    from llmc.runtime.server import Server
+
+    threads, build = [], grammar.llg_tokenizer
+
+    def recorded(codec):
+        threads.append(threading.current_thread().name)
+        return build(codec)
+
+    monkeypatch.setattr(grammar, "llg_tokenizer", recorded)
+    codec = TextCodec.from_artifact(served_session.manifest)  # (a codec of its own: no tokenizer built for it yet)
+    server = Server(served_session, codec, "tiny", options=ServeOptions(access_log=False))
+    with TestClient(server.app) as client:
+        answer = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "max_tokens": 3, "logprobs": True})
+    assert answer.status_code == 200 and len(answer.json()["choices"][0]["logprobs"]["content"]) == 3
+    assert threads and threads[0].startswith("llmc-request"), threads
+
+
 def test_serve_without_prometheus_client_names_the_extra(artifact) -> None:
     from runtime_only import runtime_only
 

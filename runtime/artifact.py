@@ -20,7 +20,7 @@ import json
 import os
 import struct
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -267,9 +267,10 @@ def _check_launches(name: str, launches: object) -> None:
             raise ValueError(f"entry point {name} has a malformed launch of {launch.get('kernel')!r}")
 
 
-def load_manifest(directory: Path, check_files: bool = True) -> Manifest:
+def load_manifest(directory: Path, check_files: bool = True, verified_later: Collection[str] = ()) -> Manifest:
     """Read and check `manifest.json`: its schema, and every file inside the directory with the size
-    the manifest gives; with `check_files`, every file's sha256 too."""
+    the manifest gives; with `check_files`, every file's sha256 too, but those of the roles in
+    `verified_later`, which the caller checks on the bytes it reads (`check_sha256`): each read once."""
     path = directory / MANIFEST
     if not path.is_file():
         raise ArtifactError(f"{directory}: not an llmc artifact (no {MANIFEST}); build one with 'llmc compile'")
@@ -295,7 +296,7 @@ def load_manifest(directory: Path, check_files: bool = True) -> Manifest:
         if file.stat().st_size != entry["bytes"]:
             raise ArtifactError(f"{file}: {file.stat().st_size} bytes, not the {entry['bytes']} the manifest says "
                                 f"(truncated or modified); recompile")
-        if check_files and sha256_file(file) != entry["sha256"]:
+        if check_files and role not in verified_later and sha256_file(file) != entry["sha256"]:
             raise ArtifactError(f"{file}: contents do not match the manifest (modified or truncated); recompile")
     return manifest
 
@@ -369,11 +370,16 @@ def missing_cpu_features(features: Iterable[str]) -> list[str]:
 def verified_bytes(manifest: Manifest, role: str) -> bytes:
     """The contents of the artifact's `role` file, read once and checked against its sha256 (so the
     bytes that were hashed are the bytes that are used)."""
-    path = manifest.file(role)
-    data = path.read_bytes()
-    if hashlib.sha256(data).hexdigest() != manifest.data["files"][role]["sha256"]:
-        raise ArtifactError(f"{path}: contents do not match the manifest (modified or truncated); recompile")
+    data = manifest.file(role).read_bytes()
+    check_sha256(manifest, role, data)
     return data
+
+
+def check_sha256(manifest: Manifest, role: str, data: bytes | memoryview) -> None:
+    """`data`, read from the artifact's `role` file, has the sha256 the manifest gives that file."""
+    if hashlib.sha256(data).hexdigest() != manifest.data["files"][role]["sha256"]:
+        raise ArtifactError(f"{manifest.file(role)}: contents do not match the manifest (modified or truncated); "
+                            f"recompile")
 
 
 _PT_LOAD = 1

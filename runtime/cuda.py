@@ -32,6 +32,7 @@ from llmc.runtime.artifact import (
     ArtifactError,
     Manifest,
     check_description,
+    check_sha256,
     parse_description,
     verified_bytes,
 )
@@ -221,6 +222,8 @@ class CudaSession(Conversation):
         self.device = dev = device if device is not None else Driver()
         self.threads = 1  # (the host's part is one thread: what `llmc bench` gives transformers)
         self.weights = weights = np.memmap(manifest.file("weights"), dtype=np.uint8, mode="r")
+        if check_files:  # (`open_session` left the weights' sha256 to the session)
+            check_sha256(manifest, "weights", memoryview(weights))
         kv = manifest.kv_cache
         kv_bytes = int(np.prod(kv["shape"])) * np.dtype(KV_DTYPES[kv["dtype"]]).itemsize
         arena = max(e["arena_bytes"] for e in manifest.entry_points.values()) + 64

@@ -43,6 +43,7 @@ from llmc.runtime.artifact import (
     ArtifactError,
     Manifest,
     check_description,
+    check_sha256,
     library_description,
     load_manifest,
     load_verified_library,
@@ -332,9 +333,12 @@ class Conversation:
         return self._rows(tokens, self._entry("verify"))
 
 
+SESSION_VERIFIED = ("kernels", "weights")  # what a session checks the sha256 of as it reads it, not before
+
+
 def open_session(directory: Path, check_files: bool = True, threads: int | None = None) -> Conversation:
     """A session on the artifact in `directory`, for its target: CPU threads, or the GPU."""
-    manifest = load_manifest(directory, check_files)
+    manifest = load_manifest(directory, check_files, SESSION_VERIFIED)
     if manifest.target == "cuda":
         from llmc.runtime.cuda import CudaSession
 
@@ -349,7 +353,7 @@ class Session(Conversation):
 
     def __init__(self, manifest: Manifest | Path, check_files: bool = True, threads: int | None = None):
         if not isinstance(manifest, Manifest):
-            manifest = load_manifest(manifest, check_files)
+            manifest = load_manifest(manifest, check_files, SESSION_VERIFIED)
         directory, kernels = manifest.directory, manifest.file("kernels")
         if manifest.target != "cpu":
             raise ArtifactError(f"{directory}: a '{manifest.target}' artifact; this runtime runs 'cpu' artifacts")
@@ -372,6 +376,8 @@ class Session(Conversation):
         arena_bytes = max(e["arena_bytes"] for e in self.manifest.entry_points.values()) + 64
         try:
             self.weights = load_weights(self.manifest.file("weights"))
+            if check_files:
+                check_sha256(self.manifest, "weights", memoryview(self.weights))  # (the bytes used: hashed once)
             self.k_cache = np.zeros(kv["shape"], KV_DTYPES[kv["dtype"]])
             self.v_cache = np.zeros(kv["shape"], KV_DTYPES[kv["dtype"]])
             self.arena = np.zeros(arena_bytes, np.uint8)

@@ -437,6 +437,31 @@ def test_kernels_swapped_after_the_check_are_not_loaded(artifact, tmp_path) -> N
         load_verified_library(manifest)
 
 
+def test_weights_swapped_after_the_check_are_not_used(artifact, tmp_path, monkeypatch) -> None:
+    """A session hashes the weights it has read, not the file before it reads it: weights changed after the
+    manifest's check are refused, and a session opened from the directory reads each file once."""
+    import shutil
+
+    from llmc.runtime import artifact as artifact_module
+    from llmc.runtime.artifact import load_manifest
+
+    copy = tmp_path / "copy"
+    shutil.copytree(artifact(SPECS["gqa"]), copy)
+    manifest = load_manifest(copy)  # every file checks out
+    weights = manifest.file("weights")
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))  # swapped between the check and the load
+    with pytest.raises(ArtifactError, match="weights.bin: contents do not match the manifest"):
+        Session(manifest)
+    weights.write_bytes(bytes(data[: len(data) // 2]) + bytes([data[len(data) // 2] ^ 0xFF]) +
+                        bytes(data[len(data) // 2 + 1 :]))
+    hashed, sha256_file = [], artifact_module.sha256_file
+    monkeypatch.setattr(artifact_module, "sha256_file", lambda path: hashed.append(path.name) or sha256_file(path))
+    Session(copy).close()
+    assert hashed == ["tokenizer.json"], hashed  # (the kernels and the weights: hashed as they are read)
+
+
 @pytest.mark.parametrize(
     "argv",
     [["run", "x", "-p", "y", "-n", "-1"], ["compile", "m", "--max-seq", "abc"], ["run"], ["frob"],

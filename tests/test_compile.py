@@ -420,8 +420,10 @@ def test_a_session_dropped_without_close_stops_its_workers(artifact) -> None:
     assert not any(worker.is_alive() for worker in workers)
 
 
-def test_kernels_swapped_after_the_check_are_not_loaded(artifact, tmp_path) -> None:
-    """The bytes that were hashed are the bytes that are loaded."""
+@pytest.mark.parametrize("role", ["kernels", "weights"])
+def test_files_swapped_after_the_check_are_not_used(artifact, tmp_path, role: str) -> None:
+    """The bytes that were hashed are the bytes used: the kernels loaded, and the weights a session has read
+    (it hashes its own copy of them)."""
     import shutil
 
     from llmc.runtime.artifact import load_manifest, load_verified_library
@@ -429,37 +431,23 @@ def test_kernels_swapped_after_the_check_are_not_loaded(artifact, tmp_path) -> N
     copy = tmp_path / "copy"
     shutil.copytree(artifact(SPECS["gqa"]), copy)
     manifest = load_manifest(copy)  # every file checks out
-    kernels = manifest.file("kernels")
-    data = bytearray(kernels.read_bytes())
+    path = manifest.file(role)
+    data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
-    kernels.write_bytes(bytes(data))  # swapped between the check and the load
-    with pytest.raises(ArtifactError, match="do not match the manifest"):
-        load_verified_library(manifest)
+    path.write_bytes(bytes(data))  # swapped between the check and the load
+    with pytest.raises(ArtifactError, match=f"{path.name}: contents do not match the manifest"):
+        load_verified_library(manifest) if role == "kernels" else Session(manifest)
 
 
-def test_weights_swapped_after_the_check_are_not_used(artifact, tmp_path, monkeypatch) -> None:
-    """A session hashes the weights it has read, not the file before it reads it: weights changed after the
-    manifest's check are refused, and a session opened from the directory reads each file once."""
-    import shutil
-
+def test_a_session_hashes_each_file_once(artifact, monkeypatch) -> None:
+    """The manifest's check leaves the kernels and the weights to the session, which hashes them as it reads
+    them: each file is read once."""
     from llmc.runtime import artifact as artifact_module
-    from llmc.runtime.artifact import load_manifest
 
-    copy = tmp_path / "copy"
-    shutil.copytree(artifact(SPECS["gqa"]), copy)
-    manifest = load_manifest(copy)  # every file checks out
-    weights = manifest.file("weights")
-    data = bytearray(weights.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    weights.write_bytes(bytes(data))  # swapped between the check and the load
-    with pytest.raises(ArtifactError, match="weights.bin: contents do not match the manifest"):
-        Session(manifest)
-    weights.write_bytes(bytes(data[: len(data) // 2]) + bytes([data[len(data) // 2] ^ 0xFF]) +
-                        bytes(data[len(data) // 2 + 1 :]))
     hashed, sha256_file = [], artifact_module.sha256_file
     monkeypatch.setattr(artifact_module, "sha256_file", lambda path: hashed.append(path.name) or sha256_file(path))
-    Session(copy).close()
-    assert hashed == ["tokenizer.json"], hashed  # (the kernels and the weights: hashed as they are read)
+    Session(artifact(SPECS["gqa"])).close()
+    assert hashed == ["tokenizer.json"], hashed
 
 
 @pytest.mark.parametrize(

@@ -351,14 +351,23 @@ def _return(lo: _Lowering, op: func.ReturnOp) -> None:
     lo.emit(func.ReturnOp())
 
 
+def _split_entry(function: func.FuncOp) -> tuple[StringAttr, int, llm.KVCacheType]:
+    """The stage, rows and KV cache of an entry point as `split` leaves it; IR edited by hand without
+    them is one error, not a crash."""
+    name, stage = function.sym_name.data, function.attributes.get("llm.stage")
+    max_tokens, args = function.attributes.get("llm.max_tokens"), function.body.block.args
+    if not isinstance(stage, StringAttr):
+        raise LlmcError(f"lower: @{name} has no string llm.stage (what split gives each entry point)")
+    if not (isinstance(max_tokens, IntegerAttr) and max_tokens.value.data >= 1):
+        raise LlmcError(f"lower: @{name} has no positive integer llm.max_tokens (what split gives each entry point)")
+    if len(args) < 3 or not isinstance(args[-1].type, llm.KVCacheType):
+        raise LlmcError(f"lower: @{name} does not take tokens, positions and the !llm.kv_cache last")
+    return stage, max_tokens.value.data, args[-1].type
+
+
 def lower_function(function: func.FuncOp) -> func.FuncOp:
-    stage = function.attributes["llm.stage"]
-    max_tokens = function.attributes["llm.max_tokens"]
-    assert isinstance(max_tokens, IntegerAttr)
-    rows = max_tokens.value.data
-    *ids_args, kv_arg = function.body.block.args  # tokens, positions (, slots)
-    kv = kv_arg.type
-    assert isinstance(kv, llm.KVCacheType)
+    stage, rows, kv = _split_entry(function)
+    ids_args = function.body.block.args[:-1]  # tokens, positions (, slots)
     (logits_type,) = function.function_type.outputs.data
     layers, kv_heads, capacity, head_dim = kv.shape
     slot_dims = (kv.slots,) if kv.slots > 1 else ()

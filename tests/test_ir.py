@@ -209,6 +209,45 @@ def test_opt_cli_verifier_error_is_one_line(tmp_path, capsys) -> None:
     assert err.count("\n") == 1 and "llm.rope: positions must have element type i32" in err
 
 
+SPLIT_AT = 'builtin.module attributes {llm.phase = "split", tgt.target = #tgt.target<cpu, "x86_64", "x86-64-v3", ["avx2"]>} {'
+OPTIMIZED_AT = SPLIT_AT.replace('"split"', '"optimize"')
+
+
+@pytest.mark.parametrize(("edit", "passes", "message"), [
+    (lambda t: t.replace("2x2x16x8xf32>", "2x2x16x8xf32, slots 0>"), [], "dimensions and slots must be positive"),
+    (lambda t: t.replace("layer 1", "layer 99999999999999999999"), [], "out of range for type i64"),
+    (lambda t: t.replace("theta 10000.0", "theta -1.0"), [], "theta must be positive"),
+    (lambda t: t.replace("%pos: tensor<?xi32>", "%pos: tensor<?xi64>")
+               .replace("tensor<?x4x8xf32>, tensor<?xi32>", "tensor<?x4x8xf32>, tensor<?xi64>")
+               .replace("tensor<?xi32>, !llm", "tensor<?xi64>, !llm"), [], "positions must have element type i32"),
+    (lambda t: t.replace("    %r = ", "    %c = llm.constant dense<1.0> : tensor<100000x1000xf32>\n    %r = "), [],
+     ":21: a dense constant of 100000000 elements"),
+    (lambda t: t.replace("builtin.module {", SPLIT_AT), ["-p", "lower"], "@f has no string llm.stage"),
+    (lambda t: t.replace("builtin.module {", SPLIT_AT).replace("-> tensor<?x32xf32> {", '-> tensor<?x32xf32> '
+                         'attributes {llm.stage = "decode", llm.max_tokens = "x"} {', 1), ["-p", "lower"],
+     "@f has no positive integer llm.max_tokens"),
+], ids=["kv-slots", "layer-past-i64", "theta", "positions-i64", "huge-splat", "no-stage", "max-tokens-string"])
+def test_edited_ir_is_one_line(tmp_path, capsys, edit, passes: list[str], message: str) -> None:
+    """IR edited by hand: attributes that check themselves as they are parsed, a constant that would take
+    400 MB to parse, and entry points without what `split` gives them: one line, exit 2, not an internal error."""
+    src = tmp_path / "edited.mlir"
+    src.write_text(edit(WELL_FORMED))
+    assert main(["opt", str(src), *passes]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("llmc: error: ") and message in err, err
+
+
+def test_weights_of_any_name_lower(tmp_path, capsys) -> None:
+    """A weight's symbol names its SSA values (`%blk_0_attn_q`): names xDSL does not take as SSA names (empty,
+    a digit first, a space, not ASCII) are made valid, not an internal error."""
+    for name in ('""', '"1"', '"a b"', '"é"'):
+        src = tmp_path / "weights.mlir"
+        src.write_text(WELL_FORMED.replace("builtin.module {", OPTIMIZED_AT).replace("@f(", "@forward(")
+                       .replace("@blk.0.attn_q ", f"@{name} "))
+        assert main(["opt", str(src), "-p", "quantize,split{max_seq=16},group,lower,pack,plan-memory"]) == 0, name
+        assert "tgt.weight" in capsys.readouterr().out
+
+
 def test_a_pass_refuses_ir_it_has_run_on(tiny, tmp_path, capsys) -> None:
     """`split` and `lower` on IR they made end in one line saying so, not in a KeyError: by the module's phase,
     and by the functions themselves where the phase does not tell (`lower` alone leaves the module at 'group')."""

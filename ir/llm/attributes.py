@@ -174,8 +174,9 @@ class KVCacheType(ParametrizedAttribute, TypeAttribute):
 
 
 def ssa_name(text: str) -> str:
-    """A valid SSA name hint from a source name (`blk.0.attn_q` → `blk_0_attn_q`, `onnx::W_7` → `onnx__W_7`)."""
-    name = "".join(c if c.isalnum() or c == "_" else "_" for c in text)
+    """A valid SSA name hint from a source name (`blk.0.attn_q` → `blk_0_attn_q`, `onnx::W_7` → `onnx__W_7`,
+    `1` → `v1`, `é` → `_`: xDSL takes ASCII letters, digits and `_` only, not a digit first)."""
+    name = "".join(c if (c.isascii() and c.isalnum()) or c == "_" else "_" for c in text)
     return name if name[:1].isalpha() or name[:1] == "_" else f"v{name}"
 
 

@@ -32,6 +32,7 @@ from xdsl.irdl import (
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
+from llmc.ir.llm.attributes import ssa_name
 from llmc.ir.tgt.types import Activations, WeightType, dims, memref, nbytes
 
 
@@ -130,7 +131,7 @@ class WeightOp(IRDLOperation):
 
     def __init__(self, sym: str, weight_type: WeightType):
         super().__init__(properties={"sym": SymbolRefAttr(sym)}, result_types=[weight_type])
-        self.result.name_hint = sym.replace(".", "_")
+        self.result.name_hint = ssa_name(sym)
 
     @property
     def sym_name(self) -> str:

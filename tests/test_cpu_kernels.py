@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import re
 import uuid
 
 import host
@@ -637,6 +638,15 @@ def test_missing_compiler(tmp_path, tm, monkeypatch):
     assert isinstance(info.value, LlmcError)
     assert "\n" not in str(info.value) and "/nonexistent" in str(info.value)
     assert not (tmp_path / "k.so").exists()
+
+
+@pytest.mark.parametrize(("cc", "message"), [('"unclosed', "$CC is not a command line"),
+                                              ("true", "exited 0 without writing the library")])
+def test_a_cc_that_is_no_compiler_is_one_line(tmp_path, monkeypatch, cc: str, message: str):
+    monkeypatch.setenv("CC", cc)
+    with pytest.raises(ToolchainError, match=re.escape(message)) as info:
+        link_shared([b"an object file"], tmp_path / "k.so")
+    assert "\n" not in str(info.value) and not list(tmp_path.iterdir())
 
 
 def test_link_failure(tmp_path):

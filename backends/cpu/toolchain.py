@@ -339,7 +339,10 @@ def _emit(ir_text_or_module: str | ir.Module, tm: llvm.TargetMachine, level: int
 
 def c_compiler() -> list[str]:
     """The command line of the C compiler used as linker: `$CC` split like a shell, or `cc`."""
-    argv = shlex.split(os.environ.get("CC") or "cc")
+    try:
+        argv = shlex.split(os.environ.get("CC") or "cc")
+    except ValueError as e:  # (an unclosed quote)
+        raise ToolchainError(f"$CC is not a command line: {e}") from None
     if not argv or shutil.which(argv[0]) is None:
         shown = argv[0] if argv else "(empty $CC)"
         raise ToolchainError(f"no C compiler found ({shown}): install gcc or clang, or set CC to one")
@@ -383,6 +386,9 @@ def link_shared(objects: Sequence[bytes | str | os.PathLike], out_path: str | os
             lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
             detail = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else "no output")
             raise ToolchainError(f"linking {out.name} with {argv[0]} failed (exit {proc.returncode}): {detail}")
+        if not partial.is_file():
+            raise ToolchainError(f"linking {out.name}: {argv[0]} exited 0 without writing the library ($CC is not "
+                                 f"a C compiler?)")
         os.replace(partial, out)
     return out
 

@@ -245,7 +245,7 @@ def test_generate_reuses_the_sessions_cache(directory, codec) -> None:
     assert again.reused == len(longer) - 1  # all of it but the token whose logits it needs
 
 
-def test_serve_options(directory) -> None:
+def test_serve_options(directory, capsys, monkeypatch) -> None:
     served = start_server(directory, "--api-key", "sekret", "--cors-origin", "https://app.example", "--no-access-log",
                           "--ctx", "16")
     try:
@@ -270,7 +270,20 @@ def test_serve_options(directory) -> None:
     finally:
         process.terminate()
         process.communicate(timeout=20)
-    assert main(["serve", str(directory), "--api-key", ""]) == 2
+    for argv, env_key, message in ((["--api-key", ""], None, "--api-key: the key is empty"),
+                                   (["--api-key", " "], None, "--api-key: the key is empty"),
+                                   ([], "", "$LLMC_API_KEY: the key is empty"),
+                                   (["--host", ""], None, "--host: an empty address")):
+        if env_key is None:
+            monkeypatch.delenv("LLMC_API_KEY", raising=False)
+        else:
+            monkeypatch.setenv("LLMC_API_KEY", env_key)
+        try:
+            code = main(["serve", str(directory), "--port", "0", *argv])
+        except SystemExit as e:  # (argparse's refusals)
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and message in err, err
 
 
 LLMC = [sys.executable, "-m", "llmc"]

@@ -178,9 +178,11 @@ def _serve_options(args: argparse.Namespace):
     """The server's `ServeOptions`: --api-key (else $LLMC_API_KEY), --cors-origin, --no-access-log."""
     from llmc.runtime.operations import ServeOptions
 
-    if args.api_key == "":
-        raise UsageError("--api-key: the key is empty")
-    return ServeOptions(api_key=args.api_key or os.environ.get("LLMC_API_KEY") or None,
+    key = args.api_key if args.api_key is not None else os.environ.get("LLMC_API_KEY")
+    if key is not None and not key.strip():
+        where = "--api-key" if args.api_key is not None else "$LLMC_API_KEY"
+        raise UsageError(f"{where}: the key is empty (unset $LLMC_API_KEY and give no --api-key for an open server)")
+    return ServeOptions(api_key=key,
                         cors_origins=tuple(args.cors_origin or ()), access_log=not args.no_access_log)
 
 

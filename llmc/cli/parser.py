@@ -39,6 +39,14 @@ def _name(text: str) -> str:
     return text
 
 
+def _host(text: str) -> str:
+    """An address to listen on: not empty or blank (uvicorn would listen on every interface)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty address (0.0.0.0 listens on every interface, 127.0.0.1 on this "
+                                         "machine only)")
+    return text
+
+
 def _positive(text: str) -> int:
     value = _int(text)
     if value < 1:
@@ -345,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop before this text, which is not printed (repeatable)")
 
     p = _command(sub, cmd_serve, [common, artifact_args], "serve an artifact over an OpenAI-compatible HTTP API")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--host", type=_host, default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=_port, default=8000, help="port to listen on; 0 = any free one "
                                                                      "(default: %(default)s)")
     p.add_argument("--max-batch", type=_positive, metavar="N",

@@ -29,13 +29,15 @@ FAST = ["--prompt-tokens", "4,8", "--depth", "0,8", "--decode-tokens", "4", "--r
 
 @pytest.fixture(scope="module")
 def artifact(tiny, tmp_path_factory) -> Callable[[str], Path]:
-    """`artifact("gguf" | "hf")` → the tiny model compiled from that form (KV capacity 32), built once."""
+    """`artifact("gguf" | "hf" | "batched")` → the tiny model compiled from that form (KV capacity 32; "batched":
+    the GGUF with `--max-batch 4`), built once."""
     root = tmp_path_factory.mktemp("bench")
     built: dict[str, Path] = {}
 
     def build(form: str) -> Path:
         if form not in built:
-            built[form] = compile_model(str(tiny(SPEC, form)), root / form, CompileOptions(prefill_chunk=8, max_seq=32),
+            options = CompileOptions(prefill_chunk=8, max_seq=32, max_batch=4 if form == "batched" else 1)
+            built[form] = compile_model(str(tiny(SPEC, "gguf" if form == "batched" else form)), root / form, options,
                                         BackendOptions(), progress=lambda _: None)
         return built[form]
 
@@ -249,12 +251,13 @@ def test_bad_options_are_one_line(artifact, capsys, options: list[str]) -> None:
     assert err.count("\n") == 1 and ": error: " in err and "--help" in err
 
 
+@pytest.mark.parametrize("form", ["gguf", "batched"])  # (a batched cache's shape has the slots second)
 @pytest.mark.parametrize("options", [
     ["--prompt-tokens", "8", "--depth", "30"], ["--prompt-tokens", "8", "--decode-tokens", "40"],
     ["--prompt-tokens", "4", "--decode-tokens", "4"],  # the default depths that fit: 0 only
 ])
-def test_capacity_is_checked_before_measuring(artifact, capsys, options: list[str]) -> None:
-    code = main(["bench", str(artifact("gguf")), "--repeat", "1", *options])
+def test_capacity_is_checked_before_measuring(artifact, capsys, options: list[str], form: str) -> None:
+    code = main(["bench", str(artifact(form)), "--repeat", "1", *options])
     out, err = capsys.readouterr()
     if "--depth" in options or "40" in options:
         assert code == 2 and err.count("\n") == 1 and "exceed the artifact's KV capacity of 32" in err and not out

@@ -73,7 +73,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         check_plot(Path(args.plot))
     manifest = load_manifest(directory, check_files=False)  # (the session checks the files)
-    prompts, depths, notes = fit_defaults(manifest.kv_cache["shape"][2], args.prompt_tokens, args.depth,
+    prompts, depths, notes = fit_defaults(manifest.kv_cache["capacity"], args.prompt_tokens, args.depth,
                                           args.decode_tokens)
     for note in notes:
         progress(f"note: {note}")

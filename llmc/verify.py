@@ -219,6 +219,9 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
     tokens = model.tokenizer.encode(prompt)
     if not tokens:
         raise UsageError("--prompt gives no tokens")
+    if artifact is not None and len(tokens) > manifest["kv_cache"]["capacity"]:
+        raise UsageError(f"--prompt is {len(tokens)} tokens; the KV cache of --artifact {artifact} holds "
+                         f"{manifest['kv_cache']['capacity']} (a shorter --prompt, or compile with a larger --max-seq)")
     module = import_model(model)
     module.attributes[tgt.TARGET] = target
     for phase in ("import", "optimize"):

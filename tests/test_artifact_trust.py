@@ -389,6 +389,18 @@ def test_verify_of_an_artifact_of_another_model_is_one_line_before_the_reference
              f"--artifact {other} is of another model: its arch is 'qwen2'")  # (one line: no progress of a reference)
 
 
+def test_verify_of_a_prompt_longer_than_the_artifacts_cache_is_one_line_before_the_reference(tiny, artifact,
+                                                                                             capsys) -> None:
+    """A --prompt the artifact cannot hold: refused first, naming the prompt's tokens (was: after the reference and
+    every stage, naming a count of its own)."""
+    from llmc.frontend import load_tokenizer
+
+    model, prompt = str(tiny(SPEC, "gguf")), " ".join(["one two three"] * 40)
+    tokens = len(load_tokenizer(model).encode(prompt))
+    _refused(["verify", model, "--artifact", str(artifact(SPEC)), "--prompt", prompt], capsys,
+             f"--prompt is {tokens} tokens; the KV cache of --artifact", "holds 32")
+
+
 @pytest.mark.reference
 def test_verify_of_an_artifact_notes_the_compile_options_it_ignores(tiny, artifact, capsys) -> None:
     """`llmc verify MODEL --artifact DIR --kv-type q8_0`: the artifact's own options are checked; a note says so."""

@@ -103,7 +103,7 @@ class Chat:
             if first is None or first == len(self.messages) - 1:
                 self.messages.pop()
                 raise CapacityError(f"the message makes a prompt of {len(ids)} tokens; the KV cache holds "
-                                    f"{capacity} (compile with a larger --max-seq)")
+                                    f"{capacity} ({self.session.larger_capacity})")
             del self.messages[first]
             while first < len(self.messages) - 1 and self.messages[first]["role"] == "assistant":
                 del self.messages[first]

@@ -27,7 +27,7 @@ from llmc.passes.pipeline import CompileOptions
 from llmc.runtime.chat import Chat
 from llmc.runtime.codec import TextCodec
 from llmc.runtime.sampling import SamplingOptions
-from llmc.runtime.session import Session
+from llmc.runtime.session import CapacityError, Session
 
 LONG = TinySpec(context_length=4096)
 SHORT = TinySpec(context_length=64)
@@ -104,6 +104,17 @@ def test_a_conversation_outgrowing_the_cache_drops_its_oldest_turns(artifacts) -
     assert chat.messages[0] != {"role": "user", "content": "turn 0"}
     assert chat.messages[-2:][0] == {"role": "user", "content": "turn 3"}
     assert turn.reused < turn.position
+
+
+def test_a_message_past_the_cache_says_how_to_hold_more(artifacts) -> None:
+    """One message longer than the cache: refused, with `--ctx` where the session holds less than the artifact
+    (--ctx 16 of 64), a recompile where it holds all of it."""
+    for ctx, advice in ((16, "(--ctx up to 64)"), (None, "(compile with a larger --max-seq)")):
+        chat = _chat(artifacts["short"], max_tokens=4)
+        if ctx:
+            chat.session.limit_context(ctx)
+        with pytest.raises(CapacityError, match=re.escape(advice)):
+            chat.reply("word " * 80, lambda text: None)
 
 
 def test_an_interrupted_reply_stays_in_the_history(artifacts) -> None:

@@ -119,6 +119,8 @@ def read_chat_template(path: Path | str, limits: RenderLimits = DEFAULT_LIMITS, 
         raise ModelFormatError(path, f"the chat template is not UTF-8 text (byte {e.start})") from None
     if len(raw) > most or len(text) > limits.chars:
         raise ModelFormatError(path, f"the chat template is longer than {limits.chars} characters")
+    if check and not text.strip():
+        raise ModelFormatError(path, "the chat template is empty")
     if check:
         try:
             compile_template(text, limits)

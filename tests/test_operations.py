@@ -368,7 +368,8 @@ def test_read_chat_template_checks_the_file(tmp_path: Path) -> None:
     assert read_chat_template(good) == CHAT_TEMPLATE
     cases = {"broken.jinja": ("{% for m in messages %}{{ m.content }", "chat template failed: unexpected '}'"),
              "latin1.jinja": (b"caf\xe9", "not UTF-8 text (byte 3)"),
-             "long.jinja": ("{{ 'x' }}" * 20, "longer than 100 characters")}
+             "long.jinja": ("{{ 'x' }}" * 20, "longer than 100 characters"),
+             "empty.jinja": (" \n", "the chat template is empty")}  # (was: "this model has no chat template")
     for name, (content, words) in cases.items():
         path = tmp_path / name
         path.write_bytes(content if isinstance(content, bytes) else content.encode())

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
+from llmc.errors import UsageError
+
 OFF = "off"
 
 
@@ -33,6 +35,20 @@ def cache_dir(kind: str) -> Path | None:
         return Path(chosen) / kind
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "llmc" / kind
+
+
+def check_location() -> None:
+    """Refuse a `$LLMC_CACHE_DIR` inside an llmc artifact, before any work: the artifact's manifest lists what
+    it holds, and a cache written into it would spoil it."""
+    chosen = os.environ.get("LLMC_CACHE_DIR")
+    if not chosen or chosen.strip().lower() == OFF:
+        return
+    from llmc.runtime.artifact import enclosing_artifact
+
+    outer = enclosing_artifact(Path(chosen) / "kernels")
+    if outer is not None:
+        raise UsageError(f"LLMC_CACHE_DIR={chosen} is inside the artifact {outer}, which the cache would spoil; "
+                         f"choose another folder")
 
 
 @contextmanager

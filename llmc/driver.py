@@ -25,6 +25,7 @@ from pathlib import Path
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
 
+from llmc.cache import check_location
 from llmc.errors import UsageError
 from llmc.frontend import import_model, load_model
 from llmc.frontend.model import Model
@@ -178,6 +179,7 @@ def check_backend(options: CompileOptions, backend: BackendOptions, compile_to: 
                   out: Path | None) -> tgt.TargetAttr:
     """The target of `backend`, after checking the options that need no model."""
     target = target_attr(backend)
+    check_location()  # ($LLMC_CACHE_DIR)
     check_compute(options.compute, target)  # before the model loads, not after the first phases
     check_calibrate(options)
     check_raisings(options)

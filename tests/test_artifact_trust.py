@@ -411,7 +411,7 @@ def test_verify_of_an_artifact_notes_the_compile_options_it_ignores(tiny, artifa
 
 def test_an_output_inside_an_artifact_is_refused_untouched(tiny, artifact, tmp_path, capsys) -> None:
     """`-o ART/sub` (or deeper) would leave the artifact holding a folder it does not list: refused, the artifact
-    as it was; so are a --plot and an IR file inside it."""
+    as it was; so are a --plot and an IR file inside it, and a $LLMC_CACHE_DIR."""
     outer = _copy(artifact(SPEC), tmp_path / "outer")
     before = _snapshot(outer)
     for out in (outer / "sub", outer / "a" / "b"):
@@ -419,6 +419,11 @@ def test_an_output_inside_an_artifact_is_refused_untouched(tiny, artifact, tmp_p
     for where in (["-o", str(outer / "manifest.json")], ["--dump-ir", str(outer)], ["--dump-ir", str(outer / "ir")]):
         assert main(["ir", str(tiny(SPEC, "gguf")), *where]) == 2, where
         assert f"it is inside the artifact {outer}" in capsys.readouterr().err
+    for cache in (outer, outer / "cache"):  # ($LLMC_CACHE_DIR: kernels and calibrations would be written there)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("LLMC_CACHE_DIR", str(cache))
+            _refused(_compile_argv(tiny, tmp_path / "elsewhere"), capsys, f"is inside the artifact {outer}")
+            _refused(["compile", str(tiny(SPEC, "gguf")), "--compile-to", "quantize"], capsys, "LLMC_CACHE_DIR=")
     assert _snapshot(outer) == before
 
 

@@ -665,6 +665,9 @@ def test_perplexity_cli_on_a_tiny_model(tiny, artifact, tmp_path, capsys) -> Non
     assert re.search(r"^mean KL\s+0\.000000", out, re.M) and "same top   100.000" in out
     assert main(["perplexity", str(directory), "--text", str(text), "--ctx", "512"]) == 2
     assert "needs at least 1024" in capsys.readouterr().err
+    for option in (["--speculate", "3"], ["--no-raise", "rope"], ["--tokenizer", "x"], ["--kv-type", "q8_0"]):
+        assert main(["perplexity", str(directory), "--text", str(text), "--ctx", "512", *option]) == 2
+        assert "the compile options do not apply to it" in capsys.readouterr().err, option  # (not silently ignored)
     model = tiny(QSPECS["mixed"], "gguf")  # (compiled first: --max-seq below --ctx was raised without a word)
     assert main(["perplexity", str(model), "--text", str(text), "--ctx", "16", "--max-seq", "8"]) == 2
     assert "--max-seq 8 is below --ctx 16" in capsys.readouterr().err

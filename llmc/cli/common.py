@@ -87,10 +87,13 @@ progress = Progress()
 
 def compile_options_given(args: argparse.Namespace) -> bool:
     """Whether the command line gives any compile option (for a command handed an artifact, which has its own)."""
+    from llmc.passes.pipeline import CompileOptions
+
     given = {"quant": None, "quant_output": None, "requantize": False, "compute": "auto", "calibrate": None,
              "cpu": "native", "max_seq": None, "prefill_chunk": None, "no_group": False, "kv_type": "f16",
-             "max_batch": 1}  # (each option's value when left out; a command may lack some)
-    return any(getattr(args, name, default) not in (default, 0) for name, default in given.items())
+             "max_batch": 1, "verify_drafts": CompileOptions.speculate, "no_raise": None,
+             "tokenizer": None}  # (each option's value when left out; a command may lack some)
+    return any(getattr(args, name, default) != default for name, default in given.items())
 
 
 def compile_options(args: argparse.Namespace):

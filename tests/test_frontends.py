@@ -218,6 +218,8 @@ def test_llmc_tokenize_errors_are_one_line(tiny: Callable[..., Path], tmp_path: 
     broken.write_text('"fine"\n"unterminated\n', encoding="utf-8")
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(b'"caf\xe9"\n')
+    gap = tmp_path / "gap.jsonl"
+    gap.write_text('"a"\n\n"b"\n', encoding="utf-8")  # (skipped, "b"'s ids would be on line 2)
     weird = write_gguf(SPECS["gqa"], random_weights(SPECS["gqa"]), tmp_path / "weird.gguf", pre="no-such-pre")
     for argv, message in (
         ([str(vocab_only)], "give the TEXT to tokenize, or --jsonl FILE"),
@@ -225,6 +227,7 @@ def test_llmc_tokenize_errors_are_one_line(tiny: Callable[..., Path], tmp_path: 
         ([str(vocab_only), "--jsonl", str(bad)], "bad.jsonl:2: a JSON string per line, got dict"),
         ([str(vocab_only), "--jsonl", str(broken)], "broken.jsonl:2: not JSON"),
         ([str(vocab_only), "--jsonl", str(latin)], "it is not UTF-8 (character 3 is byte 0xe9)"),
+        ([str(vocab_only), "--jsonl", str(gap)], "gap.jsonl:2: an empty line"),
         ([str(vocab_only), "--jsonl", str(tmp_path / "missing.jsonl")], "cannot read"),
         ([str(weird), "x"], "unsupported pre-tokenizer 'no-such-pre'"),
         ([str(tmp_path / "nothing.gguf"), "x"], "no such model file"),

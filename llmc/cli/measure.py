@@ -34,9 +34,13 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
                 print(f"{i:6d} -> {codec.piece(i)!r}")
         return 0
     lines = sys.stdin if args.jsonl == "-" else _open_text(args.jsonl)
+    blank = None  # the first blank line: fine at the end of the file, not before a text (the answers would shift)
     for number, line in enumerate(lines, 1):
         if not line.strip():
+            blank = blank or number
             continue
+        if blank:
+            raise UsageError(f'{args.jsonl}:{blank}: an empty line (one JSON string per line; "" for an empty text)')
         try:
             text = json.loads(line)
         except json.JSONDecodeError as e:

@@ -33,6 +33,7 @@ from llmc.frontend.rope_scaling import hf_rope_scaling
 from llmc.ir.activations import Activation
 from llmc.ir.formats import Storage
 from llmc.ir.weights import Weight, WeightStore
+from llmc.runtime.artifact import MANIFEST
 from llmc.runtime.codec import TextCodec, read_chat_template, read_tokenizer
 
 ARCHITECTURES = {
@@ -484,6 +485,9 @@ def load_hf(directory: Path, allow_pickle: bool = False) -> Model:
     """
     config_file = directory / "config.json"
     if not config_file.is_file():
+        if (directory / MANIFEST).is_file():
+            raise ModelFormatError(directory, "an llmc artifact, not a model: give the GGUF file or Hugging Face "
+                                              "directory it was compiled from (`llmc run` takes the artifact)")
         raise ModelFormatError(directory, "no config.json in this directory")
     cfg = _json(_inside(directory, config_file))
     arch = _architecture(config_file, cfg)

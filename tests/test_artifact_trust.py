@@ -389,6 +389,16 @@ def test_verify_of_an_artifact_of_another_model_is_one_line_before_the_reference
              f"--artifact {other} is of another model: its arch is 'qwen2'")  # (one line: no progress of a reference)
 
 
+def test_an_artifact_and_a_model_mistaken_for_each_other_are_named(tiny, artifact, tmp_path, capsys) -> None:
+    """An artifact's manifest given to `run`, an artifact given to `compile` or `ir` as the model: one line that says
+    what was given (was: "no manifest.json" beside the manifest, "no config.json")."""
+    built = artifact(SPEC)
+    _refused(["run", str(built / MANIFEST), "-p", "x"], capsys, "a file; an llmc artifact is the folder")
+    for argv in (_compile_argv(tiny, tmp_path / "out")[:1] + [str(built), "-o", str(tmp_path / "out")],
+                 ["ir", str(built)]):
+        _refused(argv, capsys, "an llmc artifact, not a model")
+
+
 def test_verify_of_a_prompt_longer_than_the_artifacts_cache_is_one_line_before_the_reference(tiny, artifact,
                                                                                              capsys) -> None:
     """A --prompt the artifact cannot hold: refused first, naming the prompt's tokens (was: after the reference and

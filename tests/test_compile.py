@@ -463,6 +463,13 @@ def test_bad_options_are_one_line(argv: list[str], capsys) -> None:
     assert err.count("\n") == 1 and ": error: " in err and "--help" in err
 
 
+def test_an_unknown_option_points_at_its_commands_help(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "x", "-p", "y", "--frob"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "llmc run: error: unrecognized arguments: --frob (see 'llmc run --help')\n"
+
+
 # quantized artifacts ---------------------------------------------------------------
 
 _PROJ = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")

@@ -200,7 +200,7 @@ def _peer_list(text: str) -> list[str]:
 def _command(sub, run, parents: list[argparse.ArgumentParser], help: str) -> argparse.ArgumentParser:
     """The subcommand `run` implements (`cmd_bench`: `llmc bench`), its docstring the description."""
     p = sub.add_parser(run.__name__.removeprefix("cmd_"), parents=parents, help=help, description=run.__doc__)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, parser=p)
     return p
 
 
@@ -428,7 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # (the command's own help lists what it takes)
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.run(args)
     except LlmcError as e:

@@ -331,12 +331,17 @@ def test_bad_cuda_options_are_one_line(tiny, tmp_path, capsys, argv, message) ->
     assert err.count("\n") == 1 and message in err
 
 
-def test_gpu_without_the_cuda_target_is_one_line(tiny, tmp_path, capsys) -> None:
-    """--gpu on a CPU compile was ignored without a word (the user meant --target cuda)."""
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--gpu", "sm_80"], "--gpu names the GPUs of --target cuda"),
+    (["--target", "cuda", "--cpu", "znver4"], "--cpu names the CPU of --target cpu"),
+    (["--requantize"], "--requantize converts tensors to --quant"),
+])
+def test_an_option_of_another_target_or_none_is_one_line(tiny, tmp_path, capsys, argv, message) -> None:
+    """--gpu on a CPU compile, --cpu on a CUDA one, --requantize without a type: each was ignored without a word."""
     path = str(tiny(SPECS["gqa"], "gguf"))
-    assert main(["compile", path, "--gpu", "sm_80", "-o", str(tmp_path / "out")]) == 2
+    assert main(["compile", path, *argv, "-o", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--gpu names the GPUs of --target cuda" in err and not (tmp_path / "out").exists()
+    assert err.count("\n") == 1 and message in err and not (tmp_path / "out").exists()
 
 
 def test_malformed_launch_plan_is_refused(cuda_artifact, tmp_path) -> None:

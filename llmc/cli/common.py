@@ -102,6 +102,8 @@ def compile_options(args: argparse.Namespace):
     from llmc.passes.pipeline import CompileOptions
     from llmc.passes.split import check_rows
 
+    if args.requantize and not (args.quant or args.quant_output):
+        raise UsageError("--requantize converts tensors to --quant (or --quant-output) TYPE: give one")
     for option, value in (("--quant", args.quant), ("--quant-output", args.quant_output)):
         if value:
             try:

@@ -122,6 +122,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     out = Path(args.output) if args.output else (None if args.compile_to else _default_output(args.model))
     if args.gpu is not None and args.target != "cuda":
         raise UsageError("--gpu names the GPUs of --target cuda; this compile is for the CPU (add --target cuda)")
+    if args.cpu != "native" and args.target == "cuda":
+        raise UsageError("--cpu names the CPU of --target cpu; this compile is for the GPU (--gpu names its GPUs)")
     backend = BackendOptions(args.target, args.cpu, args.gpu or BackendOptions.gpu)
     from llmc import cache
     from llmc.backends.cpu.toolchain import JOBS, available_cpus, jobs, using_jobs

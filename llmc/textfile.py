@@ -13,9 +13,12 @@ from pathlib import Path
 
 from llmc.errors import UsageError
 
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark
+
 
 def read_text(option: str, name: str, limit: int) -> str:
-    """The UTF-8 text of file `name` ('-': standard input) for `option`, at most `limit` bytes."""
+    """The UTF-8 text of file `name` ('-': standard input) for `option`, at most `limit` bytes, without a
+    leading byte order mark."""
     try:
         if name == "-":
             data = sys.stdin.buffer.read(limit + 1)
@@ -26,10 +29,12 @@ def read_text(option: str, name: str, limit: int) -> str:
         raise UsageError(f"{option} {name}: cannot read it: {e.strerror or e}") from None
     if len(data) > limit:
         raise UsageError(f"{option} {name}: larger than {limit} bytes, the most it takes")
+    bom = len(BOM) if data.startswith(BOM) else 0  # (some editors begin UTF-8 with it: not part of the text)
     try:
-        return data.decode("utf-8")
+        return data[bom:].decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UsageError(f"{option} {name}: not UTF-8 text (byte {e.start} is {data[e.start]:#04x})") from None
+        at = bom + e.start
+        raise UsageError(f"{option} {name}: not UTF-8 text (byte {at} is {data[at]:#04x})") from None
 
 
 def check_writable(option: str, path: Path, what: str) -> None:

@@ -199,7 +199,7 @@ def test_llmc_tokenize_prints_what_the_original_tokenizer_gives(tiny: Callable[.
         ids = original.encode("Hello 2018", add_special_tokens=False).ids
         assert lines == [f"{i:6d} -> {original.decode([i])!r}" for i in ids]
     jsonl = tmp_path / "texts.jsonl"
-    jsonl.write_text("".join(json.dumps(t) + "\n" for t in texts) + "\n", encoding="utf-8")
+    jsonl.write_text("".join(json.dumps(t) + "\n" for t in texts) + "\n", encoding="utf-8-sig")  # (a BOM: dropped)
     assert main(["tokenize", str(vocab_only), "--jsonl", str(jsonl)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [json.loads(line) for line in out] == [original.encode(t, add_special_tokens=False).ids for t in texts]

@@ -177,7 +177,7 @@ def test_opt_cli_without_passes_prints_input_back(tmp_path, capsys) -> None:
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["opt", "missing.mlir"], "cannot read missing.mlir"),
+        (["opt", "missing.mlir"], "llmc opt missing.mlir: cannot read it"),
         (["opt", "{bad}", "-p", "nope"], "unknown pass 'nope'"),
     ],
 )

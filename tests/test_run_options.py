@@ -65,7 +65,8 @@ def test_the_prompt_comes_from_a_file_or_standard_input(capsys, directory, codec
     code, expected, err = run(capsys, directory, "-p", "the cat", "-n", "6")
     assert code == 0 and closing(err)[:2] == (len(codec.encode("the cat")), 6)
     prompt = tmp_path / "prompt.txt"
-    for text in (b"the cat\n", b"the cat\r\n"):  # one final newline is dropped, as llama.cpp's -f does
+    for text in (b"the cat\n", b"the cat\r\n", b"\xef\xbb\xbfthe cat\n"):  # one final newline is dropped, as
+        # llama.cpp's -f does, and a byte order mark (some editors begin UTF-8 files with one: it is not text)
         prompt.write_bytes(text)
         assert run(capsys, directory, "-f", str(prompt), "-n", "6")[1] == expected
     prompt.write_bytes(b"the cat\n\n")
@@ -210,6 +211,8 @@ def test_bad_prompt_files_are_one_line(capsys, directory, tmp_path, monkeypatch)
                                                                    str(bad_gbnf))
     monkeypatch.setattr("llmc.cli.artifact.MAX_PROMPT_BYTES", 4)
     assert "not UTF-8 text (byte 3" in refused(capsys, directory, "-f", str(latin))
+    latin.write_bytes(b"\xef\xbb\xbf\xe9")
+    assert "not UTF-8 text (byte 3 is 0xe9)" in refused(capsys, directory, "-f", str(latin))  # (counted with the BOM)
     assert "larger than 4 bytes" in refused(capsys, directory, "-f", str(bad_gbnf))
 
 

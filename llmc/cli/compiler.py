@@ -11,7 +11,9 @@ from pathlib import Path
 from llmc.cli.common import compile_options, compile_options_given, progress
 from llmc.errors import UsageError
 from llmc.runtime.artifact import enclosing_artifact
-from llmc.textfile import check_writable
+from llmc.textfile import check_writable, read_text
+
+IR_FILE_BYTES = 1 << 30  # the largest .mlir file `llmc opt` reads
 
 
 def _out(text: str, path: str | None) -> None:
@@ -71,13 +73,7 @@ def cmd_opt(args: argparse.Namespace) -> int:
     from llmc.passes.pipeline import run_passes
     from llmc.passes.registry import parse_passes
 
-    if args.file == "-":
-        text, source = sys.stdin.read(), "<stdin>"
-    else:
-        try:
-            text, source = Path(args.file).read_text(), args.file
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"cannot read {args.file}: {e}") from e
+    text, source = read_text("llmc opt", args.file, IR_FILE_BYTES), "<stdin>" if args.file == "-" else args.file
     passes = parse_passes(args.passes or "")
     _check_out(args.output)
     module = parse_module(text, source)

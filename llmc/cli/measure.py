@@ -53,7 +53,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 def _open_text(path: str):
     try:
-        return open(path, encoding="utf-8", errors="surrogateescape")  # (bytes not UTF-8: the codec says which)
+        return open(path, encoding="utf-8-sig", errors="surrogateescape")  # (a BOM dropped; bytes not UTF-8: said)
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}") from None
 

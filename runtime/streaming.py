@@ -53,6 +53,7 @@ class TokenQueue:
         self.loop = loop
         self.queue: asyncio.Queue[tuple[int, TokenLogprob | None] | list | str] = asyncio.Queue()
         self.counts = counts
+        self.stopped = False  # a stop string ended the text: the engine's "cancelled" that follows is a stop
 
     def _put(self, item: tuple | list | str) -> None:
         try:
@@ -68,7 +69,12 @@ class TokenQueue:
         self._put(logprobs)
 
     def finish(self, reason: str) -> None:  # on the engine's thread
-        self.counts["error" if reason.startswith("error") else reason] += 1
+        """Count the end (/health's stop, length, cancelled or error: a grammar that failed is an error) and pass
+        it on."""
+        if reason == "cancelled" and self.stopped:
+            self.counts["stop"] += 1
+        else:
+            self.counts["error" if reason.startswith(("error", "grammar: ")) else reason] += 1
         self._put(reason)
 
 
@@ -109,6 +115,7 @@ async def pieces(job: Job, choice: Choice, codec: TextCodec,
             return given
 
         if stops.found is not None:
+            choice.tokens.stopped = True
             choice.request.cancel()  # the engine frees the slot at its next step
             if text:
                 yield piece(text)

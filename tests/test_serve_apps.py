@@ -175,13 +175,16 @@ def test_tools_reach_the_prompt(codec) -> None:
 
 def test_a_grammar_failing_while_it_generates_is_400(server) -> None:
     """A grammar that compiles but outgrows its matcher's limits once tokens come (llguidance's items): the client's
-    grammar, so a 400 `invalid_grammar` (an error event, streamed), not a 500; and no slash redirect to a Host."""
+    grammar, so a 400 `invalid_grammar` (an error event, streamed), not a 500, counted as an error in /health; and
+    no slash redirect to a Host."""
     body = {"prompt": "x", "max_tokens": 8, "grammar": 'root ::= "a"{1000000}'}
+    before = server.health()["requests"]
     whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
     assert whole.status_code == 400, whole.text
     assert whole.json()["error"]["code"] == "invalid_grammar" and "failed while generating" in whole.text
     streamed = httpx.post(f"{server.url}/v1/completions", json=body | {"stream": True}, timeout=60)
     assert streamed.status_code == 200 and '"code":"invalid_grammar"' in streamed.text, streamed.text
+    assert server.health()["requests"] == before | {"error": before["error"] + 2}  # (were counted nowhere)
     slash = httpx.post(f"{server.url}/v1/completions/", json=body, timeout=10, headers={"Host": "evil.example"})
     assert slash.status_code == 404 and slash.json()["error"]["code"] == "not_found"
     assert "Traceback" not in "".join(server.stderr)

@@ -259,8 +259,10 @@ class Server:
                                                 f"/health, GET /openapi.json, GET /metrics, POST /tokenize, POST "
                                                 f"/detokenize)", code="not_found"))
         if exc.status_code == 405:
-            return error_response(ApiError(405, f"{request.url.path} does not take {request.method}",
-                                      code="method_not_allowed"))
+            answer = error_response(ApiError(405, f"{request.url.path} does not take {request.method}",
+                                             code="method_not_allowed"))
+            answer.headers.update(exc.headers or {})  # (Starlette's `Allow`: the methods the route takes)
+            return answer
         return error_response(ApiError(exc.status_code, str(exc.detail)))
 
     async def _api_error(self, request: HttpRequest, exc: ApiError) -> Response:

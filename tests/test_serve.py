@@ -381,6 +381,7 @@ def test_other_errors(server, client) -> None:
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     wrong_method = httpx.get(f"{server.url}/v1/completions", timeout=10)
     assert wrong_method.status_code == 405 and "does not take GET" in wrong_method.json()["error"]["message"]
+    assert wrong_method.headers["allow"] == "POST"  # (RFC 9110: a 405 names the methods the route takes)
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="x")
     assert e.value.body["code"] == "model_not_found" and "serves 'tiny'" in e.value.body["message"]

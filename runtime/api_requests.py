@@ -32,7 +32,7 @@ from llmc.runtime.codec import TextCodec
 from llmc.runtime.sampling import REPETITION_PENALTIES, SamplingOptions
 from llmc.runtime.session import CapacityError
 from llmc.runtime.templates import template_variables
-from llmc.runtime.tools import ToolUse, history, with_system_text
+from llmc.runtime.tools import ToolUse, closed, history, with_system_text
 
 if TYPE_CHECKING:
     from llmc.runtime.grammar import Grammar
@@ -580,7 +580,10 @@ class RequestParser:
         if tools is not None:
             if kind is not None:
                 raise invalid(param, f"{param} cannot be combined with tools (the reply is the tools' JSON format)")
-            kind, param, text = "json_schema", "tools", json.dumps(tools.schema())
+            try:
+                kind, param, text = "json_schema", "tools", json.dumps(tools.schema())
+            except RecursionError:
+                raise invalid("tools", "a function's parameters are nested too deeply") from None
         return None if kind is None else self._compiled(kind, text, param)
 
     def _compiled(self, kind: str, text: str, param: str) -> Grammar:
@@ -670,4 +673,9 @@ def _response_format(value: object) -> tuple[str, dict | None]:
                                          "(an object)")
     if spec.get("strict") is not None and type(spec["strict"]) is not bool:
         raise invalid("response_format", "response_format.json_schema.strict must be a boolean")
-    return ("json_schema", spec["schema"]) if "schema" in spec else ("json_object", None)
+    if "schema" not in spec:
+        return "json_object", None
+    try:  # (strict: OpenAI's strict mode takes no property a schema does not name)
+        return "json_schema", closed(spec["schema"]) if spec.get("strict") else spec["schema"]
+    except RecursionError:
+        raise invalid("response_format", "response_format.json_schema.schema is nested too deeply") from None

@@ -5,8 +5,8 @@ With tools given (and `tool_choice` not "none"), the model's reply is constraine
     {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}    (the calls), or
     {"response": "It is sunny."}                                                 ("auto" only: plain text)
 
-`ToolUse.schema()` is that JSON schema (each call's `arguments` by its function's `parameters`, no
-other properties unless they say `additionalProperties`),
+`ToolUse.schema()` is that JSON schema (each call's `arguments` by its function's `parameters`, their
+objects `closed` to the properties they name unless they say `additionalProperties`),
 `ToolUse.system_text()` describes the tools and the format to a template that never mentions
 `tools` (templates that do render them natively), `history(messages)` turns OpenAI's tool
 messages into ones any template renders, and `read_reply(text)` gives back OpenAI's `content`
@@ -37,11 +37,22 @@ class ToolUse:
     parallel: bool = True
 
     def schema(self) -> dict:
-        """The JSON schema of the reply."""
+        """The JSON schema of the reply. A function's parameters that refer to themselves (`$ref` "#…": their
+        `$defs`, or "#" itself) are placed in the reply's `$defs` as `tool<i>`, their references moved there."""
         called = [f for f in self.functions if self.choice in ("auto", "required", f["name"])]
-        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                  "properties": {"name": {"const": f["name"]}, "arguments": _closed(f.get("parameters") or ANY_OBJECT)}}
-                 for f in called]
+        defs: dict[str, dict] = {}
+        calls = []
+        for i, f in enumerate(called):
+            arguments = closed(f.get("parameters") or ANY_OBJECT)
+            if '"$ref"' in json.dumps(arguments):
+                defs[f"tool{i}"] = _moved(arguments, f"#/$defs/tool{i}")
+                arguments = {"$ref": f"#/$defs/tool{i}"}
+            calls.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                          "properties": {"name": {"const": f["name"]}, "arguments": arguments}})
+        return {**self._reply(calls), **({"$defs": defs} if defs else {})}
+
+    def _reply(self, calls: list[dict]) -> dict:
+        """The reply's schema around the calls' schemas: the calls, or ("auto") them or a response."""
         array = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
         if not self.parallel:
             array["maxItems"] = 1
@@ -66,12 +77,43 @@ class ToolUse:
         return text + "."
 
 
-def _closed(parameters: dict) -> dict:
-    """A function's parameters schema taking no properties besides those it names, unless it says otherwise
-    (as llama.cpp's tool grammars and OpenAI's strict mode: a small model otherwise invents more)."""
-    if "properties" in parameters and "additionalProperties" not in parameters:
-        return {**parameters, "additionalProperties": False}
-    return parameters
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name → schema
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+
+
+def _subschemas(schema: object, change) -> object:
+    """`schema` with `change` applied to each of its immediate subschemas (not to `const`, `enum` or other data)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: change(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [change(sub) for sub in value]
+        elif key in _SCHEMAS:
+            out[key] = change(value)
+    return out
+
+
+def closed(schema: object) -> object:
+    """`schema` with every object that names its properties taking no others, unless it says otherwise
+    (`additionalProperties: false`, as OpenAI's strict mode and llama.cpp's tool grammars: a small model otherwise
+    invents more): `closed({"properties": {"a": {}}})` is `{"properties": {"a": {}}, "additionalProperties": False}`."""
+    schema = _subschemas(schema, closed)
+    if isinstance(schema, dict) and "properties" in schema and "additionalProperties" not in schema:
+        schema["additionalProperties"] = False
+    return schema
+
+
+def _moved(schema: object, base: str) -> object:
+    """`schema`, to be placed at `base` ("#/$defs/tool0"), with its references to itself ("#", "#/$defs/x")
+    moved below `base`."""
+    schema = _subschemas(schema, lambda sub: _moved(sub, base))
+    if isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#"):
+        schema["$ref"] = base + schema["$ref"][1:]
+    return schema
 
 
 def with_system_text(messages: list[dict], text: str) -> list[dict]:

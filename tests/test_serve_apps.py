@@ -88,6 +88,19 @@ def test_json_schema_answers_validate(client) -> None:
         assert list(reply) == ["size", "colour", "ok"]  # in the schema's order
 
 
+def test_strict_json_schema_takes_no_property_it_does_not_name(client) -> None:
+    """`strict: true` (OpenAI's strict mode): every object of the schema closed to the properties it names, where
+    the schema does not say `additionalProperties` (a random model adds keys where it may)."""
+    schema = {"type": "object", "required": ["colour", "inner"],
+              "properties": {"colour": {"enum": ["red", "blue"]},
+                             "inner": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}}}}
+    strict = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
+    for seed in range(4):
+        answer = chat(client, temperature=1.0, seed=seed, max_tokens=300, response_format=strict)
+        reply = json.loads(answer.choices[0].message.content)
+        assert set(reply) == {"colour", "inner"} and set(reply["inner"]) <= {"n"}, reply
+
+
 def test_json_object_and_grammars(client, codec) -> None:
     # any object: a bias towards "}" closes it at once, and then the grammar allows only the end
     closing = {str(token_id(codec, "}")): 20}
@@ -133,6 +146,39 @@ def test_forced_tool_call_round_trips(client) -> None:
                     max_tokens=300, temperature=1.0, seed=3)
     (call,) = required.choices[0].message.tool_calls
     assert call.function.name in ("get_weather", "get_time")
+
+
+def test_a_tools_references_resolve_in_its_own_parameters(client, codec) -> None:
+    """A function's parameters with `$defs` (refused: their pointers were resolved in the reply's schema, which
+    holds them): each call's arguments follow the function's own schema."""
+    parameters = {"type": "object", "$defs": {"colour": {"enum": ["red", "blue"]}}, "required": ["colour"],
+                  "properties": {"colour": {"$ref": "#/$defs/colour"}}}
+    tool = {"type": "function", "function": {"name": "paint", "parameters": parameters}}
+    no_indent = {str(token_id(codec, space)): -100 for space in ("\t", "\n")}  # (the random model likes tabs)
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+        answer = chat(client, tools=[tool], tool_choice="required", parallel_tool_calls=False, max_tokens=300,
+                      logit_bias=no_indent, **sampling)
+        assert answer.choices[0].finish_reason == "tool_calls", answer.choices[0].message
+        for call in answer.choices[0].message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), parameters)
+
+
+def test_a_tool_referring_to_itself_means_its_parameters_not_the_reply() -> None:
+    """`"$ref": "#"` in a function's parameters is those parameters (it meant the whole reply, which no finite
+    reply met); every object is closed to the properties it names (OpenAI's strict mode)."""
+    from llmc.runtime.tools import ToolUse
+
+    parameters = {"type": "object", "required": ["name"],
+                  "properties": {"name": {"type": "string"}, "next": {"$ref": "#"}}}
+    schema = ToolUse(({"name": "chain", "parameters": parameters},), "required").schema()
+
+    def reply(arguments: dict) -> dict:
+        return {"tool_calls": [{"name": "chain", "arguments": arguments}]}
+
+    jsonschema.validate(reply({"name": "a", "next": {"name": "b", "next": {"name": "c"}}}), schema)
+    for wrong in ({"name": "a", "next": reply({"name": "b"})}, {"name": "a", "next": {"name": "b", "extra": 1}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(reply(wrong), schema)
 
 
 def test_auto_tool_choice_is_a_call_or_an_answer(client) -> None:

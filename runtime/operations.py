@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from anyio import CapacityLimiter
 from anyio.to_thread import run_sync
+from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
@@ -138,6 +139,19 @@ class ApiKeyCheck:
                 problem = "invalid API key (send the header 'Authorization: Bearer KEY')"
             return await error_response(ApiError(401, problem, code="invalid_api_key"))(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class Cors(CORSMiddleware):
+    """Starlette's CORS middleware, its refused preflights in OpenAI's error body (`Disallowed CORS origin`, 400,
+    `code: cors_refused`) like every other refusal, not plain text."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        answer = super().preflight_response(request_headers)
+        if answer.status_code == 200:
+            return answer
+        refused = error_response(ApiError(answer.status_code, bytes(answer.body).decode(), code="cors_refused"))
+        refused.headers.update({k: v for k, v in answer.headers.items() if k.lower().startswith("access-control-")})
+        return refused
 
 
 class InternalErrors:
@@ -327,7 +341,7 @@ class Operations:
             _log_to_stderr()
             self.middleware.append(Middleware(AccessLog))
         if options.cors_origins:
-            self.middleware.append(Middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
+            self.middleware.append(Middleware(Cors, allow_origins=list(options.cors_origins),
                                               allow_methods=["GET", "POST"], allow_headers=["*"],
                                               expose_headers=["Retry-After"]))
         if options.api_key is not None:

@@ -196,6 +196,8 @@ def test_cors_answers_preflights_and_marks_answers_even_refusals(codec) -> None:
         other = client.options("/v1/answer", headers={"Origin": "https://evil.example",
                                                        "Access-Control-Request-Method": "POST"})
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        assert other.json()["error"] == {"message": "Disallowed CORS origin", "type": "invalid_request_error",
+                                         "param": None, "code": "cors_refused"}  # (was plain text)
 
 
 def test_an_internal_error_is_a_json_500_that_a_browser_may_read(codec) -> None:

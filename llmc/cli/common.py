@@ -86,14 +86,11 @@ progress = Progress()
 
 
 def compile_options_given(args: argparse.Namespace) -> bool:
-    """Whether the command line gives any compile option (for a command handed an artifact, which has its own)."""
-    from llmc.passes.pipeline import CompileOptions
-
-    given = {"quant": None, "quant_output": None, "requantize": False, "compute": "auto", "calibrate": None,
-             "cpu": "native", "max_seq": None, "prefill_chunk": None, "no_group": False, "kv_type": "f16",
-             "max_batch": 1, "verify_drafts": CompileOptions.speculate, "no_raise": None,
-             "tokenizer": None}  # (each option's value when left out; a command may lack some)
-    return any(getattr(args, name, default) != default for name, default in given.items())
+    """Whether the command line gives any compile option (for a command handed an artifact, which has its own):
+    one whose value is not its command's default."""
+    names = ("quant", "quant_output", "requantize", "compute", "calibrate", "cpu", "max_seq", "prefill_chunk",
+             "no_group", "kv_type", "max_batch", "verify_drafts", "no_raise", "tokenizer")
+    return any(getattr(args, name, None) != args.parser.get_default(name) for name in names)
 
 
 def compile_options(args: argparse.Namespace):

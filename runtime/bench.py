@@ -9,7 +9,8 @@ The results of llmc and of other engines (`llmc.peers`) are `EngineSpeeds`; `tab
 prints them side by side, with ratios against a baseline engine. `Session.read_weights`
 measures the machine's streaming read speed over the artifact's weights, the limit of a
 decode step that reads every weight once. The host's other load changes by the second, so
-the two are taken in turn, a read after each decode step, and their medians compared. Only numpy here, like the rest of the runtime.
+the two are taken in turn, a read after each decode step, and their medians compared. Only
+numpy here, like the rest of the runtime.
 Each test says what it is doing as it starts (`status`: `llmc bench` shows it as a progress line).
 """
 
@@ -50,7 +51,8 @@ class BenchResult:
     depths: tuple[int, ...]
     decode_tokens: int
     speeds: EngineSpeeds
-    read_gb_per_s: float  # the weights read once by the kernels' read probe, on the same threads (GPU: a copy)
+    read_gb_per_s: float  # the kernels' read probe over the weights, on the same threads (GPU: a copy), the
+    # median of reads taken in turn with decode steps at the lowest depth
     probed_decode: float  # decode tokens/s at the lowest depth, in the steps taken in turn with the probe's reads
     weight_bytes: int
     probe: str  # how read_gb_per_s was measured, for the report

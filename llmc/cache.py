@@ -40,15 +40,15 @@ def cache_dir(kind: str) -> Path | None:
 def check_location() -> None:
     """Refuse a `$LLMC_CACHE_DIR` inside an llmc artifact, before any work: the artifact's manifest lists what
     it holds, and a cache written into it would spoil it."""
-    chosen = os.environ.get("LLMC_CACHE_DIR")
-    if not chosen or chosen.strip().lower() == OFF:
+    folder = cache_dir("kernels")
+    if folder is None:
         return
     from llmc.runtime.artifact import enclosing_artifact
 
-    outer = enclosing_artifact(Path(chosen) / "kernels")
+    outer = enclosing_artifact(folder)
     if outer is not None:
-        raise UsageError(f"LLMC_CACHE_DIR={chosen} is inside the artifact {outer}, which the cache would spoil; "
-                         f"choose another folder")
+        raise UsageError(f"the cache folder {folder.parent} (LLMC_CACHE_DIR={os.environ.get('LLMC_CACHE_DIR', '')}) "
+                         f"is inside the artifact {outer}, which the cache would spoil; choose another folder")
 
 
 @contextmanager

@@ -299,7 +299,7 @@ def load_manifest(directory: Path, check_files: bool = True, verified_later: Col
             raise ArtifactError(f"{file}: {file.stat().st_size} bytes, not the {entry['bytes']} the manifest says "
                                 f"(truncated or modified); recompile")
         if check_files and role not in verified_later and sha256_file(file) != entry["sha256"]:
-            raise ArtifactError(f"{file}: contents do not match the manifest (modified or truncated); recompile")
+            raise _modified(file)
     return manifest
 
 
@@ -380,8 +380,11 @@ def verified_bytes(manifest: Manifest, role: str) -> bytes:
 def check_sha256(manifest: Manifest, role: str, data: bytes | memoryview) -> None:
     """`data`, read from the artifact's `role` file, has the sha256 the manifest gives that file."""
     if hashlib.sha256(data).hexdigest() != manifest.data["files"][role]["sha256"]:
-        raise ArtifactError(f"{manifest.file(role)}: contents do not match the manifest (modified or truncated); "
-                            f"recompile")
+        raise _modified(manifest.file(role))
+
+
+def _modified(file: Path) -> ArtifactError:
+    return ArtifactError(f"{file}: contents do not match the manifest (modified or truncated); recompile")
 
 
 _PT_LOAD = 1

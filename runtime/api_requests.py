@@ -481,7 +481,7 @@ class RequestParser:
     free slots wait in the queue, and reuse the prompt its first choice left in a slot's cache)."""
 
     def __init__(self, codec: TextCodec, limits: Limits, capacity: int, name: str, names: set[str],
-                 check_prompt: Callable[[list[int]], None], max_choices: int = 1):
+                 check_prompt: Callable[[list[int], bool], None], max_choices: int = 1):
         self.codec, self.limits, self.capacity = codec, limits, capacity
         self.name, self.names = name, names
         self.check_prompt = check_prompt
@@ -623,14 +623,14 @@ class RequestParser:
         """The job of a `kind` ("completions", "chat") request for `prompt`, with at least `least` tokens to
         generate."""
         prompt_param = "messages" if kind == "chat" else "prompt"
+        max_name, max_tokens = _max_tokens(body, max_names, least)
         try:
-            self.check_prompt(prompt)
+            self.check_prompt(prompt, max_tokens != 0)  # (scoring alone may fill the cache)
         except CapacityError as e:
             raise invalid(prompt_param, str(e), "context_length_exceeded") from None
         except ValueError as e:
             raise invalid(prompt_param, str(e)) from None
         room = self.capacity - len(prompt)
-        max_name, max_tokens = _max_tokens(body, max_names, least)
         if max_tokens is None:
             max_tokens = room if default_max is None else min(default_max, room)
         elif max_tokens > room:

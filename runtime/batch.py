@@ -196,23 +196,25 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
 
-    def check_prompt(self, prompt: list[int]) -> None:
-        """Raise ValueError (or CapacityError) for a prompt this artifact cannot run."""
+    def check_prompt(self, prompt: list[int], generating: bool = True) -> None:
+        """Raise ValueError (or CapacityError) for a prompt this artifact cannot run: one that leaves the
+        cache no room for a token, or, `generating` false (scoring alone: echo, max_tokens 0), one longer
+        than the cache."""
         if not prompt:
             raise ValueError("the prompt has no tokens")
         if min(prompt) < 0 or max(prompt) >= self.session.vocab_size:
             raise ValueError(f"a prompt token id is outside the vocabulary of {self.session.vocab_size}")
-        if len(prompt) >= self.session.capacity:
+        if len(prompt) + generating > self.session.capacity:
             raise CapacityError(f"the prompt has {len(prompt)} tokens; the KV cache holds {self.session.capacity} "
                                 f"per sequence, prompt and completion together ({self.session.larger_capacity})")
 
     def check(self, request: Request) -> None:
         """Raise ValueError (or CapacityError) for a request this artifact cannot run."""
         request.sampling.check()
-        self.check_prompt(request.prompt)
         least = 0 if request.prompt_logprobs is not None else 1  # (echo alone generates nothing)
         if request.max_tokens < least:
             raise ValueError(f"max_tokens must be at least {least}, got {request.max_tokens}")
+        self.check_prompt(request.prompt, request.max_tokens > 0)
 
     def submit(self, request: Request) -> None:
         """Queue `request` (checked first); raises QueueFull when every slot is taken and `queue_size`

@@ -194,7 +194,7 @@ def test_auto_tool_choice_is_a_call_or_an_answer(client) -> None:
 def test_tools_reach_the_prompt(codec) -> None:
     """A template that never mentions `tools` gets them described in the system message; a tool result is in
     the template's "tool" role, the call as the JSON the model wrote."""
-    parser = RequestParser(codec, Limits.for_capacity(CAPACITY), CAPACITY, "tiny", {"tiny"}, lambda ids: None)
+    parser = RequestParser(codec, Limits.for_capacity(CAPACITY), CAPACITY, "tiny", {"tiny"}, lambda ids, generating: None)
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
     body = {"messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
                          {"role": "tool", "tool_call_id": "call_1", "content": "22 degrees"}], "tools": [WEATHER]}
@@ -207,7 +207,7 @@ def test_tools_reach_the_prompt(codec) -> None:
 
     def prompt_with(template: str, body: dict) -> str:
         templated = TextCodec(codec.tokenizer, codec.bos_id, codec.eos_id, codec.add_bos, template)
-        parser = RequestParser(templated, Limits.for_capacity(CAPACITY), CAPACITY, "tiny", {"tiny"}, lambda ids: None)
+        parser = RequestParser(templated, Limits.for_capacity(CAPACITY), CAPACITY, "tiny", {"tiny"}, lambda ids, generating: None)
         return codec.decode(parser.chat(json.dumps(body).encode()).prompt)
 
     # a template that renders tools itself gets them, and no description
@@ -301,6 +301,21 @@ def test_echoed_prompt_logprobs_sum_to_perplexity_nll(client, artifact, codec) -
     assert echoed == LETTERS + completion(client, LETTERS, max_tokens=6).choices[0].text
 
 
+def test_scoring_a_prompt_that_fills_the_cache(client, codec) -> None:
+    """Echo with max_tokens 0 generates nothing, so a prompt of exactly the cache's tokens is scored (its
+    tokens' logprobs those of its prefix alone: each depends on the tokens before it); generating after it is
+    refused."""
+    ids = (codec.encode("the cat sat on the mat and then the dog ran after the cat " * 40, bos=False) * 2)[:CAPACITY]
+    assert len(ids) == CAPACITY
+    whole = completion(client, ids, max_tokens=0, echo=True, logprobs=1).choices[0].logprobs.token_logprobs
+    prefix = completion(client, ids[:40], max_tokens=0, echo=True, logprobs=1).choices[0].logprobs.token_logprobs
+    assert len(whole) == CAPACITY and whole[:40] == pytest.approx(prefix, abs=1e-5)
+    for prompt, max_tokens in ((ids, 1), (ids + ids[:1], 0)):
+        with pytest.raises(openai.BadRequestError) as refused:
+            completion(client, prompt, max_tokens=max_tokens, echo=True, logprobs=1)
+        assert refused.value.code == "context_length_exceeded"
+
+
 # ------------------------------------------------------------------ n, penalties, logit_bias
 
 
@@ -336,7 +351,7 @@ def test_penalties_and_logit_bias_change_the_text(client, codec) -> None:
 
 def test_sampling_options_reach_the_engine(codec) -> None:
     """Each field becomes its `SamplingOptions` (what each does to the logits: tests/test_sampling.py)."""
-    parser = RequestParser(codec, Limits.for_capacity(CAPACITY), CAPACITY, "tiny", {"tiny"}, lambda ids: None, 4)
+    parser = RequestParser(codec, Limits.for_capacity(CAPACITY), CAPACITY, "tiny", {"tiny"}, lambda ids, generating: None, 4)
     body = {"prompt": "x", "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.1, "seed": 3, "n": 4,
             "presence_penalty": 1.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
             "logit_bias": {"9": -1, "5": 2.5}, "logprobs": 3}

@@ -19,9 +19,15 @@ import hashlib
 from pathlib import Path
 
 import llvmlite
-import llvmlite.binding as llvm
 
 from llmc import cache
+from llmc.errors import LlmcError
+
+try:  # (the first import of LLVM's bindings, for every backend)
+    import llvmlite.binding as llvm
+except OSError:  # (llvmlite's message: "Could not find/load shared object file …", and no cause)
+    raise LlmcError("cannot load LLVM (llvmlite's library): too little memory under the process's limit to map "
+                    "it, or a broken llvmlite install") from None
 
 KIND = "kernels"
 

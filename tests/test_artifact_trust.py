@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -239,6 +240,46 @@ def test_an_artifact_larger_than_the_memory_left_is_one_line(artifact) -> None:
                          text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and run.stderr.startswith("llmc: error: "), run.stderr
     assert "cannot load it (" in run.stderr and "MB KV cache" in run.stderr, run.stderr
+
+
+_COMPILE_IN_LITTLE_MEMORY = """
+import re, resource, sys
+import numpy, llmc.backends.cpu.codegen, llmc.driver, llmc.frontend.gguf
+from llmc.cli import main
+size = int(re.search(r"VmSize:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (size + (int(sys.argv[3]) << 20), resource.RLIM_INFINITY))
+sys.exit(main(["compile", sys.argv[1], "--max-seq", "32", "-o", sys.argv[2]]))
+"""
+
+
+@pytest.mark.parametrize("headroom_mb", [1, 16])
+def test_a_compile_out_of_memory_is_an_error_not_an_internal_one(tiny, tmp_path, headroom_mb) -> None:
+    """`ulimit -v` below what a compile needs: a MemoryError, or a thread whose stack cannot be mapped, ends in
+    `llmc: error: …`, not an internal error (the libraries were loaded before the limit: see the next test)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _COMPILE_IN_LITTLE_MEMORY, str(tiny(SPEC, "gguf")),
+                          str(tmp_path / "out"), str(headroom_mb)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "LLMC_CACHE_DIR": "off"})
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == 1 and "internal error" not in run.stderr, run.stderr
+    assert re.search(r"llmc: error: (out of memory|cannot start a thread)", last), run.stderr
+
+
+def test_llvm_not_loaded_is_one_line(tiny, tmp_path) -> None:
+    """LLVM's library that cannot be loaded (its 100+ MB not mapped with 64 MB of address space left): one line
+    naming it, not an internal OSError."""
+    import subprocess
+    import sys
+
+    script = _COMPILE_IN_LITTLE_MEMORY.replace("llmc.backends.cpu.codegen, ", "").replace(
+        "from llmc.cli", "assert 'llvmlite.binding' not in sys.modules\nfrom llmc.cli")
+    run = subprocess.run([sys.executable, "-c", script, str(tiny(SPEC, "gguf")), str(tmp_path / "out"), "64"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "LLMC_CACHE_DIR": "off"})
+    assert run.returncode == 2 and run.stderr == (
+        "llmc: error: cannot load LLVM (llvmlite's library): too little memory under the process's limit to map it, "
+        "or a broken llvmlite install\n"), run.stderr
 
 
 def test_kernels_without_a_description_are_refused(artifact, tmp_path, capsys) -> None:

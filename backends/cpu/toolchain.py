@@ -36,11 +36,11 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
-import llvmlite.binding as llvm
 from llvmlite import ir
 
 from llmc import cache
 from llmc.backends import kernel_cache
+from llmc.backends.kernel_cache import llvm  # (llvmlite's bindings, loaded there: one error where they cannot be)
 from llmc.errors import LlmcError
 
 

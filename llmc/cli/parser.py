@@ -450,6 +450,14 @@ def main(argv: list[str] | None = None) -> int:
             _drop_stdout()  # (what waits in its buffer could not be written at exit either)
             print(f"llmc: error: cannot write: {e.strerror}", file=sys.stderr)
             return 1
+        if isinstance(e, MemoryError):  # (the machine's memory, or the process's limit: `ulimit -v`)
+            print(f"llmc: error: out of memory{f': {e}' if str(e) else ''} (this needs more memory than the "
+                  f"process may use)", file=sys.stderr)
+            return 1
+        if isinstance(e, RuntimeError) and str(e) == "can't start new thread":  # (its stack not allocated)
+            print("llmc: error: cannot start a thread: too little memory, or too many threads, under the "
+                  "process's limits", file=sys.stderr)
+            return 1
         print(f"llmc: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", file=sys.stderr)
         return 1
 

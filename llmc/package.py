@@ -207,6 +207,10 @@ def check_output_directory(directory: Path) -> None:
     real = Path(os.path.realpath(directory))
     if not real.name:
         raise UsageError(f"-o {directory}: name a folder for the artifact, not the file system's root")
+    for link in (directory, *directory.parents):  # (its missing folders would be made wherever the link points)
+        if link.is_symlink() and not link.exists():
+            raise UsageError(f"-o {directory}: {link} is a symlink to {os.readlink(link)}, which does not exist; "
+                             f"create that first, or choose another -o")
     outer = enclosing_artifact(real)
     if outer is not None:
         raise UsageError(f"-o {directory} is inside the artifact {outer}, which it would spoil; choose another -o")

@@ -478,6 +478,18 @@ def test_an_output_inside_an_artifact_is_refused_untouched(tiny, artifact, tmp_p
     assert _snapshot(outer) == before
 
 
+def test_an_output_through_a_dangling_symlink_is_refused(tiny, tmp_path, capsys) -> None:
+    """`-o link` or `-o link/sub`, the link pointing at a folder that does not exist: refused, nothing made where it
+    points (was: the target's missing parents made, far from where the user looked)."""
+    link, target = tmp_path / "link", tmp_path / "gone" / "deep" / "out"
+    link.symlink_to(target)
+    for out in (link, link / "sub"):
+        _refused(_compile_argv(tiny, out), capsys, f"{link} is a symlink to {target}, which does not exist")
+    assert not (tmp_path / "gone").exists()
+    target.mkdir(parents=True)  # (a link to a folder that exists: the artifact is written there)
+    assert main(_compile_argv(tiny, link)) == 0 and (target / MANIFEST).is_file()
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_an_output_in_a_read_only_folder_is_one_line_before_compiling(tiny, tmp_path, capsys) -> None:
     locked = tmp_path / "locked"

@@ -44,9 +44,9 @@ class ToolUse:
         calls = []
         for i, f in enumerate(called):
             arguments = closed(f.get("parameters") or ANY_OBJECT)
-            if '"$ref"' in json.dumps(arguments):
-                defs[f"tool{i}"] = _moved(arguments, f"#/$defs/tool{i}")
-                arguments = {"$ref": f"#/$defs/tool{i}"}
+            moved = _moved(arguments, f"#/$defs/tool{i}")
+            if moved != arguments:  # (references into the parameters: moved with them)
+                defs[f"tool{i}"], arguments = moved, {"$ref": f"#/$defs/tool{i}"}
             calls.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                           "properties": {"name": {"const": f["name"]}, "arguments": arguments}})
         return {**self._reply(calls), **({"$defs": defs} if defs else {})}

@@ -187,6 +187,8 @@ class SpeculationStats:
         return (self.accepted + calls) / calls if calls else 0.0
 
     def line(self) -> str:
+        if not self.drafted:  # (prompt lookup found no earlier n-gram to copy, or no token came after the prompt)
+            return "nothing drafted"
         return (f"{self.accepted} of {self.drafted} drafted tokens accepted ({self.acceptance:.0%}), "
                 f"{self.tokens_per_call:.2f} tokens per call")
 

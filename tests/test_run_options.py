@@ -32,7 +32,7 @@ from llmc.runtime.session import Session
 SPEC = TinySpec(context_length=64)
 CAPACITY = 64
 CLOSING = re.compile(r"^\[(\d+) prompt tokens at \d+ tok/s; (\d+) generated(?: at \d+ tok/s)?; "
-                     r"stopped: ([^;\]]+)(; \d+ of \d+ drafted tokens accepted [^\]]+)?\]$", re.M)
+                     r"stopped: ([^;\]]+)(; \d+ of \d+ drafted tokens accepted [^\]]+|; nothing drafted)?\]$", re.M)
 SCHEMA = {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"enum": ["x", "y"]}},
           "required": ["a", "b"], "additionalProperties": False}
 

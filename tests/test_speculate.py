@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -258,8 +259,11 @@ def test_llmc_run_speculates_and_reports_acceptance(artifact, capsys) -> None:
         assert main(["run", str(directory), "-p", "one two three one two three", "-n", "20", *flags]) == 0
         outputs.append(capsys.readouterr())
     assert outputs[0].out == outputs[1].out == outputs[2].out
-    assert "drafted tokens accepted" in outputs[0].err and "drafted" not in outputs[1].err
+    assert re.search(r"; (\d+ of \d+ drafted tokens accepted|nothing drafted)\]", outputs[0].err), outputs[0].err
+    assert "drafted" not in outputs[1].err
     assert "20 of 20 drafted tokens accepted" in outputs[2].err or "(100%)" in outputs[2].err
+    assert main(["run", str(directory), "-p", "one two three", "-n", "1"]) == 0  # (no call after the prompt's)
+    assert capsys.readouterr().err.rstrip().endswith("; nothing drafted]")
     assert main(["run", str(directory), "-p", "hi", "--draft", str(directory), "--no-speculate"]) != 0
     assert "--draft is for speculative decoding" in capsys.readouterr().err
 

@@ -8,7 +8,9 @@ the work. No compiler is imported (`llmc run` reads with it).
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from llmc.errors import UsageError
@@ -37,14 +39,20 @@ def read_text(option: str, name: str, limit: int) -> str:
         raise UsageError(f"{option} {name}: not UTF-8 text (byte {at} is {data[at]:#04x})") from None
 
 
-def check_writable(option: str, path: Path, what: str) -> None:
+def check_writable(option: str, path: Path, what: str, reads: Sequence[str | None] = ()) -> None:
     """Refuse, before any work, a file `option` names that could not be written: a folder, a file in a
-    folder that does not exist (`what` names what to give instead of a folder), or a file inside an llmc
-    artifact."""
+    folder that does not exist (`what` names what to give instead of a folder), a file inside an llmc
+    artifact, or one of the files the command `reads` (a model file, or anything inside a model's folder)."""
     if path.is_dir():
         raise UsageError(f"cannot write {option} {path}: it is a folder; name {what}")
     if not path.parent.is_dir():
         raise UsageError(f"cannot write {option} {path}: there is no folder {path.parent}")
+    real = Path(os.path.realpath(path))
+    for source in filter(None, reads):
+        read = Path(os.path.realpath(source))
+        if real == read or (read.is_dir() and read in real.parents):
+            raise UsageError(f"cannot write {option} {path}: it would {'be' if real == read else 'be inside'} "
+                             f"{source}, which this command reads; choose another {option}")
     from llmc.runtime.artifact import enclosing_artifact
 
     outer = enclosing_artifact(path)

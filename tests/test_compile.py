@@ -6,6 +6,7 @@ import ctypes
 import gc
 import json
 import re
+import shutil
 import subprocess
 import time
 from dataclasses import replace
@@ -262,6 +263,24 @@ def test_unwritable_ir_outputs_are_refused_before_the_work(tiny, tmp_path, capsy
         out, err = capsys.readouterr()
         assert err.count("\n") == 1 and message in err and "import" not in err, (command, err)
     assert a_file.read_text() == "mine" and not nowhere.parent.exists()
+
+
+def test_ir_outputs_over_the_model_are_refused(tiny, tmp_path, capsys) -> None:
+    """`llmc ir m.gguf -o m.gguf`, `-o` a file inside an HF model's folder, `compile --compile-to … -o` the model:
+    refused in one line, the model as it was (was: the IR written over the weights or config.json, exit 0)."""
+    gguf_model, hf_model = tmp_path / "m.gguf", tiny(SPECS["gqa"], "hf")
+    shutil.copy(tiny(SPECS["gqa"], "gguf"), gguf_model)
+    before = {p: p.read_bytes() for p in (gguf_model, *hf_model.iterdir())}
+    for command, message in [
+        (["ir", str(gguf_model), "-o", str(gguf_model)], f"it would be {gguf_model}, which this command reads"),
+        (["compile", str(gguf_model), "--compile-to", "import", "-o", str(gguf_model)], "which this command reads"),
+        (["ir", str(hf_model), "-o", str(hf_model / "config.json")], f"it would be inside {hf_model}"),
+        (["ir", str(hf_model), "-o", str(hf_model / "new.safetensors")], f"it would be inside {hf_model}"),
+    ]:
+        assert main(command) == 2, command
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, (command, err)
+    assert {p: p.read_bytes() for p in (gguf_model, *hf_model.iterdir())} == before
 
 
 def test_a_second_compile_takes_the_kernels_from_the_cache(tiny, tmp_path, monkeypatch) -> None:

@@ -214,6 +214,10 @@ def check_output_directory(directory: Path) -> None:
     outer = enclosing_artifact(real)
     if outer is not None:
         raise UsageError(f"-o {directory} is inside the artifact {outer}, which it would spoil; choose another -o")
+    here = Path(os.path.realpath(os.getcwd()))
+    if real == here or real in here.parents:  # (replaced, it would leave the shell in a deleted folder)
+        raise UsageError(f"-o {directory} is the current folder{'' if real == here else ' or holds it'}; the artifact "
+                         f"replaces its folder: choose another -o")
     try:
         if real.exists():
             if not real.is_dir():

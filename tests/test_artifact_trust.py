@@ -490,6 +490,22 @@ def test_an_output_through_a_dangling_symlink_is_refused(tiny, tmp_path, capsys)
     assert main(_compile_argv(tiny, link)) == 0 and (target / MANIFEST).is_file()
 
 
+def test_the_current_folder_is_not_replaced_and_a_default_output_is_named(tiny, tmp_path, capsys, monkeypatch) -> None:
+    """`-o .` or `-o ..` (the folder the shell is in, or one holding it) is refused: replacing it would leave the shell
+    in a deleted folder. `llmc compile .` names its artifact after the folder (was: a hidden `.llmc`)."""
+    here = tmp_path / "empty"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    _refused(_compile_argv(tiny, Path(".")), capsys, "-o . is the current folder;")
+    _refused(_compile_argv(tiny, Path("..")), capsys, "-o .. is the current folder or holds it")
+    assert here.is_dir() and not any(here.iterdir())
+    model = tmp_path / "mymodel"
+    shutil.copytree(tiny(SPEC, "hf"), model)
+    monkeypatch.chdir(model)
+    assert main(["compile", ".", "--max-seq", "32"]) == 0
+    assert (model / "mymodel.llmc" / MANIFEST).is_file() and not (model / ".llmc").exists()
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_an_output_in_a_read_only_folder_is_one_line_before_compiling(tiny, tmp_path, capsys) -> None:
     locked = tmp_path / "locked"

@@ -26,10 +26,10 @@ def _out(text: str, path: str | None) -> None:
         raise UsageError(f"cannot write -o {path}: {e.strerror or e}") from None
 
 
-def _check_out(path: str | None) -> None:
-    """An `-o` for IR text (not standard output) checked before any work."""
+def _check_out(path: str | None, reads: tuple[str | None, ...] = ()) -> None:
+    """An `-o` for IR text (not standard output) checked before any work: not over what the command `reads`."""
     if path is not None and path != "-":
-        check_writable("-o", Path(path), "a file for the IR")
+        check_writable("-o", Path(path), "a file for the IR", reads)
 
 
 def _dumper(args: argparse.Namespace):
@@ -55,7 +55,7 @@ def cmd_ir(args: argparse.Namespace) -> int:
     from llmc.ir.text import print_module
     from llmc.passes.pipeline import phases_through, run_phase
 
-    _check_out(args.output)
+    _check_out(args.output, (args.model, args.tokenizer))
     dump = _dumper(args)
     model = load_model(args.model, args.allow_pickle, args.tokenizer)
     module = import_model(model)
@@ -103,7 +103,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _default_output(model: str) -> Path:
-    return Path(Path(model.rstrip("/")).stem + ".llmc")
+    """`NAME.llmc` in the current folder, NAME the model file's stem or its folder's name (`.` too)."""
+    return Path(Path(os.path.realpath(model)).stem + ".llmc")
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -113,7 +114,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     options = compile_options(args)
     if args.compile_to:
-        _check_out(args.output)
+        _check_out(args.output, (args.model, args.tokenizer, args.calibrate))
     dump = _dumper(args)
     out = Path(args.output) if args.output else (None if args.compile_to else _default_output(args.model))
     if args.gpu is not None and args.target != "cuda":

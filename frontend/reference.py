@@ -25,8 +25,18 @@ def reference_name() -> str:
     return f"transformers {transformers.__version__} fp32"
 
 
-def reference_model(source: Path):
-    """The transformers model of a GGUF file or HF directory, in float32, for inference."""
+def check_unpickled(source: Path, allow_pickle: bool) -> None:
+    """Refuse an HF directory whose weights transformers could only unpickle (`pytorch_model.bin`), unless
+    `allow_pickle`."""
+    if source.is_dir() and not allow_pickle and not any(source.glob("*.safetensors")):
+        raise UsageError(f"{source} holds no .safetensors weights; pickled weights (pytorch_model.bin) load only "
+                         f"with --allow-pickle, since unpickling runs code from the file")
+
+
+def reference_model(source: Path, allow_pickle: bool = False):
+    """The transformers model of a GGUF file or HF directory, in float32, for inference; a directory's weights
+    from safetensors files only, unless `allow_pickle` (`check_unpickled`)."""
+    check_unpickled(source, allow_pickle)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import torch
@@ -38,7 +48,8 @@ def reference_model(source: Path):
     transformers.utils.logging.disable_progress_bar()
     try:
         if source.is_dir():
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32,
+                                                         use_safetensors=None if allow_pickle else True)
         else:
             model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     except Exception as e:  # transformers raises many types for files it cannot read
@@ -48,11 +59,11 @@ def reference_model(source: Path):
     return model.eval()
 
 
-def reference_logits(source: Path, tokens: list[int]) -> np.ndarray:
+def reference_logits(source: Path, tokens: list[int], allow_pickle: bool = False) -> np.ndarray:
     """Logits `[T, vocab]` of `tokens` at positions 0.. from transformers in float32."""
     import torch
 
-    model = reference_model(source)
+    model = reference_model(source, allow_pickle)
     with torch.no_grad():
         out = model(torch.tensor([tokens], dtype=torch.long)).logits[0]
     return out.float().numpy()

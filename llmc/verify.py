@@ -186,7 +186,7 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
     from llmc.driver import BackendOptions, build_artifact, check_raisings_apply, describe_graph, target_attr
     from llmc.errors import UsageError
     from llmc.frontend import import_model, load_model
-    from llmc.frontend.reference import reference_logits, reference_name
+    from llmc.frontend.reference import check_unpickled, reference_logits, reference_name
     from llmc.ir import find_function, tgt
     from llmc.ir.interpreter import KVCache, forward_logits
     from llmc.ir.tgt_interpreter import KernelWeights, cache_for, run_entry
@@ -200,6 +200,8 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
         raise UsageError(f"--tolerance must be in (0, 1], got {tolerance}")
     if reference_source is not None and not (reference_source / "config.json").is_file():
         raise UsageError(f"--reference {reference_source}: not a Hugging Face model directory (no config.json)")
+    if reference_source is not None:
+        check_unpickled(reference_source, allow_pickle)
     backend = BackendOptions(cpu=cpu)
     target = target_attr(backend)
     if artifact is not None:  # rebuild the stages the artifact was compiled with, for the target it was built for
@@ -242,7 +244,7 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
     if model.graph is not None:
         reference, name = graph_reference(model.source, tokens, allow_pickle)
     else:
-        reference, name = reference_logits(reference_source or model.source, tokens), reference_name()
+        reference, name = reference_logits(reference_source or model.source, tokens, allow_pickle), reference_name()
     progress(f"reference computed in {time.perf_counter() - start:.1f} s")
 
     max_seq = min(c.context_length, max(64, len(tokens)))

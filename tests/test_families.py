@@ -9,6 +9,7 @@ names, checked against transformers fp32 (interpreter and compiled artifact, thr
 from __future__ import annotations
 
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -158,6 +159,28 @@ def test_a_reference_transformers_cannot_load_is_one_line(tiny: Callable[..., Pa
     assert len(err) == 1 and "transformers cannot load" in err[0] and "verify's --reference" in err[0], err
     assert main(["verify", str(tiny(FAMILIES["qwen3"], "gguf")), "--reference", str(tmp_path)]) != 0
     assert "not a Hugging Face model directory" in capsys.readouterr().err
+
+
+@pytest.mark.reference
+def test_a_pickled_reference_loads_only_with_allow_pickle(tiny: Callable[..., Path], tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`--reference DIR` whose weights are only `pytorch_model.bin` (a pickle transformers would load): refused in
+    one line before any work; with --allow-pickle, the reference it is."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    spec, pickled = FAMILIES["qwen3"], tmp_path / "pickled"
+    shutil.copytree(tiny(FAMILIES["qwen3"], "hf"), pickled)
+    for weights in pickled.glob("*.safetensors"):
+        torch.save(load_file(weights), pickled / "pytorch_model.bin")
+        weights.unlink()
+    argv = ["verify", str(tiny(spec, "gguf")), "--reference", str(pickled), "--quant", "f32", "--compute", "a32",
+            "--kv-type", "f32"]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("llmc: error: ") and err.count("\n") == 1 and "--allow-pickle" in err, err
+    assert main([*argv, "--allow-pickle"]) == 0, capsys.readouterr()
 
 
 @pytest.mark.parametrize("group", [True, False], ids=["grouped", "no-group"])

@@ -477,6 +477,30 @@ def _read_pickle(path: Path, store: WeightStore, arch: str) -> None:
             raise ModelFormatError(path, f"tensor '{hf_name}' has dtype {tensor.dtype}, not f32, f16 or bf16")
 
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    """The weight files: those `model.safetensors.index.json` maps tensors to, where it exists (as transformers
+    reads them: a `consolidated.safetensors` beside the shards, Mistral's, holds the same tensors under other
+    names), else every `*.safetensors`."""
+    index = directory / SAFETENSORS_INDEX
+    if not index.is_file():
+        return sorted(p for p in directory.glob("*.safetensors") if p.is_file())
+    weight_map = _json(_inside(directory, index)).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or \
+            not all(isinstance(name, str) for name in weight_map.values()):
+        raise ModelFormatError(index, "'weight_map' must map tensor names to file names")
+    files = []
+    for name in sorted(set(weight_map.values())):
+        if Path(name).name != name or not name.endswith(".safetensors"):
+            raise ModelFormatError(index, f"'weight_map' names {name!r}, not a .safetensors file of this directory")
+        if not (directory / name).is_file():
+            raise ModelFormatError(index, f"'weight_map' names {name}, which is not in the directory")
+        files.append(directory / name)
+    return files
+
+
 def load_hf(directory: Path, allow_pickle: bool = False) -> Model:
     """Read a Hugging Face model directory's config, weights (lazily) and tokenizer.
 
@@ -492,7 +516,7 @@ def load_hf(directory: Path, allow_pickle: bool = False) -> Model:
     cfg = _json(_inside(directory, config_file))
     arch = _architecture(config_file, cfg)
     store = WeightStore(directory)
-    files = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
+    files = _safetensors_files(directory)
     if files:
         for file in files:
             _read_safetensors(_inside(directory, file), store, arch)

@@ -227,6 +227,15 @@ HF_CASES: dict[str, tuple[Callable[[Path], Path], list[str]]] = {
                                   ["tokenizer.json", "points outside the model directory"]),
     "no-weights": (_remove("model.safetensors"), ["no *.safetensors files"]),
     "only-pytorch-model-bin": (_only_pickle, ["pytorch_model.bin", "--allow-pickle"]),
+    # the shards' index
+    "index-not-a-map": (_write("model.safetensors.index.json", '{"weight_map": ["model.safetensors"]}'),
+                        ["model.safetensors.index.json", "'weight_map' must map tensor names to file names"]),
+    "index-names-a-file-outside": (_write("model.safetensors.index.json",
+                                          '{"weight_map": {"model.norm.weight": "../model.safetensors"}}'),
+                                   ["'weight_map' names '../model.safetensors', not a .safetensors file of this"]),
+    "index-names-a-missing-shard": (_write("model.safetensors.index.json",
+                                           '{"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}'),
+                                    ["names model-00002-of-00002.safetensors, which is not in the directory"]),
 }
 
 
@@ -315,6 +324,38 @@ def test_torch_saved_state_dict_gives_the_same_logits_as_safetensors(hf_base: Pa
     want = forward_logits(import_model(safe), safe.weights, tokens)
     np.testing.assert_array_equal(got, want)
 
+
+
+def test_shards_are_the_files_their_index_names(hf_base: Path, tmp_path: Path) -> None:
+    """Shards with `model.safetensors.index.json` beside a `consolidated.safetensors` of other tensor names
+    (Mistral's repositories): the shards the index names are read, the rest ignored, as transformers does (was:
+    every *.safetensors, and the consolidated file's names refused)."""
+    from llmc.ir.interpreter import forward_logits
+
+    directory = Path(shutil.copytree(hf_base, tmp_path / "sharded"))
+    raw = (directory / "model.safetensors").read_bytes()
+    (directory / "model.safetensors").unlink()
+    size = int.from_bytes(raw[:8], "little")
+    header, data = json.loads(raw[8 : 8 + size]), raw[8 + size :]
+    names = [n for n in header if n != "__metadata__"]
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    for shard, part in shards.items():  # (each tensor's own bytes, as written)
+        own, blob = {}, b""
+        for n in part:
+            start, end = header[n]["data_offsets"]
+            own[n] = {**header[n], "data_offsets": [len(blob), len(blob) + end - start]}
+            blob += data[start:end]
+        (directory / shard).write_bytes(safetensors_bytes(own, blob))
+    (directory / "consolidated.safetensors").write_bytes(
+        safetensors_bytes(*safetensors_of({f"layers.{i}.attention.wq.weight": np.zeros((2, 2)) for i in range(3)})))
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {n: shard for shard, part in shards.items() for n in part}}))
+    tokens = np.array([0, 5, 17, 42, 100], dtype=np.int32)
+    sharded, whole = load_model(str(directory)), load_model(str(hf_base))
+    np.testing.assert_allclose(forward_logits(import_model(sharded), sharded.weights, tokens),  # (the same weights,
+                               forward_logits(import_model(whole), whole.weights, tokens),  # summed by BLAS in
+                               rtol=1e-5, atol=1e-5)  # another order where their bytes lie at other alignments)
 
 
 @pytest.mark.parametrize("name", [n for n in HF_CASES if n not in HF_BOUNDED_WORK])

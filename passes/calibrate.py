@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from itertools import zip_longest
 from pathlib import Path
@@ -57,13 +58,21 @@ BLOCKS = 8
 MODES = (llm.Compute.A8, llm.Compute.A16)
 
 
+_streamed: dict[str, str] = {}  # the text of a --calibrate that reads once (`-`, a pipe: `<(…)`), by its name
+
+
 def read_calibration(path: str) -> str:
-    """The text of `--calibrate FILE`: readable, UTF-8, not empty (else one line, exit 2)."""
+    """The text of `--calibrate FILE`: readable, UTF-8, not empty (else one line, exit 2). Checked before the
+    model loads and read again to calibrate: standard input or a pipe is read the first time only."""
+    if path in _streamed:
+        return _streamed[path]
     text = read_text("--calibrate", path, MAX_CALIBRATION_BYTES)
     if "\0" in text:
         raise UsageError(f"--calibrate {path}: not a text file (it holds NUL bytes)")
     if not text.strip():
         raise UsageError(f"--calibrate {path}: the file has no text")
+    if path == "-" or not os.path.isfile(path):
+        _streamed[path] = text
     return text
 
 

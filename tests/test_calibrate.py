@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hostile import hang_guard
 from tiny_models import TinySpec
 
 from llmc.backends.cpu import target as cpu
@@ -176,12 +178,28 @@ def test_the_quantize_ir_shows_each_error_and_the_summary_the_estimates(tiny, ca
            "(calibrated on 64 tokens)" in captured.err  # the tiny models' context
 
 
-def test_calibrate_file_replaces_the_built_in_text(tiny, tmp_path, capsys) -> None:
-    text = tmp_path / "calib.txt"
-    text.write_text("Twinkle, twinkle, little star.", encoding="utf-8")
+@pytest.mark.parametrize("given", ["file", "stdin", "fifo"])
+def test_calibrate_file_replaces_the_built_in_text(tiny, tmp_path, capsys, monkeypatch, given: str) -> None:
+    """`--calibrate FILE`, `-` or a pipe (`<(…)`): its text is checked before the model loads, then calibrated
+    on; standard input and a pipe are read once (was: read again, empty, "the file has no text")."""
+    import io
+    import threading
+
+    text = "Twinkle, twinkle, little star."
+    name = str(tmp_path / "calib.txt")
+    if given == "file":
+        Path(name).write_text(text, encoding="utf-8")
+    elif given == "stdin":
+        name = "-"
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+    else:
+        os.mkfifo(name)
+        threading.Thread(target=lambda: Path(name).write_text(text, encoding="utf-8"), daemon=True).start()
     path = str(tiny(FLOAT, "hf"))
-    assert main(["compile", path, "--quant", "q4_1", "--compile-to", "quantize", "--calibrate", str(text)]) == 0
-    tokens = len(load_model(path).tokenizer.encode(text.read_text()))
+    with hang_guard(60):  # (a pipe read again waits for a writer that has gone)
+        assert main(["compile", path, "--quant", "q4_1", "--compile-to", "quantize", "--calibrate", name]) == 0, \
+            capsys.readouterr().err
+    tokens = len(load_model(path).tokenizer.encode(text))
     assert f"(calibrated on {tokens} tokens)" in capsys.readouterr().err
 
 

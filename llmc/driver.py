@@ -25,14 +25,14 @@ from pathlib import Path
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
 
-from llmc.cache import check_location
+from llmc.cache import cache_dir, check_location
 from llmc.errors import UsageError
 from llmc.frontend import import_model, load_model
 from llmc.frontend.model import Model
 from llmc.ir import llm, tgt
 from llmc.ir.target import description_class, module_target, target_description
 from llmc.ir.text import print_module
-from llmc.package import check_output_directory
+from llmc.package import check_output_directory, check_outside_output
 from llmc.passes.pipeline import PHASES, CompileOptions, IRDumper, check_raisings, run_phase
 from llmc.passes.quantize import check_calibrate, check_compute
 
@@ -187,6 +187,8 @@ def check_backend(options: CompileOptions, backend: BackendOptions, compile_to: 
         raise UsageError(f"unknown phase '{compile_to}' (phases: {', '.join(PHASES)})")
     if out is not None and compile_to is None:
         check_output_directory(out)
+        if (folder := cache_dir("kernels")) is not None:
+            check_outside_output(out, f"the cache folder {folder.parent} ($LLMC_CACHE_DIR)", folder)
     return target
 
 

@@ -240,6 +240,15 @@ def check_output_directory(directory: Path) -> None:
         raise UsageError(f"cannot write {directory}: {e.strerror or e}") from None
 
 
+def check_outside_output(directory: Path, what: str, path: Path) -> None:
+    """Refuse `path` (what the compile writes besides the artifact: `--dump-ir`'s folder, the cache) at or inside
+    the artifact's `-o`, which the compile replaces with the artifact alone."""
+    out, real = Path(os.path.realpath(directory)), Path(os.path.realpath(path))
+    if real == out or out in real.parents:
+        raise UsageError(f"{what} is {'' if real == out else 'inside '}-o {directory}, which the compile replaces "
+                         f"with the artifact; choose a folder outside it")
+
+
 @contextmanager
 def staged_directory(directory: Path) -> Iterator[Path]:
     """An empty folder beside `directory` to write an artifact into. When the body completes it

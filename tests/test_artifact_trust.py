@@ -478,6 +478,19 @@ def test_an_output_inside_an_artifact_is_refused_untouched(tiny, artifact, tmp_p
     assert _snapshot(outer) == before
 
 
+def test_what_a_compile_writes_besides_the_artifact_is_refused_inside_its_output(tiny, tmp_path, capsys,
+                                                                               monkeypatch) -> None:
+    """`--dump-ir` or `$LLMC_CACHE_DIR` at or inside `-o`: refused before any work, nothing made (was: the IR files
+    written, then `-o` refused as not empty after the whole compile, or the dump folder left behind)."""
+    out = tmp_path / "out"
+    for dump in (out, out / "ir"):
+        _refused([*_compile_argv(tiny, out), "--dump-ir", str(dump)], capsys, f"--dump-ir {dump} is ",
+                 f"-o {out}, which the compile replaces")
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(out / "cache"))
+    _refused(_compile_argv(tiny, out), capsys, "($LLMC_CACHE_DIR) is inside -o")
+    assert not out.exists()
+
+
 def test_an_output_through_a_dangling_symlink_is_refused(tiny, tmp_path, capsys) -> None:
     """`-o link` or `-o link/sub`, the link pointing at a folder that does not exist: refused, nothing made where it
     points (was: the target's missing parents made, far from where the user looked)."""

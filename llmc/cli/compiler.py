@@ -111,12 +111,15 @@ def cmd_compile(args: argparse.Namespace) -> int:
     """Compile a model through every phase into an artifact directory (manifest.json, weights.bin, kernels.so
     or kernels.ptx, tokenizer.json) that 'llmc run' executes."""
     from llmc.driver import BackendOptions, compile_model
+    from llmc.package import check_outside_output
 
     options = compile_options(args)
     if args.compile_to:
         _check_out(args.output, (args.model, args.tokenizer, args.calibrate))
-    dump = _dumper(args)
     out = Path(args.output) if args.output else (None if args.compile_to else _default_output(args.model))
+    if out is not None and not args.compile_to and args.dump_ir:
+        check_outside_output(out, f"--dump-ir {args.dump_ir}", Path(args.dump_ir))
+    dump = _dumper(args)
     if args.gpu is not None and args.target != "cuda":
         raise UsageError("--gpu names the GPUs of --target cuda; this compile is for the CPU (add --target cuda)")
     if args.cpu != "native" and args.target == "cuda":

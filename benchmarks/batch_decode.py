@@ -40,7 +40,7 @@ def decode(session: Conversation, rows: int, batch: list[list[int]], tokens: int
     """Every prompt of `batch` at once, on an engine of `rows` slots with an empty cache: each one's tokens, and
     the decode rate (all rows) once every prompt has been fed, in tokens per second of wall time and per second
     of the process's CPU time."""
-    engine = Engine(session, eos_id=None, max_active=rows)  # (a prompt a slot still held would be fed in part)
+    engine = Engine(session, end_ids=(), max_active=rows)  # (a prompt a slot still held would be fed in part)
     got: list[list[int]] = [[] for _ in batch]
     for prompt, out in zip(batch, got):
         engine.submit(Request(prompt, tokens, emit=lambda token, logprob, out=out: out.append(token)))

@@ -148,7 +148,7 @@ def batched(work: Path, streams: int = 8, tokens: int = 64) -> None:
     prompts = [rng.integers(3, session.vocab_size, int(rng.integers(4, 40))).tolist() for _ in range(streams)]
 
     def generate(group: list[list[int]]) -> tuple[list[list[int]], float]:
-        engine = Engine(session, eos_id=None)
+        engine = Engine(session, end_ids=())
         out: list[list[int]] = [[] for _ in group]
         for prompt, seq in zip(group, out):
             engine.submit(Request(prompt, tokens, emit=lambda token, _, seq=seq: seq.append(token)))

@@ -104,7 +104,8 @@ def _weights(gguf: GGUFFile, heads: int, kv_heads: int, permuted_qk: bool) -> We
 
 
 def _check_token_ids(meta: _Metadata, vocab: int) -> None:
-    for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", "eot_token_id"):
+    for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", "eot_token_id",
+                "eom_token_id"):
         value = meta.get("tokenizer.ggml." + key, int)
         if value is not None and not 0 <= value < vocab:
             raise ModelFormatError(meta.path, f"metadata key 'tokenizer.ggml.{key}': id {value} is outside the vocabulary of {vocab}")
@@ -279,6 +280,8 @@ def _tokenizer_recipe(meta: _Metadata, vocab_size: int | None) -> Callable[[], T
             add_space_prefix=meta.get("tokenizer.ggml.add_space_prefix", bool),
             chat_template=meta.get("tokenizer.chat_template", str),
             name=meta.get("general.name", str),
+            stop_ids=[i for key in ("eot_token_id", "eom_token_id")
+                      if (i := meta.get("tokenizer.ggml." + key, int)) is not None],
         )
 
     return make_tokenizer

@@ -33,7 +33,7 @@ from llmc.frontend.rope_scaling import hf_rope_scaling
 from llmc.ir.activations import Activation
 from llmc.ir.formats import Storage
 from llmc.ir.weights import Weight, WeightStore
-from llmc.runtime.artifact import MANIFEST
+from llmc.runtime.artifact import MANIFEST, MAX_STOP_IDS
 from llmc.runtime.codec import TextCodec, read_chat_template, read_tokenizer
 
 ARCHITECTURES = {
@@ -410,13 +410,32 @@ def load_hf_tokenizer(directory: Path) -> TextCodec:
         token = token.get("content") if isinstance(token, dict) else token
         return tokenizer.token_to_id(token) if isinstance(token, str) else None
 
+    eos_id = special_id("eos_token")
     return TextCodec(
         tokenizer,
         bos_id=special_id("bos_token"),
-        eos_id=special_id("eos_token"),
-        add_bos=bool(settings.get("add_bos_token", False)),
+        eos_id=eos_id,
+        add_bos=bool(settings.get("add_bos_token", False)),  # (as transformers: any true value, "false" too)
         chat_template=_chat_template(directory, settings),
+        stop_ids=tuple(sorted(_end_ids(directory, tokenizer.get_vocab_size(with_added_tokens=True)) - {eos_id})),
     )
+
+
+def _end_ids(directory: Path, vocab: int) -> set[int]:
+    """The ids `eos_token_id` names in `generation_config.json` and `config.json` (an id or a list: Llama 3's
+    end of text, of turn and of message), where generation ends as transformers' `generate` ends it."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        file = directory / name
+        if not file.is_file():
+            continue
+        given = _json(_inside(directory, file)).get("eos_token_id")
+        listed = given if isinstance(given, list) else [] if given is None else [given]
+        if len(listed) > MAX_STOP_IDS or not all(type(i) is int and 0 <= i < vocab for i in listed):
+            raise ModelFormatError(file, f"eos_token_id must be a token id or a list of at most {MAX_STOP_IDS} "
+                                         f"(of the vocabulary of {vocab}), got {str(given)[:80]}")
+        ids.update(listed)
+    return ids
 
 
 def _chat_template(directory: Path, settings: dict) -> str | None:

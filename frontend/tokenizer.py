@@ -248,10 +248,11 @@ def from_gguf_vocab(
     add_space_prefix: bool | None,
     chat_template: str | None,
     name: str | None = None,
+    stop_ids: Sequence[int] = (),
 ) -> TextCodec:
     """The tokenizer a GGUF file's `tokenizer.ggml.*` metadata describes, as llama.cpp builds it;
     `add_bos` and `add_space_prefix` are None where the file does not say; `name` is the model's
-    `general.name`."""
+    `general.name`; `stop_ids`, its other end-of-generation tokens (end of turn, end of message)."""
     if model not in _MODELS:
         known = ", ".join(f"{m} ({what})" for m, what in _MODELS.items())
         raise ModelFormatError(source, f"unsupported tokenizer model '{model}' (supported: {known})")
@@ -284,7 +285,7 @@ def from_gguf_vocab(
         tok.add_special_tokens([AddedToken(text, special=True, normalized=False,
                                            rstrip=phi3 and text not in ("<unk>", "<s>", "<|endoftext|>"))
                                 for text in special])
-    return TextCodec(tok, bos_id, eos_id, add_bos, chat_template)
+    return TextCodec(tok, bos_id, eos_id, add_bos, chat_template, tuple(sorted(set(stop_ids) - {eos_id})))
 
 
 def _special_tokens(vocab: dict[str, int], types: list[int]) -> list[str]:

@@ -173,7 +173,8 @@ def write_artifact(directory: Path, description: dict, model: Model, kernel_file
         "kv_cache": description["kv_cache"],
         "weights": description["weights"],
         "tokenizer": {
-            "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id, "add_bos": tokenizer.add_bos,
+            "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id, "stop_ids": list(tokenizer.stop_ids),
+            "add_bos": tokenizer.add_bos,
             "chat_template": tokenizer.chat_template,
         },
         "files": {

@@ -96,6 +96,7 @@ class Manifest:
 
 
 _MAX_BYTES = 1 << 40
+MAX_STOP_IDS = 64  # tokenizer.stop_ids: a model names a few (Llama 3: 3)
 
 
 _MAX_MANIFEST_BYTES = 1 << 28
@@ -204,6 +205,10 @@ def _check_schema(path: Path, data: dict) -> None:
         for key in ("bos_id", "eos_id"):
             if tokenizer[key] is not None and not 0 <= tokenizer[key] < 2**31:
                 raise ValueError(f"tokenizer.{key} {tokenizer[key]} is not a token id")
+        stops = tokenizer.get("stop_ids", [])  # (artifacts of earlier llmc hold none)
+        if not (isinstance(stops, list) and len(stops) <= MAX_STOP_IDS
+                and all(type(i) is int and 0 <= i < 2**31 for i in stops)):
+            raise ValueError(f"tokenizer.stop_ids must be a list of at most {MAX_STOP_IDS} token ids")
         if tokenizer["add_bos"] and tokenizer["bos_id"] is not None and tokenizer["bos_id"] >= data["model"]["vocab_size"]:
             # (an end-of-text id past the vocabulary is harmless: it is never sampled)
             raise ValueError(f"tokenizer.bos_id {tokenizer['bos_id']}, put before every prompt, is not a token of "

@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -161,17 +161,18 @@ def _finish(request: Request, reason: str) -> None:
 class Engine:
     """Schedules requests onto the slots of one session's KV cache (see the module docstring)."""
 
-    def __init__(self, session: Conversation, eos_id: int | None, queue_size: int = 64, max_active: int | None = None,
-                 speculate: bool = False):
-        """`max_active` sequences at once (default: every slot of the cache); `queue_size` requests
-        waiting beyond them; `speculate`: draft by prompt lookup and verify (see the module docstring)."""
+    def __init__(self, session: Conversation, end_ids: Collection[int], queue_size: int = 64,
+                 max_active: int | None = None, speculate: bool = False):
+        """`end_ids`: the tokens that end a sequence (`TextCodec.end_ids`); `max_active` sequences at once (default:
+        every slot of the cache); `queue_size` requests waiting beyond them; `speculate`: draft by prompt lookup and
+        verify (see the module docstring)."""
         active = session.slot_count if max_active is None else max_active
         if not 1 <= active <= session.slot_count:
             raise LlmcError(f"--max-batch must be in 1..{session.slot_count} (the sequences this artifact's cache "
                             f"holds; compile with a larger --max-batch), got {active}")
         self.session = session
         session.reset()  # (the engine writes the slots' rows now: what the conversation held is forgotten)
-        self.eos_id = eos_id
+        self.end_ids = frozenset(end_ids)
         self.queue_size = queue_size
         self.max_active = active
         self.free = list(range(active))  # the free slots, the one free longest first
@@ -297,7 +298,7 @@ class Engine:
         recorded them, or end the sequence at the first that ends it."""
         logprobs = seq.sampler.taken_logprobs() or [None] * len(tokens)
         for token, logprob in zip(tokens, logprobs, strict=True):
-            if token == self.eos_id:
+            if token in self.end_ids:
                 self._end(seq, "stop")
                 return
             seq.generated += 1

@@ -148,6 +148,7 @@ class TextCodec:
     eos_id: int | None
     add_bos: bool
     chat_template: str | None
+    stop_ids: tuple[int, ...] = ()  # the model's other tokens that end a generation (end of turn, …)
     limits: RenderLimits = field(default=DEFAULT_LIMITS, compare=False)  # of a chat template's rendering
     _compiled: tuple[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -156,7 +157,13 @@ class TextCodec:
         facts = manifest.tokenizer
         tokenizer = read_tokenizer(manifest.file("tokenizer"))
         return cls(tokenizer, facts.get("bos_id"), facts.get("eos_id"), facts.get("add_bos", False),
-                   facts.get("chat_template"))
+                   facts.get("chat_template"), tuple(facts.get("stop_ids", ())))
+
+    @property
+    def end_ids(self) -> frozenset[int]:
+        """The tokens that end a generation, as llama.cpp's end-of-generation set: end of text, and the others
+        the model names (`stop_ids`: GGUF's end of turn and end of message, HF's `generation_config.json`)."""
+        return frozenset(i for i in (self.eos_id, *self.stop_ids) if i is not None)
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         """The text's ids, after the beginning-of-text token where the model adds one (and `bos`)."""

@@ -42,7 +42,7 @@ class Generation:
         self.prompt_seconds = 0.0
 
     def __iter__(self) -> Iterator[int]:
-        session, sampler, speculation, eos = self.session, self.sampler, self.speculation, self.codec.eos_id
+        session, sampler, speculation, ends = self.session, self.sampler, self.speculation, self.codec.end_ids
         start = time.perf_counter()
         self.reused = session.reuse(self.prompt)
         if speculation is not None:
@@ -53,12 +53,12 @@ class Generation:
         while True:
             *fed, token = produced  # `fed` are in the cache already, `token` is not
             for each in fed:
-                if each == eos:
+                if each in ends:
                     self.reason = "eos"
                     return
                 yield each
                 count += 1
-            if token == eos:
+            if token in ends:
                 self.reason = "eos"
                 return
             if count >= self.max_tokens:  # (max_tokens 0: the prompt fed, nothing generated)

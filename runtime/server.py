@@ -202,7 +202,7 @@ class Server:
         self.names = {name, *aliases}
         self.capacity = session.capacity
         self.limits = limits or Limits.for_capacity(self.capacity)
-        self.engine = Engine(session, codec.eos_id, queue_size, max_active, speculate)
+        self.engine = Engine(session, codec.end_ids, queue_size, max_active, speculate)
         self.requests = RequestParser(codec, self.limits, self.capacity, name, self.names, self.engine.check_prompt,
                                       min(MAX_CHOICES, self.engine.max_active + queue_size))
         self.operations = Operations(name, codec, self.health_stats, options, self.limits)

@@ -193,7 +193,7 @@ def test_the_engine_gives_every_request_its_text_alone(artifact) -> None:
     sampling = [SamplingOptions(temperature=8.0, seed=i) for i in range(len(PROMPTS))]
     expected = [_alone_stream(session, p, 6, o) for p, o in zip(PROMPTS, sampling)]
     assert len({t for stream in expected for t in stream}) > 20
-    engine = Engine(session, eos_id=None)
+    engine = Engine(session, ())
     got: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
     reasons: dict[int, str] = {}
     for i, prompt in enumerate(PROMPTS):
@@ -213,7 +213,7 @@ def test_prompts_being_fed_take_turns_chunk_by_chunk(artifact) -> None:
     session = Session(artifact(QSPEC, max_batch=2))
     prompts = [[(7 * i) % 200 + 3 for i in range(28)], PROMPTS[1][:2]]
     expected = [_alone_stream(session, prompt, 3) for prompt in prompts]
-    engine = Engine(session, eos_id=None)
+    engine = Engine(session, ())
     got: list[list[int]] = [[], []]
     engine.submit(Request(prompts[0], 3, emit=into(got[0])))
     engine.step()  # the long prompt's first chunk of 4
@@ -232,7 +232,7 @@ def test_the_engine_ends_at_eos_capacity_and_cancel_and_refuses_beyond_its_queue
     session = Session(artifact(QSPEC, max_batch=2))
     stream = _alone_stream(session, PROMPTS[4], 8)
     eos = next(t for t in stream if t != stream[0])
-    engine = Engine(session, eos_id=eos, queue_size=1)
+    engine = Engine(session, {eos}, queue_size=1)
     seen: list[int] = []
     reasons: list[str] = []
     engine.submit(Request(PROMPTS[4], 10, emit=into(seen), finish=reasons.append))
@@ -240,7 +240,7 @@ def test_the_engine_ends_at_eos_capacity_and_cancel_and_refuses_beyond_its_queue
         engine.step()
     assert seen == stream[: stream.index(eos)] and seen and reasons == ["stop"]  # EOS ends it, not emitted
 
-    engine = Engine(session, eos_id=None, queue_size=1, max_active=1)
+    engine = Engine(session, (), queue_size=1, max_active=1)
     long = Request([1] * 30, 10, finish=reasons.append)
     engine.submit(long)
     engine.step()  # admitted: the queue is empty again
@@ -263,13 +263,13 @@ def test_the_engine_ends_at_eos_capacity_and_cancel_and_refuses_beyond_its_queue
         with pytest.raises((ValueError, LlmcError), match=message):
             engine.submit(bad)
     with pytest.raises(LlmcError, match=r"--max-batch must be in 1..2"):
-        Engine(session, eos_id=None, max_active=3)
+        Engine(session, (), max_active=3)
     session.close()
 
 
 def test_the_engine_admits_free_slots_without_a_queue_and_isolates_failing_receivers(artifact) -> None:
     session = Session(artifact(SPEC, max_batch=2))
-    engine = Engine(session, eos_id=None, queue_size=0)
+    engine = Engine(session, (), queue_size=0)
     reasons: dict[str, str] = {}
     got: list[int] = []
 
@@ -288,7 +288,7 @@ def test_the_engine_admits_free_slots_without_a_queue_and_isolates_failing_recei
         "prompt_tokens": 4, "reused_tokens": 0,
         "speculate": False, "verify_calls": 0, "drafted_tokens": 0, "accepted_tokens": 0}
 
-    engine = Engine(session, eos_id=None, queue_size=1, max_active=1)
+    engine = Engine(session, (), queue_size=1, max_active=1)
     engine.submit(Request([1], 5))
     engine.step()
     waiting = Request([2], 1, finish=lambda r: reasons.__setitem__("waiting", r))
@@ -304,7 +304,7 @@ def test_the_engine_admits_free_slots_without_a_queue_and_isolates_failing_recei
 def test_the_engine_thread_serves_requests_submitted_from_other_threads(artifact) -> None:
     session = Session(artifact(QSPEC, max_batch=4))
     expected = [_alone_stream(session, p, 5) for p in PROMPTS[:4]]
-    engine = Engine(session, eos_id=None)
+    engine = Engine(session, ())
     engine.start()
     results: dict[int, list[int]] = {}
     done = threading.Barrier(5)

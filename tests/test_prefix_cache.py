@@ -128,7 +128,7 @@ def test_a_request_sharing_a_prefix_reuses_it_and_gives_a_fresh_engines_text(art
     a prompt that is a prefix of the cache: each fed from where the slot's tokens depart, each stream what
     a fresh engine gives."""
     session, fresh = (Session(artifact(QSPEC, max_batch=2, max_seq=64)) for _ in range(2))
-    engine = Engine(session, eos_id=None)
+    engine = Engine(session, end_ids=())
     first = _stream(engine, PROMPT, 6, sampling)
     slot = engine.cached[0]
     assert slot == PROMPT + first[:-1] and _used(engine) == (10, 0)  # (the last token is never fed)
@@ -136,7 +136,7 @@ def test_a_request_sharing_a_prefix_reuses_it_and_gives_a_fresh_engines_text(art
         fed, before = _used(engine)
         got = _stream(engine, prompt, 6, sampling)
         assert _used(engine) == (fed + len(prompt) - reused, before + reused)
-        assert got == _stream(Engine(fresh, eos_id=None), prompt, 6, sampling)
+        assert got == _stream(Engine(fresh, end_ids=()), prompt, 6, sampling)
     assert engine.free == [1, 0]  # (slot 0 ran them all: it held their prefixes)
     session.close()
     fresh.close()
@@ -144,7 +144,7 @@ def test_a_request_sharing_a_prefix_reuses_it_and_gives_a_fresh_engines_text(art
 
 def test_the_free_slot_with_the_longest_common_prefix_is_taken_and_the_one_free_longest_among_equals(artifact):
     session = Session(artifact(SPEC, max_batch=3, max_seq=64))
-    engine = Engine(session, eos_id=None)
+    engine = Engine(session, end_ids=())
     a, b = [5, 17, 42, 100, 150, 7], [66, 250, 31, 8, 19, 12]
     _run(engine, Request(a, 2), Request(b, 4))  # a in slot 0, b in slot 1; a ends first
     assert engine.free == [2, 0, 1] and engine.cached[0][:6] == a and engine.cached[1][:6] == b
@@ -168,14 +168,14 @@ def test_speculation_counts_only_the_accepted_rows_as_cached(artifact, monkeypat
     first rejection the engine would otherwise decode plainly on a quiet machine."""
     monkeypatch.setattr(batch, "MARGIN", 0.0)
     session, fresh = (Session(artifact(SPEC, max_batch=2, max_seq=64, speculate=8)) for _ in range(2))
-    engine = Engine(session, eos_id=None, speculate=True)
+    engine = Engine(session, end_ids=(), speculate=True)
     prompt = [150, 150, 7, 9, 11, 150]  # (after 150 150, the drafter proposes 7; the model says 150)
     first = _stream(engine, prompt, 20)
     stats = engine.stats()
     assert stats["drafted_tokens"] > stats["accepted_tokens"] > 0, "some drafts rejected, some accepted"
     assert engine.cached[0] == prompt + first[:-1]
     follow = prompt + first[:12] + [250, 31]
-    assert _stream(engine, follow, 10) == _stream(Engine(fresh, eos_id=None), follow, 10)
+    assert _stream(engine, follow, 10) == _stream(Engine(fresh, end_ids=()), follow, 10)
     assert engine.stats()["reused_tokens"] == len(prompt) + 12
     session.close()
     fresh.close()
@@ -193,7 +193,7 @@ def test_echo_gives_each_prompt_tokens_logprobs_from_score_then_generates(artifa
     session's `score`, and the generated tokens' logprobs are the rows after; no reuse for echo."""
     session, scorer = Session(artifact(SPEC, max_batch=2, max_seq=64)), Session(artifact(SPEC, max_seq=64))
     expected = _log_softmax(scorer.score(PROMPT))
-    engine = Engine(session, eos_id=None)
+    engine = Engine(session, end_ids=())
     _stream(engine, PROMPT, 2)  # slot 0 holds the prompt: echo does not reuse it
     echoed: list[list[TokenLogprob | None]] = []
     emitted: list[tuple[int, TokenLogprob | None]] = []
@@ -220,7 +220,7 @@ def test_echo_gives_each_prompt_tokens_logprobs_from_score_then_generates(artifa
 
 def test_echo_with_no_tokens_to_generate_ends_after_the_prompts_logprobs(artifact) -> None:
     session = Session(artifact(SPEC, max_batch=2, max_seq=64))
-    engine = Engine(session, eos_id=None)
+    engine = Engine(session, end_ids=())
     echoed, reasons, emitted = [], [], []
     _run(engine, Request(PROMPT[:3], 0, emit=lambda token, lp: emitted.append(token), finish=reasons.append,
                          prompt_logprobs=echoed.append))
@@ -236,7 +236,7 @@ def test_echo_with_no_tokens_to_generate_ends_after_the_prompts_logprobs(artifac
 def test_limit_context_bounds_the_engines_prompts_and_generations(artifact) -> None:
     session = Session(artifact(SPEC, max_batch=2, max_seq=64))
     session.limit_context(16)
-    engine = Engine(session, eos_id=None)
+    engine = Engine(session, end_ids=())
     with pytest.raises(CapacityError, match=r"the prompt has 16 tokens; the KV cache holds 16 .* \(--ctx up to 64\)"):
         engine.submit(Request(list(range(1, 17)), 1))
     reasons: list[str] = []
@@ -253,8 +253,8 @@ def test_a_constrained_request_keeps_to_its_grammar_beside_a_free_one(artifact, 
     directory = artifact(SPEC, max_batch=2, max_seq=64, speculate=8)
     session, codec = Session(directory), TextCodec.from_artifact(load_manifest(directory))
     prompt = codec.encode("on the the bbb ab the")
-    free_alone = _stream(Engine(session, eos_id=codec.eos_id), prompt, 12)
-    engine = Engine(session, eos_id=codec.eos_id, speculate=speculate)
+    free_alone = _stream(Engine(session, end_ids=codec.end_ids), prompt, 12)
+    engine = Engine(session, end_ids=codec.end_ids, speculate=speculate)
     constrained, free, reasons = [], [], []
     grammar = Grammar.lark(codec, "start: /[ab]{3,6}/")
     _run(engine, Request(prompt, 12, emit=into(constrained), finish=reasons.append, constraint=grammar.constraint()),
@@ -270,7 +270,7 @@ def test_logprobs_of_accepted_drafts_are_the_plain_decodes(artifact) -> None:
     session = Session(artifact(SPEC, max_batch=2, max_seq=64, speculate=8))
     streams = []
     for speculate in (False, True):
-        engine = Engine(session, eos_id=None, speculate=speculate)
+        engine = Engine(session, end_ids=(), speculate=speculate)
         for rows in (1, session.max_verify):  # calls of any size cost alike: every draft is worth verifying
             engine.cost.record(rows, 1.0)  # (the timings of a loaded machine could say otherwise)
         emitted: list[tuple[int, TokenLogprob | None]] = []

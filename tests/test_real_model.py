@@ -227,7 +227,7 @@ def test_batched_streams_equal_each_prompt_alone(compiled) -> None:
     prompts = ["The capital of France is", "Water boils at", "Once upon a time", "def fibonacci(n):",
                "The three primary colours are", "My favourite season is", "In 1969, astronauts", "Dear diary,"]
     expected = [list(generate(alone, codec, codec.encode(p), 24, SamplingOptions())) for p in prompts]
-    engine = Engine(batched, codec.eos_id)
+    engine = Engine(batched, codec.end_ids)
     got: list[list[int]] = [[] for _ in prompts]
     for prompt, tokens in zip(prompts, got):
         engine.submit(Request(codec.encode(prompt), 24, emit=lambda token, _, tokens=tokens: tokens.append(token)))

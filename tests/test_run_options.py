@@ -8,6 +8,7 @@ standard input, --system, --stop, the closing line's fields, structured output (
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -59,6 +60,24 @@ def closing(err: str) -> tuple[int, int, str, str | None]:
     match = CLOSING.search(err)
     assert match, err
     return int(match[1]), int(match[2]), match[3], match[4]
+
+
+@pytest.mark.parametrize("form", ["gguf", "hf"])
+def test_generation_ends_at_every_end_token_the_model_names(capsys, artifact, directory, codec, form) -> None:
+    """An end of turn the model names besides its end of text (GGUF's `tokenizer.ggml.eot_token_id`; HF's
+    `generation_config.json` `eos_token_id` list, as Llama 3's) ends generation, as in llama.cpp and transformers'
+    `generate`: here the token greedy decoding gives first, so nothing is generated (was: only the one eos)."""
+    code, _, err = run(capsys, directory, "-p", "the cat", "-n", "4", "--no-speculate")
+    first = Session(directory, threads=1)
+    try:
+        made = list(generate(first, codec, codec.encode("the cat"), 1, SamplingOptions()))
+    finally:
+        first.close()
+    assert code == 0 and closing(err)[1:3] == (4, "length (-n 4)") and made and made[0] not in codec.end_ids
+    ended = artifact(dataclasses.replace(SPEC, eot_id=made[0]), max_seq=CAPACITY, form=form)
+    assert made[0] in json.loads((ended / "manifest.json").read_text())["tokenizer"]["stop_ids"]
+    code, out, err = run(capsys, ended, "-p", "the cat", "-n", "4", "--no-speculate")
+    assert code == 0 and out.strip() == "" and closing(err)[1:3] == (0, "end of text"), err
 
 
 def test_the_prompt_comes_from_a_file_or_standard_input(capsys, directory, codec, tmp_path) -> None:

@@ -27,7 +27,7 @@ COPIES = [[5, 17, 42, 9, 5, 17, 42], [100, 150, 7, 100, 150], [3, 4, 5, 6, 3, 4,
 def _streams(session: Session, requests: list[tuple[list[int], int]], speculate: bool, eos: int | None = None,
              sampling: SamplingOptions = SamplingOptions()) -> tuple[list[tuple[list[int], str]], Engine]:
     """Each request's (tokens, finish reason), all submitted at once to one engine."""
-    engine = Engine(session, eos_id=eos, speculate=speculate)
+    engine = Engine(session, () if eos is None else {eos}, speculate=speculate)
     out: list[tuple[list[int], list[str]]] = [([], []) for _ in requests]
     for (prompt, max_tokens), (tokens, reasons) in zip(requests, out):
         engine.submit(Request(prompt, max_tokens, sampling, emit=into(tokens), finish=reasons.append))

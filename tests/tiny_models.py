@@ -51,6 +51,7 @@ class TinySpec:
     experts_used: int = 2
     norm_topk: bool = True  # Qwen3-MoE's norm_topk_prob (Mixtral always renormalizes)
     hidden_act: str = "silu"  # the gate's activation, as transformers names it (Gemma: always gelu_pytorch_tanh)
+    eot_id: int | None = None  # an end of turn: GGUF's tokenizer.ggml.eot_token_id, HF's generation_config.json
 
     @property
     def qkv_bias(self) -> bool:
@@ -225,6 +226,8 @@ def write_hf(spec: TinySpec, weights: dict[str, np.ndarray], directory: Path) ->
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     save_file(weights, str(directory / "model.safetensors"))
     (directory / "tokenizer.json").write_text(hf_tokenizer_json())
+    if spec.eot_id is not None:  # (as Llama 3's: end of text, and of turn)
+        (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, spec.eot_id]}))
     (directory / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE})
     )
@@ -314,6 +317,8 @@ def write_gguf(spec: TinySpec, weights: dict[str, np.ndarray], path: Path, pre: 
     writer.add_layer_norm_rms_eps(spec.rms_eps)
     writer.add_vocab_size(VOCAB_SIZE)
     _add_vocabulary(writer, pre)
+    if spec.eot_id is not None:
+        writer.add_eot_token_id(spec.eot_id)
     for hf, w in _stacked_experts(spec, weights).items():
         name = gguf_name(hf, spec.arch)
         if spec.arch.startswith("gemma") and hf.endswith("norm.weight"):

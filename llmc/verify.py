@@ -224,6 +224,9 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
     if artifact is not None and len(tokens) > manifest["kv_cache"]["capacity"]:
         raise UsageError(f"--prompt is {len(tokens)} tokens; the KV cache of --artifact {artifact} holds "
                          f"{manifest['kv_cache']['capacity']} (a shorter --prompt, or compile with a larger --max-seq)")
+    if len(tokens) > model.config.context_length:
+        raise UsageError(f"--prompt is {len(tokens)} tokens; {model.source.name}'s context is "
+                         f"{model.config.context_length} (a shorter --prompt)")
     module = import_model(model)
     module.attributes[tgt.TARGET] = target
     for phase in ("import", "optimize"):

@@ -452,6 +452,18 @@ def test_verify_of_a_prompt_longer_than_the_artifacts_cache_is_one_line_before_t
              f"--prompt is {tokens} tokens; the KV cache of --artifact", "holds 32")
 
 
+def test_verify_of_a_prompt_longer_than_the_models_context_is_one_line_before_the_reference(tiny, capsys) -> None:
+    """A --prompt past the model's own context (no --artifact): refused first (was: an internal error from the
+    interpreter's KV cache, after the reference had run)."""
+    from llmc.frontend import load_model
+
+    model = tiny(SPEC, "gguf")
+    prompt = " ".join(["one two three"] * 40)
+    tokens = len(load_model(str(model)).tokenizer.encode(prompt))
+    _refused(["verify", str(model), "--prompt", prompt], capsys,
+             f"--prompt is {tokens} tokens; {model.name}'s context is {SPEC.context_length}")
+
+
 @pytest.mark.reference
 def test_verify_of_an_artifact_notes_the_compile_options_it_ignores(tiny, artifact, capsys) -> None:
     """`llmc verify MODEL --artifact DIR --kv-type q8_0`: the artifact's own options are checked; a note says so."""

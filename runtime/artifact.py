@@ -282,6 +282,12 @@ def load_manifest(directory: Path, check_files: bool = True, verified_later: Col
             raise ArtifactError(f"{directory}: a file; an llmc artifact is the folder 'llmc compile -o' wrote")
         raise ArtifactError(f"{directory}: not an llmc artifact (no {MANIFEST}); build one with 'llmc compile'")
     try:
+        inside = path.resolve().parent == directory.resolve()
+    except (OSError, RuntimeError):  # (a symlink loop)
+        inside = False
+    if not inside:  # (its files are named relative to the artifact: the manifest is the artifact's own, as they)
+        raise ArtifactError(f"{path}: a link to a manifest outside the artifact directory; refusing to read it")
+    try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ArtifactError(f"{path}: unreadable manifest: {e}") from e

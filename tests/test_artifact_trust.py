@@ -135,6 +135,13 @@ def _kernels_elsewhere(how: str) -> Callable[[Path, dict], None]:
     return edit
 
 
+def _manifest_elsewhere(directory: Path, m: dict) -> None:
+    """The manifest a symlink to one outside the folder (its files then named relative to the artifact still)."""
+    outside = directory.parent / "outside-manifest.json"
+    (directory / MANIFEST).rename(outside)
+    (directory / MANIFEST).symlink_to(outside)
+
+
 def _on_manifest(edit: Callable[[dict], object]) -> Callable[[Path, dict], None]:
     return lambda directory, m: edit(m)
 
@@ -161,6 +168,7 @@ CPU_CASES = {
     "kernels-absolute": (_kernels_elsewhere("absolute"), "outside the artifact directory", []),
     "kernels-parent": (_kernels_elsewhere("parent"), "outside the artifact directory", []),
     "kernels-symlink": (_kernels_elsewhere("symlink"), "outside the artifact directory", []),
+    "manifest-symlink": (_manifest_elsewhere, "a link to a manifest outside the artifact directory", []),
 }
 
 

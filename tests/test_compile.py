@@ -691,6 +691,8 @@ def test_perplexity_cli_on_a_tiny_model(tiny, artifact, tmp_path, capsys) -> Non
     assert re.search(r"^mean KL\s+0\.000000", out, re.M) and "same top   100.000" in out
     assert main(["perplexity", str(directory), "--text", str(text), "--ctx", "512"]) == 2
     assert "needs at least 1024" in capsys.readouterr().err
+    assert main(["perplexity", str(directory), "--text", "/dev/zero"]) == 2  # (was read until memory ran out)
+    assert "--text /dev/zero: larger than 268435456 bytes" in capsys.readouterr().err
     for option in (["--speculate", "3"], ["--no-raise", "rope"], ["--tokenizer", "x"], ["--kv-type", "q8_0"]):
         assert main(["perplexity", str(directory), "--text", str(text), "--ctx", "512", *option]) == 2
         assert "the compile options do not apply to it" in capsys.readouterr().err, option  # (not silently ignored)

@@ -228,6 +228,7 @@ def test_llmc_tokenize_errors_are_one_line(tiny: Callable[..., Path], tmp_path: 
         ([str(vocab_only), "--jsonl", str(broken)], "broken.jsonl:2: not JSON"),
         ([str(vocab_only), "--jsonl", str(latin)], "it is not UTF-8 (character 3 is byte 0xe9)"),
         ([str(vocab_only), "--jsonl", str(gap)], "gap.jsonl:2: an empty line"),
+        ([str(vocab_only), "--jsonl", "/dev/zero"], "/dev/zero:1: a line longer than"),  # (was read without end)
         ([str(vocab_only), "--jsonl", str(tmp_path / "missing.jsonl")], "cannot read"),
         ([str(weird), "x"], "unsupported pre-tokenizer 'no-such-pre'"),
         ([str(tmp_path / "nothing.gguf"), "x"], "no such model file"),

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from llmc.cli.common import compile_options, compile_options_given, progress
 from llmc.errors import UsageError
+from llmc.textfile import read_text
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
@@ -35,7 +36,9 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
         return 0
     lines = sys.stdin if args.jsonl == "-" else _open_text(args.jsonl)
     blank = None  # the first blank line: fine at the end of the file, not before a text (the answers would shift)
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(iter(lambda: lines.readline(MAX_JSONL_LINE + 1), ""), 1):
+        if len(line) > MAX_JSONL_LINE:
+            raise UsageError(f"{args.jsonl}:{number}: a line longer than {MAX_JSONL_LINE} characters, the most it takes")
         if not line.strip():
             blank = blank or number
             continue
@@ -49,6 +52,10 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
             raise UsageError(f"{args.jsonl}:{number}: a JSON string per line, got {type(text).__name__}")
         print(json.dumps(codec.encode(text, bos=not args.no_bos)))
     return 0
+
+
+MAX_JSONL_LINE = 64 << 20  # characters of a `tokenize --jsonl` line (a text's JSON string)
+MAX_TEXT_BYTES = 256 << 20  # `perplexity --text`: wikitext-2's test split is 1.3 MB
 
 
 def _open_text(path: str):
@@ -151,10 +158,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     from llmc.runtime.perplexity import chunk_tokens, perplexity
     from llmc.runtime.session import Conversation, open_session
 
-    try:
-        text = Path(args.text).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read --text {args.text}: {e}") from e
+    text = read_text("--text", args.text, MAX_TEXT_BYTES)
     text = text[:-1] if text.endswith("\n") else text  # as llama-perplexity -f does
     with tempfile.TemporaryDirectory(prefix="llmc-perplexity-") as tmp:
 

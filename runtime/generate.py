@@ -47,7 +47,9 @@ class Generation:
         self.reused = session.reuse(self.prompt)
         if speculation is not None:
             speculation.start(session, self.prompt[: self.reused])
-        produced = step(session, sampler, self.prompt[self.reused :], self.max_tokens, speculation)
+        # (the prompt's step drafts nothing, even where the cache held all but its last token: the first token
+        # comes as soon as it exists, and the time after it is the generation's alone)
+        produced = step(session, sampler, self.prompt[self.reused :], self.max_tokens, speculation, draft=False)
         self.prompt_seconds = time.perf_counter() - start
         count = 0
         while True:

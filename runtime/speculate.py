@@ -210,17 +210,18 @@ class Speculation:
 
 
 def step(session: Conversation, sampler: Sampler, tokens: list[int], most: int,
-         speculation: Speculation | None = None) -> list[int]:
+         speculation: Speculation | None = None, draft: bool = True) -> list[int]:
     """Feed `tokens` and return the next ones (up to `most`): with `speculation`, the accepted drafts (fed
-    too) then the model's own token; else (or where nothing is drafted) the one next token, not yet fed."""
+    too) then the model's own token; else (or where nothing is drafted, or not `draft`: a prompt's step, whose
+    first token is shown as soon as it exists) the one next token, not yet fed."""
     if speculation is None:
         return [next_token(session, sampler, tokens)]
     assert speculation.length is not None, "Speculation.start first"
     k = min(speculation.length.next(), most - 1, session.capacity - session.position - len(tokens))
     speculation.drafter.extend(tokens)
-    drafts = sampler.drafts(speculation.drafter.draft(k)) if len(tokens) == 1 and k > 0 else []
+    drafts = sampler.drafts(speculation.drafter.draft(k)) if draft and len(tokens) == 1 and k > 0 else []
     if not drafts:
-        speculation.stats.decode_calls += len(tokens) == 1
+        speculation.stats.decode_calls += draft and len(tokens) == 1
         return [next_token(session, sampler, tokens)]
     start = session.position
     rows = session.verify(tokens + drafts)

@@ -242,6 +242,22 @@ def test_draft_model_gives_the_plain_tokens(artifact) -> None:
         assert stats.verify_calls > 0 and stats.acceptance >= least
 
 
+def test_the_first_token_comes_before_any_draft(artifact) -> None:
+    """The prompt's step drafts nothing, even where the cache holds all but the prompt's last token (one token to
+    feed, as a decode step's): its token is out as soon as it exists, and the time after it (`llmc bench
+    --speculate`'s decode, `llmc run`'s rate) is the generation's (was: held until the first verify ended, and
+    the tokens of that verify counted as made in no time)."""
+    session = _session(artifact)
+    codec = TextCodec.from_artifact(session.manifest)
+    prompt = codec.encode("the quick brown fox jumps over the lazy dog")
+    plain = list(generate(session, codec, prompt, 12, SamplingOptions()))  # (the prompt in the cache now)
+    speculation = Speculation(DraftModel(_session(artifact), session))
+    tokens = iter(generate(session, codec, prompt, 12, SamplingOptions(), speculation))
+    first = next(tokens)
+    assert speculation.stats.verify_calls == 0 and session.position == len(prompt)
+    assert [first, *tokens] == plain and speculation.stats.verify_calls > 0
+
+
 def test_draft_model_refuses_another_vocabulary(artifact, monkeypatch) -> None:
     session = _session(artifact)
     other = _session(artifact, OTHER)

@@ -121,6 +121,14 @@ class ModelConfig:
         """The sliding window of `layer`'s attention, or None (it sees every earlier position)."""
         return self.sliding_window if layer in self.sliding_layers else None
 
+    IDENTITY = ("arch", "layers", "hidden", "heads", "kv_heads", "head_dim", "vocab_size")  # an artifact's `model`
+
+    def other_than(self, recorded: dict) -> tuple[str, object, object] | None:
+        """The first field in which this model differs from the one an artifact's manifest `recorded` (its
+        `model` facts): (name, the recorded value, this model's); None for the same shapes."""
+        return next(((name, recorded.get(name), getattr(self, name)) for name in self.IDENTITY
+                     if recorded.get(name) != getattr(self, name)), None)
+
     def check(self, source: object) -> None:
         """Raise `ModelFormatError` when the numbers cannot describe one model."""
         for name in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "context_length"):

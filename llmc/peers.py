@@ -66,6 +66,13 @@ def source_model(spec: str | None, manifest: dict) -> tuple[Path | None, str]:
     from llmc.frontend import KNOWN_MODELS, resolve
 
     if spec:
+        from llmc.frontend import load_model
+
+        other = load_model(spec).config.other_than(manifest.get("model", {}))
+        if other is not None:
+            name, recorded, ours = other
+            raise UsageError(f"--model {spec} is another model than the artifact's: its {name} is {ours!r}, the "
+                             f"artifact's {recorded!r}")
         return resolve(spec), f"--model {spec}"
     model = manifest.get("model", {})
     recorded = model.get("source_path")

@@ -233,12 +233,10 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
         run_phase(module, phase, options=options, weights=model.weights)
     graph_note = f"; {describe_graph(model, module)}" if model.graph is not None else ""
     c = model.config
-    if artifact is not None:  # (before the reference: another model's artifact is a mistake, not a fidelity loss)
-        for field, ours in (("arch", c.arch), ("layers", c.layers), ("hidden", c.hidden), ("heads", c.heads),
-                            ("kv_heads", c.kv_heads), ("head_dim", c.head_dim), ("vocab_size", c.vocab_size)):
-            if manifest["model"].get(field) != ours:
-                raise UsageError(f"--artifact {artifact} is of another model: its {field} is "
-                                 f"{manifest['model'].get(field)!r}, {model.source.name}'s is {ours!r}")
+    if artifact is not None and (other := c.other_than(manifest["model"])):  # (before the reference: another
+        name, recorded, ours = other  # model's artifact is a mistake, not a fidelity loss)
+        raise UsageError(f"--artifact {artifact} is of another model: its {name} is {recorded!r}, "
+                         f"{model.source.name}'s is {ours!r}")
     emit(f"model    {model.source} ({c.arch}, {c.layers} layers, hidden {c.hidden}, vocab {c.vocab_size}{graph_note})")
     emit(f"prompt   {prompt!r} ({len(tokens)} tokens)")
     if reference_source is not None:

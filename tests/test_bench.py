@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import stat
@@ -147,13 +148,14 @@ def test_cli_bench_says_what_it_is_measuring(artifact, capsys, monkeypatch) -> N
 
 
 def test_vs_llama_cpp_without_llama_bench_is_skipped(artifact, capsys, monkeypatch, tmp_path) -> None:
+    directory = artifact("gguf")  # (built first: compiling it needs the C compiler on PATH)
     monkeypatch.setenv("PATH", str(tmp_path))  # no llama-bench on it
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # and the package not importable
-    code, out, _ = _bench(capsys, artifact("gguf"), "--vs", "llama.cpp", "--llama-bench", str(tmp_path / "nope"))
+    code, out, _ = _bench(capsys, directory, "--vs", "llama.cpp", "--llama-bench", str(tmp_path / "nope"))
     assert code == 0
     assert f"llama.cpp: skipped (no llama-bench at {tmp_path / 'nope'} and llama_cpp not installed)" in out
     assert len(_rows(out, "llmc gguf")) == 4 and not _rows(out, "llama.cpp")
-    code, out, _ = _bench(capsys, artifact("gguf"), "--vs", "llama.cpp")
+    code, out, _ = _bench(capsys, directory, "--vs", "llama.cpp")
     assert code == 0 and "llama.cpp: skipped (no llama-bench on PATH and llama_cpp not installed)" in out
 
 
@@ -272,10 +274,17 @@ def test_options_speculate_does_not_take_are_refused(artifact, capsys, options: 
     assert code == 2 and err.count("\n") == 1 and "not for --speculate" in err and options[0] in err and not out
 
 
-def test_missing_model_for_peers_is_one_line(artifact, capsys, tmp_path) -> None:
-    code = main(["bench", str(artifact("gguf")), *FAST, "--vs", "transformers", "--model", str(tmp_path / "none")])
-    out, err = capsys.readouterr()
-    assert code == 2 and err.count("\n") == 1 and "no such model" in err and not out
+def test_missing_or_other_model_for_peers_is_one_line(artifact, tiny, capsys, tmp_path) -> None:
+    """A --model that is not there, not a model, or another model than the artifact's (the peers would be timed on
+    it: was "0.10x", exit 0): one line before anything is measured."""
+    other = tiny(dataclasses.replace(SPEC, layers=SPEC.layers + 1), "gguf")
+    (tmp_path / "notes.txt").write_text("not a model")
+    for model, message in ((tmp_path / "none", "no such model"), (tmp_path / "notes.txt", "not a GGUF file"),
+                           (other, f"is another model than the artifact's: its layers is {SPEC.layers + 1}, the "
+                                   f"artifact's {SPEC.layers}")):
+        code = main(["bench", str(artifact("gguf")), *FAST, "--vs", "transformers", "--model", str(model)])
+        out, err = capsys.readouterr()
+        assert code == 2 and err.count("\n") == 1 and message in err and not out, err
 
 
 def test_the_attention_decode_benchmark_times_the_cpu_kernel() -> None:

@@ -699,6 +699,11 @@ def test_perplexity_cli_on_a_tiny_model(tiny, artifact, tmp_path, capsys) -> Non
     model = tiny(QSPECS["mixed"], "gguf")  # (compiled first: --max-seq below --ctx was raised without a word)
     assert main(["perplexity", str(model), "--text", str(text), "--ctx", "16", "--max-seq", "8"]) == 2
     assert "--max-seq 8 is below --ctx 16" in capsys.readouterr().err
+    context = QSPECS["mixed"].context_length  # (was: "--max-seq must be in 2..N", an option not given, after a compile)
+    assert main(["perplexity", str(model), "--text", str(text), "--ctx", str(context + 1)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"llmc: error: --ctx {context + 1} is past the context of {model}, {context} tokens; choose a " \
+                  f"smaller --ctx\n", err
 
 
 def test_an_artifact_for_a_cpu_this_machine_lacks_is_refused(artifact, tmp_path, capsys) -> None:

@@ -176,6 +176,12 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
                 if args.max_seq and args.max_seq < args.ctx:
                     raise UsageError(f"--max-seq {args.max_seq} is below --ctx {args.ctx}: a chunk of --ctx tokens "
                                      f"needs a KV cache of as many")
+                from llmc.frontend import load_model
+
+                context = load_model(spec, args.allow_pickle, args.tokenizer).config.context_length
+                if args.ctx > context:  # (before compiling: the compile's own check names --max-seq)
+                    raise UsageError(f"--ctx {args.ctx} is past the context of {spec}, {context} tokens; "
+                                     f"choose a smaller --ctx")
                 progress(f"compiling {spec} (--ctx {args.ctx})")
                 options = replace(compile_options(args), max_seq=max(args.ctx, args.max_seq or 0),
                                   prefill_chunk=args.prefill_chunk or min(128, args.ctx))

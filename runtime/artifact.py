@@ -278,6 +278,10 @@ def load_manifest(directory: Path, check_files: bool = True, verified_later: Col
     `verified_later`, which the caller checks on the bytes it reads (`check_sha256`): each read once."""
     path = directory / MANIFEST
     if not path.is_file():
+        if not directory.exists():
+            raise ArtifactError(f"{directory}: no such artifact directory")
+        if path.exists():
+            raise ArtifactError(f"{path}: not a file; an llmc artifact's {MANIFEST} is the one 'llmc compile' wrote")
         if directory.is_file():
             raise ArtifactError(f"{directory}: a file; an llmc artifact is the folder 'llmc compile -o' wrote")
         raise ArtifactError(f"{directory}: not an llmc artifact (no {MANIFEST}); build one with 'llmc compile'")

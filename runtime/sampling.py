@@ -42,7 +42,7 @@ class SamplingOptions:
     def check(self) -> None:
         """Raise ValueError naming the first option out of its range."""
         if not 0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top-k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -56,7 +56,11 @@ class SamplingOptions:
         if not low <= self.repetition_penalty <= high:
             raise ValueError(f"repetition-penalty must be in [{low:g}, {high:g}] (1: none), got "
                              f"{self.repetition_penalty:g}")
+        seen = set()
         for token, bias in self.logit_bias:
+            if token in seen:  # (a map in OpenAI's API; the CLI's --logit-bias added them up, past the range)
+                raise ValueError(f"logit-bias: token {token} is given twice")
+            seen.add(token)
             if not isinstance(token, (int, np.integer)) or token < 0:
                 raise ValueError(f"logit-bias: a token id must be an integer >= 0, got {token!r}")
             if not -100 <= bias <= 100:

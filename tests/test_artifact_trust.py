@@ -443,6 +443,9 @@ def test_an_artifact_and_a_model_mistaken_for_each_other_are_named(tiny, artifac
     what was given (was: "no manifest.json" beside the manifest, "no config.json")."""
     built = artifact(SPEC)
     _refused(["run", str(built / MANIFEST), "-p", "x"], capsys, "a file; an llmc artifact is the folder")
+    _refused(["run", str(tmp_path / "nothing"), "-p", "x"], capsys, "nothing: no such artifact directory")
+    (tmp_path / "odd" / MANIFEST).mkdir(parents=True)
+    _refused(["run", str(tmp_path / "odd"), "-p", "x"], capsys, f"{MANIFEST}: not a file; an llmc artifact's")
     for argv in (_compile_argv(tiny, tmp_path / "out")[:1] + [str(built), "-o", str(tmp_path / "out")],
                  ["ir", str(built)]):
         _refused(argv, capsys, "an llmc artifact, not a model")

@@ -137,7 +137,7 @@ def test_top_k_one_is_greedy(artifact, capsys) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--temperature", "-1"], "temperature must be a finite number >= 0"),
         (["--top-p", "0"], "top-p must be in (0, 1]"),
         (["--top-p", "1.5"], "top-p must be in (0, 1]"),
         (["--top-k", "-2"], "top-k must be >= 0"),

@@ -202,6 +202,8 @@ def refused(capsys, directory: Path, *options: str) -> str:
         (["--logit-bias", "5=1000"], "the bias of token 5 must be in [-100, 100]"),
         (["--logit-bias", "5"], "expected ID=BIAS"),
         (["--logit-bias", "99999=1"], "token 99999 is outside the model's vocabulary"),
+        (["--logit-bias", "5=60", "--logit-bias", "5=60"], "logit-bias: token 5 is given twice"),  # (was: 120)
+        (["--temperature", "inf"], "temperature must be a finite number >= 0, got inf"),
         (["--stop", ""], "--stop: a stop string cannot be empty"),
         (["--ctx", "65"], "--ctx must be in 2..64"),
         (["--ctx", "1"], "--ctx must be in 2..64"),

@@ -146,7 +146,7 @@ def test_plain_only_where_nothing_is_processed() -> None:
 
 
 @pytest.mark.parametrize("options, message", [
-    (SamplingOptions(-0.1), "temperature must be >= 0"),
+    (SamplingOptions(-0.1), "temperature must be a finite number >= 0"),
     (SamplingOptions(top_k=-1), "top-k must be >= 0"),
     (SamplingOptions(top_p=0), r"top-p must be in \(0, 1\]"),
     (SamplingOptions(min_p=1.5), r"min-p must be in \[0, 1\]"),

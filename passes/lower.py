@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import IndexType, IntegerAttr, ModuleOp, StringAttr, i32, i64
-from xdsl.ir import Attribute, Block, Operation, Region, SSAValue
+from xdsl.ir import Attribute, Block, Operation, OpResult, Region, SSAValue
 
 from llmc.abi import KV_LAYOUT, KV_LAYOUT_SLOTS, entry_arguments
 from llmc.errors import LlmcError
@@ -88,6 +88,12 @@ class _Lowering:
 
     def _shape(self, value: SSAValue) -> tuple[int, ...]:
         shape = llm.shape_of(value)
+        if None in shape[1:]:  # (a graph's op left unraised, as Qwen3's per-head q/k norm in a .pt2 or .onnx)
+            owner = value.owner.name if isinstance(value, OpResult) else "an argument"
+            shown = "x".join("?" if d is None else str(d) for d in shape)
+            raise LlmcError(f"lower: {owner} gives a tensor<{shown}>, whose tokens are not its first dimension: "
+                            f"not a shape llmc lowers (this graph's op was not raised to a model op; an HF "
+                            f"directory or GGUF file of the model compiles)")
         return (self.rows, *shape[1:]) if shape[0] is None else tuple(shape)  # type: ignore[arg-type]
 
     def _alloc(self, value: SSAValue, result_type: Attribute) -> SSAValue:

@@ -188,6 +188,24 @@ def test_a_graph_needs_a_tokenizer_beside_it_or_named(graphs, tmp_path, capsys) 
     assert (tmp_path / "b" / "tokenizer.json").read_text() == (path.parent / "tokenizer.json").read_text()
 
 
+def test_an_op_left_unraised_that_cannot_lower_is_one_line(tmp_path, capsys) -> None:
+    """Qwen3's per-head q/k RMSNorm in a .pt2 is not raised to model ops: the reshape it leaves (tokens in the
+    second dimension) ends the compile in one line (was: an internal VerifyException from the lowering)."""
+    import transformers
+    from tiny_models import VOCAB_SIZE
+
+    config = transformers.Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=48, head_dim=8,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=128)
+    torch.manual_seed(0)
+    path = export(transformers.AutoModelForCausalLM.from_config(config).eval(), tmp_path / "qwen3" / "model.pt2")
+    assert main(["compile", str(path), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err  # (the phases' progress lines before it)
+    assert "internal error" not in err and err.splitlines()[-1].startswith("llmc: error: lower: llm.reshape gives a "
+                                                                          "tensor<1x?x"), err
+    assert "whose tokens are not its first dimension" in err
+
+
 @pytest.mark.parametrize("form, reference", [("onnx", "onnxruntime"), ("pt2", "torch"), ("kv.onnx", "onnxruntime"),
                                              ("kv.pt2", "torch")])
 def test_verify_holds_every_stage_to_the_graph_runtime(graphs, form, reference, capsys) -> None:

@@ -249,6 +249,8 @@ def _float(path: Path, cfg: dict, key: str, default: float, positive: bool = Fal
 def _sliding_layers(path: Path, cfg: dict, arch: str, layers: int) -> tuple[int, ...]:
     """The layers whose attention is windowed: `layer_types` where given; else every layer of a
     Mistral or Phi-3 with `sliding_window`, or Qwen2's `use_sliding_window` from `max_window_layers` on."""
+    if arch == "llama":  # (transformers' Llama attends to every position: `layer_types`, `sliding_window` unread)
+        return ()
     types = cfg.get("layer_types")
     if types is not None:
         kinds = ("full_attention", "sliding_attention")
@@ -292,8 +294,9 @@ def _rope(path: Path, cfg: dict, head_dim: int, max_positions: int, arch: str) -
         if "rope_theta" in sliding:
             local = _float(path, sliding, "rope_theta", 0.0)
         params = params.get("full_attention", {})
-    params = {**scaling, **params}
-    theta = _float(path, cfg, "rope_theta", _float(path, params, "rope_theta", 1e6 if arch == "gemma3" else 10000.0))
+    params = scaling or params  # (as transformers 5: `rope_scaling`, an older config's, replaces `rope_parameters`)
+    # `rope_parameters`' own base first, then the top-level one (transformers fills the first from the second)
+    theta = _float(path, params, "rope_theta", _float(path, cfg, "rope_theta", 1e6 if arch == "gemma3" else 10000.0))
     rope_base(path, "config.json: rope_theta", theta)  # before the scaling's frequencies are computed from it
     partial = _float(path, cfg, "partial_rotary_factor", _float(path, params, "partial_rotary_factor", 1.0))
     dims = int(head_dim * partial) if 0 < partial <= 1 else 0
@@ -361,7 +364,8 @@ def _config(path: Path, cfg: dict, arch: str, weights: WeightStore) -> ModelConf
         "num_attention_heads x head_dim": heads * head_dim, "intermediate_size": ffn, "vocab_size": vocab, **sizes})
     context = _int(path, cfg, "max_position_embeddings", 2048, at_least=1, at_most=MAX_POSITIONS)
     sliding = _sliding_layers(path, cfg, arch, layers)
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if arch in GEMMA else "silu")
+    # (as transformers' MLPs read it: Gemma's `hidden_activation`, the others' `hidden_act`; the other key ignored)
+    act = (cfg.get("hidden_activation") or "gelu_pytorch_tanh") if arch in GEMMA else cfg.get("hidden_act", "silu")
     activation = HF_ACTIVATIONS.get(act) if isinstance(act, str) else None
     if activation is None:
         raise ModelFormatError(path, f"config.json: activation {act!r} is not supported for {arch}")

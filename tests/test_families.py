@@ -8,6 +8,7 @@ names, checked against transformers fp32 (interpreter and compiled artifact, thr
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from collections.abc import Callable
@@ -150,6 +151,34 @@ def test_gguf_passes_verify_against_its_hf_twin(tiny: Callable[..., Path], name:
     assert code == 0 and "reference " in out and "artifact" in out, out
 
 
+READ_AS_TRANSFORMERS_READS = {  # config.json keys a family's transformers code reads one way, llmc read another
+    "llama-hidden_activation": (TinySpec(), {"hidden_activation": "gelu"}),  # (Llama's MLP: `hidden_act`)
+    "gemma2-hidden_act-alone": (FAMILIES["gemma2"], {"hidden_act": "silu", "hidden_activation": None}),  # (Gemma's: the other)
+    "llama-layer_types": (TinySpec(), {"layer_types": ["sliding_attention"] * 2, "sliding_window": 3}),  # (not read)
+    "rope_scaling-and-rope_parameters": (TinySpec(), {"rope_scaling": {"rope_type": "linear", "factor": 2.0},
+                                                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "rope_theta-twice": (TinySpec(), {"rope_theta": 500.0, "rope_parameters": {"rope_type": "default",
+                                                                             "rope_theta": 10000.0}}),
+}
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("case", READ_AS_TRANSFORMERS_READS)
+def test_a_config_is_read_as_transformers_reads_it(tiny: Callable[..., Path], tmp_path: Path, case: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Keys a family's transformers code does not read, or reads first (`rope_scaling` over `rope_parameters`, the
+    latter's `rope_theta` over the top-level one), as transformers does: `verify` holds (was: cosines 0.71–0.996)."""
+    pytest.importorskip("transformers")
+    spec, edits = READ_AS_TRANSFORMERS_READS[case]
+    model = Path(shutil.copytree(tiny(spec, "hf"), tmp_path / "m"))
+    config = json.loads((model / "config.json").read_text())
+    config.update(edits)
+    (model / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    code = main(["verify", str(model), "--quant", "f32", "--compute", "a32", "--kv-type", "f32"])
+    out = capsys.readouterr().out
+    assert code == 0 and "artifact" in out, out
+
+
 @pytest.mark.reference
 def test_a_reference_transformers_cannot_load_is_one_line(tiny: Callable[..., Path], tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
@@ -247,7 +276,8 @@ REFUSED = {
     "llama-relu": ({"hidden_act": "relu"}, "activation 'relu' is not supported for llama"),
     "partial-rotary-zero": ({"partial_rotary_factor": 0.0}, "partial_rotary_factor must be in (0, 1]"),
     "llama3-no-factor": ({"rope_scaling": {"rope_type": "llama3", "low_freq_factor": 1.0}}, "factor must be a number"),
-    "bad-layer-types": ({"layer_types": ["sliding_attention"], "sliding_window": 4}, "layer_types must list 2"),
+    "bad-layer-types": ({"architectures": ["MistralForCausalLM"], "model_type": "mistral",  # (Llama's unread)
+                         "layer_types": ["sliding_attention"], "sliding_window": 4}, "layer_types must list 2"),
     "gemma3-multimodal": ({"architectures": ["Gemma3ForConditionalGeneration"]}, "unsupported architecture"),
 }
 

@@ -19,14 +19,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TextIO
 
+from llmc.errors import LlmcError
 from llmc.runtime.codec import TextCodec, not_utf8
 from llmc.runtime.generate import Generation
 from llmc.runtime.sampling import SamplingOptions
 from llmc.runtime.session import CapacityError, Conversation
 from llmc.runtime.speculate import Speculation
+from llmc.runtime.templates import ChatTemplateError
 
 if TYPE_CHECKING:
     from llmc.runtime.grammar import Grammar
+
+
+class NotSent(LlmcError):
+    """A message the chat template cannot render into the conversation (it fails, or builds past its limits)."""
 
 
 @dataclass
@@ -95,7 +101,11 @@ class Chat:
         """The tokens of the conversation with `user` appended and the assistant's turn begun;
         drops the oldest turns while it does not fit the cache (with room for a reply)."""
         self.messages.append({"role": "user", "content": user})
-        ids = self._render(self.messages)
+        try:
+            ids = self._render(self.messages)
+        except ChatTemplateError as e:  # (this message made the template fail, or outgrow its limits: not sent)
+            self.messages.pop()
+            raise NotSent(f"{e}; the message is not sent") from None
         dropped = 0
         capacity = self.session.capacity
         while len(ids) >= capacity:
@@ -215,7 +225,7 @@ def run_chat(chat: Chat, read: Callable[[str], str] = input, out: TextIO = sys.s
         with _interrupts() as caught:
             try:
                 turn = chat.reply(line, write, caught.is_set)
-            except CapacityError as e:
+            except (CapacityError, NotSent) as e:
                 note(f"[{e}]")
                 continue
         out.write("\n")

@@ -355,3 +355,15 @@ def test_a_line_that_is_not_utf8_is_not_sent_and_the_chat_goes_on(artifacts, err
     assert proc.returncode == 0, stderr
     assert "[the line is not UTF-8 text (character 0 is byte 0xff): not sent]" in stderr
     assert proc.stdout.decode().count("> ") == 3 and "Traceback" not in stderr  # then "hello" was answered
+
+
+def test_a_message_the_template_cannot_render_is_not_sent_and_the_chat_goes_on(artifacts) -> None:
+    """A line past the template's size limit (`--template-chars`): a note, the message dropped, the next one
+    answered (was: the whole chat ended on "the model's chat template builds more than …")."""
+    proc = subprocess.run([sys.executable, "-m", "llmc", "chat", str(artifacts["short"]), "-n", "3",
+                           "--template-chars", "1000"], input=b"x" * 2000 + b"\nhello\n", capture_output=True,
+                          timeout=60)
+    stderr = proc.stderr.decode()
+    assert proc.returncode == 0, stderr
+    assert "builds more than 1000 characters" in stderr and "; the message is not sent]" in stderr, stderr
+    assert proc.stdout.decode().count("> ") == 3 and "Traceback" not in stderr  # then "hello" was answered

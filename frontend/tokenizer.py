@@ -285,7 +285,7 @@ def from_gguf_vocab(
         tok.add_special_tokens([AddedToken(text, special=True, normalized=False,
                                            rstrip=phi3 and text not in ("<unk>", "<s>", "<|endoftext|>"))
                                 for text in special])
-    return TextCodec(tok, bos_id, eos_id, add_bos, chat_template, tuple(sorted(set(stop_ids) - {eos_id})))
+    return TextCodec(tok, bos_id, eos_id, add_bos, chat_template, stop_ids=tuple(sorted(set(stop_ids) - {eos_id})))
 
 
 def _special_tokens(vocab: dict[str, int], types: list[int]) -> list[str]:

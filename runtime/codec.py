@@ -148,8 +148,8 @@ class TextCodec:
     eos_id: int | None
     add_bos: bool
     chat_template: str | None
-    stop_ids: tuple[int, ...] = ()  # the model's other tokens that end a generation (end of turn, …)
     limits: RenderLimits = field(default=DEFAULT_LIMITS, compare=False)  # of a chat template's rendering
+    stop_ids: tuple[int, ...] = ()  # the model's other tokens that end a generation (end of turn, …)
     _compiled: tuple[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
@@ -157,7 +157,7 @@ class TextCodec:
         facts = manifest.tokenizer
         tokenizer = read_tokenizer(manifest.file("tokenizer"))
         return cls(tokenizer, facts.get("bos_id"), facts.get("eos_id"), facts.get("add_bos", False),
-                   facts.get("chat_template"), tuple(facts.get("stop_ids", ())))
+                   facts.get("chat_template"), stop_ids=tuple(facts.get("stop_ids", ())))
 
     @property
     def end_ids(self) -> frozenset[int]:

@@ -68,7 +68,8 @@ def source_model(spec: str | None, manifest: dict) -> tuple[Path | None, str]:
     if spec:
         from llmc.frontend import load_model
 
-        other = load_model(spec).config.other_than(manifest.get("model", {}))
+        config = load_model(spec).config  # (None for a graph: the peers skip it, as they cannot run it)
+        other = config.other_than(manifest.get("model", {})) if config is not None else None
         if other is not None:
             name, recorded, ours = other
             raise UsageError(f"--model {spec} is another model than the artifact's: its {name} is {ours!r}, the "

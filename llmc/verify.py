@@ -224,15 +224,15 @@ def verify_model(spec: str, prompt: str, tolerance: float, artifact: Path | None
     if artifact is not None and len(tokens) > manifest["kv_cache"]["capacity"]:
         raise UsageError(f"--prompt is {len(tokens)} tokens; the KV cache of --artifact {artifact} holds "
                          f"{manifest['kv_cache']['capacity']} (a shorter --prompt, or compile with a larger --max-seq)")
-    if len(tokens) > model.config.context_length:
-        raise UsageError(f"--prompt is {len(tokens)} tokens; {model.source.name}'s context is "
-                         f"{model.config.context_length} (a shorter --prompt)")
     module = import_model(model)
     module.attributes[tgt.TARGET] = target
     for phase in ("import", "optimize"):
         run_phase(module, phase, options=options, weights=model.weights)
     graph_note = f"; {describe_graph(model, module)}" if model.graph is not None else ""
-    c = model.config
+    c = model.config  # (a graph's: from the raised IR)
+    if len(tokens) > c.context_length:  # (before the reference)
+        raise UsageError(f"--prompt is {len(tokens)} tokens; {model.source.name}'s context is {c.context_length} "
+                         f"(a shorter --prompt)")
     if artifact is not None and (other := c.other_than(manifest["model"])):  # (before the reference: another
         name, recorded, ours = other  # model's artifact is a mistake, not a fidelity loss)
         raise UsageError(f"--artifact {artifact} is of another model: its {name} is {recorded!r}, "

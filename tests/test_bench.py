@@ -322,4 +322,4 @@ def test_the_decode_step_benchmark_times_each_artifact_in_turns(artifact) -> Non
         assert bad.returncode == 2 and last.startswith("decode_step.py: error:") and message in last, bad.stderr
     missing = subprocess.run([sys.executable, str(script), str(built.parent / "none")], capture_output=True,
                              text=True, timeout=300)
-    assert missing.returncode == 2 and "not an llmc artifact" in missing.stderr.strip().splitlines()[-1]
+    assert missing.returncode == 2 and "none: no such artifact directory" in missing.stderr.strip().splitlines()[-1]

@@ -178,7 +178,8 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
                                      f"needs a KV cache of as many")
                 from llmc.frontend import load_model
 
-                context = load_model(spec, args.allow_pickle, args.tokenizer).config.context_length
+                config = load_model(spec, args.allow_pickle, args.tokenizer).config  # (a graph's: known later)
+                context = config.context_length if config is not None else args.ctx
                 if args.ctx > context:  # (before compiling: the compile's own check names --max-seq)
                     raise UsageError(f"--ctx {args.ctx} is past the context of {spec}, {context} tokens; "
                                      f"choose a smaller --ctx")

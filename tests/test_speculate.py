@@ -282,6 +282,11 @@ def test_llmc_run_speculates_and_reports_acceptance(artifact, capsys) -> None:
     assert capsys.readouterr().err.rstrip().endswith("; nothing drafted]")
     assert main(["run", str(directory), "-p", "hi", "--draft", str(directory), "--no-speculate"]) != 0
     assert "--draft is for speculative decoding" in capsys.readouterr().err
+    plain = artifact(TARGET, chunk=8, max_seq=64, speculate=0)  # (no verify entry: prompt lookup is not used)
+    for flags, noted in (([], False), (["--speculate"], True)):  # (asked for: said why it is not)
+        assert main(["run", str(plain), "-p", "one two three", "-n", "3", *flags]) == 0
+        err = capsys.readouterr().err
+        assert ("has no verify entry point" in err) == noted and "drafted" not in err, err
 
 
 def test_llmc_bench_speculate_compares_with_plain_decode(artifact, capsys) -> None:

@@ -109,7 +109,7 @@ def _speculation(session, args: argparse.Namespace):
     from llmc.runtime.session import open_session
     from llmc.runtime.speculate import DraftModel, PromptLookup, Speculation
 
-    if not args.speculate:
+    if args.speculate is False:
         if args.draft:
             raise UsageError("--draft is for speculative decoding; leave out --no-speculate")
         yield None
@@ -119,8 +119,14 @@ def _speculation(session, args: argparse.Namespace):
             yield Speculation(DraftModel(draft, session, args.draft))
         finally:
             draft.close()
+    elif "verify" in session.manifest.entry_points:
+        yield Speculation(PromptLookup())
     else:
-        yield Speculation(PromptLookup()) if "verify" in session.manifest.entry_points else None
+        if args.speculate:  # (asked for, not the default)
+            progress("note: this artifact has no verify entry point (compiled with --speculate 0): prompt lookup "
+                     "would check its drafts through the slower score path, so decoding is plain; --draft DIR still "
+                     "speculates")
+        yield None
 
 
 def _closing_line(generation, generated: int, seconds: float, stopped: str, speculation) -> str:

@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
                              help="generate text this grammar accepts: GBNF (llama.cpp's), or Lark where FILE ends "
                                   "in .lark")
     speculate_args = argparse.ArgumentParser(add_help=False)
-    speculate_args.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True,
+    speculate_args.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=None,  # (None: on)
                                 help="draft the next tokens by prompt lookup (or --draft) and check them in one "
                                      "verify call: greedy text is unchanged, drafting backs off where drafts are "
                                      "rejected (default: on)")

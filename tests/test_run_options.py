@@ -139,6 +139,19 @@ def test_any_integer_seed_is_taken_modulo_2_64(capsys, directory) -> None:
     assert texts["-1"] == texts[str(2**64 - 1)] != texts["7"]
 
 
+def test_sampling_options_without_a_temperature_are_noted(capsys, directory) -> None:
+    """--top-k, --top-p, --min-p or --seed with the greedy default change nothing: a note says so (was: silence);
+    with a --temperature, or none of them, no note."""
+    greedy = run(capsys, directory, "-p", "the cat", "-n", "4")
+    for flags, noted in ((["--top-k", "5", "--seed", "3"], "--top-k, --seed shape sampling"),
+                         (["--min-p", "0.1"], "--min-p shape sampling"), (["--temperature", "0.7", "--top-k", "5"], None),
+                         ([], None)):
+        code, out, err = run(capsys, directory, "-p", "the cat", "-n", "4", *flags)
+        assert code == 0 and ("decodes greedily" in err) == (noted is not None) and (noted or "") in err, err
+        if "--temperature" not in flags:
+            assert out == greedy[1]
+
+
 def test_closing_line_says_why_it_stopped(capsys, directory, codec) -> None:
     code, _, err = run(capsys, directory, "-p", "the cat", "-n", "5")
     assert code == 0 and closing(err)[1:3] == (5, "length (-n 5)") and closing(err)[3]

@@ -32,6 +32,12 @@ def _sampling(args: argparse.Namespace):
         options.check()
     except ValueError as e:
         raise UsageError(str(e)) from e
+    if options.temperature == 0:  # (greedy: the options that shape sampling change nothing)
+        given = [f"--{name.replace('_', '-')}" for name in ("top_k", "top_p", "min_p", "seed")
+                 if getattr(args, name) != args.parser.get_default(name)]
+        if given:
+            progress(f"note: {', '.join(given)} shape sampling, and --temperature 0 (the default) decodes greedily: "
+                     f"give a --temperature above 0 to sample")
     return options
 
 

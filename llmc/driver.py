@@ -73,7 +73,7 @@ def run_phases(model: Model, options: CompileOptions, last: str, dump: IRDumper 
                progress: Callable[[str], None], target: tgt.TargetAttr) -> ModuleOp:
     """Import, set the target, and run the phases through `last`, printing each phase's time."""
     from llmc.passes.calibrate import calibration_for
-    from llmc.passes.quantize import summary
+    from llmc.passes.quantize import summary, unapplied, weight_storages
 
     with _updates(progress):
         start = time.perf_counter()
@@ -88,6 +88,7 @@ def run_phases(model: Model, options: CompileOptions, last: str, dump: IRDumper 
             start = time.perf_counter()
             _status(progress, f"{phase}: running")
             tokens = calibration_for(model, options, target) if phase == "quantize" else []
+            before = weight_storages(module) if phase == "quantize" else {}
             run_phase(module, phase, dump, options, model.weights, tokens)
             note = ""
             if phase == "optimize" and model.graph is not None:
@@ -101,6 +102,9 @@ def run_phases(model: Model, options: CompileOptions, last: str, dump: IRDumper 
             elif phase == "lower":
                 note = _arena_report(module)
             progress(f"{phase:<10} {time.perf_counter() - start:6.2f} s   {note}".rstrip())
+            if phase == "quantize":
+                for unused in unapplied(module, before, options.compute, options.quant, options.requantize):
+                    progress(f"note: {unused}")
             if phase == last:
                 break
     return module

@@ -264,6 +264,33 @@ def choose_wider(items: list[tuple[float, tuple[float, ...]]], budgets: tuple[fl
     return taken
 
 
+def weight_storages(module: ModuleOp) -> dict[str, Storage]:
+    """Each weight's storage (first function), by name: what `quantize` starts from."""
+    return {op.sym_name: op.storage.data for function in LlmcPass.functions(module)[:1]
+            for op in function.walk() if isinstance(op, llm.WeightOp)}
+
+
+def unapplied(module: ModuleOp, before: dict[str, Storage], compute: str, quant: str, requantize: bool) -> list[str]:
+    """What of `--compute` and `--quant` quantize found nothing to apply to, one note each: an integer `--compute`
+    where no projection's weights are integer (a float model without `--quant`), and a `--quant` that left
+    quantized weights in their own types (without `--requantize`)."""
+    notes = []
+    modes = {op.mode for function in LlmcPass.functions(module)[:1] for op in function.walk()
+             if isinstance(op, llm.Projection)}
+    if compute in ("a8", "a16") and not any(m.integer for m in modes):
+        notes.append(f"--compute {compute} is for integer weights, and this model's projections are float: they "
+                     f"run a32 (--quant q8_0, say, makes them integer)")
+    wanted = _parse(quant, "--quant")
+    if wanted is not None and not wanted.is_float and not requantize:
+        outputs = set().union(*map(output_tensors, LlmcPass.functions(module)[:1]))  # (--quant-output's)
+        kept = sorted({s.value for name, s in weight_storages(module).items()
+                       if s is before.get(name) and not s.is_float and s is not wanted and name not in outputs})
+        if kept:
+            notes.append(f"--quant {quant} converts float weights; this model's {', '.join(kept)} ones keep their "
+                         f"types (--requantize converts them too)")
+    return notes
+
+
 def summary(module: ModuleOp) -> str:
     """What `quantize` chose (first function), e.g. `q4_1 ×210, f32 ×61, q8_0 ×1; a16 ×150, a8 ×61;
     est. decode 1.04×, prefill 1.19× of a8 (calibrated on 128 tokens)`: the estimates (where a

@@ -717,3 +717,16 @@ def test_an_artifact_for_a_cpu_this_machine_lacks_is_refused(artifact, tmp_path,
     assert main(["run", str(copy), "-p", "x"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "lacks (avx1024)" in err
+
+
+def test_compute_and_quant_options_that_apply_to_nothing_are_noted(tiny, capsys) -> None:
+    """`--compute a8` on float weights runs a32, and `--quant q4_0` on a quantized GGUF keeps its types without
+    `--requantize`: each says so in a note (they were silently ignored); with what they apply to, no note."""
+    floats, mixed = str(tiny(SPECS["gqa"], "gguf")), str(tiny(QSPECS["mixed"], "gguf"))
+    for argv, note in (([floats, "--compute", "a8"], "--compute a8 is for integer weights"),
+                       ([floats, "--compute", "a8", "--quant", "q8_0"], None),
+                       ([mixed, "--quant", "q4_0"], "this model's q4_1, q5_0, q5_1, q8_0 ones keep their types"),
+                       ([mixed, "--quant", "q4_0", "--requantize"], None)):
+        assert main(["compile", *argv, "--compile-to", "quantize", "-o", "-"]) == 0
+        err = capsys.readouterr().err
+        assert ("note:" in err) == (note is not None) and (note or "") in err, (argv, err)

@@ -90,9 +90,18 @@ def tokenizer_failures(error: Callable[[str], LlmcError], quiet: bool = True) ->
         raise error(f"the tokenizers library panicked: {printable(e)}") from None
 
 
+MAX_TOKENIZER_BYTES = 128 << 20  # a tokenizer.json: Gemma 3's 262k vocabulary takes 33 MB
+
+
 def read_tokenizer(path: Path | str) -> Tokenizer:
-    """The `tokenizers.Tokenizer` of a `tokenizer.json` file; one the library cannot read, or
-    panics on, is a ModelFormatError."""
+    """The `tokenizers.Tokenizer` of a `tokenizer.json` file of at most `MAX_TOKENIZER_BYTES`; one larger, one the
+    library cannot read, or panics on, is a ModelFormatError."""
+    try:
+        size = os.stat(path).st_size
+    except OSError as e:
+        raise ModelFormatError(path, f"cannot read the tokenizer: {e.strerror or e}") from None
+    if size > MAX_TOKENIZER_BYTES:
+        raise ModelFormatError(path, f"{size} bytes is too large for a tokenizer.json (at most {MAX_TOKENIZER_BYTES})")
     with tokenizer_failures(lambda problem: ModelFormatError(path, f"cannot load tokenizer: {problem}")):
         return Tokenizer.from_file(str(path))
 

@@ -130,10 +130,13 @@ def _only_pickle(d: Path) -> Path:
     return d
 
 
-def _sparse_config(d: Path) -> Path:
-    with open(d / "config.json", "r+b") as f:
-        f.truncate(300_000_000)  # a hole: no disk, but 300 MB if read whole
-    return d
+def _sparse(name: str) -> Callable[[Path], Path]:
+    def make(d: Path) -> Path:
+        with open(d / name, "r+b") as f:
+            f.truncate(300_000_000)  # a hole: no disk, but 300 MB if read whole
+        return d
+
+    return make
 
 
 def _huge_json_header(d: Path) -> Path:
@@ -141,7 +144,7 @@ def _huge_json_header(d: Path) -> Path:
     return _st(d, b'{"a":[' + b"0," * (n - 1) + b"0]}")
 
 
-HF_BOUNDED_WORK = {"header-huge-json", "config-300MB-sparse"}  # big files: not repeated through the CLI
+HF_BOUNDED_WORK = {"header-huge-json", "config-300MB-sparse", "tokenizer-300MB-sparse"}  # big files: not repeated through the CLI
 HF_CASES: dict[str, tuple[Callable[[Path], Path], list[str]]] = {
     # container
     "file-shorter-than-8-bytes": (_write("model.safetensors", b"\x10\x00\x00"),
@@ -218,7 +221,8 @@ HF_CASES: dict[str, tuple[Callable[[Path], Path], list[str]]] = {
     "config-contradicts-tensors": (_config_edit(lambda c: c.update(intermediate_size=64)),
                                    ["tensor 'blk.0.ffn_gate' has shape 48x32, the config implies 64x32"]),
     "config-layers-10^12": (_config_edit(lambda c: c.update(num_hidden_layers=10**12)), ["1000000000000"]),
-    "config-300MB-sparse": (_sparse_config, ["config.json"]),
+    "config-300MB-sparse": (_sparse("config.json"), ["config.json"]),
+    "tokenizer-300MB-sparse": (_sparse("tokenizer.json"), ["tokenizer.json", "too large for a tokenizer.json"]),
     "no-config": (_remove("config.json"), ["no config.json"]),
     # files outside the directory, pickles
     "safetensors-symlink-outside": (_link_out("model.safetensors"), ["points outside the model directory"]),

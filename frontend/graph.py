@@ -138,6 +138,8 @@ class GraphBuilder:
         `MatMul` is `x · (Wᵀ)ᵀ`."""
         if name in self.weights:
             raise ModelFormatError(self.source, f"two parameters are named '{name}'")
+        if array.ndim == 0:  # (a scalar buffer, as Gemma's `embed_scale`: a constant, not a weight to stream)
+            return self.constant(np.asarray(array, np.float32), name)
         storage = _FLOAT_STORAGE.get(array.dtype)
         if storage is None:
             array, storage = array.astype(np.float32), Storage.F32

@@ -34,6 +34,7 @@ from llmc.ir import entry_functions, llm, tgt
 from llmc.ir.formats import QuantizedTensor
 from llmc.ir.layouts import Layout, align, pack
 from llmc.runtime.artifact import MANIFEST, SCHEMA_VERSION, artifact_files, enclosing_artifact, sha256_file
+from llmc.textfile import at_or_inside
 
 PACK_THREADS = 4  # threads encoding and packing the weights as `write_weights` writes them …
 PACK_AHEAD_BYTES = 512 << 20  # … holding up to this many packed bytes (or one weight) not yet written
@@ -215,9 +216,9 @@ def check_output_directory(directory: Path) -> None:
     outer = enclosing_artifact(real)
     if outer is not None:
         raise UsageError(f"-o {directory} is inside the artifact {outer}, which it would spoil; choose another -o")
-    here = Path(os.path.realpath(os.getcwd()))
-    if real == here or real in here.parents:  # (replaced, it would leave the shell in a deleted folder)
-        raise UsageError(f"-o {directory} is the current folder{'' if real == here else ' or holds it'}; the artifact "
+    if at_or_inside(os.getcwd(), real):  # (replaced, it would leave the shell in a deleted folder)
+        held = not at_or_inside(real, os.getcwd())
+        raise UsageError(f"-o {directory} is the current folder{' or holds it' if held else ''}; the artifact "
                          f"replaces its folder: choose another -o")
     try:
         if real.exists():
@@ -244,9 +245,9 @@ def check_output_directory(directory: Path) -> None:
 def check_outside_output(directory: Path, what: str, path: Path) -> None:
     """Refuse `path` (what the compile writes besides the artifact: `--dump-ir`'s folder, the cache) at or inside
     the artifact's `-o`, which the compile replaces with the artifact alone."""
-    out, real = Path(os.path.realpath(directory)), Path(os.path.realpath(path))
-    if real == out or out in real.parents:
-        raise UsageError(f"{what} is {'' if real == out else 'inside '}-o {directory}, which the compile replaces "
+    if at_or_inside(path, directory):
+        inside = not at_or_inside(directory, path)
+        raise UsageError(f"{what} is {'inside ' if inside else ''}-o {directory}, which the compile replaces "
                          f"with the artifact; choose a folder outside it")
 
 

@@ -39,6 +39,12 @@ def read_text(option: str, name: str, limit: int) -> str:
         raise UsageError(f"{option} {name}: not UTF-8 text (byte {at} is {data[at]:#04x})") from None
 
 
+def at_or_inside(path: str | Path, folder: str | Path) -> bool:
+    """Whether `path` is `folder` or lies inside it, symlinks resolved."""
+    real, outer = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
+    return real == outer or outer in real.parents
+
+
 def check_writable(option: str, path: Path, what: str, reads: Sequence[str | None] = ()) -> None:
     """Refuse, before any work, a file `option` names that could not be written: a folder, a file in a
     folder that does not exist (`what` names what to give instead of a folder), a file inside an llmc
@@ -47,11 +53,10 @@ def check_writable(option: str, path: Path, what: str, reads: Sequence[str | Non
         raise UsageError(f"cannot write {option} {path}: it is a folder; name {what}")
     if not path.parent.is_dir():
         raise UsageError(f"cannot write {option} {path}: there is no folder {path.parent}")
-    real = Path(os.path.realpath(path))
     for source in filter(None, reads):
-        read = Path(os.path.realpath(source))
-        if real == read or (read.is_dir() and read in real.parents):
-            raise UsageError(f"cannot write {option} {path}: it would {'be' if real == read else 'be inside'} "
+        if at_or_inside(path, source) and (Path(source).is_dir() or at_or_inside(source, path)):
+            inside = not at_or_inside(source, path)
+            raise UsageError(f"cannot write {option} {path}: it would {'be inside' if inside else 'be'} "
                              f"{source}, which this command reads; choose another {option}")
     from llmc.runtime.artifact import enclosing_artifact
 

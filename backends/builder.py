@@ -99,12 +99,12 @@ class KernelBuilder:
         return self.f32(value)
 
     def splat(self, value: ir.Value, ty: ir.Type) -> ir.Value:
-        """`value` (a float) broadcast to `ty` (float or a float vector)."""
+        """`value` (a scalar) broadcast to `ty` (a scalar or a vector of its type)."""
         if not isinstance(ty, ir.VectorType):
             return value
         b = self.b
-        one = b.insert_element(ir.Constant(ir.VectorType(F32, 1), None), value, ir.Constant(I32, 0))
-        return b.shuffle_vector(one, ir.Constant(ir.VectorType(F32, 1), None),
+        one = b.insert_element(ir.Constant(ir.VectorType(value.type, 1), None), value, ir.Constant(I32, 0))
+        return b.shuffle_vector(one, ir.Constant(ir.VectorType(value.type, 1), None),
                                 ir.Constant(ir.VectorType(I32, ty.count), [0] * ty.count))
 
     def alloca(self, ty: ir.Type, count: int | None = None, name: str = "") -> ir.Value:

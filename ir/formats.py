@@ -529,10 +529,14 @@ def quantize_rows(x: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray,
     d = (amax / qmax).astype(np.float32)
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, qmax / amax, np.float32(0)).astype(np.float32)
-    q = np.rint(blocks * inv[..., None]).astype(np.int8 if bits == 8 else np.int16)
-    sums = q.reshape(rows, wp // SLICE, SLICE).astype(np.int32).sum(-1)  # < 2^24: exact in float32
+    q = np.rint(blocks * inv[..., None]).astype(np.int8 if bits == 8 else np.int16).reshape(rows, wp)
     d16 = np.repeat(d, ACT_BLOCK // SLICE, axis=1)
-    return q.reshape(rows, wp), d16, (d16 * sums.astype(np.float32)).astype(np.float32)
+    return q, d16, (d16 * slice_sums(q).astype(np.float32)).astype(np.float32)  # (sums < 2^24: exact)
+
+
+def slice_sums(qs: np.ndarray) -> np.ndarray:
+    """Each 16-slice's `Σ qs` of quantized rows (`quantize_rows`' values), int32 `[R, Wp/16]`."""
+    return qs.reshape(qs.shape[0], -1, SLICE).astype(np.int32).sum(-1)
 
 
 def split_planes(q: np.ndarray) -> np.ndarray:
@@ -557,22 +561,27 @@ def integer_matmul(qs: np.ndarray, d: np.ndarray, s: np.ndarray, w: QuantizedTen
     Per 16-weight slice: the exact integer dot product of codes and values (int8 rows in
     float32: every partial sum is an integer below 2^24; int16 rows in float64, rounded
     once to float32 as a kernel converts its int32 sums), times the weight's and the row's
-    scales; plus each slice's minimum (or `−zero · scale`) times the row's sum.
+    scales; plus each slice's minimum times the row's sum. A zero point is subtracted from
+    the integer dot product instead, as `−zero · Σ qs` (`slice_sums`).
     """
     rows = qs.shape[0]
     n_out, k = w.shape
     slices = k // SLICE
     exact = np.float32 if qs.dtype == np.int8 else np.float64
     scale, zero, minimum = w.slices()
-    offset = minimum if minimum is not None else -zero * scale
     x = qs[:, :k].astype(exact).reshape(rows, slices, SLICE).transpose(1, 2, 0)  # [S, 16, T]
     d, s = d[:, :slices], s[:, :slices]
+    sums = slice_sums(qs)[:, :slices].T.astype(exact)[:, None, :]  # [S, 1, T]
     out = np.empty((rows, n_out), np.float32)
     for lo in range(0, n_out, _COLUMNS):
         hi = min(lo + _COLUMNS, n_out)
         codes = w.codes[lo:hi].astype(exact).reshape(hi - lo, slices, SLICE).transpose(1, 0, 2)  # [S, N, 16]
-        dots = (codes @ x).astype(np.float32, copy=False)  # [S, N, T]
-        out[:, lo:hi] = np.einsum("snt,ns,ts->tn", dots, scale[lo:hi], d) + s @ offset[lo:hi].T
+        dots = codes @ x  # [S, N, T]
+        if minimum is None:
+            dots -= zero[lo:hi].T[:, :, None].astype(exact) * sums
+        out[:, lo:hi] = np.einsum("snt,ns,ts->tn", dots.astype(np.float32, copy=False), scale[lo:hi], d)
+        if minimum is not None:
+            out[:, lo:hi] += s @ minimum[lo:hi].T
     return out
 
 

@@ -25,8 +25,9 @@ A `tgt` weight is in one of three layouts (`!tgt.weight<576x576, q4_1, tiles>`):
 Quantized activation rows (`!tgt.qrows<128x576>`) hold, per row of width `W` (padded
 to `Wp`, a multiple of 64): `qs int8[Wp]` (the values, quantized per 32 by
 `formats.quantize_rows`), `d f32[Wp/16]` (each 16-slice's scale, shared by the two
-slices of a 32-block) and `s f32[Wp/16]` (each slice's `d · Σ qs`, for the minimum
-terms of the weights), the row padded to 64 bytes. Int16 rows (`!tgt.qrows<128x576xi16>`,
+slices of a 32-block), `s f32[Wp/16]` (each slice's `d · Σ qs`, for the minimum
+terms of the weights) and `n i32[Wp/16]` (each slice's `Σ qs`, for the zero points: a
+kernel starts its integer dot product at `−zero · Σ qs`), the row padded to 64 bytes. Int16 rows (`!tgt.qrows<128x576xi16>`,
 `a16`) hold two int8 planes instead of `qs`: `hi int8[Wp]` then `lo int8[Wp]`, the values
 being `256·hi + lo` (`formats.split_planes`), so kernels multiply each plane with the
 int8 dot products of `a8`. Kernels address a row without knowing how many rows the
@@ -267,7 +268,7 @@ def unpack_split(data: np.ndarray, storage: Storage, shape: tuple[int, int]) -> 
 @dataclass(frozen=True)
 class QRowLayout:
     """One quantized activation row of `width` values: `qs` (int8: one plane; int16: planes `hi`
-    then `lo`, `formats.split_planes`), then `d`, then `s`; rows `row_bytes` apart."""
+    then `lo`, `formats.split_planes`), then `d`, `s` and `n`; rows `row_bytes` apart."""
 
     width: int
     bits: int = 8
@@ -294,18 +295,24 @@ class QRowLayout:
         return self.d_offset + 4 * self.slices
 
     @property
-    def row_bytes(self) -> int:
-        return align(self.s_offset + 4 * self.slices)
+    def n_offset(self) -> int:
+        return self.s_offset + 4 * self.slices
 
-    def views(self, buffer: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`(qs, d f32[R, Wp/16], s f32[R, Wp/16])`: views of the rows in `buffer` (uint8); `qs` is
-        int8 `[R, Wp]`, or for 16 bits the planes int8 `[R, 2, Wp]` (`formats.join_planes`)."""
+    @property
+    def row_bytes(self) -> int:
+        return align(self.n_offset + 4 * self.slices)
+
+    def views(self, buffer: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`(qs, d f32[R, Wp/16], s f32[R, Wp/16], n i32[R, Wp/16])`: views of the rows in `buffer`
+        (uint8); `qs` is int8 `[R, Wp]`, or for 16 bits the planes int8 `[R, 2, Wp]`
+        (`formats.join_planes`)."""
         table = buffer[: rows * self.row_bytes].reshape(rows, self.row_bytes)
         qs = table[:, : self.d_offset].view(np.int8)
         if self.planes > 1:
             qs = qs.reshape(rows, self.planes, self.wp)
         return (qs, table[:, self.d_offset : self.s_offset].view(np.float32),
-                table[:, self.s_offset : self.s_offset + 4 * self.slices].view(np.float32))
+                table[:, self.s_offset : self.n_offset].view(np.float32),
+                table[:, self.n_offset : self.n_offset + 4 * self.slices].view(np.int32))
 
 
 def qrows_nbytes(rows: int, width: int, bits: int = 8) -> int:

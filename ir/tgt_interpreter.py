@@ -26,7 +26,7 @@ from xdsl.ir import SSAValue
 from llmc.abi import kv_q8_head_dim
 from llmc.ir import llm, tgt
 from llmc.ir.activations import ACTIVATIONS
-from llmc.ir.formats import QuantizedTensor, integer_matmul, join_planes, quantize_rows, split_planes
+from llmc.ir.formats import QuantizedTensor, integer_matmul, join_planes, quantize_rows, slice_sums, split_planes
 from llmc.ir.interfaces import OpInterface
 from llmc.ir.interpreter import (
     BINARY,
@@ -50,11 +50,12 @@ kernel = SEMANTICS.implement  # `fn(op, get)`: `get(value)` gives a value's arra
 @dataclass
 class QRows:
     """Quantized rows in the arena (`QRowLayout.views`): `qs` int8 `[R, Wp]`, or for int16 rows
-    the planes int8 `[R, 2, Wp]`; `d f32[R, Wp/16]`, `s f32[R, Wp/16]`."""
+    the planes int8 `[R, 2, Wp]`; `d f32[R, Wp/16]`, `s f32[R, Wp/16]`, `n i32[R, Wp/16]`."""
 
     qs: np.ndarray
     d: np.ndarray
     s: np.ndarray
+    n: np.ndarray
 
     @property
     def bits(self) -> int:
@@ -69,6 +70,7 @@ class QRows:
         qs, d, s = quantize_rows(rows, self.bits)
         n = rows.shape[0]
         self.qs[:n], self.d[:n], self.s[:n] = (split_planes(qs) if self.bits == 16 else qs), d, s
+        self.n[:n] = slice_sums(qs)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from llmc.backends.cpu import KernelLibrary, compile_to_assembly, compile_to_obj
 from llmc.backends.cpu.target import cpu_target, integer_isa, target_machine_for
 from llmc.frontend import import_model, load_model
 from llmc.ir import find_function, llm, tgt
-from llmc.ir.formats import FORMATS, QMAX, Storage, integer_matmul, join_planes, quantize_rows, split_planes
+from llmc.ir.formats import FORMATS, QMAX, Storage, integer_matmul, join_planes, quantize_rows, slice_sums, split_planes
 from llmc.ir.interpreter import KVCache, forward_logits
 from llmc.ir.layouts import Layout, QRowLayout
 from llmc.ir.tgt_interpreter import KernelWeights, cache_for, run_entry
@@ -37,10 +37,10 @@ from llmc.passes.pipeline import PHASES, CompileOptions, run_phase
 from llmc.verify import teacher_forced
 
 
-def read16(buf: np.ndarray, capacity: int, width: int, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The int16 values (joined from their planes), scales and sums of the first `rows` rows."""
-    qs, d, s = QRowLayout(width, 16).views(buf, capacity)
-    return join_planes(qs[:rows]), d[:rows], s[:rows]
+def read16(buf: np.ndarray, capacity: int, width: int, rows: int) -> tuple[np.ndarray, ...]:
+    """The int16 values (joined from their planes), scales, sums and integer sums of the first `rows` rows."""
+    qs, d, s, n = QRowLayout(width, 16).views(buf, capacity)
+    return join_planes(qs[:rows]), d[:rows], s[:rows], n[:rows]
 
 
 # numpy ---------------------------------------------------------------------------------------
@@ -124,9 +124,10 @@ def test_kernels_write_int16_rows_bit_for_bit(tmp_path, native, D):
     k = Kernel(tmp_path, native, tgt.QuantizeOp, [tgt.memref(6, D), tgt.QRowsType(6, D, 16), IDX])
     buf = np.full(6 * QRowLayout(D, 16).row_bytes, 0xFF, np.uint8)  # garbage where the padding goes
     k({"x": x, "out": buf, "rows": 5})
-    planes, d, s = (v[:5] for v in QRowLayout(D, 16).views(buf, 6))
+    planes, d, s, n = (v[:5] for v in QRowLayout(D, 16).views(buf, 6))
     rq, rd, rs = quantize_rows(x[:5], 16)
     np.testing.assert_array_equal(planes, split_planes(rq))
+    np.testing.assert_array_equal(n, slice_sums(rq))
     np.testing.assert_array_equal(d, rd)
     np.testing.assert_array_equal(s, rs)
 
@@ -134,7 +135,8 @@ def test_kernels_write_int16_rows_bit_for_bit(tmp_path, native, D):
     k = Kernel(tmp_path, native, lambda x, w, o, n: tgt.RMSNormOp(x, w, o, n, 1e-5),
                [tgt.memref(6, D), tgt.WeightType((D,), Storage.F32), tgt.QRowsType(6, D, 16), IDX])
     k({"x": x, "weight": w, "out": buf, "rows": 4})
-    qs, d, _ = read16(buf, 6, D, 4)
+    qs, d, _, sums = read16(buf, 6, D, 4)
+    np.testing.assert_array_equal(sums, slice_sums(qs))
     x64 = x[:4].astype(np.float64)
     rq, rd, _ = quantize_rows((x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + 1e-5) * w).astype(f32), 16)
     assert np.abs(qs.astype(int) - rq).max() <= 1 and (qs != rq).mean() < 0.01
@@ -243,7 +245,8 @@ def test_swiglu_a16_reads_and_writes_int16_rows(tmp_path, native, layout):
     k({"x": buf, "gate": gdata, "up": udata, "out": out, "rows": n})
     x = rows.values(0, n)
     y = silu64(integer_matmul(*x, qg)) * integer_matmul(*x, qu)
-    qs, d, _ = read16(out, R, N, n)
+    qs, d, _, sums = read16(out, R, N, n)
+    np.testing.assert_array_equal(sums, slice_sums(qs))
     rq, rd, _ = quantize_rows(y.astype(f32), 16)
     assert np.abs(qs.astype(int) - rq).max() <= 1 and (qs != rq).mean() < 0.05
     np.testing.assert_allclose(d, rd, rtol=1e-5)

@@ -14,7 +14,7 @@ from xdsl.dialects.builtin import f32 as F32_ATTR
 from xdsl.dialects.builtin import i8, i32
 
 from llmc.ir import llm, tgt
-from llmc.ir.formats import quantize_rows
+from llmc.ir.formats import quantize_rows, slice_sums
 from llmc.ir.interpreter import rope_inv_freq
 from llmc.ir.layouts import qrows_nbytes
 
@@ -324,7 +324,8 @@ def test_attention_writes_quantized_rows(tmp_path, tm, H, KVH, D):
         qa, ka, kca, vca = q.copy(), k.copy(), kc.copy(), vc.copy()
         k_fn({"q": qa, "k": ka, "v": v, "k_cache": kca, "v_cache": vca, "out": out,
               "positions": positions(start, n, R), "partials": partials(H, D), "rows": n}, nth)
-        qs, d, _ = read_qrows(out, R, H * D, n)
+        qs, d, _, sums = read_qrows(out, R, H * D, n)
+        np.testing.assert_array_equal(sums, slice_sums(qs))
         rq, rd, _ = quantize_rows(ref.astype(f32))
         assert np.abs(qs.astype(int) - rq).max() <= 1 and (qs != rq).mean() < 0.01
         np.testing.assert_allclose(d, rd, rtol=1e-5)

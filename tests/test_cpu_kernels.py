@@ -41,7 +41,7 @@ from llmc.backends.cpu.gemm import CHUNK_BYTES, CHUNKS_PER_THREAD, DEALT_SHARE, 
 from llmc.backends.cpu.target import CPUS, cpu_target, integer_isa, llvm_features
 from llmc.errors import LlmcError, UsageError
 from llmc.ir import tgt
-from llmc.ir.formats import FORMATS, Storage, integer_matmul, quantize_rows
+from llmc.ir.formats import FORMATS, Storage, integer_matmul, quantize_rows, slice_sums
 from llmc.ir.layouts import STRIP, Layout, QRowLayout, pack, pack_split, qrows_nbytes
 
 INTEGER_FORMATS = [s for s in Storage if not s.is_float]
@@ -126,7 +126,8 @@ def test_rms_norm_writes_quantized_rows(tmp_path, tm, D):
     x, w = rand(rng, 4, D, scale=3.0), rand(rng, D)
     buf = np.full(qrows_nbytes(4, D), 0xFF, np.uint8)  # garbage where the padding goes
     k({"x": x, "weight": w, "out": buf, "rows": 3})
-    qs, d, s = read_qrows(buf, 4, D, 3)
+    qs, d, s, n = read_qrows(buf, 4, D, 3)
+    np.testing.assert_array_equal(n, slice_sums(qs))
     rq, rd, rs = quantize_rows(ref_rms_norm(x[:3], w, 1e-5).astype(f32))
     assert np.abs(qs.astype(int) - rq).max() <= 1 and (qs != rq).mean() < 0.01
     np.testing.assert_allclose(d, rd, rtol=1e-6)
@@ -143,7 +144,8 @@ def test_quantize_is_bit_exact(tmp_path, tm, D):
     x[1, :5] = [1e-30, -1e-30, 3e4, -3e4, 0.5]
     buf = np.zeros(qrows_nbytes(6, D), np.uint8)
     k({"x": x, "out": buf, "rows": 5})
-    for got, ref in zip(read_qrows(buf, 6, D, 5), quantize_rows(x[:5])):
+    rq, rd, rs = quantize_rows(x[:5])
+    for got, ref in zip(read_qrows(buf, 6, D, 5), (rq, rd, rs, slice_sums(rq)), strict=True):
         np.testing.assert_array_equal(got, ref)
 
 
@@ -364,7 +366,8 @@ def check_swiglu_rows(out, rows, qg, qu, R: int, N: int, n: int) -> None:
     int8 rounding tie may go either way), with the padding zero."""
     x = (rows.qs[:n], rows.d[:n], rows.s[:n])
     y = silu64(integer_matmul(*x, qg)) * integer_matmul(*x, qu)
-    qs, d, _ = read_qrows(out, R, N, n)
+    qs, d, _, sums = read_qrows(out, R, N, n)
+    np.testing.assert_array_equal(sums, slice_sums(qs))
     rq, rd, _ = quantize_rows(y.astype(f32))
     assert np.abs(qs.astype(int) - rq).max() <= 1 and (qs != rq).mean() < 0.01
     np.testing.assert_allclose(d, rd, rtol=1e-5)
@@ -391,7 +394,7 @@ def test_swiglu_a8_writes_quantized_rows(tmp_path, tm, storage, N):
 
 
 @pytest.mark.parametrize("bits", [8, 16])
-@pytest.mark.parametrize("storage", [Storage.Q4_1, Storage.Q6_K], ids=str)
+@pytest.mark.parametrize("storage", [Storage.Q4_1, Storage.Q6_K, Storage.Q8_0], ids=str)
 def test_rows_equal_each_row_alone(tmp_path, tm, storage, bits):
     """A batch's rows walk each weight block together in tiles of up to 8 rows (then 4, 2, 1; from 4 rows
     one `vpdpbusd` chain per row and plane, fewer rows two chains each): every row of a call of 1..11 rows

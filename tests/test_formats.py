@@ -122,13 +122,15 @@ def test_activation_quantization() -> None:
 
 def test_quantized_rows_are_addressed_row_by_row() -> None:
     layout = QRowLayout(576)
-    assert layout.row_bytes % 64 == 0 and layout.row_bytes >= 576 + 2 * 4 * 36
+    assert layout.row_bytes % 64 == 0 and layout.row_bytes >= 576 + 3 * 4 * 36
     buf = np.zeros(3 * layout.row_bytes, np.uint8)
-    qs, d, s = layout.views(buf, 3)
-    qs[2, 5], d[1, 0], s[0, 35] = 7, 1.5, -2.0
+    qs, d, s, n = layout.views(buf, 3)
+    qs[2, 5], d[1, 0], s[0, 35], n[2, 35] = 7, 1.5, -2.0, -9
     assert buf[2 * layout.row_bytes + 5] == 7
     assert np.frombuffer(buf[layout.row_bytes + 576 : layout.row_bytes + 580].tobytes(), np.float32)[0] == 1.5
-    nonzero = 1 + np.count_nonzero(np.float32([1.5, -2.0]).view(np.uint8))
+    last = 2 * layout.row_bytes + 576 + 2 * 4 * 36 + 4 * 35  # row 2's last integer sum
+    assert np.frombuffer(buf[last : last + 4].tobytes(), np.int32)[0] == -9
+    nonzero = 1 + np.count_nonzero(np.float32([1.5, -2.0]).view(np.uint8)) + np.count_nonzero(np.int32([-9]).view(np.uint8))
     assert np.count_nonzero(buf) == nonzero
 
 

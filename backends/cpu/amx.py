@@ -129,9 +129,11 @@ def gemm_amx(f: KernelBuilder, q: QRowsAccess, access: list[TiledWeight], t_end:
                         _store(f, cbytes, _product(f, a, b_tile(wi, w, s, si, blk)))
                         sl = f.mul(blk, TILE_K // SLICE)
                         scale = w.scale16(s, sl)
-                        offset = w.offset16(s, sl, scale)
+                        offset = w.offset16(s, sl, scale) if w.fmt.minimum else None  # (a zero point: taken into `dot`)
                         for r, total in enumerate(sums):
                             dot = b.load(b.bitcast(f.ptr(cbuf, r * STRIP), vec(I32, STRIP).as_pointer()), align=4)
+                            if offset is None:
+                                dot = b.add(dot, q.zero_term(f.add(t0, r), sl, TILE_K // SLICE, w.fmt.zero))
                             xd, xs = q.block_scales(f.add(t0, r), sl, TILE_K // SLICE)
                             b.store(scaled_block(f, b.load(total), dot, scale, offset, xd, xs), total)
                     for r, total in enumerate(sums):

@@ -19,8 +19,10 @@ loop depends on what the operands are:
 - the same in the tiles layout (`gemm_tiles`, AVX-512 VNNI): per strip of 16 columns
   and 32-block, 8 `vpdpbusd` of code vectors by broadcast activations, the 16 columns'
   sums in the lanes, for up to 8 rows while the block's codes are in registers (a
-  decode's rows read each weight once); with `isa amx`, whole 16-row blocks on AMX
-  tiles (`amx.gemm_amx`).
+  decode's rows read each weight once); a zero point (q8_0, q4_0, q5_0, q6_k) is taken
+  into the integer sums, `−zero · Σq` per row and block (`QRowsAccess.zero_term`),
+  where the split layout scales an offset term in; with `isa amx`, whole 16-row blocks
+  on AMX tiles (`amx.gemm_amx`).
 
 Rows come in blocks that stay in L2 while every weight tile passes; threads share the
 output columns in whole units (`dealt`): each its fixed part of most of them, then chunks of
@@ -379,7 +381,8 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
     kernel has `isa amx` (and the runtime allowed them); every other row on VNNI-512: per strip
     of 16 columns and 32-block, 8 `vpdpbusd` of the block's code vectors and 4 broadcast
     int8 values of each row (the 16 columns' sums in the lanes; int16 rows: 8 per plane, joined
-    as `(hi << 8) + lo`), scaled once per scale group: `acc += dot · (d_w · d_x) + off_w · s_x`.
+    as `(hi << 8) + lo`), scaled once per scale group: `acc += dot · (d_w · d_x) + off_w · s_x` (with a zero
+    point, `acc += (dot − zero · Σq) · (d_w · d_x)`: no floating-point multiply-add on the pipes `vpdpbusd` uses).
     From 4 rows each row and plane is one chain, the rows' products interleaved quad by quad (a
     row's 16 dependent products had the out-of-order window waiting: 8 rows of int16, 1.06–1.08x).
     AMX reads int8 rows only (`pack` gives int16 rows `vnni512`)."""
@@ -431,7 +434,9 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
     accs = [acc for [acc] in _accumulators(f, vec(F32, STRIP), 1, r, 1, "tacc")[0]]
     # Several rows: one vpdpbusd chain per row and plane, emitted quad by quad across the rows, so that a row's
     # products wait on no other row's. Fewer: `DOT_CHAINS` chains a row, `lo`'s onto `hi`'s << 8 (fewer adds).
-    # (Integer sums are exact in any order.)
+    # (Integer sums are exact in any order.) Codes with a zero point take it in as integers, `−zero · Σq` added to
+    # the sums (`QRowsAccess.zero_term`, off the multiply pipes), so no offset term is scaled in after.
+    folded = not w.fmt.minimum
     across = r >= 4
     n_chains = 1 if across else DOT_CHAINS
     zero = ir.Constant(vec(I32, STRIP), [0] * STRIP)
@@ -445,7 +450,7 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
             quads = range(first * SLICE // 4, (first + step) * SLICE // 4)
             sl = f.add(f.mul(blk, TILE_K // SLICE), first)
             scale = w.scale16(s, sl)
-            offset = w.offset16(s, sl, scale)
+            offset = None if folded else w.offset16(s, sl, scale)
             dots = [zero] * r
             if across:
                 chains = [[zero] * q.planes for _ in range(r)]
@@ -463,6 +468,8 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
                         dots[ri] = chains[0]
                         for other in chains[1:]:
                             dots[ri] = b.add(dots[ri], other)
+            if folded:
+                dots = [b.add(dot, q.zero_term(f.add(t, ri), sl, step, w.fmt.zero)) for ri, dot in enumerate(dots)]
             for ri in range(r):
                 row_scales = q.block_scales(f.add(t, ri), sl, step)
                 b.store(scaled_block(f, b.load(accs[ri]), dots[ri], scale, offset, *row_scales), accs[ri])

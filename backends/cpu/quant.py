@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from llmc.backends.builder import F32, I32, I64, KernelBuilder
+from llmc.backends.builder import CONTRACT, F32, I32, I64, KernelBuilder
 from llmc.ir.formats import ACT_BLOCK, FORMATS, GROUP, QMAX, SLICE, padded_width
 from llmc.ir.layouts import QUADS, STRIP, TILE_K, Plane, tile_planes, weight_planes
 from llmc.ir.tgt import Isa, QRowsType, WeightType
@@ -87,13 +87,15 @@ def weight_offset(f: KernelBuilder, fmt, minimum: ir.Value | None, scale: ir.Val
     return f.b.fneg(f.b.fmul(ir.Constant(scale.type, [float(fmt.zero)] * scale.type.count), scale))
 
 
-def scaled_block(f: KernelBuilder, total: ir.Value, dot: ir.Value, scale: ir.Value, offset: ir.Value,
-                 xd: ir.Value, xs: ir.Value) -> ir.Value:
-    """`total + dot · (scale · xd) + offset · xs`: a block's int32 dot products (`<16 x i32>`)
-    with the weights' scales and offsets (per lane) and the row's scale and sum (scalars)."""
-    lanes = scale.type
-    term = f.fmul(f.b.sitofp(dot, lanes), f.fmul(scale, f.splat(xd, lanes)))
-    return f.fadd(f.fadd(total, term), f.fmul(offset, f.splat(xs, lanes)))
+def scaled_block(f: KernelBuilder, total: ir.Value, dot: ir.Value, scale: ir.Value, offset: ir.Value | None,
+                 xd: ir.Value, xs: ir.Value | None) -> ir.Value:
+    """`total + dot · scale · xd + offset · xs`: a block's int32 dot products (`<16 x i32>`)
+    with the weights' scales and offsets (per lane) and the row's scale and sum (scalars); no
+    offset where the dot products have taken the zero point in (`QRowsAccess.zero_term`)."""
+    lanes = scale.type  # (contracted, not reassociated: a row's sums are the same in every path)
+    scaled = f.fmul(f.b.sitofp(dot, lanes), scale, CONTRACT)
+    total = f.fadd(total, f.fmul(scaled, f.splat(xd, lanes), CONTRACT), CONTRACT)
+    return total if offset is None else f.fadd(total, f.fmul(offset, f.splat(xs, lanes), CONTRACT), CONTRACT)
 
 
 def _plane_element(fmt, name: str) -> ir.Type:
@@ -372,6 +374,20 @@ class QRowsAccess:
         """Row t's sums d · Σq, one per 16-value slice."""
         return self._at(t, self.row.s_offset, F32)
 
+    def n_ptr(self, t: ir.Value) -> ir.Value:
+        """Row t's integer sums Σq, one per 16-value slice."""
+        return self._at(t, self.row.n_offset, I32)
+
+    def zero_term(self, t: ir.Value, sl: ir.Value, slices: int, zero: int) -> ir.Value:
+        """`−zero · Σq` of row t over `slices` 16-slices from slice `sl`, in 16 int32 lanes: what a
+        dot product with codes of zero point `zero` adds to be the weights' (exact: below 2^31)."""
+        f, lanes = self.f, vec(I32, 16)
+        total = None
+        for i in range(slices):  # (broadcast loads, and a multiply by a power of two: off the multiply pipes)
+            n = f.splat(f.load(self.n_ptr(t), f.add(sl, i)), lanes)
+            total = n if total is None else f.b.add(total, n)
+        return f.b.mul(total, splat_i(lanes, -zero))
+
     def qs(self, t: ir.Value, g: ir.Value, plane: int = 0) -> ir.Value:
         return load_vector(self.f, self.qs_ptr(t, plane), self.f.mul(g, GROUP), vec(I8, 64))
 
@@ -406,7 +422,7 @@ class QRowsAccess:
     def _store(self, t: ir.Value, block: ir.Value, v0: ir.Value, v1: ir.Value) -> None:
         f, b = self.f, self.f.b
         qs = [self.qs_ptr(t, plane) for plane in range(self.planes)]
-        d_ptr, s_ptr = self.d_ptr(t), self.s_ptr(t)
+        d_ptr, s_ptr, n_ptr = self.d_ptr(t), self.s_ptr(t), self.n_ptr(t)
         d, halves = q8_block(f, v0, v1, QMAX[self.bits])
         at_qs, at_d = f.mul(block, 32), f.mul(block, 2)
         radd = declare(f, "llvm.vector.reduce.add.v16i32", I32, [vec(I32, 16)])
@@ -419,9 +435,10 @@ class QRowsAccess:
             for ptr, values in zip(qs, planes):
                 p = b.bitcast(f.ptr(ptr, f.add(at_qs, 16 * half)), vec(I8, 16).as_pointer())
                 b.store(b.trunc(values, vec(I8, 16)), p, align=1)
-            total = b.sitofp(b.call(radd, [q]), F32)
+            total = b.call(radd, [q])
             f.store(d, d_ptr, f.add(at_d, half))
-            f.store(b.fmul(d, total), s_ptr, f.add(at_d, half))
+            f.store(b.fmul(d, b.sitofp(total, F32)), s_ptr, f.add(at_d, half))
+            f.store(total, n_ptr, f.add(at_d, half))
 
 
 def dot_slices(isa: Isa) -> tuple[int, ...]:

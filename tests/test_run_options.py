@@ -102,6 +102,8 @@ def test_system_renders_the_chat_template(capsys, directory, codec) -> None:
                                                {"role": "user", "content": "hi"}]))
     assert code == 0 and closing(err)[0] == len(rendered)
     assert closing(run(capsys, directory, "-p", "hi", "--chat", "-n", "2")[2])[0] == len(codec.encode(codec.chat("hi")))
+    # an empty system prompt is none, as in `llmc chat` (`Chat.set_system`): the prompt of --chat alone
+    assert closing(run(capsys, directory, "-p", "hi", "--system", "", "-n", "2")[2])[0] == len(codec.encode(codec.chat("hi")))
 
 
 def test_chat_template_replaces_the_models(capsys, directory, codec, tmp_path) -> None:

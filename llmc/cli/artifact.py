@@ -162,11 +162,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.system is not None and not codec.chat_template:
             raise UsageError("--system needs the model's chat template, and this model has none "
                              "(give one with --chat-template FILE)")
-        if args.system is not None:
-            prompt = codec.render_chat([{"role": "system", "content": args.system},
-                                        {"role": "user", "content": prompt}])
-        elif args.chat:
-            prompt = codec.chat(prompt)
+        if args.chat or args.system is not None:  # (an empty --system is none, as chat's `/system`)
+            system = [{"role": "system", "content": args.system}] if args.system else []
+            prompt = codec.render_chat([*system, {"role": "user", "content": prompt}])
         ids = codec.encode(prompt)
         if not ids:
             raise UsageError("the prompt gives no tokens")

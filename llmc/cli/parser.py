@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="read the prompt from this UTF-8 file ('-': standard input), less one final newline")
     p.add_argument("-n", type=_non_negative, default=128, metavar="N", help="most tokens to generate (default: 128)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--system", metavar="TEXT", help="the system prompt (implies --chat)")
+    p.add_argument("--system", metavar="TEXT", help="the system prompt (implies --chat; empty: none)")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="stop before this text, which is not printed (repeatable)")
 
@@ -377,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, cmd_chat, [common, artifact_args, sampling_args, grammar_args, speculate_args],
                  "chat with an artifact in the terminal")
-    p.add_argument("--system", metavar="TEXT", help="the system prompt")
+    p.add_argument("--system", metavar="TEXT", help="the system prompt (empty: none)")
     p.add_argument("-n", type=_positive, default=512, metavar="N", help="most tokens per reply (default: 512)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="after each reply, a line of token counts (reused from the cache, fed, generated)")

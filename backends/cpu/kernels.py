@@ -382,19 +382,26 @@ def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> 
     out = floats(f, a["out"]) if q is None else None
 
     def finish(ts: list[ir.Value], js: list[ir.Value], vals: list[list[list[ir.Value]]]) -> None:
-        # the tile's gate values go through one vector activation (exp is the costly part)
+        # the tile's values as vectors: one activation of the gates (exp is the costly part), one product, a
+        # store per row (the columns js are consecutive)
         b = f.b
         cells = [(ri, ci) for ri in range(len(ts)) for ci in range(len(js))]
-        g = ir.Constant(ir.VectorType(F32, len(cells)), None)
-        for i, (ri, ci) in enumerate(cells):
-            g = b.insert_element(g, vals[0][ri][ci], ir.Constant(I32, i))
-        act = getattr(f, ACTIVATIONS[activation_of(op)].builder)(g)
-        for i, (ri, ci) in enumerate(cells):
-            y = b.fmul(b.extract_element(act, ir.Constant(I32, i)), vals[1][ri][ci])
+
+        def gathered(w: int) -> ir.Value:
+            v = ir.Constant(ir.VectorType(F32, len(cells)), None)
+            for i, (ri, ci) in enumerate(cells):
+                v = b.insert_element(v, vals[w][ri][ci], ir.Constant(I32, i))
+            return v
+
+        y = b.fmul(getattr(f, ACTIVATIONS[activation_of(op)].builder)(gathered(0)), gathered(1))
+        width = len(js)
+        for ri in range(len(ts)):
+            row = b.shuffle_vector(y, ir.Constant(y.type, None),
+                                   ir.Constant(ir.VectorType(I32, width), list(range(ri * width, (ri + 1) * width))))
             if block is not None:
-                f.store(y, block, f.add(f.i64(ri * ACT_BLOCK), b.srem(js[ci], f.i64(ACT_BLOCK))))
+                f.vstore(row, block, f.add(f.i64(ri * ACT_BLOCK), b.srem(js[0], f.i64(ACT_BLOCK))))
             else:
-                f.store(y, out, f.add(f.mul(ts[ri], N), js[ci]))
+                f.vstore(row, out, f.add(f.mul(ts[ri], N), js[0]))
 
     def flush(t: ir.Value, r: int, j0: ir.Value) -> None:
         for ri in range(r):

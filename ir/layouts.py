@@ -27,11 +27,11 @@ to `Wp`, a multiple of 64): `qs int8[Wp]` (the values, quantized per 32 by
 `formats.quantize_rows`), `d f32[Wp/16]` (each 16-slice's scale, shared by the two
 slices of a 32-block), `s f32[Wp/16]` (each slice's `d · Σ qs`, for the minimum
 terms of the weights) and `n i32[Wp/16]` (each slice's `Σ qs`, for the zero points: a
-kernel starts its integer dot product at `−zero · Σ qs`), the row padded to 64 bytes. Int16 rows (`!tgt.qrows<128x576xi16>`,
-`a16`) hold two int8 planes instead of `qs`: `hi int8[Wp]` then `lo int8[Wp]`, the values
-being `256·hi + lo` (`formats.split_planes`), so kernels multiply each plane with the
-int8 dot products of `a8`. Kernels address a row without knowing how many rows the
-buffer holds.
+kernel adds `−zero · Σ qs` to its integer dot product), the row padded to 64 bytes.
+Int16 rows (`!tgt.qrows<128x576xi16>`, `a16`) hold two int8 planes instead of `qs`:
+`hi int8[Wp]` then `lo int8[Wp]`, the values being `256·hi + lo` (`formats.split_planes`),
+so kernels multiply each plane with the int8 dot products of `a8`. Kernels address a row
+without knowing how many rows the buffer holds.
 
     planes = weight_planes(Storage.Q4_1, (576, 576))   # codes, d, m with offsets
     data = pack_split(qt)                               # bytes for weights.bin

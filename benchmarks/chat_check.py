@@ -13,7 +13,8 @@ with it, on:
   stubs, facts), without a template;
 - KL: teacher-forced on each chat prompt followed by the reference's answer, the mean
   KL(reference ‖ build) of the next-token distributions at the rows that predict the
-  answer's tokens (nats);
+  answer's tokens (nats), each from the entry point generation samples from: the prompt's
+  last row from `prefill`, every later one from a `decode` step;
 - held-out perplexity: `llmc.runtime.perplexity` (llama.cpp's method) on `heldout.txt`
   beside this script, prose written for this check and in no calibration set (the
   number `llmc perplexity BUILD --text benchmarks/heldout.txt --ctx 256` prints).
@@ -92,9 +93,11 @@ def first_difference(answer: list[int], reference: list[int], count: int) -> int
 
 
 def answer_log_probs(session: Conversation, prompt: list[int], answer: list[int]) -> np.ndarray:
-    """Teacher-forced on `prompt + answer`: the log-probabilities of the rows that predict `answer`."""
+    """Teacher-forced on `prompt + answer`: the log-probabilities of the rows that predict `answer`, as
+    generation gets them (the prompt fed at once, then the answer a `decode` step a token)."""
     session.reset()
-    return log_softmax(session.score(prompt + answer)[len(prompt) - 1 : -1])
+    rows = [session.feed(prompt)] + [session.feed([token]) for token in answer[:-1]]
+    return log_softmax(np.stack(rows))
 
 
 class Build:

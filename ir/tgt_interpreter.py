@@ -140,8 +140,30 @@ def _project(get: _State, op: tgt.MatmulOp | tgt.SwigluOp, weight: SSAValue, row
     if op.norm is not None:
         x = rms_norm(x, get(op.norm), op.eps.value.data)
     if op.quantize is not None:
-        return integer_matmul(*quantize_rows(x, op.quantize.bits), get.matrix(weight).quantized)
+        exact = integer_matmul(*quantize_rows(x, op.quantize.bits), get.matrix(weight).quantized)
+        screen = getattr(op, "screen", None)
+        if screen is None:
+            return exact
+        return screened(integer_matmul(*quantize_rows(x, 8), get.matrix(weight).quantized), exact,
+                        screen.value.data)
     return x @ get(weight).T
+
+
+def screened(coarse: np.ndarray, exact: np.ndarray, margin: float) -> np.ndarray:
+    """`tgt.matmul … screen M`'s results from its int8-row ones and its int16-row ones: the exact result in
+    every strip of 16 columns whose largest int8 result is within `margin` of the largest in its block of
+    `tgt.SCREEN_COLUMNS`, the int8 one elsewhere."""
+    rows, n = coarse.shape
+    strips = -(-n // 16)
+    padded = np.full((rows, strips * 16), -np.inf, np.float32)
+    padded[:, :n] = coarse
+    top = padded.reshape(rows, strips, 16).max(axis=2)  # [rows, strips]
+    per_block = tgt.SCREEN_COLUMNS // 16
+    best = np.empty_like(top)
+    for lo in range(0, strips, per_block):
+        best[:, lo:lo + per_block] = top[:, lo:lo + per_block].max(axis=1, keepdims=True)
+    near = np.repeat(top >= best - np.float32(margin), 16, axis=1)[:, :n]
+    return np.where(near, exact, coarse)
 
 
 @kernel(tgt.EmbeddingOp)

@@ -7,7 +7,7 @@
 | quantize | quantize, verify                  | `llm`, storage and compute mode chosen       |
 | split    | split                             | `llm`, prefill/prefill_kv/decode/score/verify |
 | group    | group (none with `--no-group`)    | `llm` with fused ops                         |
-| lower    | lower, pack, fuse-norm, plan-memory, verify | `tgt`                              |
+| lower    | lower, pack, fuse-norm, screen-logits, plan-memory, verify | `tgt`               |
 
 The module records the last phase it went through in its `llm.phase` attribute, and
 the target it is compiled for in `tgt.target` (set before any phase runs). A phase's last
@@ -39,6 +39,7 @@ class CompileOptions:
     max_seq: int = 0  # 0: the model's context length, capped at 4096
     group: bool = True
     fuse_norm: bool = True  # decode's projections normalize and quantize their own rows (`fuse-norm`)
+    exact_logits: bool = False  # decode's LM head all int16 products (no `screen-logits`)
     quant: str = ""  # storage of the matmul weights ("" keeps the model's)
     quant_output: str = ""  # storage of the token embedding and LM head ("" follows the policy)
     requantize: bool = False  # convert tensors that are already quantized too
@@ -62,7 +63,7 @@ PHASES: dict[str, tuple[str, ...]] = {
     "quantize": ("quantize", "verify"),
     "split": ("split",),
     "group": ("group",),
-    "lower": ("lower", "pack", "fuse-norm", "plan-memory", "verify"),
+    "lower": ("lower", "pack", "fuse-norm", "screen-logits", "plan-memory", "verify"),
 }
 assert tuple(PHASES) == PHASE_ORDER
 # the pass that ends each phase that has passes: its last one but `verify`
@@ -98,7 +99,8 @@ def phase_passes(phase: str, options: CompileOptions, weights: WeightStore | Non
             passes.append(QuantizePass(quant=options.quant, quant_output=options.quant_output,
                                        requantize=options.requantize, compute=options.compute, weights=weights,
                                        tokens=tuple(tokens)))
-        elif (name == "group" and not options.group) or (name == "fuse-norm" and not options.fuse_norm):
+        elif (name == "group" and not options.group) or (name == "fuse-norm" and not options.fuse_norm) \
+                or (name == "screen-logits" and options.exact_logits):
             continue
         else:
             passes.append(get_pass(name))

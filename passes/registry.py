@@ -34,6 +34,7 @@ PASSES: dict[str, tuple[str, str]] = {
     "lower": ("llmc.passes.lower", "LowerPass"),
     "pack": ("llmc.passes.pack", "PackPass"),
     "fuse-norm": ("llmc.passes.fuse_norm", "FuseNormPass"),
+    "screen-logits": ("llmc.passes.screen_logits", "ScreenLogitsPass"),
     "plan-memory": ("llmc.passes.plan_memory", "PlanMemoryPass"),
 }
 

@@ -22,7 +22,8 @@ loop depends on what the operands are:
   decode's rows read each weight once); a zero point (q8_0, q4_0, q5_0, q6_k) is taken
   into the integer sums, `−zero · Σq` per row and block (`QRowsAccess.zero_term`),
   where the split layout scales an offset term in; with `isa amx`, whole 16-row blocks
-  on AMX tiles (`amx.gemm_amx`).
+  on AMX tiles (`amx.gemm_amx`); screened (`gemm_screened`, decode's LM head): int8 rows
+  first, int16 rows again for the strips that come near a row's largest result.
 
 Rows come in blocks that stay in L2 while every weight tile passes; threads share the
 output columns in whole units (`dealt`): each its fixed part of most of them, then chunks of
@@ -57,6 +58,7 @@ from llmc.backends.cpu.quant import (
 from llmc.ir import tgt
 from llmc.ir.formats import GROUP, SLICE, Storage
 from llmc.ir.layouts import QUADS, STRIP, TILE_K, Layout
+from llmc.ir.tgt import SCREEN_COLUMNS
 
 # matmul register tiles: R rows × C output columns per weight matrix (split layout), R rows × a strip of 16
 # (tiles layout: a decode's rows, up to 8, walk each weight block together while it is in registers)
@@ -67,7 +69,10 @@ TILE_COLS = {1: 4, 2: 2}
 # Rows per block: the x rows of one block stay in L2 while every weight tile passes.
 BLOCK_BYTES = 192 * 1024
 MAX_BLOCK_ROWS = 64
-PREFETCH_BYTES = 4096  # how far ahead the integer kernels prefetch weight codes
+PREFETCH_BYTES = 4096  # how far ahead the integer kernels prefetch weight codes (into L1) …
+FAR_PREFETCH_BYTES = 32768  # … and by the tiles kernels' tiles of 4 rows or more, into L2: a block of 8 rows takes
+# ~150 cycles, so 4 KB ahead comes too late from DRAM, and farther ahead into L1 fills its miss buffers (an 8-row
+# int8-row LM head, Zen 4: 1.77 ms with L1 at 4 KB, 1.49 ms with L2 at 32 KB; one row is as fast with either)
 DOT_CHAINS = 2  # independent vpdpbusd chains per 32-block (its 8 products, 5 cycles each otherwise in a row)
 DEALT_SHARE = (1, 4)  # of a kernel's units of columns, at most this part is dealt (the rest in fixed shares) …
 CHUNKS_PER_THREAD = 4  # … in chunks of about this many per thread …
@@ -442,7 +447,7 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
     zero = ir.Constant(vec(I32, STRIP), [0] * STRIP)
     eight = ir.Constant(vec(I32, STRIP), [8] * STRIP)
     with f.loop(0, w.blocks, name="blk", unroll=False) as blk:
-        w.prefetch(s, blk, PREFETCH_BYTES)
+        w.prefetch(s, blk, *((FAR_PREFETCH_BYTES, 2) if across else (PREFETCH_BYTES, 1)))
         codes = w.quads(s, blk)
         xs_by_row = [[[broadcast_quad(f, q, f.add(t, ri), f.add(f.mul(blk, TILE_K), 4 * quad), plane)
                        for quad in range(QUADS)] for plane in range(q.planes)] for ri in range(r)]
@@ -474,3 +479,75 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
                 row_scales = q.block_scales(f.add(t, ri), sl, step)
                 b.store(scaled_block(f, b.load(accs[ri]), dots[ri], scale, offset, *row_scales), accs[ri])
     return [b.load(acc) for acc in accs]
+
+
+def gemm_screened(f: KernelBuilder, rows: Rows, coarse: QRowsAccess, N: int, weight: tuple[ir.Value, tgt.WeightType],
+                  finish: Finish, margin: float, tid: ir.Value, nth: ir.Value, work: ir.Value) -> None:
+    """A screened matmul (`tgt.matmul … screen M`) in the tiles layout: `rows` int16, `coarse` the same rows
+    quantized to int8. Per block of `SCREEN_COLUMNS` columns (dealt whole, so the blocks do not depend on the
+    threads) and tile of rows: every strip's products with the int8 rows, finished, each row's largest result
+    per strip kept; then each (strip, row) whose largest is within `margin` of the row's largest in the block
+    again with the int16 rows (`_strip_dot` of one row: the bits an unscreened kernel gives), finished over them.
+
+        8 rows, a block of 128 strips: 128 × 64 `vpdpbusd` a 32-block, then 16 for each (strip, row) chosen
+    """
+    b = f.b
+    w = TiledWeight(f, *weight)
+    step = w.scale_step()
+    rows_max = STRIP_ROWS[0]
+    strip_best = f.alloca(F32, SCREEN_COLUMNS // STRIP * rows_max, name="strip_best")  # [strip][row]
+    block_best = f.alloca(F32, rows_max, name="block_best")
+
+    def block(j0: ir.Value, width: int) -> None:
+        full, part = divmod(width, STRIP)
+
+        def strip_columns(si: ir.Value, cols: int) -> tuple[ir.Value, list[ir.Value]]:
+            """Strip si of the block, and its first `cols` columns."""
+            return f.add(b.sdiv(j0, f.i64(STRIP)), si), [f.add(j0, f.add(f.mul(si, STRIP), c)) for c in range(cols)]
+
+        def tile(t: ir.Value, r: int) -> None:
+            for ri in range(r):
+                f.store(f.f32(float("-inf")), block_best, ri)
+
+            def coarse_strip(si: ir.Value, cols: int) -> None:
+                s, js = strip_columns(si, cols)
+                sums = _strip_dot(f, coarse, w, t, r, s, step)
+                lanes = [[b.extract_element(v, ir.Constant(I32, c)) for c in range(cols)] for v in sums]
+                finish([f.add(t, ri) for ri in range(r)], js, [lanes])
+                for ri in range(r):
+                    top = f.reduce_max(sums[ri]) if cols == STRIP else _largest(f, lanes[ri])
+                    f.store(top, strip_best, f.add(f.mul(si, rows_max), ri))
+                    f.store(f.intrinsic("llvm.maxnum", f.load(block_best, ri), top), block_best, ri)
+
+            def fine_strip(si: ir.Value, cols: int) -> None:
+                s, js = strip_columns(si, cols)
+                with f.loop(0, r, name="fr", unroll=False) as ri:
+                    near = f.fsub(f.load(block_best, ri), f.f32(margin), flags=())
+                    top = f.load(strip_best, f.add(f.mul(si, rows_max), ri))
+                    with f.when(b.fcmp_ordered(">=", top, near)):
+                        [exact] = _strip_dot(f, rows.q, w, f.add(t, ri), 1, s, step)
+                        finish([f.add(t, ri)], js, [[[b.extract_element(exact, ir.Constant(I32, c))
+                                                      for c in range(cols)]]])
+
+            for strip in (coarse_strip, fine_strip):
+                with f.loop(0, full, name="sj", unroll=False) as si:
+                    strip(si, STRIP)
+                if part:
+                    strip(f.i64(full), part)
+
+        row_tiles(f, rows, f.i64(0), rows.count, STRIP_ROWS, tile)
+
+    unit, rest = SCREEN_COLUMNS, N % SCREEN_COLUMNS
+    with dealt(f, N // unit, unit * (weight[1].nbytes // N), tid, nth, work) as (lo, hi):
+        with f.loop(f.mul(lo, unit), f.mul(hi, unit), unit, name="jb") as j0:
+            block(j0, unit)
+    if rest:  # the columns left over, on the last thread
+        with f.when(b.icmp_signed("==", tid, b.sub(nth, f.i64(1)))):
+            block(f.i64(N - rest), rest)
+
+
+def _largest(f: KernelBuilder, values: list[ir.Value]) -> ir.Value:
+    top = values[0]
+    for v in values[1:]:
+        top = f.intrinsic("llvm.maxnum", top, v)
+    return top

@@ -33,7 +33,7 @@ from xdsl.dialects.builtin import MemRefType
 from llmc.abi import SYNC_LINE_WORDS
 from llmc.backends.builder import F32, I32, I64, VOID, KernelBuilder, f32_table
 from llmc.backends.cpu import attention
-from llmc.backends.cpu.gemm import TILE_ROWS, Rows, floats, gemm, inv_rms, load_weight, weight_ptr
+from llmc.backends.cpu.gemm import TILE_ROWS, Rows, floats, gemm, gemm_screened, inv_rms, load_weight, weight_ptr
 from llmc.backends.cpu.quant import (
     I8,
     I8PTR,
@@ -332,11 +332,17 @@ def _projection_rows(f: KernelBuilder, op: tgt.MatmulOp | tgt.SwigluOp, a: dict,
     so no thread waits for another's rows."""
     if op.quantize is None:
         return Rows(f, a["x"], op.x.type, K, a["rows"], a.get("norm"), op.eps, last_row)
-    private = f.alloca(I8, tgt.nbytes(op.quantize), name="private_rows")
-    q = QRowsAccess(f, private, op.quantize)
+    private = _private_rows(f, op, a, K, op.quantize)
+    return Rows(f, private.base, op.quantize, K, a["rows"], None, None, last_row)
+
+
+def _private_rows(f: KernelBuilder, op: tgt.MatmulOp | tgt.SwigluOp, a: dict, K: int,
+                  qrows: tgt.QRowsType) -> QRowsAccess:
+    """Every row of `x` RMS-normalized and quantized to `qrows` by this thread, into a copy on its stack."""
+    q = QRowsAccess(f, f.alloca(I8, qrows.nbytes, name="private_rows"), qrows)
     with f.loop(0, a["rows"], name="nt") as t:
         _norm_quantize_row(f, floats(f, a["x"]), floats(f, a["norm"]), K, op.eps.value.data, q, t)
-    return Rows(f, private, op.quantize, K, a["rows"], None, None, last_row)
+    return q
 
 
 @EMITTERS.implement(tgt.MatmulOp)
@@ -363,8 +369,13 @@ def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> 
                     v = f.b.fadd(f.load(out, idx), v)
                 f.store(v, out, idx)
 
+    weight = (a["weight"], _weight_type(op.weight))
+    if op.screen is not None:  # (int16 `quantize` rows: the same rows in int8 too, for the first products)
+        coarse = _private_rows(f, op, a, K, tgt.QRowsType(op.quantize.rows, op.quantize.width))
+        gemm_screened(f, rows, coarse, N, weight, finish, op.screen.value.data, a["tid"], a["nth"], a["work"])
+        return
     isa = op.isa.data if op.isa is not None else None
-    gemm(f, rows, N, [(a["weight"], _weight_type(op.weight))], finish, a["tid"], a["nth"], a["work"], isa)
+    gemm(f, rows, N, [weight], finish, a["tid"], a["nth"], a["work"], isa)
 
 
 @EMITTERS.implement(tgt.SwigluOp)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from llmc.backends.builder import CONTRACT, F32, I32, I64, KernelBuilder
+from llmc.backends.builder import F32, I32, I64, KernelBuilder
 from llmc.ir.formats import ACT_BLOCK, FORMATS, GROUP, QMAX, SLICE, padded_width
 from llmc.ir.layouts import QUADS, STRIP, TILE_K, Plane, tile_planes, weight_planes
 from llmc.ir.tgt import Isa, QRowsType, WeightType
@@ -92,10 +92,10 @@ def scaled_block(f: KernelBuilder, total: ir.Value, dot: ir.Value, scale: ir.Val
     """`total + dot · scale · xd + offset · xs`: a block's int32 dot products (`<16 x i32>`)
     with the weights' scales and offsets (per lane) and the row's scale and sum (scalars); no
     offset where the dot products have taken the zero point in (`QRowsAccess.zero_term`)."""
-    lanes = scale.type  # (contracted, not reassociated: a row's sums are the same in every path)
-    scaled = f.fmul(f.b.sitofp(dot, lanes), scale, CONTRACT)
-    total = f.fadd(total, f.fmul(scaled, f.splat(xd, lanes), CONTRACT), CONTRACT)
-    return total if offset is None else f.fadd(total, f.fmul(offset, f.splat(xs, lanes), CONTRACT), CONTRACT)
+    lanes = scale.type  # (a multiply and explicit fused multiply-adds: the same bits in every kernel and context)
+    scaled = f.fmul(f.b.sitofp(dot, lanes), scale, ())
+    total = f.intrinsic("llvm.fma", scaled, f.splat(xd, lanes), total)
+    return total if offset is None else f.intrinsic("llvm.fma", offset, f.splat(xs, lanes), total)
 
 
 def _plane_element(fmt, name: str) -> ir.Type:
@@ -266,15 +266,15 @@ class TiledWeight:
                 out[q] = b_.or_(out[q], b_.shl(plane, splat_i(vec(I8, 64), bit)))
         return out
 
-    def prefetch(self, s: ir.Value, b: ir.Value, ahead: int) -> None:
-        """Prefetch (into L1) what the block `ahead` code bytes past block b of strip s reads: every cache line
-        of its codes (a 4-bit block is 4 lines; one prefetch per block left 3 of them to the hardware's
+    def prefetch(self, s: ir.Value, b: ir.Value, ahead: int, level: int = 1) -> None:
+        """Prefetch (into L1; `level` 2: L2) what the block `ahead` code bytes past block b of strip s reads: every
+        cache line of its codes (a 4-bit block is 4 lines; one prefetch per block left 3 of them to the hardware's
         prefetcher), and the line of each other plane (scales, minimums, high bits: streams of their own)."""
         f = self.f
         block = f.add(self._block(s, b), ahead // self.block_bytes)
         at = f.mul(block, self.block_bytes)
         for line in range(0, self.block_bytes, CACHE_LINE):
-            prefetch(f, self.ptrs["codes"], f.add(at, line))
+            prefetch(f, self.ptrs["codes"], f.add(at, line), level)
         for name in self.planes:
             if name.startswith("bit"):
                 offset = f.mul(block, QUADS * 8)  # (an i64 per quad)
@@ -284,7 +284,7 @@ class TiledWeight:
                                STRIP * (2 if field.dtype == "f16" else 1))
             else:
                 continue
-            prefetch(f, f.b.bitcast(self.ptrs[name], I8PTR), offset)
+            prefetch(f, f.b.bitcast(self.ptrs[name], I8PTR), offset, level)
 
     def _field16(self, name: str, s: ir.Value, sl: ir.Value | int) -> ir.Value:
         """Field `name` of the 16 features of strip s for 16-slice `sl`: `<16 x float>`."""

@@ -250,12 +250,19 @@ class MatmulOp(_Projection):
       read as `a8`/`a16` rows are (the bytes a `tgt.rms_norm` into them writes: `fuse-norm`);
     - `accumulate`: add into `out` instead of overwriting it (a fused residual add);
     - `last_row`: compute only row `n-1` of `x`, into row 0 of `out` (the LM head);
-    - `softcap C`: each result `y` becomes `C · tanh(y / C)` (Gemma 2's logits).
+    - `softcap C`: each result `y` becomes `C · tanh(y / C)` (Gemma 2's logits);
+    - `screen M` (with int16 `quantize`: decode's LM head, pass `screen-logits`): the dot products are first
+      taken with the rows quantized to int8 (`a8`, half the products of `a16`), then again with the int16 rows
+      for every strip of 16 columns whose largest int8 result comes within `M` of the largest in its block of
+      `SCREEN_COLUMNS` (2048) columns: every result that can be a row's largest (or near it) is `a16`'s exactly, the
+      rest carry the int8 rows' rounding. The blocks are fixed, so the results are the same whatever thread
+      takes a block, and a row's the same alone or with others.
 
     ```mlir
     tgt.matmul %h, %wq -> %q rows %n isa amx : !tgt.qrows<128x576>, !tgt.weight<576x576, q4_1, tiles> -> memref<128x576xf32>
     tgt.matmul %x, %wq -> %q rows %n norm %g eps 1.000000e-05 : memref<128x576xf32>, !tgt.weight<576x576, f32, stored> norm !tgt.weight<576, f32, stored> -> memref<128x576xf32>
     tgt.matmul %x, %wq -> %q rows %n norm %g eps 1.000000e-05 quantize <1x576xi16> isa vnni512 : memref<1x576xf32>, !tgt.weight<576x576, q4_1, tiles> norm !tgt.weight<576, f32, stored> -> memref<1x576xf32>
+    tgt.matmul %x, %emb -> %logits rows %n norm %g eps 1.000000e-05 quantize <8x576xi16> screen 1.000000e+00 isa vnni512 : memref<8x576xf32>, !tgt.weight<49152x576, q8_0, tiles> norm !tgt.weight<576, f32, stored> -> memref<8x49152xf32>
     ```
     """
 
@@ -271,11 +278,12 @@ class MatmulOp(_Projection):
     last_row = opt_prop_def(UnitAttr)
     softcap = opt_prop_def(FloatAttr[Float32Type])
     quantize = opt_prop_def(QRowsType)
+    screen = opt_prop_def(FloatAttr[Float32Type])
     isa = opt_prop_def(IsaAttr)
     irdl_options = (AttrSizedOperandSegments(as_property=True),)
     assembly_format = (
         "$x `,` $weight `->` $out `rows` $rows (`bias` $bias^)? (`norm` $norm^ `eps` $eps)? (`quantize` $quantize^)? "
-        "(`accumulate` $accumulate^)? (`last_row` $last_row^)? (`softcap` $softcap^)? (`isa` $isa^)? attr-dict `:` "
+        "(`screen` $screen^)? (`accumulate` $accumulate^)? (`last_row` $last_row^)? (`softcap` $softcap^)? (`isa` $isa^)? attr-dict `:` "
         "type($x) `,` "
         "type($weight) (`bias` type($bias)^)? (`norm` type($norm)^)? `->` type($out)"
     )
@@ -310,6 +318,15 @@ class MatmulOp(_Projection):
             self._fail("x and out are one buffer: accumulating would overwrite the rows it reads")
         self._private_rows()
         self._quantized_kernel(self.rows_type(), self.weight)
+        if self.screen is not None:
+            if self.quantize is None or self.quantize.bits != 16:
+                self._fail("'screen' needs int16 'quantize' rows (it takes int8 ones of the same rows first)")
+            if self.accumulate is not None or self.last_row is not None:
+                self._fail("'screen' goes with neither 'accumulate' nor 'last_row'")
+            if self.weight.type.layout is not Layout.TILES:
+                self._fail(f"'screen' reads a weight in the tiles layout, not {self.weight.type.layout.value}")
+            if not self.screen.value.data >= 0:
+                self._fail(f"'screen' needs a margin of 0 or more, not {self.screen.value.data}")
 
 
 @irdl_op_definition

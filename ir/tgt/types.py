@@ -89,6 +89,7 @@ class TargetAttr(ParametrizedAttribute):
 
 TARGET = "tgt.target"
 ATTENTION_SPLIT_ROWS = 4  # up to this many rows, attention's threads share cache positions
+SCREEN_COLUMNS = 2048  # a screened matmul's blocks of columns (`tgt.matmul … screen M`): each judged on its own
 
 
 # ------------------------------------------------------------------ types

@@ -89,7 +89,7 @@ def compile_options_given(args: argparse.Namespace) -> bool:
     """Whether the command line gives any compile option (for a command handed an artifact, which has its own):
     one whose value is not its command's default."""
     names = ("quant", "quant_output", "requantize", "compute", "calibrate", "cpu", "max_seq", "prefill_chunk",
-             "no_group", "kv_type", "max_batch", "verify_drafts", "no_raise", "tokenizer")
+             "no_group", "exact_logits", "kv_type", "max_batch", "verify_drafts", "no_raise", "tokenizer")
     return any(getattr(args, name, None) != args.parser.get_default(name) for name in names)
 
 
@@ -112,6 +112,7 @@ def compile_options(args: argparse.Namespace):
     check_rows(max_batch, drafts)
     return CompileOptions(prefill_chunk=getattr(args, "prefill_chunk", None) or 0,
                           max_seq=getattr(args, "max_seq", None) or 0, group=not getattr(args, "no_group", False),
+                          exact_logits=getattr(args, "exact_logits", False),
                           quant=args.quant or "", quant_output=args.quant_output or "", requantize=args.requantize,
                           compute=args.compute, calibrate=args.calibrate or "",
                           kv_type=getattr(args, "kv_type", None) or "f16",

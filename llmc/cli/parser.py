@@ -134,6 +134,11 @@ def _add_compile_options(p: argparse.ArgumentParser) -> None:
     _add_quant_options(p)
     _add_kv_option(p)
     p.add_argument("--no-group", action="store_true", help="skip layer grouping: one kernel per op (to compare)")
+    p.add_argument("--exact-logits", action="store_true",
+                   help="decode's LM head with int16 rows for every logit (by default, on AVX-512 VNNI, where the "
+                        "LM head is a third or more of a step's weights: int8 rows first, int16 again wherever a "
+                        "logit comes within 2.0 of its block's largest, so greedy choices read exact logits; pass "
+                        "`screen-logits`)")
     p.add_argument("--max-seq", type=_positive, metavar="N",
                    help="KV cache capacity in tokens (default: the model's context length, at most 4096)")
     p.add_argument("--prefill-chunk", type=_positive, metavar="N",

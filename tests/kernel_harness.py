@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 from llvmlite import ir
-from xdsl.dialects.builtin import IndexType
+from xdsl.dialects.builtin import FloatAttr, IndexType
+from xdsl.dialects.builtin import f32 as f32_type
 from xdsl.ir import Attribute, Block
 
 from llmc.abi import SYNC_WORDS
@@ -93,6 +94,20 @@ class Kernel:
         self.c(*args, ctypes.c_int64(0), ctypes.c_int64(nth), *extra)
         for t in threads:
             t.join()
+
+
+def lm_head_op(rows: int, width: int, screen: float | None = None) -> Callable[..., tgt.MatmulOp]:
+    """Decode's LM head as `fuse-norm` leaves it (a norm, int16 rows of its own, `isa vnni512`), `screen`ed or not:
+    `make(x, weight, out, n, norm)` for `Kernel`."""
+    def make(x, w, out, n, g):
+        op = tgt.MatmulOp(x, w, out, n, norm=g, eps=1e-6)
+        op.quantize = tgt.QRowsType(rows, width, 16)
+        op.isa = tgt.IsaAttr(tgt.Isa.VNNI512)
+        if screen is not None:
+            op.screen = FloatAttr(screen, f32_type)
+        return op
+
+    return make
 
 
 def assert_close(got: np.ndarray, ref: np.ndarray, rtol: float = 1e-4) -> None:

@@ -8,8 +8,7 @@ from __future__ import annotations
 import host
 import numpy as np
 import pytest
-from kernel_harness import IDX, Kernel, Machine, kernel_op, rand
-from test_cpu_kernels import pack
+from kernel_harness import IDX, Kernel, Machine, kernel_op, lm_head_op, rand
 from test_fuse_norm import PROMPT, SPEC, STORAGE
 from tiny_models import TinySpec
 from xdsl.dialects.builtin import FloatAttr, f32
@@ -21,7 +20,7 @@ from llmc.driver import BackendOptions, run_phases, target_attr
 from llmc.frontend import load_model
 from llmc.ir import find_function, tgt
 from llmc.ir.formats import FORMATS, Storage, integer_matmul, quantize_rows
-from llmc.ir.layouts import Layout
+from llmc.ir.layouts import Layout, pack
 from llmc.ir.tgt_interpreter import screened
 from llmc.passes.pipeline import CompileOptions
 from llmc.passes.screen_logits import MARGIN
@@ -32,18 +31,6 @@ VNNI512 = host.ISA_CPUS[tgt.Isa.VNNI512]
 WIDE = TinySpec(hidden=64, layers=1, heads=2, kv_heads=1, head_dim=32, ffn=32, context_length=64, gguf_storage=STORAGE)
 R, K = 8, 256  # (q6_k: whole 256-blocks)
 N = 2 * tgt.SCREEN_COLUMNS + 40  # two whole blocks, and 40 columns left over (the last strip 8 wide)
-
-
-def _lm_head(screen: float | None):
-    def make(x, w, out, n, g):
-        op = tgt.MatmulOp(x, w, out, n, norm=g, eps=1e-6)
-        op.quantize = tgt.QRowsType(R, K, 16)
-        op.isa = tgt.IsaAttr(tgt.Isa.VNNI512)
-        if screen is not None:
-            op.screen = FloatAttr(screen, f32)
-        return op
-
-    return make
 
 
 def _types(storage: Storage = Storage.Q8_0) -> list:
@@ -68,8 +55,8 @@ def test_screened_results_are_exact_near_the_top_and_int8_elsewhere(tmp_path, st
     x, g = rand(rng, R, K, scale=2.0), rand(rng, K)
     margin = 1.0
     machine = Machine(VNNI512, target_machine(VNNI512))
-    screen = Kernel(tmp_path, machine, _lm_head(margin), _types(storage))
-    exact_kernel = Kernel(tmp_path, machine, _lm_head(None), _types(storage))
+    screen = Kernel(tmp_path, machine, lm_head_op(R, K, margin), _types(storage))
+    exact_kernel = Kernel(tmp_path, machine, lm_head_op(R, K), _types(storage))
     xn = _rms(x, g)
     coarse = integer_matmul(*quantize_rows(xn, 8), qt)
     exact = integer_matmul(*quantize_rows(xn, 16), qt)

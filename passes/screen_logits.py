@@ -48,8 +48,8 @@ class ScreenLogitsPass(LlmcPass):
     name = "screen-logits"
     requires_phase = "split"
 
-    margin: float = MARGIN
-    min_share: float = MIN_SHARE
+    margin: float | int = MARGIN  # (an int too: `margin=3`)
+    min_share: float | int = MIN_SHARE
 
     def run(self, ctx: Context, module: ModuleOp) -> None:
         if not self.margin >= 0:
@@ -63,7 +63,7 @@ class ScreenLogitsPass(LlmcPass):
             products = sum(_products(op) for op in function.body.block.ops)
             for op in heads:
                 if _products(op) >= self.min_share * products:
-                    op.screen = FloatAttr(self.margin, f32)
+                    op.screen = FloatAttr(float(self.margin), f32)
 
 
 def _products(op) -> int:

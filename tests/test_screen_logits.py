@@ -147,8 +147,8 @@ def test_the_margin_and_share_are_pass_options(tiny, tmp_path, capsys):
     out = tmp_path / "screened.mlir"
     assert main(["opt", str(lowered), "-p", "screen-logits{margin=2.5}", "-o", str(out)]) == 0
     assert " screen " not in out.read_text()  # SPEC's LM head: too small a share
-    assert main(["opt", str(lowered), "-p", "screen-logits{margin=2.5 min_share=0.1}", "-o", str(out)]) == 0
-    assert out.read_text().count("screen 2.500000e+00") == 1
+    assert main(["opt", str(lowered), "-p", "screen-logits{margin=3 min_share=0.1}", "-o", str(out)]) == 0
+    assert out.read_text().count("screen 3.000000e+00") == 1  # (a whole number is a margin too)
     capsys.readouterr()
     assert main(["opt", str(lowered), "-p", "screen-logits{margin=-1.0}", "-o", str(out)]) != 0
     assert "the margin is 0 or more" in capsys.readouterr().err

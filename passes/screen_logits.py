@@ -9,7 +9,7 @@ results wherever a row's largest logits (within `MARGIN` of the largest of their
 `tgt.SCREEN_COLUMNS` columns) can be. Greedy choices read exact results; the rest of the vocabulary carries
 the int8 rows' rounding (`tgt.matmul`'s `screen`): a sampled distribution's KL from the exact one is about
 1e-4 nats (SmolLM2 at margin 1–3, where int8 rows everywhere give 5e-3). Where the LM head is a smaller
-share the step gains too little for that (SmolLM2's 8-row step 2.5%), and the pass leaves it exact.
+share the step gains too little for that (SmolLM2's 8-row step at most 2.5%), and the pass leaves it exact.
 `--exact-logits` leaves the pass out.
 
 ```mlir

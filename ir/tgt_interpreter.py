@@ -41,7 +41,7 @@ from llmc.ir.interpreter import (
     rope,
     soft_capped,
 )
-from llmc.ir.layouts import Layout, pack, unpack
+from llmc.ir.layouts import STRIP, Layout, pack, unpack
 from llmc.ir.weights import WeightStore
 
 SEMANTICS = OpInterface("tgt interpreter", "numpy semantics")
@@ -153,17 +153,24 @@ def screened(coarse: np.ndarray, exact: np.ndarray, margin: float) -> np.ndarray
     """`tgt.matmul … screen M`'s results from its int8-row ones and its int16-row ones: the exact result in
     every strip of 16 columns whose largest int8 result is within `margin` of the largest in its block of
     `tgt.SCREEN_COLUMNS`, the int8 one elsewhere."""
+    top, best = screen_maxima(coarse)
+    near = np.repeat(top >= best - np.float32(margin), STRIP, axis=1)[:, : coarse.shape[1]]
+    return np.where(near, exact, coarse)
+
+
+def screen_maxima(coarse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row and strip of 16 columns of `coarse` (`[rows, n]`): the strip's largest value, and the largest of
+    its block of `tgt.SCREEN_COLUMNS` (`[rows, strips]` each), what a screen compares."""
     rows, n = coarse.shape
-    strips = -(-n // 16)
-    padded = np.full((rows, strips * 16), -np.inf, np.float32)
+    strips = -(-n // STRIP)
+    padded = np.full((rows, strips * STRIP), -np.inf, np.float32)
     padded[:, :n] = coarse
-    top = padded.reshape(rows, strips, 16).max(axis=2)  # [rows, strips]
-    per_block = tgt.SCREEN_COLUMNS // 16
+    top = padded.reshape(rows, strips, STRIP).max(axis=2)
+    per_block = tgt.SCREEN_COLUMNS // STRIP
     best = np.empty_like(top)
     for lo in range(0, strips, per_block):
         best[:, lo:lo + per_block] = top[:, lo:lo + per_block].max(axis=1, keepdims=True)
-    near = np.repeat(top >= best - np.float32(margin), 16, axis=1)[:, :n]
-    return np.where(near, exact, coarse)
+    return top, best
 
 
 @kernel(tgt.EmbeddingOp)

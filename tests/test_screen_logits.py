@@ -9,6 +9,7 @@ import host
 import numpy as np
 import pytest
 from kernel_harness import IDX, Kernel, Machine, kernel_op, lm_head_op, rand
+from test_cpu_kernels import ref_rms_norm
 from test_fuse_norm import PROMPT, SPEC, STORAGE
 from tiny_models import TinySpec
 from xdsl.dialects.builtin import FloatAttr, f32
@@ -21,7 +22,7 @@ from llmc.frontend import load_model
 from llmc.ir import find_function, tgt
 from llmc.ir.formats import FORMATS, Storage, integer_matmul, quantize_rows
 from llmc.ir.layouts import Layout, pack
-from llmc.ir.tgt_interpreter import screened
+from llmc.ir.tgt_interpreter import screen_maxima, screened
 from llmc.passes.pipeline import CompileOptions
 from llmc.passes.screen_logits import MARGIN
 from llmc.runtime.session import Session
@@ -38,11 +39,6 @@ def _types(storage: Storage = Storage.Q8_0) -> list:
             tgt.WeightType((K,), Storage.F32)]
 
 
-def _rms(x: np.ndarray, g: np.ndarray) -> np.ndarray:
-    x64 = x.astype(np.float64)
-    return (x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + 1e-6) * g).astype(np.float32)
-
-
 @pytest.mark.parametrize("storage", [Storage.Q8_0, Storage.Q4_1, Storage.Q6_K], ids=str)
 def test_screened_results_are_exact_near_the_top_and_int8_elsewhere(tmp_path, storage):
     if not host.runs(VNNI512):
@@ -57,7 +53,7 @@ def test_screened_results_are_exact_near_the_top_and_int8_elsewhere(tmp_path, st
     machine = Machine(VNNI512, target_machine(VNNI512))
     screen = Kernel(tmp_path, machine, lm_head_op(R, K, margin), _types(storage))
     exact_kernel = Kernel(tmp_path, machine, lm_head_op(R, K), _types(storage))
-    xn = _rms(x, g)
+    xn = ref_rms_norm(x, g, 1e-6).astype(np.float32)
     coarse = integer_matmul(*quantize_rows(xn, 8), qt)
     exact = integer_matmul(*quantize_rows(xn, 16), qt)
     out, unscreened = np.zeros((R, N), np.float32), np.zeros((R, N), np.float32)
@@ -65,13 +61,7 @@ def test_screened_results_are_exact_near_the_top_and_int8_elsewhere(tmp_path, st
     screen({"x": x, "weight": data, "out": out, "rows": R, "norm": g}, nth=2)
     np.testing.assert_allclose(unscreened, exact, rtol=2e-6, atol=2e-6 * np.abs(exact).max())
 
-    strips = -(-N // 16)
-    top = np.full((R, strips * 16), -np.inf, np.float32)
-    top[:, :N] = coarse
-    top = top.reshape(R, strips, 16).max(axis=2)
-    per_block = tgt.SCREEN_COLUMNS // 16
-    best = np.concatenate([np.repeat(top[:, lo:lo + per_block].max(1, keepdims=True), top[:, lo:lo + per_block].shape[1], 1)
-                           for lo in range(0, strips, per_block)], axis=1)
+    top, best = screen_maxima(coarse)
     tol = 1e-3 * np.abs(coarse).max()  # (a strip this close to the threshold may go either way)
     surely_near = np.repeat(top >= best - margin + tol, 16, axis=1)[:, :N]
     surely_far = np.repeat(top < best - margin - tol, 16, axis=1)[:, :N]
@@ -94,8 +84,7 @@ def test_screened_results_are_exact_near_the_top_and_int8_elsewhere(tmp_path, st
 
 
 def test_screen_verifies_its_operands():
-    types = [tgt.memref(R, K), tgt.WeightType((N, K), Storage.Q8_0, Layout.TILES), tgt.memref(R, N), IDX,
-             tgt.WeightType((K,), Storage.F32)]
+    types = _types()
 
     def with_rows(bits: int, layout: Layout = Layout.TILES, accumulate: bool = False):
         def make(x, w, out, n, g):

@@ -500,6 +500,8 @@ def gemm_screened(f: KernelBuilder, rows: Rows, coarse: QRowsAccess, N: int, wei
 
     def block(j0: ir.Value, width: int) -> None:
         full, part = divmod(width, STRIP)
+        valid = ir.Constant(vec(ir.IntType(1), STRIP), [c < part for c in range(STRIP)])  # (a last strip's columns)
+        below = ir.Constant(vec(F32, STRIP), [float("-inf")] * STRIP)
 
         def strip_columns(si: ir.Value, cols: int) -> tuple[ir.Value, list[ir.Value]]:
             """Strip si of the block, and its first `cols` columns."""
@@ -515,7 +517,7 @@ def gemm_screened(f: KernelBuilder, rows: Rows, coarse: QRowsAccess, N: int, wei
                 lanes = [[b.extract_element(v, ir.Constant(I32, c)) for c in range(cols)] for v in sums]
                 finish([f.add(t, ri) for ri in range(r)], js, [lanes])
                 for ri in range(r):
-                    top = f.reduce_max(sums[ri]) if cols == STRIP else _largest(f, lanes[ri])
+                    top = f.reduce_max(sums[ri] if cols == STRIP else b.select(valid, sums[ri], below))
                     f.store(top, strip_best, f.add(f.mul(si, rows_max), ri))
                     f.store(f.intrinsic("llvm.maxnum", f.load(block_best, ri), top), block_best, ri)
 
@@ -544,10 +546,3 @@ def gemm_screened(f: KernelBuilder, rows: Rows, coarse: QRowsAccess, N: int, wei
     if rest:  # the columns left over, on the last thread
         with f.when(b.icmp_signed("==", tid, b.sub(nth, f.i64(1)))):
             block(f.i64(N - rest), rest)
-
-
-def _largest(f: KernelBuilder, values: list[ir.Value]) -> ir.Value:
-    top = values[0]
-    for v in values[1:]:
-        top = f.intrinsic("llvm.maxnum", top, v)
-    return top

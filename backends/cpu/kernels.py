@@ -296,18 +296,19 @@ def _rms_norm(lib: KernelLibrary, f: KernelBuilder, op: tgt.RMSNormOp, a: dict) 
             normalize(item)
         return
     with f.loop(*f.share(a["rows"], a["tid"], a["nth"]), name="t") as t:
-        _norm_quantize_row(f, x, w, D, eps, q, t)
+        _norm_quantize_row(f, x, w, D, eps, [q], t)
 
 
-def _norm_quantize_row(f: KernelBuilder, x: ir.Value, w: ir.Value, D: int, eps: float, q: QRowsAccess,
+def _norm_quantize_row(f: KernelBuilder, x: ir.Value, w: ir.Value, D: int, eps: float, qs: list[QRowsAccess],
                        t: ir.Value) -> None:
-    """Row t of float rows `x` RMS-normalized with weight `w` into quantized row t of `q`."""
+    """Row t of float rows `x` RMS-normalized with weight `w` into quantized row t of each of `qs`."""
     row = f.ptr(x, f.mul(t, D))
     inv16 = f.splat(inv_rms(f, row, D, eps), vec(F32, 16))
     with f.loop(0, D // ACT_BLOCK, name="b", unroll=False) as blk:
         base = f.mul(blk, ACT_BLOCK)
         v0, v1 = (f.fmul(f.fmul(f.vload(row, f.add(base, o)), inv16), f.vload(w, f.add(base, o))) for o in (0, 16))
-        q.store_block(t, blk, v0, v1)
+        for q in qs:
+            q.store_block(t, blk, v0, v1)
 
 
 @EMITTERS.implement(tgt.QuantizeOp)
@@ -332,24 +333,24 @@ def _projection_rows(f: KernelBuilder, op: tgt.MatmulOp | tgt.SwigluOp, a: dict,
     so no thread waits for another's rows."""
     if op.quantize is None:
         return Rows(f, a["x"], op.x.type, K, a["rows"], a.get("norm"), op.eps, last_row)
-    private = _private_rows(f, op, a, K, op.quantize)
+    [private] = _private_rows(f, op, a, K, [op.quantize])
     return Rows(f, private.base, op.quantize, K, a["rows"], None, None, last_row)
 
 
 def _private_rows(f: KernelBuilder, op: tgt.MatmulOp | tgt.SwigluOp, a: dict, K: int,
-                  qrows: tgt.QRowsType) -> QRowsAccess:
-    """Every row of `x` RMS-normalized and quantized to `qrows` by this thread, into a copy on its stack."""
-    q = QRowsAccess(f, f.alloca(I8, qrows.nbytes, name="private_rows"), qrows)
+                  types: list[tgt.QRowsType]) -> list[QRowsAccess]:
+    """Every row of `x` RMS-normalized once and quantized to each of `types` by this thread, into copies on
+    its stack."""
+    qs = [QRowsAccess(f, f.alloca(I8, t.nbytes, name="private_rows"), t) for t in types]
     with f.loop(0, a["rows"], name="nt") as t:
-        _norm_quantize_row(f, floats(f, a["x"]), floats(f, a["norm"]), K, op.eps.value.data, q, t)
-    return q
+        _norm_quantize_row(f, floats(f, a["x"]), floats(f, a["norm"]), K, op.eps.value.data, qs, t)
+    return qs
 
 
 @EMITTERS.implement(tgt.MatmulOp)
 def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> None:
     """out[t, j] (+)= x̂[t] · w[j] (+ bias[j]); `last_row`: only row rows-1, into out row 0."""
     N, K = tgt.dims(op.weight)
-    rows = _projection_rows(f, op, a, K, op.last_row is not None)
     out = floats(f, a["out"])
     bias = floats(f, a["bias"]) if "bias" in a else None
     accumulate = op.accumulate is not None
@@ -371,9 +372,11 @@ def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> 
 
     weight = (a["weight"], _weight_type(op.weight))
     if op.screen is not None:  # (int16 `quantize` rows: the same rows in int8 too, for the first products)
-        coarse = _private_rows(f, op, a, K, tgt.QRowsType(op.quantize.rows, op.quantize.width))
+        fine, coarse = _private_rows(f, op, a, K, [op.quantize, tgt.QRowsType(op.quantize.rows, op.quantize.width)])
+        rows = Rows(f, fine.base, op.quantize, K, a["rows"], None, None, False)
         gemm_screened(f, rows, coarse, N, weight, finish, op.screen.value.data, a["tid"], a["nth"], a["work"])
         return
+    rows = _projection_rows(f, op, a, K, op.last_row is not None)
     isa = op.isa.data if op.isa is not None else None
     gemm(f, rows, N, [weight], finish, a["tid"], a["nth"], a["work"], isa)
 

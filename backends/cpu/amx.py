@@ -134,7 +134,7 @@ def gemm_amx(f: KernelBuilder, q: QRowsAccess, access: list[TiledWeight], t_end:
                             dot = b.load(b.bitcast(f.ptr(cbuf, r * STRIP), vec(I32, STRIP).as_pointer()), align=4)
                             if offset is None:
                                 dot = b.add(dot, q.zero_term(f.add(t0, r), sl, TILE_K // SLICE, w.fmt.zero))
-                            xd, xs = q.block_scales(f.add(t0, r), sl, TILE_K // SLICE)
+                            xd, xs = q.block_scales(f.add(t0, r), sl, TILE_K // SLICE, offset is not None)
                             b.store(scaled_block(f, b.load(total), dot, scale, offset, xd, xs), total)
                     for r, total in enumerate(sums):
                         f.vstore(b.load(total), acc, f.i64(((wi * strips + si) * TILE + r) * STRIP))

@@ -476,7 +476,7 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
             if folded:
                 dots = [b.add(dot, q.zero_term(f.add(t, ri), sl, step, w.fmt.zero)) for ri, dot in enumerate(dots)]
             for ri in range(r):
-                row_scales = q.block_scales(f.add(t, ri), sl, step)
+                row_scales = q.block_scales(f.add(t, ri), sl, step, offset is not None)
                 b.store(scaled_block(f, b.load(accs[ri]), dots[ri], scale, offset, *row_scales), accs[ri])
     return [b.load(acc) for acc in accs]
 

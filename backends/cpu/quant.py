@@ -359,9 +359,13 @@ class QRowsAccess:
         """Row t's int8 values (of int16 rows: plane 0 `hi`, plane 1 `lo`)."""
         return self._at(t, plane * self.wp, I8)
 
-    def block_scales(self, t: ir.Value, sl: ir.Value, slices: int) -> tuple[ir.Value, ir.Value]:
-        """Row t's scale and sum over `slices` 16-slices from slice `sl` (one scale block)."""
+    def block_scales(self, t: ir.Value, sl: ir.Value, slices: int, summed: bool = True
+                     ) -> tuple[ir.Value, ir.Value | None]:
+        """Row t's scale and sum over `slices` 16-slices from slice `sl` (one scale block); no sum unless
+        `summed` (a dot product that took its zero point in has no offset term to scale it by)."""
         f = self.f
+        if not summed:
+            return f.load(self.d_ptr(t), sl), None
         total = f.load(self.s_ptr(t), sl)
         for extra in range(1, slices):
             total = f.fadd(total, f.load(self.s_ptr(t), f.add(sl, extra)))

@@ -22,6 +22,7 @@ from xdsl.ir import Attribute, Block
 
 from llmc.abi import SYNC_WORDS
 from llmc.backends.cpu import KernelLibrary, compile_to_object, link_shared
+from llmc.backends.cpu.gemm import PREFETCH_BYTES
 from llmc.backends.cpu.target import cpu_target, integer_isa
 from llmc.ir import tgt
 from llmc.ir.layouts import QRowLayout, qrows_nbytes
@@ -56,10 +57,12 @@ def kernel_op(make: Callable[..., tgt.Kernel], types: list[Attribute]) -> tgt.Ke
 class Kernel:
     """One kernel op compiled alone; `kernel(values, nth)` calls it with operands by name."""
 
-    def __init__(self, tmp_path: Path, tm: Machine, make: Callable[..., tgt.Kernel], types: list[Attribute]):
+    def __init__(self, tmp_path: Path, tm: Machine, make: Callable[..., tgt.Kernel], types: list[Attribute],
+                 prefetch_bytes: int = PREFETCH_BYTES):
         self.op = kernel_op(make, types)
         module = ir.Module(name="kernels")
-        self.fn = KernelLibrary(module).kernel(self.op)
+        self.fn = KernelLibrary(module, prefetch_bytes=prefetch_bytes).kernel(self.op)
+        self.ir = str(module)
         path = link_shared([compile_to_object(module, tm.tm)], tmp_path / f"k_{uuid.uuid4().hex}.so")
         self.library = ctypes.CDLL(str(path))
         self.amx, _ = amx_permission.enable(self.library)  # kernels with `isa amx` may use the tiles

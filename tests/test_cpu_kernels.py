@@ -20,7 +20,18 @@ import uuid
 import host
 import numpy as np
 import pytest
-from kernel_harness import IDX, Kernel, Machine, assert_close, f32, kernel_op, qrows_of, rand, read_qrows
+from kernel_harness import (
+    IDX,
+    Kernel,
+    Machine,
+    assert_close,
+    f32,
+    kernel_op,
+    lm_head_op,
+    qrows_of,
+    rand,
+    read_qrows,
+)
 from llvmlite import ir
 from xdsl.dialects.builtin import i32
 from xdsl.ir import Block
@@ -37,8 +48,8 @@ from llmc.backends.cpu import (
 )
 from llmc.backends.cpu import amx as amx_tiles
 from llmc.backends.cpu.codegen import read_probe
-from llmc.backends.cpu.gemm import CHUNK_BYTES, CHUNKS_PER_THREAD, DEALT_SHARE, TILE_COLS
-from llmc.backends.cpu.target import CPUS, cpu_target, integer_isa, llvm_features
+from llmc.backends.cpu.gemm import CHUNK_BYTES, CHUNKS_PER_THREAD, DEALT_SHARE, PREFETCH_BYTES, TILE_COLS
+from llmc.backends.cpu.target import CPUS, cpu_target, integer_isa, llvm_features, near_prefetch_bytes
 from llmc.errors import LlmcError, UsageError
 from llmc.ir import tgt
 from llmc.ir.formats import FORMATS, Storage, integer_matmul, quantize_rows, slice_sums
@@ -657,6 +668,31 @@ def test_link_failure(tmp_path):
         link_shared([b"not an object file"], tmp_path / "k.so")
     assert "\n" not in str(info.value)
     assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_cpu_s_prefetch_distance_changes_the_one_row_code_not_its_results(tmp_path):
+    """`target.near_prefetch_bytes` (Zen 5's: 8 KB, twice the default) reaches a one-row tiles kernel: its code
+    differs from the default distance's, its results are the same bits, on one thread and on two."""
+    isa_cpu = host.ISA_CPUS[tgt.Isa.VNNI512]
+    if not host.runs(isa_cpu):
+        pytest.skip(host.why_not(isa_cpu))
+    near = near_prefetch_bytes(cpu_target("znver5"))
+    assert near != PREFETCH_BYTES == near_prefetch_bytes(cpu_target("znver4"))
+    N, K = 300, 1024  # (a strip's 32 blocks of q4_1 codes: 8 KB, so the farther prefetch lands in the next strip)
+    types = [tgt.memref(1, K), tgt.WeightType((N, K), Storage.Q4_1, Layout.TILES), tgt.memref(1, N), IDX,
+             tgt.WeightType((K,), Storage.F32)]
+    rng = np.random.default_rng(5)
+    data = pack(FORMATS[Storage.Q4_1].quantize(rand(rng, N, K)), Layout.TILES)
+    x, g = rand(rng, 1, K), rand(rng, K)
+    machine = Machine(isa_cpu, target_machine(isa_cpu))
+    kernels = [Kernel(tmp_path, machine, lm_head_op(1, K), types, prefetch_bytes=b) for b in (PREFETCH_BYTES, near)]
+    assert kernels[0].ir != kernels[1].ir
+    for nth in (1, 2):
+        outs = [np.zeros((1, N), np.float32) for _ in kernels]
+        for k, out in zip(kernels, outs):
+            k({"x": x, "weight": data, "out": out, "rows": 1, "norm": g}, nth=nth)
+        assert np.abs(outs[0]).max() > 0
+        np.testing.assert_array_equal(outs[1], outs[0])
 
 
 # the kernel cache ------------------------------------------------------------------

@@ -69,7 +69,7 @@ TILE_COLS = {1: 4, 2: 2}
 # Rows per block: the x rows of one block stay in L2 while every weight tile passes.
 BLOCK_BYTES = 192 * 1024
 MAX_BLOCK_ROWS = 64
-PREFETCH_BYTES = 4096  # how far ahead the integer kernels prefetch weight codes (into L1) …
+PREFETCH_BYTES = 4096  # how far ahead the integer kernels prefetch weight codes (into L1; tiles: by target) …
 FAR_PREFETCH_BYTES = 32768  # … and by the tiles kernels' tiles of 4 rows or more, into L2: a block of 8 rows takes
 # ~150 cycles, so 4 KB ahead comes too late from DRAM, and farther ahead into L1 fills its miss buffers (an 8-row
 # int8-row LM head, Zen 4: 1.77 ms with L1 at 4 KB, 1.49 ms with L2 at 32 KB; one row is as fast with either)
@@ -199,7 +199,7 @@ def row_tiles(f: KernelBuilder, rows: Rows, first: ir.Value, end: ir.Value, size
 
 def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt.WeightType]],
           finish: Finish, tid: ir.Value, nth: ir.Value, work: ir.Value, isa: tgt.Isa | None, unit: int | None = None,
-          flush: Callable[[ir.Value, int, ir.Value], None] | None = None) -> None:
+          flush: Callable[[ir.Value, int, ir.Value], None] | None = None, prefetch: int = PREFETCH_BYTES) -> None:
     """For every tile of rows ts and columns js: finish(ts, js, vals) with
     vals[w][r][c] = x̂[ts[r]] · weights[w][js[c]], x̂ the rows (RMS-normalised when
     `rows.norm`: the scale 1/rms is applied to the finished dot product, the norm weight
@@ -207,7 +207,8 @@ def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt
     (a tile's width by default; dealt from the counter `work` where the rows are one block,
     a fixed share of each block otherwise); the last thread takes the columns left over.
     With `flush`, after the tiles of one unit of columns for a tile of rows `t` of `r`
-    rows: flush(t, r, j0) (quantized outputs are written from there)."""
+    rows: flush(t, r, j0) (quantized outputs are written from there). Tiles of fewer than 4 rows
+    prefetch a tiles weight's codes `prefetch` bytes ahead (`target.near_prefetch_bytes`)."""
     b = f.b
     nw = len(weights)
     K = rows.K
@@ -217,7 +218,7 @@ def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt
     column_bytes = sum(t.nbytes for _, t in weights) // N  # (of every weight: what dealing a unit hands out)
     if weights[0][1].layout is Layout.TILES:
         gemm_tiles(f, rows, N, [TiledWeight(f, p, t) for p, t in weights], column_bytes, finish, tid, nth, work, isa,
-                   unit, flush)
+                   unit, flush, prefetch)
         return
     integer = weights[0][1].layout is Layout.SPLIT
     access = [SplitWeight(f, p, t) if integer else (weight_ptr(f, p, t.storage), t.storage) for p, t in weights]
@@ -381,7 +382,8 @@ def broadcast_quad(f: KernelBuilder, q: QRowsAccess, t: ir.Value, k: ir.Value, p
 
 
 def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], column_bytes: int, finish: Finish,
-               tid: ir.Value, nth: ir.Value, work: ir.Value, isa: tgt.Isa, unit: int, flush) -> None:
+               tid: ir.Value, nth: ir.Value, work: ir.Value, isa: tgt.Isa, unit: int, flush,
+               prefetch: int = PREFETCH_BYTES) -> None:
     """Quantized rows × weights in the tiles layout. Whole 16-row blocks on AMX tiles where the
     kernel has `isa amx` (and the runtime allowed them); every other row on VNNI-512: per strip
     of 16 columns and 32-block, 8 `vpdpbusd` of the block's code vectors and 4 broadcast
@@ -408,7 +410,7 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
         for si in range(nstrips):
             s = b.sdiv(f.add(j0, si * STRIP), f.i64(STRIP))
             # one weight at a time (swiglu: gate, then up): a tile's codes and accumulators stay in registers
-            sums = [_strip_dot(f, rows.q, w, f.add(rows.first, t), r, s, step) for w in access]  # (last_row: last)
+            sums = [_strip_dot(f, rows.q, w, f.add(rows.first, t), r, s, step, prefetch) for w in access]  # (last_row: last)
             for wi in range(len(access)):
                 for ri in range(r):
                     for c in range(min(STRIP, width - si * STRIP)):
@@ -433,8 +435,10 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
 
 
 def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r: int, s: ir.Value,
-               step: int) -> list[ir.Value]:
-    """`<16 x float>` per row: rows t..t+r · the 16 columns of strip s of `w`, scaled every `step` 16-slices."""
+               step: int, prefetch: int = PREFETCH_BYTES) -> list[ir.Value]:
+    """`<16 x float>` per row: rows t..t+r · the 16 columns of strip s of `w`, scaled every `step` 16-slices (the
+    codes prefetched into L1 `prefetch` bytes ahead for fewer than 4 rows, into L2 `FAR_PREFETCH_BYTES` ahead
+    for more)."""
     b = f.b
     accs = [acc for [acc] in _accumulators(f, vec(F32, STRIP), 1, r, 1, "tacc")[0]]
     # Several rows: one vpdpbusd chain per row and plane, emitted quad by quad across the rows, so that a row's
@@ -447,7 +451,7 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
     zero = ir.Constant(vec(I32, STRIP), [0] * STRIP)
     eight = ir.Constant(vec(I32, STRIP), [8] * STRIP)
     with f.loop(0, w.blocks, name="blk", unroll=False) as blk:
-        w.prefetch(s, blk, *((FAR_PREFETCH_BYTES, 2) if across else (PREFETCH_BYTES, 1)))
+        w.prefetch(s, blk, *((FAR_PREFETCH_BYTES, 2) if across else (prefetch, 1)))
         codes = w.quads(s, blk)
         xs_by_row = [[[broadcast_quad(f, q, f.add(t, ri), f.add(f.mul(blk, TILE_K), 4 * quad), plane)
                        for quad in range(QUADS)] for plane in range(q.planes)] for ri in range(r)]
@@ -482,7 +486,8 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
 
 
 def gemm_screened(f: KernelBuilder, rows: Rows, coarse: QRowsAccess, N: int, weight: tuple[ir.Value, tgt.WeightType],
-                  finish: Finish, margin: float, tid: ir.Value, nth: ir.Value, work: ir.Value) -> None:
+                  finish: Finish, margin: float, tid: ir.Value, nth: ir.Value, work: ir.Value,
+                  prefetch: int = PREFETCH_BYTES) -> None:
     """A screened matmul (`tgt.matmul … screen M`) in the tiles layout: `rows` int16, `coarse` the same rows
     quantized to int8. Per block of `SCREEN_COLUMNS` columns (dealt whole, so the blocks do not depend on the
     threads) and tile of rows: every strip's products with the int8 rows, finished, each row's largest result
@@ -513,7 +518,7 @@ def gemm_screened(f: KernelBuilder, rows: Rows, coarse: QRowsAccess, N: int, wei
 
             def coarse_strip(si: ir.Value, cols: int) -> None:
                 s, js = strip_columns(si, cols)
-                sums = _strip_dot(f, coarse, w, t, r, s, step)
+                sums = _strip_dot(f, coarse, w, t, r, s, step, prefetch)
                 lanes = [[b.extract_element(v, ir.Constant(I32, c)) for c in range(cols)] for v in sums]
                 finish([f.add(t, ri) for ri in range(r)], js, [lanes])
                 for ri in range(r):
@@ -527,7 +532,7 @@ def gemm_screened(f: KernelBuilder, rows: Rows, coarse: QRowsAccess, N: int, wei
                     near = f.fsub(f.load(block_best, ri), f.f32(margin), flags=())
                     top = f.load(strip_best, f.add(f.mul(si, rows_max), ri))
                     with f.when(b.fcmp_ordered(">=", top, near)):
-                        [exact] = _strip_dot(f, rows.q, w, f.add(t, ri), 1, s, step)
+                        [exact] = _strip_dot(f, rows.q, w, f.add(t, ri), 1, s, step, prefetch)
                         finish([f.add(t, ri)], js, [[[b.extract_element(exact, ir.Constant(I32, c))
                                                       for c in range(cols)]]])
 

@@ -33,7 +33,17 @@ from xdsl.dialects.builtin import MemRefType
 from llmc.abi import SYNC_LINE_WORDS
 from llmc.backends.builder import F32, I32, I64, VOID, KernelBuilder, f32_table
 from llmc.backends.cpu import attention
-from llmc.backends.cpu.gemm import TILE_ROWS, Rows, floats, gemm, gemm_screened, inv_rms, load_weight, weight_ptr
+from llmc.backends.cpu.gemm import (
+    PREFETCH_BYTES,
+    TILE_ROWS,
+    Rows,
+    floats,
+    gemm,
+    gemm_screened,
+    inv_rms,
+    load_weight,
+    weight_ptr,
+)
 from llmc.backends.cpu.quant import (
     I8,
     I8PTR,
@@ -65,9 +75,10 @@ class KernelLibrary:
     objects are linked together.
     """
 
-    def __init__(self, module: ir.Module, *, separate: bool = False):
+    def __init__(self, module: ir.Module, *, separate: bool = False, prefetch_bytes: int = PREFETCH_BYTES):
         self.module = module
         self.separate = separate
+        self.prefetch_bytes = prefetch_bytes  # one row's tiles prefetch distance (`target.near_prefetch_bytes`)
         self.modules: list[Deferred] = []  # with `separate`: one per kernel
         self._cache: dict[tuple, ir.Function] = {}
 
@@ -83,11 +94,11 @@ class KernelLibrary:
             name = f"{name}_{hashlib.sha256(repr(key).encode()).hexdigest()[:8]}"
 
         def build(name: str = name) -> ir.Module:
-            own = KernelLibrary(ir.Module(name))
+            own = KernelLibrary(ir.Module(name), prefetch_bytes=self.prefetch_bytes)
             own._emit(key, op, name)
             return own.module
 
-        self.modules.append(Deferred(f"{name} {key!r} {compiler_version()}", build))
+        self.modules.append(Deferred(f"{name} {key!r} prefetch {self.prefetch_bytes} {compiler_version()}", build))
         parameters = _parameters(op)
         self._cache[key] = ir.Function(self.module, ir.FunctionType(VOID, [t for _, t in parameters]), name=name)
         return self._cache[key]
@@ -374,11 +385,12 @@ def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> 
     if op.screen is not None:  # (int16 `quantize` rows: the same rows in int8 too, for the first products)
         fine, coarse = _private_rows(f, op, a, K, [op.quantize, tgt.QRowsType(op.quantize.rows, op.quantize.width)])
         rows = Rows(f, fine.base, op.quantize, K, a["rows"], None, None, False)
-        gemm_screened(f, rows, coarse, N, weight, finish, op.screen.value.data, a["tid"], a["nth"], a["work"])
+        gemm_screened(f, rows, coarse, N, weight, finish, op.screen.value.data, a["tid"], a["nth"], a["work"],
+                      lib.prefetch_bytes)
         return
     rows = _projection_rows(f, op, a, K, op.last_row is not None)
     isa = op.isa.data if op.isa is not None else None
-    gemm(f, rows, N, [weight], finish, a["tid"], a["nth"], a["work"], isa)
+    gemm(f, rows, N, [weight], finish, a["tid"], a["nth"], a["work"], isa, prefetch=lib.prefetch_bytes)
 
 
 @EMITTERS.implement(tgt.SwigluOp)
@@ -425,9 +437,10 @@ def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> 
     weights = [(a["gate"], _weight_type(op.gate)), (a["up"], _weight_type(op.up))]
     isa = op.isa.data if op.isa is not None else None
     if q is None:
-        gemm(f, rows, N, weights, finish, a["tid"], a["nth"], a["work"], isa)
+        gemm(f, rows, N, weights, finish, a["tid"], a["nth"], a["work"], isa, prefetch=lib.prefetch_bytes)
         return
-    gemm(f, rows, N, weights, finish, a["tid"], a["nth"], a["work"], isa, unit=ACT_BLOCK, flush=flush)
+    gemm(f, rows, N, weights, finish, a["tid"], a["nth"], a["work"], isa, unit=ACT_BLOCK, flush=flush,
+         prefetch=lib.prefetch_bytes)
 
 
 # ------------------------------------------------------------------------ mixture of experts

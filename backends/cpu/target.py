@@ -111,6 +111,20 @@ def a16_cost(target: TargetAttr) -> tuple[float, float]:
     return (A16_PREFILL_ON_AMX if amx else prefill), decode
 
 
+# How far ahead (bytes of weight codes) a tiles kernel of fewer than 4 rows prefetches into L1, by CPU name: a
+# core's read rate times DRAM's latency. 4 KB where measured otherwise (Zen 4: 2 and 8 KB no faster; AVX2 hosts:
+# 1–16 KB alike). Zen 5 reads about 69 GB/s a core, twice Zen 4's: 8 KB made SmolLM2's one-row decode step 5%
+# faster there (1.52 → 1.45 ms), 12 and 16 KB slower, into L2 16 or 32 KB ahead 11–17% slower.
+NEAR_PREFETCH_BYTES = {"znver5": 8192}
+
+
+def near_prefetch_bytes(target: TargetAttr) -> int:
+    """The one-row tiles kernels' prefetch distance on `target` (`gemm.PREFETCH_BYTES` unless the table says)."""
+    from llmc.backends.cpu.gemm import PREFETCH_BYTES
+
+    return NEAR_PREFETCH_BYTES.get(target.cpu.data, PREFETCH_BYTES)
+
+
 AMX_MIN_ROWS = 16  # entry points of at least this many rows get AMX tiles (one tile of rows)
 
 

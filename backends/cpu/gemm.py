@@ -199,7 +199,7 @@ def row_tiles(f: KernelBuilder, rows: Rows, first: ir.Value, end: ir.Value, size
 
 def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt.WeightType]],
           finish: Finish, tid: ir.Value, nth: ir.Value, work: ir.Value, isa: tgt.Isa | None, unit: int | None = None,
-          flush: Callable[[ir.Value, int, ir.Value], None] | None = None, prefetch: int = PREFETCH_BYTES) -> None:
+          flush: Callable[[ir.Value, int, ir.Value], None] | None = None, *, prefetch: int) -> None:
     """For every tile of rows ts and columns js: finish(ts, js, vals) with
     vals[w][r][c] = x̂[ts[r]] · weights[w][js[c]], x̂ the rows (RMS-normalised when
     `rows.norm`: the scale 1/rms is applied to the finished dot product, the norm weight
@@ -382,8 +382,7 @@ def broadcast_quad(f: KernelBuilder, q: QRowsAccess, t: ir.Value, k: ir.Value, p
 
 
 def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], column_bytes: int, finish: Finish,
-               tid: ir.Value, nth: ir.Value, work: ir.Value, isa: tgt.Isa, unit: int, flush,
-               prefetch: int = PREFETCH_BYTES) -> None:
+               tid: ir.Value, nth: ir.Value, work: ir.Value, isa: tgt.Isa, unit: int, flush, prefetch: int) -> None:
     """Quantized rows × weights in the tiles layout. Whole 16-row blocks on AMX tiles where the
     kernel has `isa amx` (and the runtime allowed them); every other row on VNNI-512: per strip
     of 16 columns and 32-block, 8 `vpdpbusd` of the block's code vectors and 4 broadcast
@@ -435,7 +434,7 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
 
 
 def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r: int, s: ir.Value,
-               step: int, prefetch: int = PREFETCH_BYTES) -> list[ir.Value]:
+               step: int, prefetch: int) -> list[ir.Value]:
     """`<16 x float>` per row: rows t..t+r · the 16 columns of strip s of `w`, scaled every `step` 16-slices (the
     codes prefetched into L1 `prefetch` bytes ahead for fewer than 4 rows, into L2 `FAR_PREFETCH_BYTES` ahead
     for more)."""
@@ -486,8 +485,7 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
 
 
 def gemm_screened(f: KernelBuilder, rows: Rows, coarse: QRowsAccess, N: int, weight: tuple[ir.Value, tgt.WeightType],
-                  finish: Finish, margin: float, tid: ir.Value, nth: ir.Value, work: ir.Value,
-                  prefetch: int = PREFETCH_BYTES) -> None:
+                  finish: Finish, margin: float, tid: ir.Value, nth: ir.Value, work: ir.Value, prefetch: int) -> None:
     """A screened matmul (`tgt.matmul … screen M`) in the tiles layout: `rows` int16, `coarse` the same rows
     quantized to int8. Per block of `SCREEN_COLUMNS` columns (dealt whole, so the blocks do not depend on the
     threads) and tile of rows: every strip's products with the int8 rows, finished, each row's largest result

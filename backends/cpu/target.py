@@ -112,9 +112,10 @@ def a16_cost(target: TargetAttr) -> tuple[float, float]:
 
 
 # How far ahead (bytes of weight codes) a tiles kernel of fewer than 4 rows prefetches into L1, by CPU name: a
-# core's read rate times DRAM's latency. 4 KB where measured otherwise (Zen 4: 2 and 8 KB no faster; AVX2 hosts:
-# 1–16 KB alike). Zen 5 reads about 69 GB/s a core, twice Zen 4's: 8 KB made SmolLM2's one-row decode step 5%
-# faster there (1.52 → 1.45 ms), 12 and 16 KB slower, into L2 16 or 32 KB ahead 11–17% slower.
+# core's read rate times DRAM's latency. `gemm.PREFETCH_BYTES` (4 KB) elsewhere: on Zen 4, 2 and 8 KB were no
+# faster. Zen 5 reads about 69 GB/s a core, twice Zen 4's: 8 KB made SmolLM2's one-row decode step 5% faster there
+# (1.54 → 1.46 ms), 12 and 16 KB slower, into L2 16 or 32 KB ahead 11–17% slower. (The AVX2 split layout keeps
+# `PREFETCH_BYTES` on every CPU: 1–16 KB could not be told apart there.)
 NEAR_PREFETCH_BYTES = {"znver5": 8192}
 
 

@@ -22,6 +22,7 @@ Every way a rendering fails is a `ChatTemplateError`.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import re
 import sys
@@ -49,6 +50,7 @@ MAX_INT_BITS = 1 << 16  # integers past this make arithmetic slow (CPython's div
 _ON_TIME = "llmc_on_time"  # the filter `_CodeGenerator` puts on every loop
 _PERCENT_CONVERSION = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?[^\d]")
 _TRACED = ("jinja2.", "markupsafe", __name__)  # the modules whose calls `_Budget.tick` checks
+_RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR  # `_Budget.tick` skips these
 _FLOAT_DIGITS = 320  # the most characters '%f' writes for a float beyond its precision
 
 
@@ -161,9 +163,12 @@ class _Budget:
 
     def tick(self, frame: FrameType, event: str, arg: object) -> None:
         """A trace function that ends what runs at the deadline, checked at each call of jinja2's
-        own code (compiling). Only there: Python drops what a garbage collector's callback or a
-        finalizer raises, and the trace function with it, so the deadline would be gone."""
-        if frame.f_globals.get("__name__", "").startswith(_TRACED):
+        own functions (compiling). Only there, and not where a generator resumes: Python drops
+        what a garbage collector's callback or a finalizer raises, and the trace function with
+        it, so the deadline would be gone. A generator's resumption can be its finalizer (a
+        dropped generator is closed, which resumes it: `next(g for g in ...)` in jinja2's lexer
+        does this at each token), and the compiling goes on through plain calls anyway."""
+        if not frame.f_code.co_flags & _RESUMABLE and frame.f_globals.get("__name__", "").startswith(_TRACED):
             self.on_time()
 
 

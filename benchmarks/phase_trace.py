@@ -1,4 +1,4 @@
-"""Where a one-row decode step's time goes, phase by phase, from an instrumented build.
+"""Where a decode step's time goes, phase by phase, from an instrumented build.
 
     git apply benchmarks/phase_trace.patch       # llmc_barrier stamps each arrival and departure
     LLMC_CACHE_DIR=$(mktemp -d) .venv/bin/llmc compile smollm2-135m -o /tmp/traced.llmc
@@ -7,7 +7,7 @@
 
 The patch makes every barrier write the time stamp counter at each thread's arrival and departure into
 `llmc_btrace` (per barrier instance: the first thread to arrive, then the last). This script runs `--steps`
-decode calls of one row on 2 threads and prints, for each barrier's place in a layer (`--period` barriers
+decode calls of `--rows` rows (default 1) on 2 threads and prints, for each barrier's place in a layer (`--period` barriers
 from the `--first` of a step, `--layers` times: SmolLM2's are after q/k/v, attention, o, swiglu and down)
 and for each other barrier of a step, the median time from the previous barrier's release to this one's
 (the phase's wall time) and the median skew (how long the first thread to arrive waited for the last).
@@ -38,12 +38,13 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--depth", type=int, default=32)
+    parser.add_argument("--rows", type=int, default=1, help="rows a call (at most the artifact's --max-batch)")
     args = parser.parse_args()
     session = open_session(args.artifact, threads=2)
-    tokens, slots = np.array([100], np.int32), np.array([0], np.int32)
-    logits = np.zeros((1, session.vocab_size), np.float32)
+    tokens, slots = np.full(args.rows, 100, np.int32), np.arange(args.rows, dtype=np.int32)
+    logits = np.zeros((args.rows, session.vocab_size), np.float32)
     for depth in range(0, args.depth + 1, 8):  # every cache page touched first
-        session.run("decode", tokens, np.array([depth], np.int32), slots, logits)
+        session.run("decode", tokens, np.full(args.rows, depth, np.int32), slots, logits)
     try:
         ring = (ctypes.c_int64 * (SLOTS * 8)).in_dll(session.library, "llmc_btrace")
     except ValueError:
@@ -51,7 +52,7 @@ def main() -> int:
     ctypes.memset(ring, 0, ctypes.sizeof(ring))
     start = time.perf_counter()
     for _ in range(args.steps):
-        session.run("decode", tokens, np.array([args.depth], np.int32), slots, logits)
+        session.run("decode", tokens, np.full(args.rows, args.depth, np.int32), slots, logits)
     seconds = time.perf_counter() - start
     stamps = np.ctypeslib.as_array(ring).reshape(SLOTS, 2, 4)
     used = sorted((g for g in range(SLOTS) if stamps[g, 0, 0] and stamps[g, 1, 0]), key=lambda g: stamps[g, 0, 0])

@@ -210,6 +210,60 @@ def test_attention_in_a_cache_of_several_sequences(tmp_path, tm, nth):
             assert_close(out[t : t + 1], ref_attention(qr[t : t + 1], keys, values, pos[t : t + 1]))
 
 
+@pytest.mark.parametrize("nth", [1, 2, 3])
+@pytest.mark.parametrize("cache", [f32, np.float16])
+def test_decode_rows_of_sequences_of_their_own_take_whole_items(tmp_path, tm, nth, cache):
+    """A decode of 7 rows, each in a sequence of its own, at depths near each other (and an 8th outside the cache,
+    skipped): the threads take whole (row, kv head) items and wait at no barrier inside the kernel (the barrier's
+    generation never moves); each row's rotated K and its V are in its sequence's cache and its output matches the
+    reference over that cache (RoPE, GQA) and, bit for bit, the output of the row decoded alone. Two rows of one
+    sequence, or one row far longer than the rest, have the threads split the positions instead (the generation
+    moves, from 2 threads) and match all the same."""
+    rng = np.random.default_rng(12)
+    H, KVH, D, S, SLOTS, R = 6, 2, 32, 64, 8, 8
+    element = F16_ATTR if cache == np.float16 else F32_ATTR
+    k_fn = Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, p, sl, s, n: tgt.AttentionOp(q, k, v, kc, vc, o, p, s, n,
+                                                                                         ROPE, slots=sl),
+                  [tgt.memref(R, H, D), tgt.memref(R, KVH, D), tgt.memref(R, KVH, D),
+                   tgt.memref(SLOTS, KVH, S, D, element_type=element), tgt.memref(SLOTS, KVH, S, D, element_type=element),
+                   tgt.memref(R, H, D), tgt.memref(R, element_type=i32), tgt.memref(R, element_type=i32),
+                   tgt.AttentionOp.partials_type(H, D, R), IDX])
+    calls = [  # (slots, positions, whole items)
+        ([3, 0, 6, 1, 5, 2, 7, 4], [19, 21, 18, 20, 22, 17, 20, S + 3], True),
+        ([3, 3, 6, 1, 5, 2, 7, 4], [23, 24, 19, 21, 23, 18, 21, 5], False),  # rows 0 and 1: one sequence
+        ([0, 1, 2, 3, 4, 5, 6, 7], [60, 2, 3, 2, 4, 3, 2, 3], False),  # row 0: 61 positions of 82
+    ]
+    for slots, pos, whole in calls:
+        slots, pos = np.array(slots, np.int32), np.array(pos, np.int32)
+        kc = rand(rng, SLOTS, KVH, S, D).astype(cache)
+        vc = rand(rng, SLOTS, KVH, S, D).astype(cache)
+        q, k, v = rand(rng, R, H, D), rand(rng, R, KVH, D), rand(rng, R, KVH, D)
+        kc_before, vc_before, out = kc.copy(), vc.copy(), np.zeros((R, H, D), f32)
+
+        def call(rows: int, order: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, out: np.ndarray) -> None:
+            k_fn({"q": q[order].copy(), "k": k[order].copy(), "v": v[order].copy(), "k_cache": k_cache,
+                  "v_cache": v_cache, "out": out, "positions": pos[order], "slots": slots[order],
+                  "partials": np.zeros(tgt.dims(tgt.AttentionOp.partials_type(H, D, R)), f32), "rows": rows}, nth)
+
+        call(R, np.arange(R), kc, vc, out)
+        assert (k_fn.sync[1] == 0) == (whole or nth == 1)
+        for t in range(R if whole else 0):
+            alone = np.zeros((R, H, D), f32)
+            call(1, np.roll(np.arange(R), -t), kc_before.copy(), vc_before.copy(), alone)
+            np.testing.assert_array_equal(alone[0], out[t])
+        inside = pos < S
+        for t in np.flatnonzero(inside):
+            p = pos[t : t + 1]
+            tol = 1e-5 if cache == f32 else 1e-3  # (the kernel's sin and cos are within an ulp of numpy's)
+            np.testing.assert_allclose(kc[slots[t], :, p[0]].astype(f32), ref_rope(k[t : t + 1], p, 10000.0)[0],
+                                       rtol=tol, atol=tol)
+            np.testing.assert_array_equal(vc[slots[t], :, p[0]], v[t].astype(cache))
+            assert_close(out[t : t + 1], ref_attention(ref_rope(q[t : t + 1], p, 10000.0), kc[slots[t]], vc[slots[t]], p))
+        for t in np.flatnonzero(~inside):
+            assert not out[t].any()
+            np.testing.assert_array_equal(kc[slots[t]], kc_before[slots[t]])
+
+
 def q8_rows(x: np.ndarray) -> np.ndarray:
     """Rows `[..., D]` as a q8_0 cache holds them: D int8 values, then one f32 scale per 32 (as bytes)."""
     flat = x.reshape(-1, x.shape[-1])

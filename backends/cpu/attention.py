@@ -4,10 +4,11 @@
 then (after a barrier inside the kernel) each query row against the cache positions up
 to its own, by online softmax over blocks of `POS_BLOCK` positions. Decode splits the
 positions among the threads and merges their partials (flash-decoding; one row without a barrier
-inside the kernel: the last thread writes the row's K and V, the last to finish merges), and reads each V
-row once from the cache for a set of queries (`DIRECT_V_CHUNKS`); prefill deals tiles of
-`QUERY_TILE` rows × one kv head to the threads. sin and cos are inline polynomials
-(`KernelBuilder.sincos`): no libm.
+inside the kernel: the last thread writes the row's K and V, the last to finish merges), or gives
+the threads whole (row, kv head) items (several rows of sequences of their own, lengths that deal
+evenly: no barrier either), and reads each V row once from the cache for a set of queries
+(`DIRECT_V_CHUNKS`); prefill deals tiles of `QUERY_TILE` rows × one kv head to the threads. sin and
+cos are inline polynomials (`KernelBuilder.sincos`): no libm.
 """
 
 from __future__ import annotations
@@ -122,7 +123,12 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
     older positions only); each thread rotates the queries into a buffer of its own; each leaves
     its partials, and the last of them to arrive (the work counter) merges every head.
 
-    Several rows:
+    Several rows, each in a sequence of its own, the longest at most a quarter of a thread's share of all
+    the positions (`whole_items`; a batch decoding together): each thread takes (row, kv head) items in
+    turn, writes the row's K and V of that head, rotates that head's queries into a buffer of its own,
+    attends to all the row's positions and stores the heads. No barrier.
+
+    Other rows:
     1. RoPE and the cache write, the threads sharing (row, head) pairs; a barrier.
     2. Online softmax over blocks of `POS_BLOCK` positions (the scores of one block on the
        stack, whatever the context length). Up to `op.split_rows` rows (decode: 4, or its
@@ -397,42 +403,47 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
 
     stride = D + 2  # a partial: max, sum, D weighted values
 
-    def leave_partials(t: ir.Value, h: ir.Value) -> None:
-        """This thread's partials of row t's queries of kv head h (`attend`'s running max, sum and sums)."""
+    def leave_partials(t: ir.Value, h: ir.Value, part: ir.Value = tid) -> None:
+        """Share `part`'s partials (this thread's) of row t's queries of kv head h (`attend`'s running max, sum and
+        sums)."""
         for g in range(G):
-            base = f.mul(f.add(f.mul(f.add(f.mul(tid, SPLIT), t), H), f.add(f.mul(h, G), g)), stride)
+            base = f.mul(f.add(f.mul(f.add(f.mul(part, SPLIT), t), H), f.add(f.mul(h, G), g)), stride)
             f.store(f.load(m_buf, g), partials, base)
             f.store(f.load(l_buf, g), partials, f.add(base, 1))
             for o, w in chunks:
                 f.vstore(f.vload(acc, f.i64(g * D + o), w), partials, f.add(base, 2 + o))
 
-    def share_of(t: ir.Value) -> tuple[ir.Value, ir.Value]:
-        """This thread's positions of row t: its part of them in order (the last thread's ends at the row's own)."""
+    def share_of(t: ir.Value, part: ir.Value = tid) -> tuple[ir.Value, ir.Value]:
+        """Share `part` (this thread's) of row t's positions: its part of them in order (the last share ends at the
+        row's own)."""
         lo = first_position(t)
-        return tuple(f.add(lo, s) for s in f.share(f.sub(f.add(position(t), 1), lo), tid, nth))
+        return tuple(f.add(lo, s) for s in f.share(f.sub(f.add(position(t), 1), lo), part, nth))
 
-    def share_positions(t: ir.Value) -> tuple[ir.Value, ir.Value]:
-        """`share_of(t)`, set as the positions `attend` reads."""
-        s_lo, s_hi = share_of(t)
+    def share_positions(t: ir.Value, part: ir.Value = tid) -> tuple[ir.Value, ir.Value]:
+        """`share_of(t, part)`, set as the positions `attend` reads."""
+        s_lo, s_hi = share_of(t, part)
         f.store(s_hi, limits, 0)
         f.store(s_lo, starts, 0)
         return s_lo, s_hi
 
+
     row_bytes = W * {F32: 4, F16: 2, I8: 1}[element]
 
+    def prefetch_kv(t: ir.Value, h: ir.Value, s_lo: ir.Value, s_hi: ir.Value) -> None:
+        """Into L2: row t's K and V rows of kv head h at the first `PREFETCH_POSITIONS` of positions [s_lo, s_hi)."""
+        with f.loop(s_lo, f.smin(s_hi, f.add(s_lo, PREFETCH_POSITIONS)), name="pp") as s:
+            index = f.add(slot_base(t), f.mul(f.add(f.mul(h, S), s), W))
+            for cache in (k_cache, v_cache):
+                row = b.bitcast(f.ptr(cache, index), I8PTR)
+                for line in range(0, row_bytes, 64):
+                    prefetch(f, row, f.i64(line), level=2)
+
     def prefetch_share(t: ir.Value) -> None:
-        """Into L2: the K and V rows of every kv head at the first `PREFETCH_POSITIONS` of this thread's share of
-        row t, if the row is inside the cache."""
+        """`prefetch_kv` of every kv head over this thread's share of row t, if the row is inside the cache."""
         with f.when(inside(t)):
             s_lo, s_hi = share_of(t)
-            base = slot_base(t)
-            with f.loop(0, KVH, name="ph") as h, f.loop(s_lo, f.smin(s_hi, f.add(s_lo, PREFETCH_POSITIONS)),
-                                                       name="pp") as s:
-                index = f.add(base, f.mul(f.add(f.mul(h, S), s), W))
-                for cache in (k_cache, v_cache):
-                    row = b.bitcast(f.ptr(cache, index), I8PTR)
-                    for line in range(0, row_bytes, 64):
-                        prefetch(f, row, f.i64(line), level=2)
+            with f.loop(0, KVH, name="ph") as h:
+                prefetch_kv(t, h, s_lo, s_hi)
 
     def merge(t: ir.Value, head: ir.Value) -> None:
         """Row t's output for query head `head` from every thread's partial (flash-decoding)."""
@@ -482,30 +493,96 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
             with f.loop(0, H, name="mg") as head:
                 merge(t, head)
 
+    def whole_items() -> ir.Value:
+        """Whether a decode of several rows takes whole (row, kv head) items (an i1, the same on every thread):
+        where each row is a sequence of its own (no row reads a cache row another writes) and the longest
+        row's positions are at most a quarter of a thread's share of all of them (no thread's items much more
+        than another's)."""
+        if op.slots is None:
+            return ir.Constant(ir.IntType(1), 0)
+        longest, total, clash = (f.alloca(I64, name=name) for name in ("longest", "total", "clash"))
+        for v in (longest, total, clash):
+            b.store(f.i64(0), v)
+        with f.loop(0, n, name="wt") as t:
+            with f.when(inside(t)):
+                length = f.sub(f.add(position(t), 1), first_position(t))
+                b.store(f.smax(b.load(longest), length), longest)
+                b.store(f.add(b.load(total), f.mul(length, KVH)), total)
+            with f.loop(0, t, name="wu") as u:
+                b.store(f.add(b.load(clash), b.zext(b.icmp_signed("==", slot(t), slot(u)), I64)), clash)
+        balanced = b.icmp_signed("<=", f.mul(f.mul(b.load(longest), 4), nth), b.load(total))
+        return b.and_(b.icmp_signed("==", b.load(clash), f.i64(0)), balanced)
+
+    def decode_items() -> None:
+        """Several rows in sequences of their own, as whole (row, kv head) items, thread `tid` taking items tid,
+        tid + nth, … (their K and V rows prefetched first): an item's thread rotates and writes the row's K and V
+        of that head, rotates the head's G queries into a buffer of its own, and attends to each of the nth shares
+        of the row's positions in turn and merges them, as the threads do for one row (so a row's output is
+        its output alone, bit for bit). No barrier (a short context split among the threads cost two barriers
+        and each thread's setup per row and head: 8 rows at depth 32 took 21 us a layer)."""
+        queries = q if op.rope is None else f.alloca(F32, H * D, name="queries")
+        items = f.mul(n, KVH)
+
+        def prefetch_item(item: ir.Value) -> None:
+            t = b.sdiv(item, f.i64(KVH))
+            with f.when(b.icmp_signed("<", item, items)), f.when(inside(t)):
+                prefetch_kv(t, b.srem(item, f.i64(KVH)), first_position(t), f.add(position(t), 1))
+
+        mine = b.sdiv(f.add(f.sub(items, tid), f.sub(nth, 1)), nth)
+        with f.loop(0, mine, name="ip", unroll=False) as i:
+            prefetch_item(f.add(tid, f.mul(i, nth)))
+        with f.loop(0, mine, name="it", unroll=False) as i:
+            item = f.add(tid, f.mul(i, nth))
+            t, h = b.sdiv(item, f.i64(KVH)), b.srem(item, f.i64(KVH))
+            with f.when(inside(t)):
+                t0 = t
+                if op.rope is not None:
+                    fill(position(t))
+                    t0 = f.i64(0)  # (the rotated queries of row t at their heads' places in `queries`)
+                    group = f.mul(f.mul(h, G), D)
+                    f.vec_map(G * D, [f.ptr(q, f.add(f.mul(t, H * D), group))], f.ptr(queries, group),
+                              lambda x: x[0], name="qi")
+                    _rope_apply(f, f.ptr(queries, group), G, D, op.rope, cos_t, sin_t)
+                write_kv(t, h, filled=True)
+                with f.loop(0, nth, name="ij", unroll=False) as part:
+                    s_lo, s_hi = share_positions(t, part)
+                    attend(t0, 1, h, s_lo, s_hi, slot_base(t), queries)
+                    leave_partials(t, h, part)
+                for g in range(G):
+                    merge(t, f.add(f.mul(h, G), g))
+
     alone = b.icmp_signed("==", n, f.i64(1))
-    with f.when(b.not_(alone)):
-        write_rows()
     split = b.icmp_signed("<=", n, f.i64(SPLIT))
+    several_rows = f.alloca(ir.IntType(1), name="whole")
+    b.store(ir.Constant(ir.IntType(1), 0), several_rows)
+    with f.when(b.and_(split, b.not_(alone))):
+        b.store(whole_items(), several_rows)
+    whole = b.load(several_rows)
+    with f.when(b.not_(b.or_(alone, whole))):
+        write_rows()
     with b.if_else(split) as (decode, prefill):
         with decode:
-            with b.if_else(alone) as (one_row, rows):
+            with b.if_else(alone) as (one_row, several):
                 with one_row:
                     decode_alone()
-                with rows:
-                    prefetch_share(f.i64(0))
-                    with f.loop(0, n, name="dt") as t:
-                        with f.when(b.icmp_signed("<", f.add(t, 1), n)):
-                            prefetch_share(f.add(t, 1))
-                        with f.when(inside(t)):
-                            s_lo, s_hi = share_positions(t)
-                            with f.loop(0, KVH, name="dh") as h:
-                                attend(t, 1, h, s_lo, s_hi, slot_base(t))
-                                leave_partials(t, h)
-                    lib.wait(f.b, a["sync"], nth)
-                    with f.loop(*f.share(f.mul(n, H), tid, nth), name="mg") as item:
-                        t, head = b.sdiv(item, f.i64(H)), b.srem(item, f.i64(H))
-                        with f.when(inside(t)):
-                            merge(t, head)
+                with several, b.if_else(whole) as (items, rows):
+                    with items:
+                        decode_items()
+                    with rows:
+                        prefetch_share(f.i64(0))
+                        with f.loop(0, n, name="dt") as t:
+                            with f.when(b.icmp_signed("<", f.add(t, 1), n)):
+                                prefetch_share(f.add(t, 1))
+                            with f.when(inside(t)):
+                                s_lo, s_hi = share_positions(t)
+                                with f.loop(0, KVH, name="dh") as h:
+                                    attend(t, 1, h, s_lo, s_hi, slot_base(t))
+                                    leave_partials(t, h)
+                        lib.wait(f.b, a["sync"], nth)
+                        with f.loop(*f.share(f.mul(n, H), tid, nth), name="mg") as item:
+                            t, head = b.sdiv(item, f.i64(H)), b.srem(item, f.i64(H))
+                            with f.when(inside(t)):
+                                merge(t, head)
         with prefill:
             tiles = b.sdiv(f.add(n, TQ - 1), f.i64(TQ))
             items = f.mul(tiles, KVH)

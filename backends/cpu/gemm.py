@@ -72,7 +72,11 @@ MAX_BLOCK_ROWS = 64
 PREFETCH_BYTES = 4096  # how far ahead the integer kernels prefetch weight codes (into L1; tiles: by target) …
 FAR_PREFETCH_BYTES = 32768  # … and by the tiles kernels' tiles of 4 rows or more, into L2: a block of 8 rows takes
 # ~150 cycles, so 4 KB ahead comes too late from DRAM, and farther ahead into L1 fills its miss buffers (an 8-row
-# int8-row LM head, Zen 4: 1.77 ms with L1 at 4 KB, 1.49 ms with L2 at 32 KB; one row is as fast with either)
+# int8-row LM head, Zen 4: 1.77 ms with L1 at 4 KB, 1.49 ms with L2 at 32 KB; one row is as fast with either) …
+L2_TO_L1_PREFETCH_BYTES = 2048  # … and, for int16 rows, from L2 into L1 this far ahead: their blocks take twice the
+# vpdpbusd of int8 rows', and the codes' L2 latency showed (SmolLM2's 8-row decode step, Zen 5: 4.79 ms with L2
+# alone, 4.26 with L1 at 2 KB as well, 4.30 at 1 or 4 KB, 4.40 at 8 KB). Int8 rows (a screened head's first pass)
+# go twice as fast through the bytes, and L1 prefetch filled the miss buffers (the 270M model: 7.82 → 8.06 ms).
 DOT_CHAINS = 2  # independent vpdpbusd chains per 32-block (its 8 products, 5 cycles each otherwise in a row)
 DEALT_SHARE = (1, 4)  # of a kernel's units of columns, at most this part is dealt (the rest in fixed shares) …
 CHUNKS_PER_THREAD = 4  # … in chunks of about this many per thread …
@@ -436,8 +440,8 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
 def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r: int, s: ir.Value,
                step: int, prefetch: int) -> list[ir.Value]:
     """`<16 x float>` per row: rows t..t+r · the 16 columns of strip s of `w`, scaled every `step` 16-slices (the
-    codes prefetched into L1 `prefetch` bytes ahead for fewer than 4 rows, into L2 `FAR_PREFETCH_BYTES` ahead
-    for more)."""
+    codes prefetched into L1 `prefetch` bytes ahead for fewer than 4 rows; for more, into L2 `FAR_PREFETCH_BYTES`
+    ahead, and from int16 rows into L1 `L2_TO_L1_PREFETCH_BYTES` ahead as well)."""
     b = f.b
     accs = [acc for [acc] in _accumulators(f, vec(F32, STRIP), 1, r, 1, "tacc")[0]]
     # Several rows: one vpdpbusd chain per row and plane, emitted quad by quad across the rows, so that a row's
@@ -451,6 +455,8 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
     eight = ir.Constant(vec(I32, STRIP), [8] * STRIP)
     with f.loop(0, w.blocks, name="blk", unroll=False) as blk:
         w.prefetch(s, blk, *((FAR_PREFETCH_BYTES, 2) if across else (prefetch, 1)))
+        if across and q.planes == 2:
+            w.prefetch(s, blk, L2_TO_L1_PREFETCH_BYTES, 1)
         codes = w.quads(s, blk)
         xs_by_row = [[[broadcast_quad(f, q, f.add(t, ri), f.add(f.mul(blk, TILE_K), 4 * quad), plane)
                        for quad in range(QUADS)] for plane in range(q.planes)] for ri in range(r)]

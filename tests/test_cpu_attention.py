@@ -210,6 +210,14 @@ def test_attention_in_a_cache_of_several_sequences(tmp_path, tm, nth):
             assert_close(out[t : t + 1], ref_attention(qr[t : t + 1], keys, values, pos[t : t + 1]))
 
 
+def deals_evenly(slots: np.ndarray, lengths: np.ndarray, kv_heads: int, nth: int) -> bool:
+    """Whether decode's rows take whole (row, kv head) items on `nth` threads: every row a sequence of its own, and
+    no thread's items (tid, tid + nth, …) more than 5/4 of a thread's share of the positions they attend to."""
+    load = np.repeat(lengths, kv_heads)
+    heaviest = max(load[j::nth].sum() for j in range(nth))
+    return len(set(slots.tolist())) == len(slots) and 4 * nth * heaviest <= 5 * load.sum()
+
+
 @pytest.mark.parametrize("nth", [1, 2, 3])
 @pytest.mark.parametrize("cache", [f32, np.float16])
 def test_decode_rows_of_sequences_of_their_own_take_whole_items(tmp_path, tm, nth, cache):
@@ -217,8 +225,8 @@ def test_decode_rows_of_sequences_of_their_own_take_whole_items(tmp_path, tm, nt
     skipped): the threads take whole (row, kv head) items and wait at no barrier inside the kernel (the barrier's
     generation never moves); each row's rotated K and its V are in its sequence's cache and its output matches the
     reference over that cache (RoPE, GQA) and, bit for bit, the output of the row decoded alone. Two rows of one
-    sequence, or one row far longer than the rest, have the threads split the positions instead (the generation
-    moves, from 2 threads) and match all the same."""
+    sequence, or (on 3 threads) one row far longer than the rest, have the threads split the positions instead
+    (the generation moves, from 2 threads) and match all the same."""
     rng = np.random.default_rng(12)
     H, KVH, D, S, SLOTS, R = 6, 2, 32, 64, 8, 8
     element = F16_ATTR if cache == np.float16 else F32_ATTR
@@ -231,10 +239,11 @@ def test_decode_rows_of_sequences_of_their_own_take_whole_items(tmp_path, tm, nt
     calls = [  # (slots, positions, whole items)
         ([3, 0, 6, 1, 5, 2, 7, 4], [19, 21, 18, 20, 22, 17, 20, S + 3], True),
         ([3, 3, 6, 1, 5, 2, 7, 4], [23, 24, 19, 21, 23, 18, 21, 5], False),  # rows 0 and 1: one sequence
-        ([0, 1, 2, 3, 4, 5, 6, 7], [60, 2, 3, 2, 4, 3, 2, 3], False),  # row 0: 61 positions of 82
-    ]
+        ([0, 1, 2, 3, 4, 5, 6, 7], [60, 2, 3, 2, 4, 3, 2, 3], nth < 3),  # row 0: 61 positions of 82 (each
+    ]                                                                    # thread one of its heads, from 2 threads)
     for slots, pos, whole in calls:
         slots, pos = np.array(slots, np.int32), np.array(pos, np.int32)
+        assert deals_evenly(slots, np.where(pos < S, pos + 1, 0), KVH, nth) == whole
         kc = rand(rng, SLOTS, KVH, S, D).astype(cache)
         vc = rand(rng, SLOTS, KVH, S, D).astype(cache)
         q, k, v = rand(rng, R, H, D), rand(rng, R, KVH, D), rand(rng, R, KVH, D)

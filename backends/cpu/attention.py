@@ -123,10 +123,10 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
     older positions only); each thread rotates the queries into a buffer of its own; each leaves
     its partials, and the last of them to arrive (the work counter) merges every head.
 
-    Several rows, each in a sequence of its own, the longest at most a quarter of a thread's share of all
-    the positions (`whole_items`; a batch decoding together): each thread takes (row, kv head) items in
-    turn, writes the row's K and V of that head, rotates that head's queries into a buffer of its own,
-    attends to all the row's positions and stores the heads. No barrier.
+    Several rows, each in a sequence of its own, whose (row, kv head) items deal evenly among the threads
+    (`whole_items`; a batch decoding together): each thread takes items tid, tid + nth, …, writes the row's
+    K and V of that head, rotates that head's queries into a buffer of its own, attends to each thread's
+    share of the row's positions in turn and merges them as for one row. No barrier.
 
     Other rows:
     1. RoPE and the cache write, the threads sharing (row, head) pairs; a barrier.
@@ -495,22 +495,28 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
 
     def whole_items() -> ir.Value:
         """Whether a decode of several rows takes whole (row, kv head) items (an i1, the same on every thread):
-        where each row is a sequence of its own (no row reads a cache row another writes) and the longest
-        row's positions are at most a quarter of a thread's share of all of them (no thread's items much more
-        than another's)."""
+        where each row is a sequence of its own (no row reads a cache row another writes) and no thread's items
+        (tid, tid + nth, …) hold more than 5/4 of a thread's share of all the positions they attend to."""
         if op.slots is None:
             return ir.Constant(ir.IntType(1), 0)
-        longest, total, clash = (f.alloca(I64, name=name) for name in ("longest", "total", "clash"))
-        for v in (longest, total, clash):
+        items = f.mul(n, KVH)
+
+        def length(item: ir.Value) -> ir.Value:
+            t = b.sdiv(item, f.i64(KVH))
+            return b.select(inside(t), f.sub(f.add(position(t), 1), first_position(t)), f.i64(0))
+
+        total, heaviest, load, clash = (f.alloca(I64, name=name) for name in ("total", "heaviest", "load", "clash"))
+        for v in (total, heaviest, clash):
             b.store(f.i64(0), v)
-        with f.loop(0, n, name="wt") as t:
-            with f.when(inside(t)):
-                length = f.sub(f.add(position(t), 1), first_position(t))
-                b.store(f.smax(b.load(longest), length), longest)
-                b.store(f.add(b.load(total), f.mul(length, KVH)), total)
-            with f.loop(0, t, name="wu") as u:
-                b.store(f.add(b.load(clash), b.zext(b.icmp_signed("==", slot(t), slot(u)), I64)), clash)
-        balanced = b.icmp_signed("<=", f.mul(f.mul(b.load(longest), 4), nth), b.load(total))
+        with f.loop(0, nth, name="wj") as j:
+            b.store(f.i64(0), load)
+            with f.loop(0, b.sdiv(f.add(f.sub(items, j), f.sub(nth, 1)), nth), name="wi") as i:
+                b.store(f.add(b.load(load), length(f.add(j, f.mul(i, nth)))), load)
+            b.store(f.smax(b.load(heaviest), b.load(load)), heaviest)
+            b.store(f.add(b.load(total), b.load(load)), total)
+        with f.loop(0, n, name="wt") as t, f.loop(0, t, name="wu") as u:
+            b.store(f.add(b.load(clash), b.zext(b.icmp_signed("==", slot(t), slot(u)), I64)), clash)
+        balanced = b.icmp_signed("<=", f.mul(f.mul(b.load(heaviest), 4), nth), f.mul(b.load(total), 5))
         return b.and_(b.icmp_signed("==", b.load(clash), f.i64(0)), balanced)
 
     def decode_items() -> None:

@@ -23,7 +23,7 @@ from xdsl.ir import Attribute, Block
 from llmc.abi import SYNC_WORDS
 from llmc.backends.cpu import KernelLibrary, compile_to_object, link_shared
 from llmc.backends.cpu.gemm import PREFETCH_BYTES
-from llmc.backends.cpu.target import cpu_target, integer_isa
+from llmc.backends.cpu.target import cpu_target, integer_isa, vector_registers
 from llmc.ir import tgt
 from llmc.ir.layouts import QRowLayout, qrows_nbytes
 from llmc.ir.tgt_interpreter import QRows
@@ -61,7 +61,8 @@ class Kernel:
                  prefetch_bytes: int = PREFETCH_BYTES):
         self.op = kernel_op(make, types)
         module = ir.Module(name="kernels")
-        self.fn = KernelLibrary(module, prefetch_bytes=prefetch_bytes).kernel(self.op)
+        self.fn = KernelLibrary(module, prefetch_bytes=prefetch_bytes,
+                                vector_registers=vector_registers(cpu_target(tm.cpu))).kernel(self.op)
         self.ir = str(module)
         path = link_shared([compile_to_object(module, tm.tm)], tmp_path / f"k_{uuid.uuid4().hex}.so")
         self.library = ctypes.CDLL(str(path))

@@ -75,10 +75,12 @@ class KernelLibrary:
     objects are linked together.
     """
 
-    def __init__(self, module: ir.Module, *, separate: bool = False, prefetch_bytes: int = PREFETCH_BYTES):
+    def __init__(self, module: ir.Module, *, separate: bool = False, prefetch_bytes: int = PREFETCH_BYTES,
+                 vector_registers: int = 16):
         self.module = module
         self.separate = separate
         self.prefetch_bytes = prefetch_bytes  # one row's tiles prefetch distance (`target.near_prefetch_bytes`)
+        self.vector_registers = vector_registers  # the target's (`target.vector_registers`)
         self.modules: list[Deferred] = []  # with `separate`: one per kernel
         self._cache: dict[tuple, ir.Function] = {}
 
@@ -94,11 +96,13 @@ class KernelLibrary:
             name = f"{name}_{hashlib.sha256(repr(key).encode()).hexdigest()[:8]}"
 
         def build(name: str = name) -> ir.Module:
-            own = KernelLibrary(ir.Module(name), prefetch_bytes=self.prefetch_bytes)
+            own = KernelLibrary(ir.Module(name), prefetch_bytes=self.prefetch_bytes,
+                                vector_registers=self.vector_registers)
             own._emit(key, op, name)
             return own.module
 
-        self.modules.append(Deferred(f"{name} {key!r} prefetch {self.prefetch_bytes} {compiler_version()}", build))
+        self.modules.append(Deferred(f"{name} {key!r} prefetch {self.prefetch_bytes} registers "
+                                     f"{self.vector_registers} {compiler_version()}", build))
         parameters = _parameters(op)
         self._cache[key] = ir.Function(self.module, ir.FunctionType(VOID, [t for _, t in parameters]), name=name)
         return self._cache[key]

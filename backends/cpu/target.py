@@ -126,6 +126,11 @@ def near_prefetch_bytes(target: TargetAttr) -> int:
     return NEAR_PREFETCH_BYTES.get(target.cpu.data, PREFETCH_BYTES)
 
 
+def vector_registers(target: TargetAttr) -> int:
+    """The vector registers a kernel on `target` has: 32 with AVX-512, 16 otherwise."""
+    return 32 if target.has("avx512f") else 16
+
+
 AMX_MIN_ROWS = 16  # entry points of at least this many rows get AMX tiles (one tile of rows)
 
 

@@ -7,7 +7,8 @@
 
 The patch makes every barrier write the time stamp counter at each thread's arrival and departure into
 `llmc_btrace` (per barrier instance: the first thread to arrive, then the last). This script runs `--steps`
-decode calls of `--rows` rows (default 1) on 2 threads and prints, for each barrier's place in a layer (`--period` barriers
+decode calls of `--rows` rows (one by default; more need an artifact compiled with `--max-batch`) on 2
+threads and prints, for each barrier's place in a layer (`--period` barriers
 from the `--first` of a step, `--layers` times: SmolLM2's are after q/k/v, attention, o, swiglu and down)
 and for each other barrier of a step, the median time from the previous barrier's release to this one's
 (the phase's wall time) and the median skew (how long the first thread to arrive waited for the last).
@@ -41,6 +42,8 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=1, help="rows a call (at most the artifact's --max-batch)")
     args = parser.parse_args()
     session = open_session(args.artifact, threads=2)
+    if not 1 <= args.rows <= session.batch:
+        parser.error(f"--rows must be in 1..{session.batch} (the artifact's --max-batch)")
     tokens, slots = np.full(args.rows, 100, np.int32), np.arange(args.rows, dtype=np.int32)
     logits = np.zeros((args.rows, session.vocab_size), np.float32)
     for depth in range(0, args.depth + 1, 8):  # every cache page touched first

@@ -7,8 +7,8 @@ positions among the threads and merges their partials (flash-decoding; one row w
 inside the kernel: the last thread writes the row's K and V, the last to finish merges), or gives
 the threads whole (row, kv head) items (several rows of sequences of their own, lengths that deal
 evenly: no barrier either), and reads each V row once from the cache for a set of queries (as many
-as half the target's vector registers hold sums for); prefill deals tiles of `QUERY_TILE` rows × one kv head to the threads. sin and
-cos are inline polynomials (`KernelBuilder.sincos`): no libm.
+as half the target's vector registers hold sums for); prefill deals tiles of `QUERY_TILE` rows × one
+kv head to the threads. sin and cos are inline polynomials (`KernelBuilder.sincos`): no libm.
 """
 
 from __future__ import annotations
@@ -427,7 +427,6 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
         f.store(s_lo, starts, 0)
         return s_lo, s_hi
 
-
     row_bytes = W * {F32: 4, F16: 2, I8: 1}[element]
 
     def prefetch_share(t: ir.Value) -> None:
@@ -551,11 +550,11 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
 
     alone = b.icmp_signed("==", n, f.i64(1))
     split = b.icmp_signed("<=", n, f.i64(SPLIT))
-    several_rows = f.alloca(ir.IntType(1), name="whole")
-    b.store(ir.Constant(ir.IntType(1), 0), several_rows)
+    takes_items = f.alloca(ir.IntType(1), name="whole")
+    b.store(ir.Constant(ir.IntType(1), 0), takes_items)
     with f.when(b.and_(split, b.not_(alone))):
-        b.store(whole_items(), several_rows)
-    whole = b.load(several_rows)
+        b.store(whole_items(), takes_items)
+    whole = b.load(takes_items)
     with f.when(b.not_(b.or_(alone, whole))):
         write_rows()
     with b.if_else(split) as (decode, prefill):

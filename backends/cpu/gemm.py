@@ -74,9 +74,9 @@ FAR_PREFETCH_BYTES = 32768  # … and by the tiles kernels' tiles of 4 rows or m
 # ~150 cycles, so 4 KB ahead comes too late from DRAM, and farther ahead into L1 fills its miss buffers (an 8-row
 # int8-row LM head, Zen 4: 1.77 ms with L1 at 4 KB, 1.49 ms with L2 at 32 KB; one row is as fast with either) …
 L2_TO_L1_PREFETCH_BYTES = 2048  # … and, for int16 rows, from L2 into L1 this far ahead: their blocks take twice the
-# vpdpbusd of int8 rows', and the codes' L2 latency showed (SmolLM2's 8-row decode step, Zen 5: 4.79 ms with L2
-# alone, 4.26 with L1 at 2 KB as well, 4.30 at 1 or 4 KB, 4.40 at 8 KB). Int8 rows (a screened head's first pass)
-# go twice as fast through the bytes, and L1 prefetch filled the miss buffers (the 270M model: 7.82 → 8.06 ms).
+# vpdpbusd of int8 rows', and the codes' L2 latency showed (SmolLM2's 8-row decode step, Zen 5: 4.30 ms with L2
+# alone, 3.99 with L1 at 2 KB as well; 1 or 4 KB 1% slower than 2, 8 KB 3%). Int8 rows (a screened head's first
+# pass) go twice as fast through the bytes, and L1 prefetch filled the miss buffers (the 270M model: 7.82 → 8.06 ms).
 DOT_CHAINS = 2  # independent vpdpbusd chains per 32-block (its 8 products, 5 cycles each otherwise in a row)
 DEALT_SHARE = (1, 4)  # of a kernel's units of columns, at most this part is dealt (the rest in fixed shares) …
 CHUNKS_PER_THREAD = 4  # … in chunks of about this many per thread …

@@ -219,21 +219,30 @@ def deals_evenly(slots: np.ndarray, lengths: np.ndarray, kv_heads: int, nth: int
 
 
 @pytest.mark.parametrize("nth", [1, 2, 3])
-@pytest.mark.parametrize("cache", [f32, np.float16])
+@pytest.mark.parametrize("cache", ["f32", "f16", "q8_0"])
 def test_decode_rows_of_sequences_of_their_own_take_whole_items(tmp_path, tm, nth, cache):
     """A decode of 7 rows, each in a sequence of its own, at depths near each other (and an 8th outside the cache,
-    skipped): the threads take whole (row, kv head) items and wait at no barrier inside the kernel (the barrier's
+    skipped), with an f32, f16 or q8_0 cache: the threads take whole (row, kv head) items and wait at no barrier inside the kernel (the barrier's
     generation never moves); each row's rotated K and its V are in its sequence's cache and its output matches the
     reference over that cache (RoPE, GQA) and, bit for bit, the output of the row decoded alone. Two rows of one
     sequence, or (on 3 threads) one row far longer than the rest, have the threads split the positions instead
     (the generation moves, from 2 threads) and match all the same."""
     rng = np.random.default_rng(12)
     H, KVH, D, S, SLOTS, R = 6, 2, 32, 64, 8, 8
-    element = F16_ATTR if cache == np.float16 else F32_ATTR
+    element = {"f32": F32_ATTR, "f16": F16_ATTR, "q8_0": i8}[cache]
+    W = tgt.kv_row_width(D, element)
+
+    def stored(x: np.ndarray) -> np.ndarray:
+        """Rows of D floats as the cache holds them."""
+        return q8_rows(x) if cache == "q8_0" else x.astype(np.float16 if cache == "f16" else f32)
+
+    def values(rows: np.ndarray) -> np.ndarray:
+        """The cache's rows as floats."""
+        return q8_values(rows, D) if cache == "q8_0" else rows.astype(f32)
     k_fn = Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, p, sl, s, n: tgt.AttentionOp(q, k, v, kc, vc, o, p, s, n,
                                                                                          ROPE, slots=sl),
                   [tgt.memref(R, H, D), tgt.memref(R, KVH, D), tgt.memref(R, KVH, D),
-                   tgt.memref(SLOTS, KVH, S, D, element_type=element), tgt.memref(SLOTS, KVH, S, D, element_type=element),
+                   tgt.memref(SLOTS, KVH, S, W, element_type=element), tgt.memref(SLOTS, KVH, S, W, element_type=element),
                    tgt.memref(R, H, D), tgt.memref(R, element_type=i32), tgt.memref(R, element_type=i32),
                    tgt.AttentionOp.partials_type(H, D, R), IDX])
     calls = [  # (slots, positions, whole items)
@@ -244,8 +253,7 @@ def test_decode_rows_of_sequences_of_their_own_take_whole_items(tmp_path, tm, nt
     for slots, pos, whole in calls:
         slots, pos = np.array(slots, np.int32), np.array(pos, np.int32)
         assert deals_evenly(slots, np.where(pos < S, pos + 1, 0), KVH, nth) == whole
-        kc = rand(rng, SLOTS, KVH, S, D).astype(cache)
-        vc = rand(rng, SLOTS, KVH, S, D).astype(cache)
+        kc, vc = stored(rand(rng, SLOTS, KVH, S, D)), stored(rand(rng, SLOTS, KVH, S, D))
         q, k, v = rand(rng, R, H, D), rand(rng, R, KVH, D), rand(rng, R, KVH, D)
         kc_before, vc_before, out = kc.copy(), vc.copy(), np.zeros((R, H, D), f32)
 
@@ -263,11 +271,13 @@ def test_decode_rows_of_sequences_of_their_own_take_whole_items(tmp_path, tm, nt
         inside = pos < S
         for t in np.flatnonzero(inside):
             p = pos[t : t + 1]
-            tol = 1e-5 if cache == f32 else 1e-3  # (the kernel's sin and cos are within an ulp of numpy's)
-            np.testing.assert_allclose(kc[slots[t], :, p[0]].astype(f32), ref_rope(k[t : t + 1], p, 10000.0)[0],
-                                       rtol=tol, atol=tol)
-            np.testing.assert_array_equal(vc[slots[t], :, p[0]], v[t].astype(cache))
-            assert_close(out[t : t + 1], ref_attention(ref_rope(q[t : t + 1], p, 10000.0), kc[slots[t]], vc[slots[t]], p))
+            # (the kernel's sin and cos are within an ulp of numpy's: a rounding may go the other way)
+            rotated = ref_rope(k[t : t + 1], p, 10000.0)[0]
+            rtol, atol = {"f32": (1e-5, 1e-5), "f16": (2e-3, 1e-6), "q8_0": (0, np.abs(rotated).max() / 127)}[cache]
+            np.testing.assert_allclose(values(kc[slots[t], :, p[0]]), rotated, rtol=rtol, atol=atol)
+            np.testing.assert_array_equal(vc[slots[t], :, p[0]], stored(v[t]))
+            assert_close(out[t : t + 1], ref_attention(ref_rope(q[t : t + 1], p, 10000.0), values(kc[slots[t]]),
+                                                       values(vc[slots[t]]), p))
         for t in np.flatnonzero(~inside):
             assert not out[t].any()
             np.testing.assert_array_equal(kc[slots[t]], kc_before[slots[t]])

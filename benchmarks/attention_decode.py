@@ -24,7 +24,7 @@ from xdsl.ir import Block
 
 from llmc.abi import SYNC_WORDS
 from llmc.backends.cpu import KernelLibrary, compile_to_object, link_shared
-from llmc.backends.cpu.target import cpu_target, target_machine_for, vector_registers
+from llmc.backends.cpu.target import cpu_target, kernel_tuning, target_machine_for
 from llmc.errors import UsageError
 from llmc.ir import llm, tgt
 from llmc.ir.layouts import qrows_nbytes
@@ -80,7 +80,7 @@ def main() -> int:
         p.error(f"--cpu: {e}")
     op = attention_op(H, KVH, D, capacity)
     module = ir.Module("attention_decode")
-    fn = KernelLibrary(module, vector_registers=vector_registers(cpu_target(args.cpu))).kernel(op)
+    fn = KernelLibrary(module, tuning=kernel_tuning(cpu_target(args.cpu))).kernel(op)
     with tempfile.TemporaryDirectory() as tmp:
         lib = ctypes.CDLL(str(link_shared([compile_to_object(module, machine)],
                                           str(Path(tmp) / "attention.so"))))

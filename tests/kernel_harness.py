@@ -8,6 +8,7 @@ called through ctypes with its operands by name (the ABI its definition declares
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import threading
 import uuid
 from collections.abc import Callable
@@ -22,8 +23,7 @@ from xdsl.ir import Attribute, Block
 
 from llmc.abi import SYNC_WORDS
 from llmc.backends.cpu import KernelLibrary, compile_to_object, link_shared
-from llmc.backends.cpu.gemm import PREFETCH_BYTES
-from llmc.backends.cpu.target import cpu_target, integer_isa, vector_registers
+from llmc.backends.cpu.target import cpu_target, integer_isa, kernel_tuning
 from llmc.ir import tgt
 from llmc.ir.layouts import QRowLayout, qrows_nbytes
 from llmc.ir.tgt_interpreter import QRows
@@ -58,11 +58,13 @@ class Kernel:
     """One kernel op compiled alone; `kernel(values, nth)` calls it with operands by name."""
 
     def __init__(self, tmp_path: Path, tm: Machine, make: Callable[..., tgt.Kernel], types: list[Attribute],
-                 prefetch_bytes: int = PREFETCH_BYTES):
+                 prefetch_bytes: int | None = None):
         self.op = kernel_op(make, types)
         module = ir.Module(name="kernels")
-        self.fn = KernelLibrary(module, prefetch_bytes=prefetch_bytes,
-                                vector_registers=vector_registers(cpu_target(tm.cpu))).kernel(self.op)
+        tuning = kernel_tuning(cpu_target(tm.cpu))  # (the CPU's, or another prefetch distance)
+        if prefetch_bytes is not None:
+            tuning = dataclasses.replace(tuning, prefetch_bytes=prefetch_bytes)
+        self.fn = KernelLibrary(module, tuning=tuning).kernel(self.op)
         self.ir = str(module)
         path = link_shared([compile_to_object(module, tm.tm)], tmp_path / f"k_{uuid.uuid4().hex}.so")
         self.library = ctypes.CDLL(str(path))

@@ -311,7 +311,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
             3% faster on Zen 5)."""
             valid = f.smax(0, f.smin(count, f.sub(f.load(limits, 0), s0)))
             first = f.smax(0, f.smin(valid, f.sub(f.load(starts, 0), s0)))
-            per_set = max(1, lib.vector_registers // 2 // len(chunks))
+            per_set = max(1, lib.tuning.vector_registers // 2 // len(chunks))
             for q0 in range(0, nq, per_set):
                 queries = range(q0, min(nq, q0 + per_set))
                 sums = {(i, o): f.alloca(vec(F32, w), name=f"pv{i}_{o}") for i in queries for o, w in chunks}

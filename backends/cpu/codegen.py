@@ -232,12 +232,10 @@ def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int], description
     each), the read probe (`READ_PROBE`), the thread team that runs them (`team`) and the
     `description` (`DESCRIPTION`), the others one kernel each (compiled and cached alone); also
     the number of barriers each entry point's threads pass."""
-    from llmc.backends.cpu.target import near_prefetch_bytes, vector_registers
+    from llmc.backends.cpu.target import kernel_tuning
 
     llvm_module = ir.Module("llmc")
-    target = module_target(module)
-    lib = KernelLibrary(llvm_module, separate=True, prefetch_bytes=near_prefetch_bytes(target),
-                        vector_registers=vector_registers(target))
+    lib = KernelLibrary(llvm_module, separate=True, tuning=kernel_tuning(module_target(module)))
     barriers: dict[str, int] = {}
     for stage, function in entry_functions(module).items():
         parameters = _entry_parameters(function)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from llvmlite import ir
 from xdsl.dialects.builtin import MemRefType
@@ -65,6 +66,16 @@ I64PTR = I64.as_pointer()
 EMITTERS = OpInterface("cpu", "kernel emitter")  # `fn(lib, f, op, args)` emits the body of `op`'s function
 
 
+@dataclass(frozen=True)
+class Tuning:
+    """What a kernel's code takes from its CPU beyond the IR (`target.kernel_tuning`), part of each kernel's cache
+    identity: the one-row tiles kernels' prefetch distance (`target.near_prefetch_bytes`) and the vector registers
+    (decode attention keeps half of them for V sums)."""
+
+    prefetch_bytes: int = PREFETCH_BYTES
+    vector_registers: int = 16
+
+
 class KernelLibrary:
     """Emits kernels into `module`, once per distinct kernel (`kernel_key`), each an external
     function (callable through ctypes from a shared library of `module` alone).
@@ -75,12 +86,10 @@ class KernelLibrary:
     objects are linked together.
     """
 
-    def __init__(self, module: ir.Module, *, separate: bool = False, prefetch_bytes: int = PREFETCH_BYTES,
-                 vector_registers: int = 16):
+    def __init__(self, module: ir.Module, *, separate: bool = False, tuning: Tuning = Tuning()):
         self.module = module
         self.separate = separate
-        self.prefetch_bytes = prefetch_bytes  # one row's tiles prefetch distance (`target.near_prefetch_bytes`)
-        self.vector_registers = vector_registers  # the target's (`target.vector_registers`)
+        self.tuning = tuning
         self.modules: list[Deferred] = []  # with `separate`: one per kernel
         self._cache: dict[tuple, ir.Function] = {}
 
@@ -96,13 +105,11 @@ class KernelLibrary:
             name = f"{name}_{hashlib.sha256(repr(key).encode()).hexdigest()[:8]}"
 
         def build(name: str = name) -> ir.Module:
-            own = KernelLibrary(ir.Module(name), prefetch_bytes=self.prefetch_bytes,
-                                vector_registers=self.vector_registers)
+            own = KernelLibrary(ir.Module(name), tuning=self.tuning)
             own._emit(key, op, name)
             return own.module
 
-        self.modules.append(Deferred(f"{name} {key!r} prefetch {self.prefetch_bytes} registers "
-                                     f"{self.vector_registers} {compiler_version()}", build))
+        self.modules.append(Deferred(f"{name} {key!r} {self.tuning} {compiler_version()}", build))
         parameters = _parameters(op)
         self._cache[key] = ir.Function(self.module, ir.FunctionType(VOID, [t for _, t in parameters]), name=name)
         return self._cache[key]
@@ -390,11 +397,11 @@ def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> 
         fine, coarse = _private_rows(f, op, a, K, [op.quantize, tgt.QRowsType(op.quantize.rows, op.quantize.width)])
         rows = Rows(f, fine.base, op.quantize, K, a["rows"], None, None, False)
         gemm_screened(f, rows, coarse, N, weight, finish, op.screen.value.data, a["tid"], a["nth"], a["work"],
-                      lib.prefetch_bytes)
+                      lib.tuning.prefetch_bytes)
         return
     rows = _projection_rows(f, op, a, K, op.last_row is not None)
     isa = op.isa.data if op.isa is not None else None
-    gemm(f, rows, N, [weight], finish, a["tid"], a["nth"], a["work"], isa, prefetch=lib.prefetch_bytes)
+    gemm(f, rows, N, [weight], finish, a["tid"], a["nth"], a["work"], isa, prefetch=lib.tuning.prefetch_bytes)
 
 
 @EMITTERS.implement(tgt.SwigluOp)
@@ -441,10 +448,10 @@ def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> 
     weights = [(a["gate"], _weight_type(op.gate)), (a["up"], _weight_type(op.up))]
     isa = op.isa.data if op.isa is not None else None
     if q is None:
-        gemm(f, rows, N, weights, finish, a["tid"], a["nth"], a["work"], isa, prefetch=lib.prefetch_bytes)
+        gemm(f, rows, N, weights, finish, a["tid"], a["nth"], a["work"], isa, prefetch=lib.tuning.prefetch_bytes)
         return
     gemm(f, rows, N, weights, finish, a["tid"], a["nth"], a["work"], isa, unit=ACT_BLOCK, flush=flush,
-         prefetch=lib.prefetch_bytes)
+         prefetch=lib.tuning.prefetch_bytes)
 
 
 # ------------------------------------------------------------------------ mixture of experts

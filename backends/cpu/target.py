@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from xdsl.dialects.builtin import ModuleOp
 
@@ -23,6 +24,9 @@ from llmc.ir import tgt
 from llmc.ir.layouts import Layout
 from llmc.ir.target import Built, Describe, TargetDescription
 from llmc.ir.tgt import Isa, TargetAttr
+
+if TYPE_CHECKING:
+    from llmc.backends.cpu.kernels import Tuning
 
 # The features recorded in a CPU target (LLVM's names).
 FEATURES = (
@@ -129,6 +133,13 @@ def near_prefetch_bytes(target: TargetAttr) -> int:
 def vector_registers(target: TargetAttr) -> int:
     """The vector registers a kernel on `target` has: 32 with AVX-512, 16 otherwise."""
     return 32 if target.has("avx512f") else 16
+
+
+def kernel_tuning(target: TargetAttr) -> Tuning:
+    """The `kernels.Tuning` of `target`'s kernels."""
+    from llmc.backends.cpu.kernels import Tuning
+
+    return Tuning(near_prefetch_bytes(target), vector_registers(target))
 
 
 AMX_MIN_ROWS = 16  # entry points of at least this many rows get AMX tiles (one tile of rows)

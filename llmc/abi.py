@@ -46,17 +46,18 @@ IMPLICIT_ARGUMENTS: dict[str, str] = {
     "nth": INT64,  # this many threads (at most `max_threads`)
     "sync": POINTER,  # the threads' barrier and work counters: `SYNC_WORDS` int64, zeroed once
 }
-# `sync`: the barrier's two words (arrivals, generation) in the first 64-byte line, then a line per work
-# counter. A kernel that deals its work (`tgt.Kernel.DEALS`) takes the next chunk from its counter (or counts
-# on it which thread finishes last: one-row decode attention); codegen
-# gives each such kernel between two barriers its own counter, and the last thread to arrive at a barrier
-# zeroes the ones used before it (so each starts at zero).
-SYNC_LINE_WORDS = 8
-WORK_COUNTERS = 8
-SYNC_WORDS = SYNC_LINE_WORDS * (1 + WORK_COUNTERS)
 # The most threads an entry point runs on: the manifest's `max_threads`, the runtime's cap on its team, and the
 # rows of `tgt.attention`'s partials (one per CPU thread or CUDA block sharing a row's cache positions).
 MAX_THREADS = 64
+# `sync`: the barrier's two words (arrivals, generation) in the first 64-byte line, then the work counters,
+# a word per thread each. A kernel that deals its work (`tgt.Kernel.DEALS`) counts each thread's reserve of
+# chunks in that thread's word (or counts in the first which thread finishes last: one-row decode attention);
+# codegen gives each such kernel between two barriers its own counter, and the last thread to arrive at a
+# barrier zeroes the ones used before it (so each starts at zero).
+SYNC_LINE_WORDS = 8
+WORK_COUNTERS = 8
+WORK_COUNTER_WORDS = MAX_THREADS
+SYNC_WORDS = SYNC_LINE_WORDS + WORK_COUNTERS * WORK_COUNTER_WORDS
 ARGMAX_TOKEN = "token"  # CUDA: the int32 the decoding argmax writes (a launch argument besides the entry's own)
 
 

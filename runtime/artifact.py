@@ -41,7 +41,7 @@ from llmc.abi import (
 )
 from llmc.errors import LlmcError, printable
 
-SCHEMA_VERSION = 7  # 7: `sync` holds the projections' work counters (`llmc.abi.SYNC_WORDS`)
+SCHEMA_VERSION = 8  # 8: a work counter in `sync` is a word per thread (`llmc.abi.SYNC_WORDS`)
 MANIFEST = "manifest.json"
 # /proc/cpuinfo flag of each CPU feature a kernel may need
 _CPU_FLAGS = {

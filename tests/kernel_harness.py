@@ -21,7 +21,7 @@ from xdsl.dialects.builtin import FloatAttr, IndexType
 from xdsl.dialects.builtin import f32 as f32_type
 from xdsl.ir import Attribute, Block
 
-from llmc.abi import SYNC_WORDS
+from llmc.abi import SYNC_WORDS, WORK_COUNTER_WORDS
 from llmc.backends.cpu import KernelLibrary, compile_to_object, link_shared
 from llmc.backends.cpu.target import cpu_target, integer_isa, kernel_tuning
 from llmc.ir import tgt
@@ -75,7 +75,7 @@ class Kernel:
     def __call__(self, values: dict[str, object], nth: int = 1, tid: int | None = None) -> None:
         """Run the kernel on `nth` threads at once (each with its tid, as an entry point
         does), or only thread `tid`'s share (kernels that do not synchronise; threads 0, 1, …
-        in turn make one call: thread 0 takes what the work counter deals, the others none)."""
+        in turn make one call: thread 0 takes every reserve's chunks, the others none)."""
         args = []
         for name, _ in self.op.abi():
             v = values[name]
@@ -85,7 +85,7 @@ class Kernel:
                 assert isinstance(v, np.ndarray) and v.flags.c_contiguous, name
                 args.append(ctypes.c_void_p(v.ctypes.data))
         if not tid:  # a call's threads (run at once, or one by one from tid 0) share a work counter and a barrier
-            self.work = np.zeros(1, np.int64)
+            self.work = np.zeros(WORK_COUNTER_WORDS, np.int64)
             self.sync = np.zeros(SYNC_WORDS, np.int64)
         extra = [ctypes.c_void_p(self.work.ctypes.data)] if self.op.DEALS else []
         extra += [ctypes.c_void_p(self.sync.ctypes.data)] if self.op.SYNCS else []

@@ -283,36 +283,45 @@ def test_matmul_a8_equals_the_integer_reference(tmp_path, tm, storage):
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-def test_the_projections_deal_their_last_columns_from_the_work_counter(tmp_path, tm, threads):
-    """Each thread takes a fixed share of most of a projection's columns, then chunks of the last
-    `DEALT_SHARE` (whole rounds of one per thread, of at least `CHUNK_BYTES` of weights) from the work
-    counter as it is free. Threads at once, or one after the other (the first then
-    takes every chunk): each column is added once (an accumulating matmul), bit for bit as by one thread;
-    the counter ends at the chunks dealt plus one failed take per thread."""
+def test_the_projections_keep_reserves_the_other_threads_take(tmp_path, tm, threads):
+    """Each thread takes its nth of a projection's columns in order, the last part a reserve of chunks
+    (together `DEALT_SHARE`, at least `CHUNK_BYTES` of weights each) counted in its word of the work
+    counter; then it takes what the others have left of theirs, from the back. Threads at once, or one
+    after the other (the first then takes every reserve): each column is added once (an accumulating
+    matmul), bit for bit as by one thread; the takes counted are the chunks plus one failed take per
+    thread and reserve, and in turn the first thread took its own reserve front to back and all the others'."""
     rng = np.random.default_rng(23)
-    N, K, R = 2048, 512, 3  # several chunks of `CHUNK_BYTES` in the dealt quarter
+    N, K, R = 4096, 512, 3  # several chunks of `CHUNK_BYTES` in each reserve
     w = rand(rng, N, K)
     buf, _ = qrows_of(rand(rng, R, K), R)
     layouts = [(tm.isas[0], Layout.SPLIT, TILE_COLS[1])] + \
         [(tgt.Isa.VNNI512, Layout.TILES, STRIP)] * (tm.isas[0] is tgt.Isa.VNNI512)
+
+    def takes(work: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # each reserve's: by its thread, by the others
+        assert not work[threads:].any()
+        return work[:threads] & 0xFFFFFFFF, work[:threads] >> 32
+
     for isa, layout, unit in layouts:
         wtype, data, _ = weight_of(Storage.Q4_1, w, layout)
         k = Kernel(tmp_path, tm, matmul_op(accumulate=True, isa=isa), [tgt.QRowsType(R, K), wtype, tgt.memref(R, N), IDX])
         units = N // unit
         most = units * DEALT_SHARE[0] // DEALT_SHARE[1]
         chunk = max(-(-CHUNK_BYTES // (unit * wtype.nbytes // N)), -(-most // (threads * CHUNKS_PER_THREAD)))
-        dealt = most // (threads * chunk) * threads
-        assert dealt >= threads
+        reserve = most // (threads * chunk)
+        assert reserve >= 2
         start = rand(rng, R, N)
         alone, together, in_turn = start.copy(), start.copy(), start.copy()
         k({"x": buf, "weight": data, "out": alone, "rows": R})
         k({"x": buf, "weight": data, "out": together, "rows": R}, threads)
         np.testing.assert_array_equal(together, alone)
-        assert k.work[0] == dealt + threads
+        own, others = takes(k.work)
+        assert own.sum() + others.sum() == reserve * threads + threads * threads
         for tid in range(threads):
             k({"x": buf, "weight": data, "out": in_turn, "rows": R}, threads, tid=tid)
         np.testing.assert_array_equal(in_turn, alone)
-        assert k.work[0] == dealt + threads
+        own, others = takes(k.work)
+        assert own[0] == reserve + 1 and (own[1:] == 1).all()
+        assert others[0] == threads - 1 and (others[1:] == reserve + threads - 1).all()
 
 
 # the instructions that mark each integer path in a kernel's assembly, and those it must not use

@@ -48,6 +48,7 @@ from llmc.abi import (
     READ_PROBE_ARGUMENTS,
     READ_PROBE_STEP,
     SYNC_LINE_WORDS,
+    WORK_COUNTER_WORDS,
     WORK_COUNTERS,
     entry_symbol,
 )
@@ -119,7 +120,7 @@ class _EntryEmitter:
         if self.counters == WORK_COUNTERS:
             self.barrier()
         self.counters += 1
-        return self.at(self.sync, SYNC_LINE_WORDS * self.counters)
+        return self.at(self.sync, SYNC_LINE_WORDS + WORK_COUNTER_WORDS * (self.counters - 1))
 
     def _order(self, op: tgt.Kernel) -> None:
         """A barrier first if `op` conflicts with a kernel since the last one; then record its accesses."""

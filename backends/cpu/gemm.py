@@ -26,10 +26,10 @@ loop depends on what the operands are:
   first, int16 rows again for the strips that come near a row's largest result.
 
 Rows come in blocks that stay in L2 while every weight tile passes; threads share the
-output columns in whole units (`dealt`): each its fixed part of most of them, then chunks of
-the last `DEALT_SHARE` from the kernel's work counter, so a thread slowed down (another
-process on its core, a slower core) leaves the rest to the others rather than keeping them
-waiting at the next barrier.
+output columns in whole units (`dealt`): each its nth of them in order, the last part of
+which (`DEALT_SHARE` in all) is a reserve of chunks counted by the kernel's work counter,
+so a thread slowed down (another process on its core, a slower core) leaves the end of its
+reserve to the others rather than keeping them waiting at the next barrier.
 """
 
 from __future__ import annotations
@@ -78,9 +78,10 @@ L2_TO_L1_PREFETCH_BYTES = 2048  # … and, for int16 rows, from L2 into L1 this 
 # alone, 3.99 with L1 at 2 KB as well; 1 or 4 KB 1% slower than 2, 8 KB 3%). Int8 rows (a screened head's first
 # pass) go twice as fast through the bytes, and L1 prefetch filled the miss buffers (the 270M model: 7.82 → 8.06 ms).
 DOT_CHAINS = 2  # independent vpdpbusd chains per 32-block (its 8 products, 5 cycles each otherwise in a row)
-DEALT_SHARE = (1, 4)  # of a kernel's units of columns, at most this part is dealt (the rest in fixed shares) …
+DEALT_SHARE = (1, 4)  # of a kernel's units of columns, at most this part is in the threads' reserves …
 CHUNKS_PER_THREAD = 4  # … in chunks of about this many per thread …
-CHUNK_BYTES = 32 * 1024  # … of at least this many weight bytes (a take costs a shared cache line, a new stream)
+CHUNK_BYTES = 32 * 1024  # … of at least this many weight bytes (a take costs a shared cache line; a stolen one a
+# new stream)
 
 
 def floats(f: KernelBuilder, p: ir.Value) -> ir.Value:
@@ -142,44 +143,68 @@ class Rows:
 def dealt(f: KernelBuilder, units: int, unit_bytes: int, tid: ir.Value, nth: ir.Value, work: ir.Value,
           dealing: ir.Value | None = None) -> Iterator[tuple[ir.Value, ir.Value]]:
     """The body once per range `[lo, hi)` of `units` (each `unit_bytes` of weights) that thread
-    `tid` of `nth` takes: its fixed share of the first ones, then, until none is left, the next
-    chunk of the rest that the work counter `work` (an i64, zero when the kernel starts:
-    `llmc_barrier` zeroes it) gives out. The rest is whole rounds of `nth` equal chunks (threads
-    as fast as each other take as many) of at least `CHUNK_BYTES`, within the last `DEALT_SHARE`
-    of the units: none where that holds no round (a small kernel, shared as before). Every unit
-    goes to exactly one thread, however the threads interleave (or if they run one after the
-    other). With `dealing` false (an i1), the thread takes its share of all of them and never
-    touches the counter (a kernel that shares several rounds of work per call).
+    `tid` of `nth` takes. Each thread's share is its nth of the units, in order; the share's last
+    part is its reserve, `R` chunks of at least `CHUNK_BYTES` (all reserves together about
+    `DEALT_SHARE` of the units; none where that holds no chunk a thread: a small kernel). A thread
+    takes its share's fixed part, then its reserve's chunks front to back, then the chunks the other
+    threads have not taken yet, from the back of their reserves. Threads as fast as each other each
+    read their share as one stream; a slowed thread (another process on its core, a slower core)
+    leaves its last chunks to the others rather than keeping them waiting at the next barrier. Every
+    unit goes to exactly one thread, however the threads interleave. Thread v's reserve is counted
+    by word v of `work` (i64s, zero when the kernel starts: `llmc_barrier` zeroes them): its own
+    takes add 1, the others' 2^32, and a take is good while the two halves sum to under `R`. With
+    `dealing` false (an i1), each thread takes its share whole and never touches the counters (a
+    kernel that shares several rounds of work per call).
 
-        with dealt(f, 1536, 1440, tid, nth, work) as (lo, hi):  # 2 threads: [0,576) or [576,1152),
-            with f.loop(lo, hi) as u: ...                        # then 8 chunks of 48 units
+        with dealt(f, 1536, 1440, tid, nth, work) as (lo, hi):  # 2 threads: [0,576) or [768,1344) first,
+            with f.loop(lo, hi) as u: ...                        # then chunks of 48 units, 4 a reserve
     """
     b = f.b
     num, den = DEALT_SHARE
     most = f.i64(units * num // den)
     per_round = f.mul(nth, CHUNKS_PER_THREAD)
     chunk = f.smax(-(-CHUNK_BYTES // unit_bytes), b.sdiv(f.add(most, f.sub(per_round, 1)), per_round))
-    round_units = f.mul(nth, chunk)
-    fixed = f.sub(f.i64(units), f.mul(b.sdiv(most, round_units), round_units))
+    reserve = b.sdiv(most, f.mul(nth, chunk))  # R: chunks in each thread's reserve
     if dealing is not None:
-        fixed = b.select(dealing, fixed, f.i64(units))
-    lo0 = b.sdiv(b.mul(fixed, tid), nth)
-    hi0 = b.sdiv(b.mul(fixed, f.add(tid, 1)), nth)
+        reserve = b.select(dealing, reserve, f.i64(0))
+
+    def reserve_end(v: ir.Value) -> ir.Value:
+        return b.sdiv(f.mul(f.i64(units), f.add(v, 1)), nth)
+
+    lo0, hi0 = b.sdiv(f.mul(f.i64(units), tid), nth), f.sub(reserve_end(tid), f.mul(reserve, chunk))
     pre = b.block
-    head, grab, done = (b.append_basic_block(f"deal.{n}") for n in ("head", "grab", "done"))
+    head, grab, good, other, done = (b.append_basic_block(f"deal.{n}") for n in ("head", "grab", "good", "other",
+                                                                                 "done"))
     b.branch(head)
     b.position_at_end(head)
     lo, hi = b.phi(I64, name="deal.lo"), b.phi(I64, name="deal.hi")
+    taken_from = b.phi(I64, name="deal.from")  # the last range's reserve: thread tid + taken_from (mod nth)
     lo.add_incoming(lo0, pre)
     hi.add_incoming(hi0, pre)
+    taken_from.add_incoming(f.i64(0), pre)
     yield lo, hi
-    b.cbranch(b.icmp_signed("<", fixed, f.i64(units)), grab, done)  # (nothing dealt: never touch the counter)
+    b.cbranch(b.icmp_signed(">", reserve, f.i64(0)), grab, done)  # (nothing dealt: never touch the counters)
+    body_end = b.block
     b.position_at_end(grab)
-    taken = b.atomic_rmw("add", work, f.i64(1), "monotonic")
-    start = f.add(fixed, f.mul(taken, chunk))
-    lo.add_incoming(start, grab)
-    hi.add_incoming(f.smin(f.add(start, chunk), units), grab)
-    b.cbranch(b.icmp_signed("<", start, f.i64(units)), head, done)
+    d = b.phi(I64, name="deal.d")
+    d.add_incoming(taken_from, body_end)
+    v = f.add(tid, d)
+    v = b.select(b.icmp_signed(">=", v, nth), f.sub(v, nth), v)
+    own = b.icmp_signed("==", d, f.i64(0))
+    old = b.atomic_rmw("add", b.gep(work, [v]), b.select(own, f.i64(1), f.i64(1 << 32)), "monotonic")
+    front, back = b.and_(old, f.i64(0xFFFFFFFF)), b.ashr(old, f.i64(32))
+    index = b.select(own, front, f.sub(f.sub(reserve, 1), back))
+    start = f.sub(reserve_end(v), f.mul(f.sub(reserve, index), chunk))
+    b.cbranch(b.icmp_signed("<", f.add(front, back), reserve), good, other)
+    b.position_at_end(good)
+    lo.add_incoming(start, good)
+    hi.add_incoming(f.add(start, chunk), good)
+    taken_from.add_incoming(d, good)
+    b.branch(head)
+    b.position_at_end(other)  # that reserve is all taken: the next thread's
+    following = f.add(d, 1)
+    d.add_incoming(following, other)
+    b.cbranch(b.icmp_signed("<", following, nth), grab, done)
     b.position_at_end(done)
 
 

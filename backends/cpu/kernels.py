@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 from xdsl.dialects.builtin import MemRefType
 
-from llmc.abi import SYNC_LINE_WORDS
+from llmc.abi import SYNC_LINE_WORDS, WORK_COUNTER_WORDS
 from llmc.backends.builder import F32, I32, I64, VOID, KernelBuilder, f32_table
 from llmc.backends.cpu import attention
 from llmc.backends.cpu.gemm import (
@@ -165,7 +165,7 @@ def _barrier_function(module: ir.Module) -> ir.Function:
     """`void llmc_barrier(i64* sync, i64 nth, i64 counters)`: wait until all `nth` threads arrive.
 
     sync[0] counts arrivals; the last thread to arrive zeroes the first `counters` work
-    counters (one per 64-byte line after the barrier's, `llmc.abi.SYNC_WORDS`), resets the
+    counters (the first `nth` words of each, `llmc.abi.SYNC_WORDS`), resets the
     count and bumps the generation sync[1], which the others watch: spinning with `pause` at
     first, then yielding the core (another process may need it to run the thread everyone
     waits for).
@@ -189,15 +189,20 @@ def _barrier_function(module: ir.Module) -> ir.Function:
     b.cbranch(b.icmp_signed("==", arrived, b.sub(nth, ir.Constant(I64, 1))), last, wait)
 
     b.position_at_end(last)
+    per = b.select(alone, ir.Constant(I64, 1), nth)
     b.cbranch(b.icmp_signed(">", counters, ir.Constant(I64, 0)), zero, zeroed)
-    b.position_at_end(zero)
-    i = b.phi(I64)
-    i.add_incoming(ir.Constant(I64, 0), last)
-    word = b.mul(b.add(i, ir.Constant(I64, 1)), ir.Constant(I64, SYNC_LINE_WORDS))
+    b.position_at_end(zero)  # word j of counter c: thread j's, for the first `nth` threads
+    c, j = b.phi(I64), b.phi(I64)
+    c.add_incoming(ir.Constant(I64, 0), last)
+    j.add_incoming(ir.Constant(I64, 0), last)
+    word = b.add(b.mul(c, ir.Constant(I64, WORK_COUNTER_WORDS)), b.add(j, ir.Constant(I64, SYNC_LINE_WORDS)))
     b.store_atomic(ir.Constant(I64, 0), b.gep(sync, [word]), "monotonic", 8)
-    following = b.add(i, ir.Constant(I64, 1))
-    i.add_incoming(following, zero)
-    b.cbranch(b.icmp_signed("<", following, counters), zero, zeroed)
+    j_after = b.add(j, ir.Constant(I64, 1))
+    wrap = b.icmp_signed(">=", j_after, per)
+    c_next = b.select(wrap, b.add(c, ir.Constant(I64, 1)), c)
+    c.add_incoming(c_next, zero)
+    j.add_incoming(b.select(wrap, ir.Constant(I64, 0), j_after), zero)
+    b.cbranch(b.icmp_signed("<", c_next, counters), zero, zeroed)
     b.position_at_end(zeroed)
     b.cbranch(alone, done, release)
     b.position_at_end(release)

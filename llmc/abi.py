@@ -51,7 +51,7 @@ IMPLICIT_ARGUMENTS: dict[str, str] = {
 MAX_THREADS = 64
 # `sync`: the barrier's two words (arrivals, generation) in the first 64-byte line, then the work counters,
 # a word per thread each. A kernel that deals its work (`tgt.Kernel.DEALS`) counts each thread's reserve of
-# chunks in that thread's word (or counts in the first which thread finishes last: one-row decode attention);
+# chunks in that thread's word (or, one-row decode attention, which thread finishes last in the first word);
 # codegen gives each such kernel between two barriers its own counter, and the last thread to arrive at a
 # barrier zeroes the ones used before it (so each starts at zero).
 SYNC_LINE_WORDS = 8

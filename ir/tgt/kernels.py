@@ -69,9 +69,10 @@ class Kernel(IRDLOperation):
     every operand): codegen puts a barrier between two kernels only where one writes
     what the other touches. `SYNCS`: the kernel also receives the entry point's barrier
     (`i64* sync`) and waits on it between phases of its own. `DEALS`: it also receives a
-    work counter (`i64* work`, zero when it starts): the threads take the last part of its
-    work from it as each is free (a thread slowed down leaves its part to the others), or
-    count on it which of them finishes last (and does what needs every thread's part).
+    work counter (`i64* work`, a word per thread, zero when it starts): each thread counts in
+    its word the chunks taken of its share's last part, which threads done first take over (a
+    thread slowed down leaves its part to the others), or the threads count in the first word
+    which of them finishes last (and does what needs every thread's part).
     """
 
     ROWS: ClassVar[tuple[str, ...]] = ("x", "out")

@@ -255,30 +255,38 @@ class TextStream:
     token completes ('' while a UTF-8 character is still incomplete), `flush()` whatever is
     left at the end (an incomplete character as U+FFFD).
 
-    Each step decodes only the last few tokens (a little context before the new ones keeps
-    word boundaries right), so a long generation costs linear time. The stream starts after
-    the end of `context` (the prompt): a SentencePiece vocabulary's word-initial space on the
-    first new token is text then, not the start of the sequence that decoding drops.
+    Each step decodes only a window of the last tokens (a little context before the new ones
+    keeps word boundaries right), so a long generation costs linear time; the window's text so
+    far is kept, so a token costs one decode (and one more each time the window is cut back
+    to its last `CONTEXT` tokens, past `WINDOW`). The stream starts after the end of `context`
+    (the prompt): a SentencePiece vocabulary's word-initial space on the first new token is
+    text then, not the start of the sequence that decoding drops.
     """
+
+    CONTEXT = 4  # tokens of context kept when the window is cut back …
+    WINDOW = 16  # … once it holds more than this many
 
     def __init__(self, codec: TextCodec, context: Sequence[int] = ()):
         self.codec = codec
-        self.window: list[int] = list(context[-4:])  # context tokens, then tokens not yet shown
-        if codec.decode(self.window).endswith("\ufffd"):  # a prompt ending inside a character: start fresh
-            self.window = []
-        self.shown = len(self.window)  # how many of `window` are already written
+        self._restart(list(context[-self.CONTEXT:]))  # (the context's last tokens, shown as it were)
+        if self.text.endswith("\ufffd"):  # a prompt ending inside a character: start fresh
+            self._restart([])
+
+    def _restart(self, window: list[int]) -> None:
+        """Only `window`, all of it shown: `text`, what has been shown of the window, is its decoding."""
+        self.window, self.text = window, self.codec.decode(window)
 
     def push(self, token: int) -> str:
         self.window.append(token)
-        decode = self.codec.decode
-        before, after = decode(self.window[: self.shown]), decode(self.window)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.window, self.shown = self.window[-4:], min(4, len(self.window))
-            return after[len(before):]
+        after = self.codec.decode(self.window)
+        if len(after) > len(self.text) and not after.endswith("\ufffd"):
+            new, self.text = after[len(self.text):], after
+            if len(self.window) > self.WINDOW:
+                self._restart(self.window[-self.CONTEXT:])
+            return new
         return ""
 
     def flush(self) -> str:
-        decode = self.codec.decode
-        rest = decode(self.window)[len(decode(self.window[: self.shown])):]
-        self.window, self.shown = self.window[-4:], min(4, len(self.window))
+        rest = self.codec.decode(self.window)[len(self.text):]
+        self._restart(self.window[-self.CONTEXT:])
         return rest

@@ -162,7 +162,12 @@ async def whole(request: HttpRequest, job: Job, streams: list[AsyncIterator[Piec
 
 async def merged(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece | None]]:
     """The pieces of several choices as they come, each with its choice's index, and (index, None) when that
-    choice ends; the first error of any ends it all."""
+    choice ends; the first error of any ends it all. (One choice: its own pieces, with no task between.)"""
+    if len(streams) == 1:
+        async for piece in streams[0]:
+            yield 0, piece
+        yield 0, None
+        return
     queue: asyncio.Queue[tuple[int, Piece | None, Exception | None]] = asyncio.Queue()
 
     async def forward(index: int, stream: AsyncIterator[Piece]) -> None:

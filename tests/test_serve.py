@@ -34,7 +34,7 @@ from llmc.driver import BackendOptions, compile_model  # noqa: E402
 from llmc.passes.pipeline import CompileOptions  # noqa: E402
 from llmc.runtime.api_requests import MAX_CHOICES  # noqa: E402
 from llmc.runtime.artifact import load_manifest  # noqa: E402
-from llmc.runtime.codec import TextCodec, TextStream  # noqa: E402
+from llmc.runtime.codec import TextCodec  # noqa: E402
 from llmc.runtime.server import Limits  # noqa: E402
 
 CAPACITY = 4096
@@ -688,17 +688,3 @@ def test_text_stream_gives_whole_characters(codec) -> None:
     assert all("\ufffd" not in piece for piece in pieces)
     assert [p for p in pieces if p][:3] == ["é", "漢", "🙂"]
 
-
-def test_text_stream_decodes_once_a_token(codec, monkeypatch) -> None:
-    """A long text (its window cut back many times) comes out whole, at one decode a token and one more per cut."""
-    text = "Les élèves du 漢 club 🙂 lisent: " * 12
-    ids = codec.encode(text)
-    calls = []
-    decode = codec.decode
-    monkeypatch.setattr(codec, "decode", lambda window: calls.append(len(window)) or decode(window))
-    stream = codec.text_stream()
-    pieces = [stream.push(token) for token in ids]
-    assert "".join(pieces) + stream.flush() == text
-    per_cut = TextStream.WINDOW + 1 - TextStream.CONTEXT  # (tokens shown between two cuts)
-    assert len(calls) - 3 <= len(ids) + len(ids) // per_cut + 1  # (besides the start, the flush and its restart)
-    assert max(calls) <= TextStream.WINDOW + 4  # (a window grows past WINDOW only inside a character)

@@ -22,7 +22,7 @@ from llmc.cli import main
 from llmc.errors import ModelFormatError
 from llmc.frontend import load_tokenizer
 from llmc.frontend.tokenizer import PRE_TOKENIZERS, from_gguf_vocab
-from llmc.runtime.codec import TextCodec
+from llmc.runtime.codec import TextCodec, TextStream
 
 # llama.cpp's test vocabularies of decoder models, all supported
 DECODER_VOCABS = ("command-r", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4", "gpt-2", "llama-bpe",
@@ -209,6 +209,24 @@ def test_pieces_and_streams_keep_word_spaces(tokenizer: Callable[[str], TextCode
     prompt = codec.encode("The capital is")
     assert "".join(codec.decode_stream(ids, prompt)) == " Hello world"
 
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "gpt-2", "llama-bpe"])
+def test_text_stream_decodes_once_a_token(tokenizer: Callable[[str], TextCodec], name: str, monkeypatch) -> None:
+    """A long text with multi-byte characters (its window cut back many times) streams out whole, at one decode
+    a token and one more per cut."""
+    codec = tokenizer(name)
+    text = "Les élèves du 漢 club 🙂 lisent: " * 12
+    ids = codec.encode(text, bos=False)
+    calls = []
+    decode = codec.decode
+    monkeypatch.setattr(codec, "decode", lambda window: calls.append(len(window)) or decode(window))
+    stream = codec.text_stream()
+    pieces = [stream.push(token) for token in ids]
+    assert "".join(pieces) + stream.flush() == text
+    per_cut = TextStream.WINDOW + 1 - TextStream.CONTEXT  # (tokens shown between two cuts)
+    assert len(calls) - 3 <= len(ids) + len(ids) // per_cut + 1  # (besides the start, the flush and its restart)
+    assert max(calls) <= TextStream.WINDOW + 4  # (a window grows past WINDOW only inside a character)
 
 def test_deepseek_user_defined_tokens_decode_as_written(tokenizer: Callable[[str], TextCodec]) -> None:
     """DeepSeek's user-defined tokens 'ö', 'ü', ... are the characters themselves, not the

@@ -687,4 +687,3 @@ def test_text_stream_gives_whole_characters(codec) -> None:
     assert "".join(pieces) + stream.flush() == text
     assert all("\ufffd" not in piece for piece in pieces)
     assert [p for p in pieces if p][:3] == ["é", "漢", "🙂"]
-

@@ -3,15 +3,16 @@
 The pass walks the IR; the target's description chooses (`weight_layout`, `kernel_isa`:
 `llmc.ir.target`, implemented by `backends/cpu/target.py` and `backends/cuda/target.py`).
 
-On a CPU target with AVX-512 VNNI, an integer-format weight that only `a8` kernels
-(quantized rows) and the embedding read takes the `tiles` layout (strips of 16 output
-features × 32-weight blocks, the operand of `vpdpbusd` and of an AMX tile:
-`llmc.ir.layouts`); every other integer weight the `split` layout (codes in 64-weight
+On a CPU target with an integer dot product (AVX2 or better), an integer-format weight that
+only `a8`/`a16` kernels (quantized rows) and the embedding read takes the `tiles` layout (strips
+of 16 output features × 32-weight blocks, the operand of `vpdpbusd` and of an AMX tile, and on
+AVX2 of `vpmaddwd` on 4 features at a time: `llmc.ir.layouts`); every other integer weight the
+`split` layout (codes in 64-weight
 groups whose nibbles unpack with one `and` and one shift, scales in planes of their
 own). The packager writes the layout and the kernels read it; float weights stay as
 stored. Each kernel that reads quantized rows gets the integer dot
 product of the target (`isa vnni512` with AVX-512 VNNI, `vnni256` with AVX-VNNI, `avx2`
-with `pmaddubsw`, `generic` otherwise); where the target also has AMX-INT8, the kernels
+with `vpmaddwd`, `generic` otherwise); where the target also has AMX-INT8, the kernels
 of entry points of 16 rows or more (prefill, score) get `isa amx`: tiles for whole
 16-row blocks (`backends/cpu/amx.py`), when every weight format's scales are constant
 over 32-value blocks (q6_k's 16-value scales keep VNNI). Kernels reading int16 rows

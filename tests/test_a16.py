@@ -10,6 +10,7 @@ against the `llm` interpreter's a16 logits and against fp32.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import re
 import uuid
 from pathlib import Path
@@ -145,7 +146,7 @@ def test_kernels_write_int16_rows_bit_for_bit(tmp_path, native, D):
 
 @pytest.mark.parametrize("storage", [Storage.Q4_1, Storage.Q8_0, Storage.Q6_K], ids=str)
 def test_matmul_a16_equals_the_integer_reference(tmp_path, native, storage):
-    """Every integer path this host runs (its own, AVX2's, generic; the tiles layout on VNNI-512), on
+    """Every integer path this host runs (its own, AVX2's, generic; the tiles layout on all but generic), on
     the same int16 rows as the reference; `last_row` too. The kernel rounds each lane's int32 sum
     of 4 products (up to 2^25) to float, the reference each slice's exact sum: within 2e-6."""
     rng = np.random.default_rng(13)
@@ -155,8 +156,8 @@ def test_matmul_a16_equals_the_integer_reference(tmp_path, native, storage):
     qt = FORMATS[storage].quantize(w)
     buf, rows = qrows_of(rand(rng, R, K, scale=3.0), R, 16)
     own = integer_isa(cpu_target("native"))
-    paths = [(isa, Layout.SPLIT) for isa in sorted({own, tgt.Isa.AVX2, tgt.Isa.GENERIC}, key=list(tgt.Isa).index)]
-    paths += [(tgt.Isa.VNNI512, Layout.TILES)] * (own is tgt.Isa.VNNI512)
+    isas = sorted({own, tgt.Isa.AVX2, tgt.Isa.GENERIC}, key=list(tgt.Isa).index)
+    paths = [(isa, Layout.SPLIT) for isa in isas] + [(isa, Layout.TILES) for isa in isas if isa is not tgt.Isa.GENERIC]
     for isa, layout in paths:
         wtype, data, _ = weight_of(storage, w, layout)
         for last_row in (False, True):
@@ -208,15 +209,16 @@ class EmulatedVnniKernel(Kernel):
 
 
 def test_vnni_paths_equal_the_integer_reference_with_vpdpbusd_emulated(tmp_path):
-    """a16 in the tiles layout (VNNI-512: `vpdpbusd` chains per strip on broadcast quads of each
-    plane) and in the split layout with VNNI-512 and VNNI-256, on the same rows as the integer reference."""
+    """a16 in the tiles layout (`vpdpbusd` chains per strip on broadcast quads of each plane: VNNI-512, and
+    VNNI-256 on each half of the strip) and in the split layout with VNNI-512 and VNNI-256, on the same rows as
+    the integer reference."""
     rng = np.random.default_rng(7)
     N, K, R = 40, 192, 5
     w = rand(rng, N, K)
     qt = FORMATS[Storage.Q4_1].quantize(w)
     x = rand(rng, R, K, scale=3.0)
     buf, rows = qrows_of(x, R, 16)
-    for isa, layout in ((tgt.Isa.VNNI512, Layout.TILES), (tgt.Isa.VNNI512, Layout.SPLIT), (tgt.Isa.VNNI256, Layout.SPLIT)):
+    for isa, layout in itertools.product((tgt.Isa.VNNI512, tgt.Isa.VNNI256), (Layout.TILES, Layout.SPLIT)):
         wtype, data, _ = weight_of(Storage.Q4_1, w, layout)
         k = EmulatedVnniKernel(tmp_path, matmul_op(isa=isa), [tgt.QRowsType(R, K, 16), wtype, tgt.memref(R, N), IDX])
         out = np.zeros((R, N), f32)
@@ -228,7 +230,7 @@ def test_vnni_paths_equal_the_integer_reference_with_vpdpbusd_emulated(tmp_path)
 def test_swiglu_a16_reads_and_writes_int16_rows(tmp_path, native, layout):
     """int16 rows in, the silu(gate)·up product quantized to int16 rows out (32 columns at a time),
     equal to the integer reference quantized (a value may land on the other side of a tie). The
-    tiles layout is read with VNNI-512: emulated where the host lacks it."""
+    tiles layout is read with the host's own integer path (VNNI-512 emulated where it has none)."""
     own = integer_isa(cpu_target("native"))
     rng = np.random.default_rng(4)
     N, K, R, n = 96, 128, 4, 3
@@ -237,7 +239,7 @@ def test_swiglu_a16_reads_and_writes_int16_rows(tmp_path, native, layout):
     (gtype, gdata, _), (utype, udata, _) = (weight_of(Storage.Q4_1, w, layout) for w in (wg, wu))
     buf, rows = qrows_of(rand(rng, R, K, scale=2.0), R, 16)
     types = [tgt.QRowsType(R, K, 16), gtype, utype, tgt.QRowsType(R, N, 16), IDX]
-    if layout is Layout.SPLIT or own is tgt.Isa.VNNI512:
+    if layout is Layout.SPLIT or own is not tgt.Isa.GENERIC:
         k = Kernel(tmp_path, native, swiglu_op(isa=own), types)
     else:
         k = EmulatedVnniKernel(tmp_path, swiglu_op(isa=tgt.Isa.VNNI512), types)
@@ -258,7 +260,7 @@ def test_every_integer_path_compiles_a16(isa):
     """Each integer path's a16 matmul and SwiGLU kernels use its instructions and no wider ones
     (compiled for a CPU that has them, whatever the host); AVX2's multiply 16-bit words."""
     N, K, R = 64, 256, 32
-    layout = Layout.TILES if isa is tgt.Isa.VNNI512 else Layout.SPLIT
+    layout = Layout.SPLIT if isa is tgt.Isa.GENERIC else Layout.TILES  # (what `pack` gives each)
     wtype = tgt.WeightType((N, K), Storage.Q4_1, layout)
     module = ir.Module(name="kernels")
     library = KernelLibrary(module)

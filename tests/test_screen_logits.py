@@ -86,12 +86,12 @@ def test_screened_results_are_exact_near_the_top_and_int8_elsewhere(tmp_path, st
 def test_screen_verifies_its_operands():
     types = _types()
 
-    def with_rows(bits: int, layout: Layout = Layout.TILES, accumulate: bool = False):
+    def with_rows(bits: int, layout: Layout = Layout.TILES, accumulate: bool = False, isa=tgt.Isa.VNNI512):
         def make(x, w, out, n, g):
             op = tgt.MatmulOp(x, w, out, n, norm=g, eps=1e-6, accumulate=accumulate)
             op.quantize = tgt.QRowsType(R, K, bits)
             op.screen = FloatAttr(1.0, f32)
-            op.isa = tgt.IsaAttr(tgt.Isa.VNNI512 if layout is Layout.TILES else tgt.Isa.AVX2)
+            op.isa = tgt.IsaAttr(isa)
             return op
         return make
 
@@ -103,6 +103,8 @@ def test_screen_verifies_its_operands():
     split = [*types[:1], tgt.WeightType((N, K), Storage.Q8_0, Layout.SPLIT), *types[2:]]
     with pytest.raises(VerifyException, match="tiles layout, not split"):
         kernel_op(with_rows(16, Layout.SPLIT), split)
+    with pytest.raises(VerifyException, match="'screen' takes isa vnni512"):
+        kernel_op(with_rows(16, isa=tgt.Isa.AVX2), types)
 
 
 def _screened(module) -> dict[str, list[float]]:

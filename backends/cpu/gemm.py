@@ -16,10 +16,12 @@ loop depends on what the operands are:
   sum per row and column; int16 rows (`a16`) the same with one dot product per int8
   plane, joined as `(dot(codes, hi) << 8) + dot(codes, lo)` (on AVX2: the planes joined
   into 16-bit words first) before the same scaling;
-- the same in the tiles layout (`gemm_tiles`, AVX-512 VNNI): per strip of 16 columns
-  and 32-block, 8 `vpdpbusd` of code vectors by broadcast activations, the 16 columns'
-  sums in the lanes, for up to 8 rows while the block's codes are in registers (a
-  decode's rows read each weight once); a zero point (q8_0, q4_0, q5_0, q6_k) is taken
+- the same in the tiles layout (`gemm_tiles`, every CPU with an integer dot product): per
+  strip of 16 columns and 32-block, 8 `vpdpbusd` of code vectors by broadcast activations
+  (VNNI-256: two each, a half of the strip's columns apiece; AVX2: codes and activations
+  as 16-bit words, 4 `vpmaddwd` each, `quant.words_quads`), the 16 columns' sums in the
+  lanes, for up to 8 rows while the block's codes are in registers (a decode's rows read
+  each weight once); a zero point (q8_0, q4_0, q5_0, q6_k) is taken
   into the integer sums, `−zero · Σq` per row and block (`QRowsAccess.zero_term`),
   where the split layout scales an offset term in; with `isa amx`, whole 16-row blocks
   on AMX tiles (`amx.gemm_amx`); screened (`gemm_screened`, decode's LM head): int8 rows
@@ -54,6 +56,8 @@ from llmc.backends.cpu.quant import (
     shuffle,
     vec,
     vpdpbusd,
+    words_quads,
+    words_sums,
 )
 from llmc.ir import tgt
 from llmc.ir.formats import GROUP, SLICE, Storage
@@ -63,8 +67,11 @@ from llmc.ir.tgt import SCREEN_COLUMNS
 # matmul register tiles: R rows × C output columns per weight matrix (split layout), R rows × a strip of 16
 # (tiles layout: a decode's rows, up to 8, walk each weight block together while it is in registers)
 SPLIT_ROWS = (4, 2, 1)
-STRIP_ROWS = (8, 4, 2, 1)
-TILE_ROWS = max(SPLIT_ROWS[0], STRIP_ROWS[0])  # the most rows of one tile (what `finish` and `flush` may get)
+# (by the tiles' isa: VNNI-256's rows take two chains a plane for each half of a strip, and 4 or 8 rows spill them
+# from its 16 registers: 8 rows of SmolLM2 7.73 ms a step in tiles of 2, 8.24 of 4, 10.23 of 8 on Zen 5; AVX2's 16-bit
+# words share each widened quad between the rows, best at 8: 10.9 ms, 11.4 of 4, 12.3 of 2)
+STRIP_ROWS = {tgt.Isa.VNNI512: (8, 4, 2, 1), tgt.Isa.AVX2: (8, 4, 2, 1), tgt.Isa.VNNI256: (2, 1)}
+TILE_ROWS = max(SPLIT_ROWS[0], *(sizes[0] for sizes in STRIP_ROWS.values()))  # the most rows a `finish` or `flush` gets
 TILE_COLS = {1: 4, 2: 2}
 # Rows per block: the x rows of one block stay in L2 while every weight tile passes.
 BLOCK_BYTES = 192 * 1024
@@ -413,7 +420,8 @@ def broadcast_quad(f: KernelBuilder, q: QRowsAccess, t: ir.Value, k: ir.Value, p
 def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], column_bytes: int, finish: Finish,
                tid: ir.Value, nth: ir.Value, work: ir.Value, isa: tgt.Isa, unit: int, flush, prefetch: int) -> None:
     """Quantized rows × weights in the tiles layout. Whole 16-row blocks on AMX tiles where the
-    kernel has `isa amx` (and the runtime allowed them); every other row on VNNI-512: per strip
+    kernel has `isa amx` (and the runtime allowed them); every other row on VNNI-512 (or the kernel's
+    `isa`, VNNI-256 or AVX2, as `_strip_dot` takes them): per strip
     of 16 columns and 32-block, 8 `vpdpbusd` of the block's code vectors and 4 broadcast
     int8 values of each row (the 16 columns' sums in the lanes; int16 rows: 8 per plane, joined
     as `(hi << 8) + lo`), scaled once per scale group: `acc += dot · (d_w · d_x) + off_w · s_x` (with a zero
@@ -431,6 +439,8 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
     if isa is tgt.Isa.AMX:
         start = b.select(amx.enabled(f), b.and_(rows.count, f.i64(-amx.TILE)), f.i64(0))
 
+    vector = tgt.Isa.VNNI512 if isa is tgt.Isa.AMX else isa  # (the rows AMX leaves)
+
     def unit_rows(t: ir.Value, r: int, j0: ir.Value, width: int) -> None:
         """Rows t..t+r of the `width` columns from j0 (whole strips, the last one possibly partial)."""
         nstrips = -(-width // STRIP)
@@ -438,7 +448,8 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
         for si in range(nstrips):
             s = b.sdiv(f.add(j0, si * STRIP), f.i64(STRIP))
             # one weight at a time (swiglu: gate, then up): a tile's codes and accumulators stay in registers
-            sums = [_strip_dot(f, rows.q, w, f.add(rows.first, t), r, s, step, prefetch) for w in access]  # (last_row: last)
+            sums = [_strip_dot(f, rows.q, w, f.add(rows.first, t), r, s, step, prefetch, vector)  # (last_row: last)
+                    for w in access]
             for wi in range(len(access)):
                 for ri in range(r):
                     for c in range(min(STRIP, width - si * STRIP)):
@@ -449,7 +460,7 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
 
     def span(first: ir.Value, j0: ir.Value, width: int) -> None:
         """Rows first..count of the `width` columns from j0, in tiles of `STRIP_ROWS`."""
-        row_tiles(f, rows, first, rows.count, STRIP_ROWS, lambda t, r: unit_rows(t, r, j0, width))
+        row_tiles(f, rows, first, rows.count, STRIP_ROWS[vector], lambda t, r: unit_rows(t, r, j0, width))
 
     with dealt(f, N // unit, unit * column_bytes, tid, nth, work) as (lo, hi):
         lo, hi = f.mul(lo, unit), f.mul(hi, unit)
@@ -463,10 +474,12 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
 
 
 def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r: int, s: ir.Value,
-               step: int, prefetch: int) -> list[ir.Value]:
+               step: int, prefetch: int, isa: tgt.Isa) -> list[ir.Value]:
     """`<16 x float>` per row: rows t..t+r · the 16 columns of strip s of `w`, scaled every `step` 16-slices (the
     codes prefetched into L1 `prefetch` bytes ahead for fewer than 4 rows; for more, into L2 `FAR_PREFETCH_BYTES`
-    ahead, and from int16 rows into L1 `L2_TO_L1_PREFETCH_BYTES` ahead as well)."""
+    ahead, and from int16 rows into L1 `L2_TO_L1_PREFETCH_BYTES` ahead as well). `isa` `vnni512` or `vnni256`:
+    `vpdpbusd` of the codes by each row's int8 values (of each plane); `avx2`: the codes and each row's values as
+    16-bit words, `vpmaddwd` (`quant.words_quads`)."""
     b = f.b
     accs = [acc for [acc] in _accumulators(f, vec(F32, STRIP), 1, r, 1, "tacc")[0]]
     # Several rows: one vpdpbusd chain per row and plane, emitted quad by quad across the rows, so that a row's
@@ -475,6 +488,7 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
     # the sums (`QRowsAccess.zero_term`, off the multiply pipes), so no offset term is scaled in after.
     folded = not w.fmt.minimum
     across = r >= 4
+    words = isa is tgt.Isa.AVX2
     n_chains = 1 if across else DOT_CHAINS
     zero = ir.Constant(vec(I32, STRIP), [0] * STRIP)
     eight = ir.Constant(vec(I32, STRIP), [8] * STRIP)
@@ -483,27 +497,37 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
         if across and q.planes == 2:
             w.prefetch(s, blk, L2_TO_L1_PREFETCH_BYTES, 1)
         codes = w.quads(s, blk)
-        xs_by_row = [[[broadcast_quad(f, q, f.add(t, ri), f.add(f.mul(blk, TILE_K), 4 * quad), plane)
-                       for quad in range(QUADS)] for plane in range(q.planes)] for ri in range(r)]
+        if words:
+            row_words = [q.words(f.add(t, ri), f.mul(blk, TILE_K)) for ri in range(r)]
+        else:
+            xs_by_row = [[[broadcast_quad(f, q, f.add(t, ri), f.add(f.mul(blk, TILE_K), 4 * quad), plane)
+                           for quad in range(QUADS)] for plane in range(q.planes)] for ri in range(r)]
         for first in range(0, TILE_K // SLICE, step):
             quads = range(first * SLICE // 4, (first + step) * SLICE // 4)
             sl = f.add(f.mul(blk, TILE_K // SLICE), first)
             scale = w.scale16(s, sl)
             offset = None if folded else w.offset16(s, sl, scale)
             dots = [zero] * r
-            if across:
+            if words:
+                pairs = [[ir.Constant(vec(I32, 8), [0] * 8)] * 4 for _ in range(r)]
+                for quad in quads:
+                    for ri, x in enumerate(row_words):
+                        x4 = shuffle(f, x, [4 * quad + i % 4 for i in range(16)])
+                        pairs[ri] = words_quads(f, pairs[ri], codes[quad], x4)
+                dots = [words_sums(f, p) for p in pairs]
+            elif across:
                 chains = [[zero] * q.planes for _ in range(r)]
                 for quad in quads:
                     for ri in range(r):
                         for plane, xs in enumerate(xs_by_row[ri]):
-                            chains[ri][plane] = vpdpbusd(f, chains[ri][plane], codes[quad], xs[quad])
+                            chains[ri][plane] = vpdpbusd(f, chains[ri][plane], codes[quad], xs[quad], isa)
                 dots = [c[0] if q.planes == 1 else b.add(b.shl(c[0], eight), c[1]) for c in chains]
             else:
                 for ri in range(r):
                     for plane, xs in enumerate(xs_by_row[ri]):  # int16 rows: `lo`'s products onto `hi`'s << 8
                         chains = [b.shl(dots[ri], eight) if plane else zero] + [zero] * (n_chains - 1)
                         for n, quad in enumerate(quads):
-                            chains[n % n_chains] = vpdpbusd(f, chains[n % n_chains], codes[quad], xs[quad])
+                            chains[n % n_chains] = vpdpbusd(f, chains[n % n_chains], codes[quad], xs[quad], isa)
                         dots[ri] = chains[0]
                         for other in chains[1:]:
                             dots[ri] = b.add(dots[ri], other)
@@ -528,7 +552,7 @@ def gemm_screened(f: KernelBuilder, rows: Rows, coarse: QRowsAccess, N: int, wei
     b = f.b
     w = TiledWeight(f, *weight)
     step = w.scale_step()
-    rows_max = STRIP_ROWS[0]
+    rows_max = STRIP_ROWS[tgt.Isa.VNNI512][0]
     strip_best = f.alloca(F32, SCREEN_COLUMNS // STRIP * rows_max, name="strip_best")  # [strip][row]
     block_best = f.alloca(F32, rows_max, name="block_best")
 
@@ -547,7 +571,7 @@ def gemm_screened(f: KernelBuilder, rows: Rows, coarse: QRowsAccess, N: int, wei
 
             def coarse_strip(si: ir.Value, cols: int) -> None:
                 s, js = strip_columns(si, cols)
-                sums = _strip_dot(f, coarse, w, t, r, s, step, prefetch)
+                sums = _strip_dot(f, coarse, w, t, r, s, step, prefetch, tgt.Isa.VNNI512)
                 lanes = [[b.extract_element(v, ir.Constant(I32, c)) for c in range(cols)] for v in sums]
                 finish([f.add(t, ri) for ri in range(r)], js, [lanes])
                 for ri in range(r):
@@ -561,7 +585,7 @@ def gemm_screened(f: KernelBuilder, rows: Rows, coarse: QRowsAccess, N: int, wei
                     near = f.fsub(f.load(block_best, ri), f.f32(margin), flags=())
                     top = f.load(strip_best, f.add(f.mul(si, rows_max), ri))
                     with f.when(b.fcmp_ordered(">=", top, near)):
-                        [exact] = _strip_dot(f, rows.q, w, f.add(t, ri), 1, s, step, prefetch)
+                        [exact] = _strip_dot(f, rows.q, w, f.add(t, ri), 1, s, step, prefetch, tgt.Isa.VNNI512)
                         finish([f.add(t, ri)], js, [[[b.extract_element(exact, ir.Constant(I32, c))
                                                       for c in range(cols)]]])
 
@@ -571,7 +595,7 @@ def gemm_screened(f: KernelBuilder, rows: Rows, coarse: QRowsAccess, N: int, wei
                 if part:
                     strip(f.i64(full), part)
 
-        row_tiles(f, rows, f.i64(0), rows.count, STRIP_ROWS, tile)
+        row_tiles(f, rows, f.i64(0), rows.count, STRIP_ROWS[tgt.Isa.VNNI512], tile)
 
     unit, rest = SCREEN_COLUMNS, N % SCREEN_COLUMNS
     with dealt(f, N // unit, unit * (weight[1].nbytes // N), tid, nth, work) as (lo, hi):

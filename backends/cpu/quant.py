@@ -74,10 +74,31 @@ def prefetch(f: KernelBuilder, base: ir.Value, offset: ir.Value, level: int = 1)
     f.b.call(fn, [f.b.gep(base, [offset]), ir.Constant(I32, 0), ir.Constant(I32, 4 - level), ir.Constant(I32, 1)])
 
 
-def vpdpbusd(f: KernelBuilder, acc: ir.Value, codes: ir.Value, x: ir.Value) -> ir.Value:
-    """`acc` (`<16 x i32>`) plus, per lane, 4 unsigned codes × 4 int8 values (AVX-512 VNNI)."""
-    fn = declare(f, "llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [vec(I32, 16), vec(I8, 64), vec(I8, 64)])
-    return f.b.call(fn, [acc, codes, x])
+def vpdpbusd(f: KernelBuilder, acc: ir.Value, codes: ir.Value, x: ir.Value, isa: Isa = Isa.VNNI512) -> ir.Value:
+    """`acc` (`<16 x i32>`) plus, per lane, 4 unsigned codes × 4 int8 values: one AVX-512 VNNI instruction, or
+    with `isa` `vnni256` (AVX-VNNI) one for each half of the lanes."""
+    if isa is Isa.VNNI512:
+        fn = declare(f, "llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [vec(I32, 16), vec(I8, 64), vec(I8, 64)])
+        return f.b.call(fn, [acc, codes, x])
+    fn = declare(f, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), [vec(I32, 8), vec(I8, 32), vec(I8, 32)])
+    halves = [f.b.call(fn, [shuffle(f, acc, list(range(8 * h, 8 * h + 8))),
+                            *(shuffle(f, v, list(range(32 * h, 32 * h + 32))) for v in (codes, x))]) for h in (0, 1)]
+    return shuffle(f, halves[0], list(range(16)), halves[1])
+
+
+def words_quads(f: KernelBuilder, acc: list[ir.Value], codes: ir.Value, x: ir.Value) -> list[ir.Value]:
+    """AVX2's `vpdpbusd` of 4 codes × 16 features by 4 int16 values (`x`: `<16 x i16>`, the 4 repeated): the codes
+    widened to words, one `vpmaddwd` per 4 features. `acc` and the result are 4 `<8 x i32>` in pairs (features 4i..4i+3
+    in vector i, each feature's two partial sums side by side: `words_sums` adds them)."""
+    wide = f.b.zext(codes, vec(I16, 64))
+    return [f.b.add(a, _pmaddwd(f, shuffle(f, wide, list(range(16 * i, 16 * i + 16))), x)) for i, a in enumerate(acc)]
+
+
+def words_sums(f: KernelBuilder, pairs: list[ir.Value]) -> ir.Value:
+    """`words_quads`'s 4 `<8 x i32>` of pairs → the 16 features' sums (`<16 x i32>`, in order): `vphaddd` joins
+    features 0–3 with 4–7 as 0, 1, 4, 5 | 2, 3, 6, 7 (and 8–15 alike); a shuffle puts them back in order."""
+    joined = shuffle(f, _phaddd(f, pairs[0], pairs[1]), list(range(16)), _phaddd(f, pairs[2], pairs[3]))
+    return shuffle(f, joined, [0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15])
 
 
 def weight_offset(f: KernelBuilder, fmt, minimum: ir.Value | None, scale: ir.Value) -> ir.Value:
@@ -392,6 +413,14 @@ class QRowsAccess:
             n = f.splat(f.load(self.n_ptr(t), f.add(sl, i)), lanes)
             total = n if total is None else f.b.add(total, n)
         return f.b.mul(total, splat_i(lanes, -zero))
+
+    def words(self, t: ir.Value, k: ir.Value) -> ir.Value:
+        """Row t's values k..k+31 (k a multiple of 32) as `<32 x i16>`: int8 rows widened, int16 rows'
+        planes joined (`256 · hi + lo`, within ±`QMAX[16]`)."""
+        b = self.f.b
+        planes = [b.sext(load_vector(self.f, self.qs_ptr(t, plane), k, vec(I8, 32)), vec(I16, 32))
+                  for plane in range(self.planes)]
+        return planes[0] if self.planes == 1 else b.add(b.shl(planes[0], splat_i(vec(I16, 32), 8)), planes[1])
 
     def qs(self, t: ir.Value, g: ir.Value, plane: int = 0) -> ir.Value:
         return load_vector(self.f, self.qs_ptr(t, plane), self.f.mul(g, GROUP), vec(I8, 64))

@@ -90,17 +90,16 @@ def target_machine_for(target: TargetAttr):
 
 
 # `a16`'s time over `a8`'s per matmul, (prefill, decode), by the integer dot product of the
-# `a8` kernels. AVX2: measured with `--cpu x86-64-v3` on a 2-core AMD EPYC (Zen 4, shared with
-# other work), SmolLM2-135M all-a16 against all-a8, each a16 run right after its a8 run (`llmc
-# bench --prompt-tokens 128,512 --decode-tokens 64`, 3 rounds at 1 and at 2 threads, medians):
-# prefill 0.71–0.88×, decode 0.83–0.91× (1.32× the instructions per decoded token) — a16's
-# int16 rows multiply as 16-bit words (`vpmaddwd`, widened per tile) where a8's bytes take
-# `vpmaddubsw`, and a8's decode here is near enough to compute-bound that it shows.
-# VNNI-512: measured on a 2-core AMX Xeon, the same command at --repeat 5 with `--cpu
-# icelake-server`: prefill 0.78–0.81×, decode 0.95×. AMX: a16 takes no tiles (its prefill runs
-# on VNNI-512) where a8's prefill does: prefill 0.65–0.68× of a8 on tiles, decode 1.0× (both
-# VNNI-512). VNNI-256: not measured, AVX2's factors until it is.
-A16_COST = {Isa.AVX2: (1.3, 1.2), Isa.VNNI256: (1.3, 1.2), Isa.VNNI512: (1.25, 1.05)}
+# `a8` kernels: SmolLM2-135M all-a16 against all-a8, each a16 run right after its a8 run (`llmc
+# bench --prompt-tokens 128,512 --decode-tokens 64`, 3 rounds, medians). AVX2 and VNNI-256 in the
+# tiles layout, with `--cpu x86-64-v3` and `--cpu alderlake` on a 2-core AMD EPYC (Zen 5, 2 threads):
+# AVX2 prefill 0.91–0.92×, decode 0.91× (both row kinds multiply 16-bit words, `vpmaddwd`; int16
+# rows' two planes cost their joining); VNNI-256 prefill 0.53–0.58×, decode 0.74× (two `vpdpbusd`
+# a plane where int8 rows take one). VNNI-512: measured on a 2-core AMX Xeon, the same command at
+# --repeat 5 with `--cpu icelake-server`: prefill 0.78–0.81×, decode 0.95×. AMX: a16 takes no
+# tiles (its prefill runs on VNNI-512) where a8's prefill does: prefill 0.65–0.68× of a8 on tiles,
+# decode 1.0× (both VNNI-512).
+A16_COST = {Isa.AVX2: (1.1, 1.1), Isa.VNNI256: (1.8, 1.35), Isa.VNNI512: (1.25, 1.05)}
 A16_PREFILL_ON_AMX = 1.5
 
 
@@ -146,8 +145,8 @@ AMX_MIN_ROWS = 16  # entry points of at least this many rows get AMX tiles (one 
 
 
 class CpuTarget(TargetDescription):
-    """An x86-64 CPU: `a8`/`a16` kernels on its integer dot product; on AVX-512 VNNI the `tiles` layout
-    for weights only quantized-row kernels (and the embedding) read, `split` for the rest; AMX tiles
+    """An x86-64 CPU: `a8`/`a16` kernels on its integer dot product; with one (AVX2 or better) the `tiles`
+    layout for weights only quantized-row kernels (and the embedding) read, `split` for the rest; AMX tiles
     for the `a8` matmuls of entry points of `AMX_MIN_ROWS` rows or more."""
 
     kind = "cpu"
@@ -168,9 +167,9 @@ class CpuTarget(TargetDescription):
         return a16_cost(self.target) if self.has_integer_dot() else (1.0, 1.0)
 
     def weight_layout(self, readers: Sequence[tgt.Kernel]) -> Layout:
-        """`tiles` where the target has AVX-512 VNNI and every reader takes quantized rows (or gathers
-        rows: the embedding), `split` otherwise."""
-        tiles = self.integer_isa() is Isa.VNNI512 and all(_reads_tiles(k) for k in readers)
+        """`tiles` where the target has an integer dot product (AVX2, VNNI-256, VNNI-512) and every reader
+        takes quantized rows (or gathers rows: the embedding), `split` otherwise."""
+        tiles = self.integer_isa() is not Isa.GENERIC and all(_reads_tiles(k) for k in readers)
         return Layout.TILES if tiles else Layout.SPLIT
 
     def kernel_isa(self, op: tgt.Kernel, rows: int) -> Isa | None:
@@ -203,6 +202,6 @@ def _matrices(op: tgt.Kernel) -> list[tgt.WeightType]:
 
 
 def _reads_tiles(op: tgt.Kernel) -> bool:
-    """Whether a kernel reads its integer weights in the tiles layout (on AVX-512 VNNI)."""
+    """Whether a kernel reads its integer weights in the tiles layout (on a CPU with an integer dot product)."""
     return isinstance(op, tgt.EmbeddingOp) or \
         (isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and isinstance(op.rows_type(), tgt.QRowsType))

@@ -256,8 +256,8 @@ class MatmulOp(_Projection):
       taken with the rows quantized to int8 (`a8`, half the products of `a16`), then again with the int16 rows
       for every strip of 16 columns whose largest int8 result comes within `M` of the largest in its block of
       `SCREEN_COLUMNS` (2048) columns: every result that can be a row's largest (or near it) is `a16`'s exactly, the
-      rest carry the int8 rows' rounding. The blocks are fixed, so the results are the same whatever thread
-      takes a block, and a row's the same alone or with others.
+      rest carry the int8 rows' rounding (`isa vnni512` only). The blocks are fixed, so the results are the same
+      whatever thread takes a block, and a row's the same alone or with others.
 
     ```mlir
     tgt.matmul %h, %wq -> %q rows %n isa amx : !tgt.qrows<128x576>, !tgt.weight<576x576, q4_1, tiles> -> memref<128x576xf32>
@@ -326,6 +326,8 @@ class MatmulOp(_Projection):
                 self._fail("'screen' goes with neither 'accumulate' nor 'last_row'")
             if self.weight.type.layout is not Layout.TILES:
                 self._fail(f"'screen' reads a weight in the tiles layout, not {self.weight.type.layout.value}")
+            if self.isa is None or self.isa.data is not Isa.VNNI512:  # (elsewhere int8 rows cost what int16 ones do)
+                self._fail("'screen' takes isa vnni512: int8 rows at half the products of int16 ones")
             if not self.screen.value.data >= 0:
                 self._fail(f"'screen' needs a margin of 0 or more, not {self.screen.value.data}")
 

@@ -330,7 +330,7 @@ ISA_INSTRUCTIONS = {
     tgt.Isa.AMX: ({"tdpbsud", "vpdpbusd", "zmm"}, set()),  # tiles for 16-row blocks, VNNI-512 for the rest
     tgt.Isa.VNNI512: ({"vpdpbusd", "zmm"}, {"tdpbsud"}),
     tgt.Isa.VNNI256: ({"vpdpbusd", "ymm"}, {"zmm", "tdpbsud"}),
-    tgt.Isa.AVX2: ({"vpmaddwd"}, {"vpdpbusd", "zmm"}),  # (the tiles layout's codes and rows as 16-bit words)
+    tgt.Isa.AVX2: ({"vpmaddubsw", "vpmaddwd"}, {"vpdpbusd", "zmm"}),
     tgt.Isa.GENERIC: (set(), {"vpdpbusd", "vpmaddubsw", "zmm"}),
 }
 

@@ -86,7 +86,7 @@ def test_quantize_keeps_the_files_types_and_chooses_a16(smollm2_path, capsys) ->
     captured = capsys.readouterr()
     text = captured.out
     assert "llm.weight @blk.0.attn_q q4_1" in text and "llm.weight @token_embd q8_0" in text
-    # q, k, v, output, gate, up, down, and the head: on AVX2 a16 costs decode 20% over a8, the budget
+    # q, k, v, output, gate, up, down, and the head: on AVX2 a16 costs decode 35% over a8, within the budget
     assert text.count("compute a16 {llm.error = {a8 = ") == 30 * 7 + 1
     assert "(calibrated on 128 tokens)" in captured.err
     assert "llm.weight @blk.0.attn_norm f32" in text

@@ -479,7 +479,8 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
     codes prefetched into L1 `prefetch` bytes ahead for fewer than 4 rows; for more, into L2 `FAR_PREFETCH_BYTES`
     ahead, and from int16 rows into L1 `L2_TO_L1_PREFETCH_BYTES` ahead as well). `isa` `vnni512` or `vnni256`:
     `vpdpbusd` of the codes by each row's int8 values (of each plane); `avx2`: the codes and each row's values as
-    16-bit words, `vpmaddwd` (`quant.words_quads`)."""
+    16-bit words, `vpmaddwd` (`quant.words_quads`), except int8 rows on codes below 8 bits: `vpmaddubsw`, then
+    `vpmaddwd` by ones (`quant.vpdpbusd`'s AVX2 form), 6 instructions a quad where words take 8 and a widening."""
     b = f.b
     accs = [acc for [acc] in _accumulators(f, vec(F32, STRIP), 1, r, 1, "tacc")[0]]
     # Several rows: one vpdpbusd chain per row and plane, emitted quad by quad across the rows, so that a row's
@@ -488,7 +489,7 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
     # the sums (`QRowsAccess.zero_term`, off the multiply pipes), so no offset term is scaled in after.
     folded = not w.fmt.minimum
     across = r >= 4
-    words = isa is tgt.Isa.AVX2
+    words = isa is tgt.Isa.AVX2 and (q.planes == 2 or w.bits == 8)  # (else `vpdpbusd`'s AVX2 form: codes < 128)
     n_chains = 1 if across else DOT_CHAINS
     zero = ir.Constant(vec(I32, STRIP), [0] * STRIP)
     eight = ir.Constant(vec(I32, STRIP), [8] * STRIP)

@@ -75,14 +75,23 @@ def prefetch(f: KernelBuilder, base: ir.Value, offset: ir.Value, level: int = 1)
 
 
 def vpdpbusd(f: KernelBuilder, acc: ir.Value, codes: ir.Value, x: ir.Value, isa: Isa = Isa.VNNI512) -> ir.Value:
-    """`acc` (`<16 x i32>`) plus, per lane, 4 unsigned codes × 4 int8 values: one AVX-512 VNNI instruction, or
-    with `isa` `vnni256` (AVX-VNNI) one for each half of the lanes."""
+    """`acc` (`<16 x i32>`) plus, per lane, 4 unsigned codes × 4 int8 values: one AVX-512 VNNI instruction; with
+    `isa` `vnni256` (AVX-VNNI) one for each half of the lanes; with `avx2`, codes below 128 only, for each half
+    `vpmaddubsw` (no pair of products reaches 2^15) and `vpmaddwd` by ones."""
     if isa is Isa.VNNI512:
         fn = declare(f, "llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [vec(I32, 16), vec(I8, 64), vec(I8, 64)])
         return f.b.call(fn, [acc, codes, x])
-    fn = declare(f, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), [vec(I32, 8), vec(I8, 32), vec(I8, 32)])
-    halves = [f.b.call(fn, [shuffle(f, acc, list(range(8 * h, 8 * h + 8))),
-                            *(shuffle(f, v, list(range(32 * h, 32 * h + 32))) for v in (codes, x))]) for h in (0, 1)]
+    if isa is Isa.AVX2:
+        maddubs = declare(f, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vec(I8, 32), vec(I8, 32)])
+    else:
+        fn = declare(f, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), [vec(I32, 8), vec(I8, 32), vec(I8, 32)])
+    halves = []
+    for h in (0, 1):
+        part, c, v = (shuffle(f, value, list(range(n * h, n * h + n))) for value, n in ((acc, 8), (codes, 32), (x, 32)))
+        if isa is Isa.AVX2:
+            halves.append(f.b.add(part, _pmaddwd(f, f.b.call(maddubs, [c, v]), splat_i(vec(I16, 16), 1))))
+        else:
+            halves.append(f.b.call(fn, [part, c, v]))
     return shuffle(f, halves[0], list(range(16)), halves[1])
 
 

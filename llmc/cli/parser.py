@@ -118,7 +118,7 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
                    help="matmul compute mode: a8 (int8 activations, integer dot products), a16 (int16 "
                         "activations as two int8 planes: near a32's accuracy, decode near a8's speed), a32 (float "
                         "activations), or auto (default): a8 or a16 per matmul, from a calibration, keeping "
-                        "decode within 20%% and prefill within 50%% of all-a8")
+                        "decode within 40%% and prefill within 70%% of all-a8")
     p.add_argument("--calibrate", type=_name, metavar="FILE",
                    help="--compute auto: calibrate on the first 128 tokens of this UTF-8 text (default: a built-in "
                         "set of chat conversations in the model's template and plain text)")

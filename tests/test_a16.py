@@ -144,13 +144,16 @@ def test_kernels_write_int16_rows_bit_for_bit(tmp_path, native, D):
     np.testing.assert_allclose(d, rd, rtol=1e-6)
 
 
+@pytest.mark.parametrize("K,R", [(256, 5), (4352, 9)])
 @pytest.mark.parametrize("storage", [Storage.Q4_1, Storage.Q8_0, Storage.Q6_K], ids=str)
-def test_matmul_a16_equals_the_integer_reference(tmp_path, native, storage):
+def test_matmul_a16_equals_the_integer_reference(tmp_path, native, storage, K, R):
     """Every integer path this host runs (its own, AVX2's, generic; the tiles layout on all but generic), on
     the same int16 rows as the reference; `last_row` too. The kernel rounds each lane's int32 sum
-    of 4 products (up to 2^25) to float, the reference each slice's exact sum: within 2e-6."""
+    of 4 products (up to 2^25) to float, the reference each slice's exact sum: within 2e-6 at K 256,
+    × √(K / 256) for longer rows. (K 4352: AVX2's rows as words take tiles of 4 rows, not 8, within
+    `WORDS_BYTES` of stack.)"""
     rng = np.random.default_rng(13)
-    N, K, R = 48, 256, 5
+    N = 48
     w = rand(rng, N, K)
     w[:, :64] *= 20
     qt = FORMATS[storage].quantize(w)
@@ -167,7 +170,7 @@ def test_matmul_a16_equals_the_integer_reference(tmp_path, native, storage):
                 out = np.zeros((R, N), f32)
                 k({"x": buf, "weight": data, "out": out, "rows": n})
                 ref = integer_matmul(*rows.values(n - 1 if last_row else 0, n), qt)
-                assert_close(out[: ref.shape[0]], ref, rtol=2e-6)
+                assert_close(out[: ref.shape[0]], ref, rtol=2e-6 * (K / 256) ** 0.5)  # (float sums of K / 32 blocks)
                 assert not out[ref.shape[0]:].any()
 
 

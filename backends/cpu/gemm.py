@@ -73,6 +73,9 @@ SPLIT_ROWS = (4, 2, 1)
 STRIP_ROWS = {tgt.Isa.VNNI512: (8, 4, 2, 1), tgt.Isa.AVX2: (8, 4, 2, 1), tgt.Isa.VNNI256: (2, 1)}
 TILE_ROWS = max(SPLIT_ROWS[0], *(sizes[0] for sizes in STRIP_ROWS.values()))  # the most rows a `finish` or `flush` gets
 TILE_COLS = {1: 4, 2: 2}
+WORDS_BYTES = 64 * 1024  # the stack an AVX2 tiles kernel takes at most for a tile's rows as 16-bit words (filled once
+# for every strip and weight of a unit of columns: SmolLM2's 8-row step 11.6 → 10.4 ms where each strip widened its
+# rows and broadcast their quads with `vpermq`; tiles of fewer rows where K is long)
 # Rows per block: the x rows of one block stay in L2 while every weight tile passes.
 BLOCK_BYTES = 192 * 1024
 MAX_BLOCK_ROWS = 64
@@ -440,16 +443,25 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
         start = b.select(amx.enabled(f), b.and_(rows.count, f.i64(-amx.TILE)), f.i64(0))
 
     vector = tgt.Isa.VNNI512 if isa is tgt.Isa.AMX else isa  # (the rows AMX leaves)
+    kp, sizes, row_words = access[0].kp, STRIP_ROWS[vector], None
+    if vector is tgt.Isa.AVX2 and any(takes_words(rows.q, w) for w in access):  # a tile's rows as 16-bit words
+        sizes = tuple(r for r in sizes if r == 1 or r * kp * 2 <= WORDS_BYTES)
+        row_words = b.bitcast(f.alloca(I32, sizes[0] * kp // 2, name="row_words"), I16.as_pointer())  # (4-aligned)
 
     def unit_rows(t: ir.Value, r: int, j0: ir.Value, width: int) -> None:
         """Rows t..t+r of the `width` columns from j0 (whole strips, the last one possibly partial)."""
         nstrips = -(-width // STRIP)
         vals = [[[None] * width for _ in range(r)] for _ in access]
+        if row_words is not None:  # (AVX2: the tile's rows as 16-bit words once, for every strip and weight)
+            with f.loop(0, kp // TILE_K, name="wb", unroll=False) as blk:
+                for ri in range(r):
+                    at = f.add(f.i64(ri * kp), f.mul(blk, TILE_K))
+                    f.vstore(rows.q.words(f.add(rows.first, f.add(t, ri)), f.mul(blk, TILE_K)), row_words, at)
         for si in range(nstrips):
             s = b.sdiv(f.add(j0, si * STRIP), f.i64(STRIP))
             # one weight at a time (swiglu: gate, then up): a tile's codes and accumulators stay in registers
-            sums = [_strip_dot(f, rows.q, w, f.add(rows.first, t), r, s, step, prefetch, vector)  # (last_row: last)
-                    for w in access]
+            sums = [_strip_dot(f, rows.q, w, f.add(rows.first, t), r, s, step, prefetch, vector,  # (last_row: last)
+                               row_words) for w in access]
             for wi in range(len(access)):
                 for ri in range(r):
                     for c in range(min(STRIP, width - si * STRIP)):
@@ -460,7 +472,7 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
 
     def span(first: ir.Value, j0: ir.Value, width: int) -> None:
         """Rows first..count of the `width` columns from j0, in tiles of `STRIP_ROWS`."""
-        row_tiles(f, rows, first, rows.count, STRIP_ROWS[vector], lambda t, r: unit_rows(t, r, j0, width))
+        row_tiles(f, rows, first, rows.count, sizes, lambda t, r: unit_rows(t, r, j0, width))
 
     with dealt(f, N // unit, unit * column_bytes, tid, nth, work) as (lo, hi):
         lo, hi = f.mul(lo, unit), f.mul(hi, unit)
@@ -473,14 +485,21 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
             span(f.i64(0), f.i64(N - rest), rest)
 
 
+def takes_words(q: QRowsAccess, w: TiledWeight) -> bool:
+    """Whether AVX2 multiplies `q`'s rows by `w` as 16-bit words: int16 rows, or 8-bit codes (else `vpmaddubsw`'s
+    pairs, codes below 128)."""
+    return q.planes == 2 or w.bits == 8
+
+
 def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r: int, s: ir.Value,
-               step: int, prefetch: int, isa: tgt.Isa) -> list[ir.Value]:
+               step: int, prefetch: int, isa: tgt.Isa, row_words: ir.Value | None = None) -> list[ir.Value]:
     """`<16 x float>` per row: rows t..t+r · the 16 columns of strip s of `w`, scaled every `step` 16-slices (the
     codes prefetched into L1 `prefetch` bytes ahead for fewer than 4 rows; for more, into L2 `FAR_PREFETCH_BYTES`
     ahead, and from int16 rows into L1 `L2_TO_L1_PREFETCH_BYTES` ahead as well). `isa` `vnni512` or `vnni256`:
     `vpdpbusd` of the codes by each row's int8 values (of each plane); `avx2`: the codes and each row's values as
     16-bit words, `vpmaddwd` (`quant.words_quads`), except int8 rows on codes below 8 bits: `vpmaddubsw`, then
-    `vpmaddwd` by ones (`quant.vpdpbusd`'s AVX2 form), 6 instructions a quad where words take 8 and a widening."""
+    `vpmaddwd` by ones (`quant.vpdpbusd`'s AVX2 form), 6 instructions a quad where words take 8 and a widening.
+    `row_words` (`i16*`, with words): the r rows as words already (`QRowsAccess.words`), `w.kp` apart."""
     b = f.b
     accs = [acc for [acc] in _accumulators(f, vec(F32, STRIP), 1, r, 1, "tacc")[0]]
     # Several rows: one vpdpbusd chain per row and plane, emitted quad by quad across the rows, so that a row's
@@ -489,7 +508,8 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
     # the sums (`QRowsAccess.zero_term`, off the multiply pipes), so no offset term is scaled in after.
     folded = not w.fmt.minimum
     across = r >= 4
-    words = isa is tgt.Isa.AVX2 and (q.planes == 2 or w.bits == 8)  # (else `vpdpbusd`'s AVX2 form: codes < 128)
+    words = isa is tgt.Isa.AVX2 and takes_words(q, w)
+    assert row_words is not None or not words
     n_chains = 1 if across else DOT_CHAINS
     zero = ir.Constant(vec(I32, STRIP), [0] * STRIP)
     eight = ir.Constant(vec(I32, STRIP), [8] * STRIP)
@@ -499,7 +519,8 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
             w.prefetch(s, blk, L2_TO_L1_PREFETCH_BYTES, 1)
         codes = w.quads(s, blk)
         if words:
-            row_words = [q.words(f.add(t, ri), f.mul(blk, TILE_K)) for ri in range(r)]
+            block_words = [b.bitcast(f.ptr(row_words, f.add(f.i64(ri * w.kp), f.mul(blk, TILE_K))),
+                                     vec(I16, 4).as_pointer()) for ri in range(r)]
         else:
             xs_by_row = [[[broadcast_quad(f, q, f.add(t, ri), f.add(f.mul(blk, TILE_K), 4 * quad), plane)
                            for quad in range(QUADS)] for plane in range(q.planes)] for ri in range(r)]
@@ -512,8 +533,8 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
             if words:
                 pairs = [[ir.Constant(vec(I32, 8), [0] * 8)] * 4 for _ in range(r)]
                 for quad in quads:
-                    for ri, x in enumerate(row_words):
-                        x4 = shuffle(f, x, [4 * quad + i % 4 for i in range(16)])
+                    for ri, x in enumerate(block_words):  # (a broadcast load of the quad's 4 words)
+                        x4 = shuffle(f, b.load(b.gep(x, [f.i64(quad)]), align=4), [i % 4 for i in range(16)])
                         pairs[ri] = words_quads(f, pairs[ri], codes[quad], x4)
                 dots = [words_sums(f, p) for p in pairs]
             elif across:

@@ -94,7 +94,8 @@ def target_machine_for(target: TargetAttr):
 # bench --prompt-tokens 128,512 --decode-tokens 64`, 3 rounds, medians). AVX2 and VNNI-256 in the
 # tiles layout, with `--cpu x86-64-v3` and `--cpu alderlake` on a 2-core AMD EPYC (Zen 5, 2 threads):
 # AVX2 prefill 0.63–0.66×, decode 0.74× (int16 rows multiply as 16-bit words, `vpmaddwd` after a
-# widening, where int8 rows on codes below 8 bits take `vpmaddubsw`); VNNI-256 prefill 0.60–0.64×,
+# widening, where int8 rows on codes below 8 bits take `vpmaddubsw`; with the rows widened once per
+# unit of columns, 0.62–0.69× and 0.75–0.99× in a noisier run: the table keeps the first); VNNI-256 prefill 0.60–0.64×,
 # decode 0.73× (two `vpdpbusd` a plane where int8 rows take one). VNNI-512: measured on a 2-core AMX
 # Xeon, the same command at --repeat 5 with `--cpu icelake-server`: prefill 0.78–0.81×, decode 0.95×.
 # AMX: a16 takes no tiles (its prefill runs on VNNI-512) where a8's prefill does: prefill 0.65–0.68×

@@ -73,9 +73,10 @@ SPLIT_ROWS = (4, 2, 1)
 STRIP_ROWS = {tgt.Isa.VNNI512: (8, 4, 2, 1), tgt.Isa.AVX2: (8, 4, 2, 1), tgt.Isa.VNNI256: (2, 1)}
 TILE_ROWS = max(SPLIT_ROWS[0], *(sizes[0] for sizes in STRIP_ROWS.values()))  # the most rows a `finish` or `flush` gets
 TILE_COLS = {1: 4, 2: 2}
-WORDS_BYTES = 64 * 1024  # the stack an AVX2 tiles kernel takes at most for a tile's rows as 16-bit words (filled once
-# for every strip and weight of a unit of columns: SmolLM2's 8-row step 11.6 → 10.4 ms where each strip widened its
-# rows and broadcast their quads with `vpermq`; tiles of fewer rows where K is long)
+WORDS_BYTES = 64 * 1024  # the stack an AVX2 tiles kernel takes at most for rows as 16-bit words: a decode's rows
+# widened once a call, a prefill's tile of rows once for every strip and weight of a unit of columns (SmolLM2's 8-row
+# step 11.6 → 10.4 ms where each strip widened its rows and broadcast their quads with `vpermq`; tiles of fewer rows
+# where K is long)
 # Rows per block: the x rows of one block stay in L2 while every weight tile passes.
 BLOCK_BYTES = 192 * 1024
 MAX_BLOCK_ROWS = 64
@@ -443,25 +444,36 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
         start = b.select(amx.enabled(f), b.and_(rows.count, f.i64(-amx.TILE)), f.i64(0))
 
     vector = tgt.Isa.VNNI512 if isa is tgt.Isa.AMX else isa  # (the rows AMX leaves)
-    kp, sizes, row_words = access[0].kp, STRIP_ROWS[vector], None
-    if vector is tgt.Isa.AVX2 and any(takes_words(rows.q, w) for w in access):  # a tile's rows as 16-bit words
+    kp, sizes, row_words, every_row = access[0].kp, STRIP_ROWS[vector], None, False
+    if vector is tgt.Isa.AVX2 and any(takes_words(rows.q, w) for w in access):  # rows as 16-bit words, on the stack
         sizes = tuple(r for r in sizes if r == 1 or r * kp * 2 <= WORDS_BYTES)
-        row_words = b.bitcast(f.alloca(I32, sizes[0] * kp // 2, name="row_words"), I16.as_pointer())  # (4-aligned)
+        every_row = rows.q.capacity <= sizes[0]  # (a decode's rows: all of them once, before any column)
+        held = rows.q.capacity if every_row else sizes[0]
+        row_words = b.bitcast(f.alloca(I32, held * kp // 2, name="row_words"), I16.as_pointer())  # (4-aligned)
+
+    def widen(t: ir.Value, r: ir.Value | int) -> None:
+        """Rows t..t+r as 16-bit words into `row_words`, from its first row."""
+        with f.loop(0, r, name="wr", unroll=False) as ri, f.loop(0, kp // TILE_K, name="wb", unroll=False) as blk:
+            words = rows.q.words(f.add(rows.first, f.add(t, ri)), f.mul(blk, TILE_K))
+            f.vstore(words, row_words, f.add(f.mul(ri, kp), f.mul(blk, TILE_K)))
+
+    if every_row:
+        widen(f.i64(0), rows.count)
 
     def unit_rows(t: ir.Value, r: int, j0: ir.Value, width: int) -> None:
         """Rows t..t+r of the `width` columns from j0 (whole strips, the last one possibly partial)."""
         nstrips = -(-width // STRIP)
         vals = [[[None] * width for _ in range(r)] for _ in access]
-        if row_words is not None:  # (AVX2: the tile's rows as 16-bit words once, for every strip and weight)
-            with f.loop(0, kp // TILE_K, name="wb", unroll=False) as blk:
-                for ri in range(r):
-                    at = f.add(f.i64(ri * kp), f.mul(blk, TILE_K))
-                    f.vstore(rows.q.words(f.add(rows.first, f.add(t, ri)), f.mul(blk, TILE_K)), row_words, at)
+        tile_words = row_words
+        if every_row:
+            tile_words = f.ptr(row_words, f.mul(t, kp))
+        elif row_words is not None:  # (the tile's rows once for every strip and weight of the unit)
+            widen(t, r)
         for si in range(nstrips):
             s = b.sdiv(f.add(j0, si * STRIP), f.i64(STRIP))
             # one weight at a time (swiglu: gate, then up): a tile's codes and accumulators stay in registers
             sums = [_strip_dot(f, rows.q, w, f.add(rows.first, t), r, s, step, prefetch, vector,  # (last_row: last)
-                               row_words) for w in access]
+                               tile_words) for w in access]
             for wi in range(len(access)):
                 for ri in range(r):
                     for c in range(min(STRIP, width - si * STRIP)):

@@ -283,6 +283,28 @@ def test_matmul_a8_equals_the_integer_reference(tmp_path, tm, storage):
                 assert not out[ref.shape[0]:].any()
 
 
+@pytest.mark.parametrize("bits", [8, 16])
+def test_a_kernel_built_for_one_row_takes_any_number(tmp_path, tm, bits):
+    """One function serves every entry point whose kernel ops differ only in their rows' count (`kernel_key`): a
+    matmul emitted for a decode's one row, called with 1, 8 and 11 rows (a verify's), gives each row's integer
+    reference on every integer path (AVX2 widens rows that fit in one tile once a call, more a tile at a time)."""
+    rng = np.random.default_rng(29)
+    N, K, R = 48, 256, 11
+    w = rand(rng, N, K)
+    qt = FORMATS[Storage.Q8_0].quantize(w)  # (8-bit codes: AVX2 multiplies 16-bit words)
+    buf, rows = qrows_of(rand(rng, R, K, scale=3.0), R, bits)
+    for isa, layout in [(isa, layout) for layout in (Layout.SPLIT, Layout.TILES) for isa in tm.isas
+                        if isa is not tgt.Isa.GENERIC]:
+        wtype, data, _ = weight_of(Storage.Q8_0, w, layout)
+        k = Kernel(tmp_path, tm, matmul_op(isa=isa), [tgt.QRowsType(1, K, bits), wtype, tgt.memref(1, N), IDX])
+        for n in (1, 8, R):
+            out = np.zeros((R, N), f32)
+            k({"x": buf, "weight": data, "out": out, "rows": n})
+            ref = integer_matmul(*rows.values(0, n), qt)
+            assert_close(out[:n], ref, rtol=2e-6)
+            assert not out[n:].any()
+
+
 @pytest.mark.parametrize("threads", [2, 3])
 def test_the_projections_keep_reserves_the_other_threads_take(tmp_path, tm, threads):
     """Each thread takes its nth of a projection's columns in order, the last part a reserve of chunks

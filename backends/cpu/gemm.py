@@ -444,12 +444,13 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
         start = b.select(amx.enabled(f), b.and_(rows.count, f.i64(-amx.TILE)), f.i64(0))
 
     vector = tgt.Isa.VNNI512 if isa is tgt.Isa.AMX else isa  # (the rows AMX leaves)
-    kp, sizes, row_words, every_row = access[0].kp, STRIP_ROWS[vector], None, False
+    kp, sizes, row_words = access[0].kp, STRIP_ROWS[vector], None
     if vector is tgt.Isa.AVX2 and any(takes_words(rows.q, w) for w in access):  # rows as 16-bit words, on the stack
         sizes = tuple(r for r in sizes if r == 1 or r * kp * 2 <= WORDS_BYTES)
-        every_row = rows.q.capacity <= sizes[0]  # (a decode's rows: all of them once, before any column)
-        held = rows.q.capacity if every_row else sizes[0]
-        row_words = b.bitcast(f.alloca(I32, held * kp // 2, name="row_words"), I16.as_pointer())  # (4-aligned)
+        row_words = b.bitcast(f.alloca(I32, sizes[0] * kp // 2, name="row_words"), I16.as_pointer())  # (4-aligned)
+        # rows that fit in one tile (a decode's) are widened once, before any column; more, a tile at a time for each
+        # unit of columns (the row count is the call's: one kernel serves entry points of any number of rows)
+        every_row = b.icmp_signed("<=", rows.count, f.i64(sizes[0]))
 
     def widen(t: ir.Value, r: ir.Value | int) -> None:
         """Rows t..t+r as 16-bit words into `row_words`, from its first row."""
@@ -457,18 +458,19 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
             words = rows.q.words(f.add(rows.first, f.add(t, ri)), f.mul(blk, TILE_K))
             f.vstore(words, row_words, f.add(f.mul(ri, kp), f.mul(blk, TILE_K)))
 
-    if every_row:
-        widen(f.i64(0), rows.count)
+    if row_words is not None:
+        with f.when(every_row):
+            widen(f.i64(0), rows.count)
 
     def unit_rows(t: ir.Value, r: int, j0: ir.Value, width: int) -> None:
         """Rows t..t+r of the `width` columns from j0 (whole strips, the last one possibly partial)."""
         nstrips = -(-width // STRIP)
         vals = [[[None] * width for _ in range(r)] for _ in access]
         tile_words = row_words
-        if every_row:
-            tile_words = f.ptr(row_words, f.mul(t, kp))
-        elif row_words is not None:  # (the tile's rows once for every strip and weight of the unit)
-            widen(t, r)
+        if row_words is not None:
+            with f.when(b.not_(every_row)):
+                widen(t, r)
+            tile_words = b.select(every_row, f.ptr(row_words, f.mul(t, kp)), row_words)
         for si in range(nstrips):
             s = b.sdiv(f.add(j0, si * STRIP), f.i64(STRIP))
             # one weight at a time (swiglu: gate, then up): a tile's codes and accumulators stay in registers

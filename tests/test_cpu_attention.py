@@ -142,15 +142,18 @@ def test_attention(tmp_path, tm, rope, H, KVH, D, S, nth, cache):
         np.testing.assert_array_equal(c[:, total:], c0[:, total:])
 
 
-@pytest.mark.parametrize("scoring", [{"window": 3}, {"window": 70}, {"softcap": 2.0}, {"scale": 0.9},
-                                     {"window": 5, "softcap": 3.0, "scale": 0.5}])
+@pytest.mark.parametrize("scoring,D", [({"window": 3}, 16), ({"window": 70}, 16), ({"softcap": 2.0}, 16),
+                                       ({"scale": 0.9}, 16), ({"window": 5, "softcap": 3.0, "scale": 0.5}, 16),
+                                       ({"window": 40}, 256), ({"softcap": 2.0}, 256)])
 @pytest.mark.parametrize("nth", [1, 2])
-def test_attention_scoring_options(tmp_path, tm, scoring, nth):
+def test_attention_scoring_options(tmp_path, tm, scoring, D, nth):
     """`window` (sliding-window attention), `softcap` and `scale`: a 78-row prefill (query tiles
-    whose rows start at different window positions, over two position blocks) then 2 decode
-    rows (the window's positions split among the threads), against the float64 reference."""
+    whose rows start at different window positions, over two position blocks; heads of 256, the Gemma 3
+    270M model's: three blocks of 32 positions, `STAGED_FLOATS`, each query's weighted V rows summed in
+    passes over D's chunks) then 2 decode rows (the window's positions split among the threads), against
+    the float64 reference."""
     rng = np.random.default_rng(9)
-    H, KVH, D, S, total = 4, 2, 16, 96, 80
+    H, KVH, S, total = 4, 2, 96, 80
     k_fn = Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, p, s, n: tgt.AttentionOp(
                       q, k, v, kc, vc, o, p, s, n, **llm.AttentionOp.scoring_properties(**scoring)),
                   [tgt.memref(total, H, D), tgt.memref(total, KVH, D), tgt.memref(total, KVH, D),

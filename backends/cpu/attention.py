@@ -13,6 +13,7 @@ kv head to the threads. sin and cos are inline polynomials (`KernelBuilder.sinco
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 
 QUERY_TILE = 8  # prefill attention: query rows per tile (they share every staged K/V block)
 POS_BLOCK = 64  # attention: cache positions per online-softmax step (prefill: the block staged for a tile)
+# prefill stages a block's K and V rows as f32 in this many floats each (32 KB): fewer positions a block for heads wider
+# than 128 (the 270M model's D 256: 32, whose 64 KB a buffer read from L2 took its prefill at depth 2048 10% longer)
+STAGED_FLOATS = 8192
 DECODE_POS_BLOCK = 32  # decode's, whose K block (8 KB at D 64) stays in L1 beside the V rows streaming past
 # decode, several rows: of the next row's share of the cache, this many positions' K and V rows (every kv head) are
 # prefetched into L2 while a row is attended to (the start of its streams, before the hardware's prefetcher ramps up)
@@ -126,9 +130,9 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
     share of the row's positions in turn and merges them as for one row. No barrier.
 
     Other rows:
-    1. RoPE and the cache write, the threads sharing (row, head) pairs; a barrier.
-    2. Online softmax over blocks of `POS_BLOCK` positions (the scores of one block on the
-       stack, whatever the context length). Up to `op.split_rows` rows (decode: 4, or its
+    1. RoPE and the cache write, the threads sharing the rows (sin and cos once a row); a barrier.
+    2. Online softmax over blocks of `POS_BLOCK` positions (fewer for heads wider than 128, `STAGED_FLOATS`; the
+       scores of one block on the stack, whatever the context length). Up to `op.split_rows` rows (decode: 4, or its
        batch) the threads share the positions of the cache: each leaves a partial (max, sum,
        weighted values) per query head in `partials`, and after a barrier the threads
        merge them head by head (flash-decoding); its blocks are `DECODE_POS_BLOCK` positions,
@@ -139,7 +143,9 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
        batch's rows read caches of their own, whose short streams the hardware's prefetcher
        catches late: 8 rows at depth 32, a decode step 2–5% faster). More rows (prefill):
        the threads share tiles of `QUERY_TILE` rows × one kv head, dealt round-robin (later rows attend to
-       more positions); every K and V row is loaded once for the tile's rows and heads.
+       more positions); every K and V row is loaded once for the tile's rows and heads, and each query's weighted
+       V rows summed in as many passes over the block as its sums need to stay in the registers (D 256 on AVX2:
+       four, where one spilled every sum: the 270M model's prefill 2048 +15%).
        Heads wider than `UNROLLED_HEAD_DIM` loop over the queries and the chunks of D where
        narrower ones unroll them.
 
@@ -222,16 +228,14 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
         cos_t, sin_t, fill = _rope_tables(lib, f, D, op.rope)
 
     def write_rows() -> None:
-        with f.loop(*f.share(f.mul(n, KVH), tid, nth), name="ck") as item:
-            t = b.sdiv(item, f.i64(KVH))
+        """Each thread's share of the rows: the tables filled once a row for its K and query heads."""
+        with f.loop(*f.share(n, tid, nth), name="ck") as t:
             with f.when(inside(t)):
-                write_kv(t, b.srem(item, f.i64(KVH)))
-        if op.rope is not None:
-            with f.loop(*f.share(f.mul(n, H), tid, nth), name="cq") as item:
-                t = b.sdiv(item, f.i64(H))
-                with f.when(inside(t)):
+                if op.rope is not None:
                     fill(position(t))
-                    _rope_apply(f, f.ptr(q, f.mul(item, D)), 1, D, op.rope, cos_t, sin_t)
+                    _rope_apply(f, f.ptr(q, f.mul(t, H * D)), H, D, op.rope, cos_t, sin_t)
+                with f.loop(0, KVH, name="kh", unroll=False) as h:
+                    write_kv(t, h, filled=True)
         lib.wait(f.b, a["sync"], nth)
 
     def write_kv(t: ir.Value, h: ir.Value, filled: bool = False) -> None:
@@ -251,9 +255,10 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
     TQ = QUERY_TILE
     m_buf, l_buf = f.alloca(F32, TQ * G, name="m"), f.alloca(F32, TQ * G, name="l")
     acc = f.alloca(F32, TQ * G * D, name="acc")
-    scores = f.alloca(F32, TQ * G * POS_BLOCK, name="scores")
-    kbuf = f.alloca(F32, POS_BLOCK * D, name="k_block")  # the block's K and V rows as f32
-    vbuf = f.alloca(F32, POS_BLOCK * D, name="v_block")
+    block = max(16, min(POS_BLOCK, STAGED_FLOATS // D // 16 * 16))  # (prefill's; D 256: 32 positions)
+    scores = f.alloca(F32, TQ * G * block, name="scores")
+    kbuf = f.alloca(F32, max(block, DECODE_POS_BLOCK) * D, name="k_block")  # the block's K and V rows as f32
+    vbuf = f.alloca(F32, block * D, name="v_block")
     limits = f.alloca(I64, TQ, name="limits")  # per row: its positions end here …
     starts = f.alloca(I64, TQ, name="starts")  # … and begin here (a sliding window's first)
 
@@ -289,7 +294,8 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
             """The query at `qbase` against staged rows s16..s16+15, 16 scores into `scores` at `at` + s16
             (rows past `count` hold stale values: their lanes go unread)."""
             if rolled:
-                products = _dots(f, f.ptr(queries, qbase), f.ptr(kbuf, f.mul(s16, D)), 16, D)
+                products = _dots(f, f.ptr(queries, qbase), f.ptr(kbuf, f.mul(s16, D)), 16, D,
+                                 lib.tuning.float_vectors // 2)
             else:
                 krows = [f.mul(f.add(s16, j), D) for j in range(16)]
                 qv = [f.vload(queries, f.add(qbase, o), w) for o, w in chunks]
@@ -300,7 +306,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
         qrow = [] if rolled else [query_row(i) for i in range(nq)]
         kv_base = f.add(base, f.mul(h, S * W))
         direct_v = tq == 1
-        span = DECODE_POS_BLOCK if direct_v else POS_BLOCK
+        span = DECODE_POS_BLOCK if direct_v else block
         lane = ir.Constant(vec(I64, 16), list(range(16)))
 
         def weigh_v_rows(s0: ir.Value, count: ir.Value) -> None:
@@ -327,6 +333,25 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                 for i in queries:
                     for o, _ in chunks:
                         f.vstore(b.load(sums[i, o]), acc, f.i64(i * D + o))
+
+        def weigh_v_block(arow: ir.Value, corr: ir.Value, p_row: ir.Value, valid: ir.Value, part: list,
+                          sets: int) -> None:
+            """Prefill: one query's acc (at `arow`, first times `corr`) += p · V over the staged block's positions
+            0..valid (the weights at `p_row`), for D's chunks `part`, in `sets` sets of sums (2: even and odd
+            positions, two FMA chains a chunk in flight)."""
+            sums = [[f.alloca(vec(F32, w), name=f"pv{o}_{k}") for o, w in part] for k in range(sets)]
+            for k, totals in enumerate(sums):
+                for total_o, (o, w) in zip(totals, part):
+                    start = f.fmul(f.vload(acc, f.add(arow, o), w), f.splat(corr, vec(F32, w)))
+                    b.store(start if k == 0 else f.const(vec(F32, w), 0.0), total_o)
+            with f.loop(0, valid, sets, name="pv", unroll=False) as s:  # (p is 0 at `valid`: whole pairs)
+                for k, totals in enumerate(sums):
+                    p = f.load(p_row, f.add(s, k))
+                    for total_o, (o, w) in zip(totals, part):
+                        x = f.vload(vbuf, f.add(f.mul(f.add(s, k), D), o), w)
+                        b.store(f.fadd(b.load(total_o), f.fmul(f.splat(p, x.type), x)), total_o)
+            for (o, _), *totals in zip(part, *sums):
+                f.vstore(functools.reduce(f.fadd, (b.load(t) for t in totals)), acc, f.add(arow, o))
 
         with f.loop(s_lo, s_hi, span, name="blk", unroll=False) as s0:
             count = f.smin(span, f.sub(s_hi, s0))
@@ -375,21 +400,12 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                         for o, w in chunks:
                             f.vstore(f.fmul(f.vload(acc, f.add(arow, o), w), f.splat(corr, vec(F32, w))), acc,
                                      f.add(arow, o))
-                    else:
-                        # two sets of sums (even and odd positions): two FMA chains per chunk in flight
-                        sums = [[f.alloca(vec(F32, w), name=f"pv{o}_{k}") for o, w in chunks] for k in range(2)]
-                        for k, part in enumerate(sums):
-                            for total_o, (o, w) in zip(part, chunks):
-                                start = f.fmul(f.vload(acc, f.add(arow, o), w), f.splat(corr, vec(F32, w)))
-                                b.store(start if k == 0 else f.const(vec(F32, w), 0.0), total_o)
-                        with f.loop(0, valid, 2, name="pv", unroll=False) as s:  # (p is 0 at `valid`: whole pairs)
-                            for k, part in enumerate(sums):
-                                p = f.load(row, f.add(s, k))
-                                for total_o, (o, w) in zip(part, chunks):
-                                    x = f.vload(vbuf, f.add(f.mul(f.add(s, k), D), o), w)
-                                    b.store(f.fadd(b.load(total_o), f.fmul(f.splat(p, x.type), x)), total_o)
-                        for (o, _), even, odd in zip(chunks, *sums):
-                            f.vstore(f.fadd(b.load(even), b.load(odd)), acc, f.add(arow, o))
+                    else:  # a pass over the positions per group of D's chunks whose sums fill half the registers
+                        held = lib.tuning.float_vectors // 2
+                        sets = 2 if 2 * len(chunks) <= held else 1
+                        group = -(-len(chunks) // -(-len(chunks) // held))
+                        for first in range(0, len(chunks), group):
+                            weigh_v_block(arow, corr, row, valid, chunks[first:first + group], sets)
             if direct_v:
                 weigh_v_rows(s0, count)
 
@@ -643,19 +659,23 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                                 tile(t0, h, sequence)
 
 
-def _dots(f: KernelBuilder, x: ir.Value, rows: ir.Value, n: int, D: int) -> list[ir.Value]:
+def _dots(f: KernelBuilder, x: ir.Value, rows: ir.Value, n: int, D: int, held: int) -> list[ir.Value]:
     """Per row j < n of the rows of D floats at `rows`, the products of its floats and the D at `x` as one
     `<VW x float>` (its lanes still to be added up), summed over D's `VW`-float chunks in a loop rather than
-    unrolled (one induction variable: row j at a constant offset)."""
+    unrolled (one induction variable: row j at a constant offset), `held` rows at a time (their sums in registers:
+    16 rows' sums on AVX2 are 32 ymm, and spilled)."""
     b, V = f.b, vec(F32, VW)
-    sums = [f.alloca(V, name=f"dot{j}") for j in range(n)]
-    for total in sums:
-        b.store(f.const(V, 0.0), total)
-    with f.loop(0, D - D % VW, VW, name="dc") as o:
-        xv = f.vload(x, o)
-        for j, total in enumerate(sums):
-            b.store(f.fadd(b.load(total), f.fmul(xv, f.vload(rows, f.add(o, j * D)))), total)
-    products = [b.load(total) for total in sums]
+    step = min(n, held)
+    products = []
+    for first in range(0, n, step):
+        sums = [f.alloca(V, name=f"dot{j}") for j in range(first, min(n, first + step))]
+        for total in sums:
+            b.store(f.const(V, 0.0), total)
+        with f.loop(0, D - D % VW, VW, name="dc") as o:
+            xv = f.vload(x, o)
+            for j, total in enumerate(sums, first):
+                b.store(f.fadd(b.load(total), f.fmul(xv, f.vload(rows, f.add(o, j * D)))), total)
+        products += [b.load(total) for total in sums]
     if D % VW:
         o, w = D - D % VW, D % VW
         xv = f.vload(x, f.i64(o), w)

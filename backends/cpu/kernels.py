@@ -75,6 +75,11 @@ class Tuning:
     prefetch_bytes: int = PREFETCH_BYTES
     vector_registers: int = 16
 
+    @property
+    def float_vectors(self) -> int:
+        """The `<16 x float>` the vector registers hold: 32 zmm with AVX-512, 8 in 16 ymm otherwise."""
+        return self.vector_registers if self.vector_registers >= 32 else self.vector_registers // 2
+
 
 class KernelLibrary:
     """Emits kernels into `module`, once per distinct kernel (`kernel_key`), each an external

@@ -35,6 +35,7 @@ POS_BLOCK = 64  # attention: cache positions per online-softmax step (prefill: t
 # prefill stages a block's K and V rows as f32 in this many floats each (32 KB): fewer positions a block for heads wider
 # than 128 (the 270M model's D 256: 32, whose 64 KB a buffer read from L2 took its prefill at depth 2048 10% longer)
 STAGED_FLOATS = 8192
+PV_QUERIES = 2  # prefill: queries whose weighted V rows one pass over a block sums (each V chunk loaded once for them)
 DECODE_POS_BLOCK = 32  # decode's, whose K block (8 KB at D 64) stays in L1 beside the V rows streaming past
 # decode, several rows: of the next row's share of the cache, this many positions' K and V rows (every kv head) are
 # prefetched into L2 while a row is attended to (the start of its streams, before the hardware's prefetcher ramps up)
@@ -143,9 +144,10 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
        batch's rows read caches of their own, whose short streams the hardware's prefetcher
        catches late: 8 rows at depth 32, a decode step 2–5% faster). More rows (prefill):
        the threads share tiles of `QUERY_TILE` rows × one kv head, dealt round-robin (later rows attend to
-       more positions); every K and V row is loaded once for the tile's rows and heads, and each query's weighted
-       V rows summed in as many passes over the block as its sums need to stay in the registers (D 256 on AVX2:
-       four, where one spilled every sum: the 270M model's prefill 2048 +15%).
+       more positions); every K and V row is loaded once for the tile's rows and heads, and the weighted V rows
+       of `PV_QUERIES` queries at a time summed in as many passes over the block as their sums need to stay in
+       the registers (each V chunk loaded once for them; D 256 on AVX2: 8 passes, where one pass a query had
+       spilled every sum).
        Heads wider than `UNROLLED_HEAD_DIM` loop over the queries and the chunks of D where
        narrower ones unroll them.
 
@@ -257,6 +259,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
     acc = f.alloca(F32, TQ * G * D, name="acc")
     block = max(16, min(POS_BLOCK, STAGED_FLOATS // D // 16 * 16))  # (prefill's; D 256: 32 positions)
     scores = f.alloca(F32, TQ * G * block, name="scores")
+    corrs = f.alloca(F32, TQ * G, name="corrs")  # prefill: per query, what the block's new max scales its sums by
     kbuf = f.alloca(F32, max(block, DECODE_POS_BLOCK) * D, name="k_block")  # the block's K and V rows as f32
     vbuf = f.alloca(F32, block * D, name="v_block")
     limits = f.alloca(I64, TQ, name="limits")  # per row: its positions end here …
@@ -334,24 +337,44 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                     for o, _ in chunks:
                         f.vstore(b.load(sums[i, o]), acc, f.i64(i * D + o))
 
-        def weigh_v_block(arow: ir.Value, corr: ir.Value, p_row: ir.Value, valid: ir.Value, part: list,
-                          sets: int) -> None:
-            """Prefill: one query's acc (at `arow`, first times `corr`) += p · V over the staged block's positions
-            0..valid (the weights at `p_row`), for D's chunks `part`, in `sets` sets of sums (2: even and odd
-            positions, two FMA chains a chunk in flight)."""
-            sums = [[f.alloca(vec(F32, w), name=f"pv{o}_{k}") for o, w in part] for k in range(sets)]
-            for k, totals in enumerate(sums):
-                for total_o, (o, w) in zip(totals, part):
-                    start = f.fmul(f.vload(acc, f.add(arow, o), w), f.splat(corr, vec(F32, w)))
-                    b.store(start if k == 0 else f.const(vec(F32, w), 0.0), total_o)
-            with f.loop(0, valid, sets, name="pv", unroll=False) as s:  # (p is 0 at `valid`: whole pairs)
-                for k, totals in enumerate(sums):
-                    p = f.load(p_row, f.add(s, k))
+        def weigh_v_block(i0: ir.Value, valid: ir.Value, part: list, sets: int) -> None:
+            """Prefill: queries i0 and i0 + 1 (`PV_QUERIES`): acc (first times the query's `corrs`) += p · V over
+            the staged block's positions 0..valid (p 0 past each query's own), for D's chunks `part`, each V chunk
+            loaded once for both, in `sets` sets of sums (2: even and odd positions, two FMA chains a chunk)."""
+            queries = [f.add(i0, k) for k in range(PV_QUERIES)]
+            arows = [f.mul(i, D) for i in queries]
+            sums = [[[f.alloca(vec(F32, w), name=f"pv{o}_{k}") for o, w in part] for k in range(sets)] for _ in queries]
+            for i, arow, by_set in zip(queries, arows, sums):
+                corr = f.load(corrs, i)
+                for k, totals in enumerate(by_set):
                     for total_o, (o, w) in zip(totals, part):
+                        start = f.fmul(f.vload(acc, f.add(arow, o), w), f.splat(corr, vec(F32, w)))
+                        b.store(start if k == 0 else f.const(vec(F32, w), 0.0), total_o)
+            with f.loop(0, valid, sets, name="pv", unroll=False) as s:  # (p is 0 at `valid`: whole pairs)
+                for k in range(sets):
+                    ps = [f.load(scores, f.add(f.mul(i, span), f.add(s, k))) for i in queries]
+                    for c, (o, w) in enumerate(part):
                         x = f.vload(vbuf, f.add(f.mul(f.add(s, k), D), o), w)
-                        b.store(f.fadd(b.load(total_o), f.fmul(f.splat(p, x.type), x)), total_o)
-            for (o, _), *totals in zip(part, *sums):
-                f.vstore(functools.reduce(f.fadd, (b.load(t) for t in totals)), acc, f.add(arow, o))
+                        for p, by_set in zip(ps, sums):
+                            total_o = by_set[k][c]
+                            b.store(f.fadd(b.load(total_o), f.fmul(f.splat(p, x.type), x)), total_o)
+            for arow, by_set in zip(arows, sums):
+                for (o, _), *totals in zip(part, *by_set):
+                    f.vstore(functools.reduce(f.fadd, (b.load(t) for t in totals)), acc, f.add(arow, o))
+
+        def weigh_v_blocks(s0: ir.Value, count: ir.Value) -> None:
+            """Prefill: every query's weighted V rows of the block of `count` positions from s0, `PV_QUERIES` at a
+            time, a pass over the positions per group of D's chunks whose sums fill half the registers."""
+            held = lib.tuning.float_vectors // 2 // PV_QUERIES
+            sets = 2 if 2 * len(chunks) <= held else 1
+            group = -(-len(chunks) // -(-len(chunks) // held))
+            with f.loop(0, nq, PV_QUERIES, name="pq", unroll=False) as i0:
+                valid = f.i64(0)
+                for k in range(PV_QUERIES):
+                    r = b.sdiv(f.add(i0, k), f.i64(G))
+                    valid = f.smax(valid, f.smin(count, f.sub(f.load(limits, r), s0)))
+                for first in range(0, len(chunks), group):
+                    weigh_v_block(i0, valid, chunks[first:first + group], sets)
 
         with f.loop(s_lo, s_hi, span, name="blk", unroll=False) as s0:
             count = f.smin(span, f.sub(s_hi, s0))
@@ -376,38 +399,42 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                 r = b.sdiv(i, f.i64(G))
                 valid = f.smax(0, f.smin(count, f.sub(f.load(limits, r), s0)))
                 first = f.smax(0, f.smin(valid, f.sub(f.load(starts, r), s0)))
-                with b.if_then(b.icmp_signed(">", valid, first)):
-                    inside_block = [b.and_(b.icmp_signed(">=", b.add(lane, f.splat_i64(c, 16)), f.splat_i64(first, 16)),
-                                           b.icmp_signed("<", b.add(lane, f.splat_i64(c, 16)), f.splat_i64(valid, 16)))
-                                    for c in range(0, span, 16)]
-                    chunk_scores = [b.select(m, f.vload(row, f.i64(c)), f.const(V16, float("-inf")))
-                                    for m, c in zip(inside_block, range(0, span, 16))]
-                    top = chunk_scores[0]
-                    for v in chunk_scores[1:]:
-                        top = f.intrinsic("llvm.maxnum", top, v)
-                    m_old = f.load(m_buf, i)
-                    m_new = f.intrinsic("llvm.maxnum", m_old, f.reduce_max(top))
-                    total = f.const(V16, 0.0)
-                    for m, v, c in zip(inside_block, chunk_scores, range(0, span, 16)):
-                        e = b.select(m, f.exp(b.fsub(v, f.splat(m_new, V16))), f.const(V16, 0.0))
-                        f.vstore(e, row, f.i64(c))
-                        total = f.fadd(total, e)
-                    corr = f.exp(b.fsub(m_old, m_new))
-                    f.store(f.fadd(f.fmul(f.load(l_buf, i), corr), f.reduce_vector(total)), l_buf, i)
-                    f.store(m_new, m_buf, i)
-                    arow = f.mul(i, D)
-                    if direct_v:  # the weighted V rows come after, for all the queries at once
-                        for o, w in chunks:
-                            f.vstore(f.fmul(f.vload(acc, f.add(arow, o), w), f.splat(corr, vec(F32, w))), acc,
-                                     f.add(arow, o))
-                    else:  # a pass over the positions per group of D's chunks whose sums fill half the registers
-                        held = lib.tuning.float_vectors // 2
-                        sets = 2 if 2 * len(chunks) <= held else 1
-                        group = -(-len(chunks) // -(-len(chunks) // held))
-                        for first in range(0, len(chunks), group):
-                            weigh_v_block(arow, corr, row, valid, chunks[first:first + group], sets)
+                with b.if_else(b.icmp_signed(">", valid, first)) as (attended, skipped):
+                    with attended:
+                        lanes = [b.add(lane, f.splat_i64(c, 16)) for c in range(0, span, 16)]
+                        inside_block = [b.and_(b.icmp_signed(">=", at, f.splat_i64(first, 16)),
+                                               b.icmp_signed("<", at, f.splat_i64(valid, 16))) for at in lanes]
+                        chunk_scores = [b.select(m, f.vload(row, f.i64(c)), f.const(V16, float("-inf")))
+                                        for m, c in zip(inside_block, range(0, span, 16))]
+                        top = chunk_scores[0]
+                        for v in chunk_scores[1:]:
+                            top = f.intrinsic("llvm.maxnum", top, v)
+                        m_old = f.load(m_buf, i)
+                        m_new = f.intrinsic("llvm.maxnum", m_old, f.reduce_max(top))
+                        total = f.const(V16, 0.0)
+                        for m, v, c in zip(inside_block, chunk_scores, range(0, span, 16)):
+                            e = b.select(m, f.exp(b.fsub(v, f.splat(m_new, V16))), f.const(V16, 0.0))
+                            f.vstore(e, row, f.i64(c))
+                            total = f.fadd(total, e)
+                        corr = f.exp(b.fsub(m_old, m_new))
+                        f.store(f.fadd(f.fmul(f.load(l_buf, i), corr), f.reduce_vector(total)), l_buf, i)
+                        f.store(m_new, m_buf, i)
+                        if direct_v:  # the weighted V rows come after, for all the queries at once
+                            arow = f.mul(i, D)
+                            for o, w in chunks:
+                                f.vstore(f.fmul(f.vload(acc, f.add(arow, o), w), f.splat(corr, vec(F32, w))), acc,
+                                         f.add(arow, o))
+                        else:
+                            f.store(corr, corrs, i)
+                    with skipped:  # (prefill: no weight, the query's sums as they are)
+                        if not direct_v:
+                            for c in range(0, span, 16):
+                                f.vstore(f.const(V16, 0.0), row, f.i64(c))
+                            f.store(f.f32(1.0), corrs, i)
             if direct_v:
                 weigh_v_rows(s0, count)
+            else:
+                weigh_v_blocks(s0, count)
 
     def store_head(t: ir.Value, head: ir.Value, ys: list[ir.Value]) -> None:
         """Row t's output for query head `head`: float, or quantized blocks of 32."""

@@ -23,7 +23,7 @@ from llvmlite import ir
 from llmc.abi import KV_Q8_BLOCK
 from llmc.backends.builder import F32, F64, FPTR, I32, I64, VW, KernelBuilder, _chunks
 from llmc.backends.cpu.gemm import floats
-from llmc.backends.cpu.quant import F16, I8, I8PTR, QRowsAccess, prefetch, q8_block, vec
+from llmc.backends.cpu.quant import F16, I8, I8PTR, QRowsAccess, prefetch, q8_block, shuffle, vec
 from llmc.ir import llm, tgt
 from llmc.ir.formats import ACT_BLOCK
 
@@ -35,6 +35,7 @@ POS_BLOCK = 64  # attention: cache positions per online-softmax step (prefill: t
 # prefill stages a block's K and V rows as f32 in this many floats each (32 KB): fewer positions a block for heads wider
 # than 128 (the 270M model's D 256: 32, whose 64 KB a buffer read from L2 took its prefill at depth 2048 10% longer)
 STAGED_FLOATS = 8192
+SCORE_QUERIES = 4  # prefill, heads wider than `UNROLLED_HEAD_DIM`: queries scored together (sharing each K chunk)
 PV_QUERIES = 2  # prefill: queries whose weighted V rows one pass over a block sums (each V chunk loaded once for them)
 DECODE_POS_BLOCK = 32  # decode's, whose K block (8 KB at D 64) stays in L1 beside the V rows streaming past
 # decode, several rows: of the next row's share of the cache, this many positions' K and V rows (every kv head) are
@@ -293,18 +294,19 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
             r, g = (i // G, i % G) if isinstance(i, int) else (b.sdiv(i, f.i64(G)), b.srem(i, f.i64(G)))
             return f.mul(f.add(f.mul(f.add(t0, r), H), f.add(f.mul(h, G), g)), D)
 
-        def score16(qbase: ir.Value, s16: ir.Value, at: ir.Value) -> None:
-            """The query at `qbase` against staged rows s16..s16+15, 16 scores into `scores` at `at` + s16
-            (rows past `count` hold stale values: their lanes go unread)."""
+        def score16(qbases: list[ir.Value], s16: ir.Value, ats: list[ir.Value]) -> None:
+            """The queries at `qbases` against staged rows s16..s16+15, 16 scores each into `scores` at its `at` +
+            s16 (rows past `count` hold stale values: their lanes go unread)."""
             if rolled:
-                products = _dots(f, f.ptr(queries, qbase), f.ptr(kbuf, f.mul(s16, D)), 16, D,
-                                 lib.tuning.float_vectors // 2)
+                by_query = _dots(f, [f.ptr(queries, qbase) for qbase in qbases], f.ptr(kbuf, f.mul(s16, D)), 16, D,
+                                 lib.tuning.vector_registers)
             else:
                 krows = [f.mul(f.add(s16, j), D) for j in range(16)]
-                qv = [f.vload(queries, f.add(qbase, o), w) for o, w in chunks]
-                products = [_sum16(f, [f.fmul(x, f.vload(kbuf, f.add(krow, o), w)) for x, (o, w) in zip(qv, chunks)])
-                            for krow in krows]
-            f.vstore(capped(f.fmul(f.hsum16(products), f.splat(scale, V16))), scores, f.add(at, s16))
+                qvs = [[f.vload(queries, f.add(qbase, o), w) for o, w in chunks] for qbase in qbases]
+                by_query = [[_sum16(f, [f.fmul(x, f.vload(kbuf, f.add(krow, o), w)) for x, (o, w) in zip(qv, chunks)])
+                             for krow in krows] for qv in qvs]
+            for products, at in zip(by_query, ats):
+                f.vstore(capped(f.fmul(f.hsum16(products), f.splat(scale, V16))), scores, f.add(at, s16))
 
         qrow = [] if rolled else [query_row(i) for i in range(nq)]
         kv_base = f.add(base, f.mul(h, S * W))
@@ -388,12 +390,14 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                     for o, w in chunks:
                         f.vstore(f.const(vec(F32, w), 0.0), vbuf, f.add(f.mul(count, D), o))
             with f.loop(0, count, 16, name="s16", unroll=False) as s16:
-                if rolled:
-                    with f.loop(0, nq, name="sq", unroll=False) as i:
-                        score16(query_row(i), s16, f.mul(i, span))
+                if rolled:  # (prefill: `SCORE_QUERIES` at a time, each K chunk loaded once for them)
+                    together = 1 if direct_v else SCORE_QUERIES
+                    with f.loop(0, nq, together, name="sq", unroll=False) as i:
+                        ids = [f.add(i, k) for k in range(together)]
+                        score16([query_row(k) for k in ids], s16, [f.mul(k, span) for k in ids])
                 else:
                     for i in range(nq):
-                        score16(qrow[i], s16, f.i64(i * span))
+                        score16([qrow[i]], s16, [f.i64(i * span)])
             with f.loop(0, nq, name="sm", unroll=False) as i:
                 row = f.ptr(scores, f.mul(i, span))
                 r = b.sdiv(i, f.i64(G))
@@ -686,28 +690,40 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                                 tile(t0, h, sequence)
 
 
-def _dots(f: KernelBuilder, x: ir.Value, rows: ir.Value, n: int, D: int, held: int) -> list[ir.Value]:
-    """Per row j < n of the rows of D floats at `rows`, the products of its floats and the D at `x` as one
-    `<VW x float>` (its lanes still to be added up), summed over D's `VW`-float chunks in a loop rather than
-    unrolled (one induction variable: row j at a constant offset), `held` rows at a time (their sums in registers:
-    16 rows' sums on AVX2 are 32 ymm, and spilled)."""
-    b, V = f.b, vec(F32, VW)
-    step = min(n, held)
-    products = []
+def _dots(f: KernelBuilder, xs: list[ir.Value], rows: ir.Value, n: int, D: int, registers: int
+          ) -> list[list[ir.Value]]:
+    """Per x of `xs` (D floats each) and row j < n of the rows of D floats at `rows`, the products of their floats
+    as one `<VW x float>` (its lanes still to be added up), summed over D's `VW`-float chunks in a loop rather than
+    unrolled (one induction variable: row j at a constant offset), as many (x, row) sums at a time as half the
+    `registers` hold: each one register (with 16, AVX2's, a chunk's two 8-float halves into one: 16 sums of
+    16 floats were 32 ymm, and spilled), each chunk of x and of a row loaded once for them."""
+    b = f.b
+    width = VW if registers >= 32 else VW // 2
+    halves = [list(range(h, h + width)) for h in range(0, VW, width)]
+    W = vec(F32, width)
+    step = max(1, registers // 2 // len(xs))
+    products: list[list[ir.Value]] = [[] for _ in xs]
     for first in range(0, n, step):
-        sums = [f.alloca(V, name=f"dot{j}") for j in range(first, min(n, first + step))]
-        for total in sums:
-            b.store(f.const(V, 0.0), total)
+        js = range(first, min(n, first + step))
+        sums = [[f.alloca(W, name=f"dot{j}") for j in js] for _ in xs]
+        for total in (t for row in sums for t in row):
+            b.store(f.const(W, 0.0), total)
         with f.loop(0, D - D % VW, VW, name="dc") as o:
-            xv = f.vload(x, o)
-            for j, total in enumerate(sums, first):
-                b.store(f.fadd(b.load(total), f.fmul(xv, f.vload(rows, f.add(o, j * D)))), total)
-        products += [b.load(total) for total in sums]
+            xvs = [[shuffle(f, f.vload(x, o), h) for h in halves] for x in xs]
+            for c, j in enumerate(js):
+                kv = [shuffle(f, f.vload(rows, f.add(o, j * D)), h) for h in halves]
+                for xv, row in zip(xvs, sums):
+                    total = b.load(row[c])
+                    for xh, kh in zip(xv, kv):
+                        total = f.fadd(total, f.fmul(xh, kh))
+                    b.store(total, row[c])
+        for out, row in zip(products, sums):
+            out += [_sum16(f, [b.load(total)]) for total in row]
     if D % VW:
         o, w = D - D % VW, D % VW
-        xv = f.vload(x, f.i64(o), w)
-        products = [f.fadd(p, _sum16(f, [f.fmul(xv, f.vload(rows, f.i64(j * D + o), w))]))
-                    for j, p in enumerate(products)]
+        for x, out in zip(xs, products):
+            xv = f.vload(x, f.i64(o), w)
+            out[:] = [f.fadd(p, _sum16(f, [f.fmul(xv, f.vload(rows, f.i64(j * D + o), w))])) for j, p in enumerate(out)]
     return products
 
 

@@ -37,6 +37,7 @@ POS_BLOCK = 64  # attention: cache positions per online-softmax step (prefill: t
 STAGED_FLOATS = 8192
 SCORE_QUERIES = 4  # prefill, heads wider than `UNROLLED_HEAD_DIM`: queries scored together (sharing each K chunk)
 PV_QUERIES = 2  # prefill: queries whose weighted V rows one pass over a block sums (each V chunk loaded once for them)
+assert QUERY_TILE % SCORE_QUERIES == 0 and QUERY_TILE % PV_QUERIES == 0  # (a tile's queries: QUERY_TILE × G)
 DECODE_POS_BLOCK = 32  # decode's, whose K block (8 KB at D 64) stays in L1 beside the V rows streaming past
 # decode, several rows: of the next row's share of the cache, this many positions' K and V rows (every kv head) are
 # prefetched into L2 while a row is attended to (the start of its streams, before the hardware's prefetcher ramps up)
@@ -149,8 +150,8 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
        of `PV_QUERIES` queries at a time summed in as many passes over the block as their sums need to stay in
        the registers (each V chunk loaded once for them; D 256 on AVX2: 8 passes, where one pass a query had
        spilled every sum).
-       Heads wider than `UNROLLED_HEAD_DIM` loop over the queries and the chunks of D where
-       narrower ones unroll them.
+       Heads wider than `UNROLLED_HEAD_DIM` loop over the queries (prefill: `SCORE_QUERIES` at a time, each K
+       chunk loaded once for them) and the chunks of D where narrower ones unroll them.
 
     With `slots` (a cache of several sequences, `[slots, KVH, S, D]`), row t lives in
     sequence slots[t]: its cache rows are that sequence's. Decode's rows (one per sequence)

@@ -341,9 +341,9 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                         f.vstore(b.load(sums[i, o]), acc, f.i64(i * D + o))
 
         def weigh_v_block(i0: ir.Value, valid: ir.Value, part: list, sets: int) -> None:
-            """Prefill: queries i0 and i0 + 1 (`PV_QUERIES`): acc (first times the query's `corrs`) += p · V over
+            """Prefill: queries i0..i0 + `PV_QUERIES` − 1: acc (first times the query's `corrs`) += p · V over
             the staged block's positions 0..valid (p 0 past each query's own), for D's chunks `part`, each V chunk
-            loaded once for both, in `sets` sets of sums (2: even and odd positions, two FMA chains a chunk)."""
+            loaded once for them, in `sets` sets of sums (2: even and odd positions, two FMA chains a chunk)."""
             queries = [f.add(i0, k) for k in range(PV_QUERIES)]
             arows = [f.mul(i, D) for i in queries]
             sums = [[[f.alloca(vec(F32, w), name=f"pv{o}_{k}") for o, w in part] for k in range(sets)] for _ in queries]

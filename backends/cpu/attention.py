@@ -28,7 +28,7 @@ from llmc.ir import llm, tgt
 from llmc.ir.formats import ACT_BLOCK
 
 if TYPE_CHECKING:
-    from llmc.backends.cpu.kernels import KernelLibrary
+    from llmc.backends.cpu.kernels import KernelLibrary, Tuning
 
 QUERY_TILE = 8  # prefill attention: query rows per tile (they share every staged K/V block)
 POS_BLOCK = 64  # attention: cache positions per online-softmax step (prefill: the block staged for a tile)
@@ -239,16 +239,14 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                     fill(position(t))
                     _rope_apply(f, f.ptr(q, f.mul(t, H * D)), H, D, op.rope, cos_t, sin_t)
                 with f.loop(0, KVH, name="kh", unroll=False) as h:
-                    write_kv(t, h, filled=True)
+                    write_kv(t, h)
         lib.wait(f.b, a["sync"], nth)
 
-    def write_kv(t: ir.Value, h: ir.Value, filled: bool = False) -> None:
-        """Row t's K (rotated in place, unless the tables are `filled` for its position already) and V of kv
-        head h into the cache."""
+    def write_kv(t: ir.Value, h: ir.Value) -> None:
+        """Row t's K (rotated in place: the tables filled for its position already) and V of kv head h into the
+        cache."""
         pos, item = position(t), f.add(f.mul(t, KVH), h)
         if op.rope is not None:
-            if not filled:
-                fill(pos)
             _rope_apply(f, f.ptr(k, f.mul(item, D)), 1, D, op.rope, cos_t, sin_t)
         dst = f.add(slot_base(t), f.mul(f.add(f.mul(h, S), pos), W))
         for src, cache in ((k, k_cache), (v, v_cache)):
@@ -300,7 +298,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
             s16 (rows past `count` hold stale values: their lanes go unread)."""
             if rolled:
                 by_query = _dots(f, [f.ptr(queries, qbase) for qbase in qbases], f.ptr(kbuf, f.mul(s16, D)), 16, D,
-                                 lib.tuning.vector_registers)
+                                 lib.tuning)
             else:
                 krows = [f.mul(f.add(s16, j), D) for j in range(16)]
                 qvs = [[f.vload(queries, f.add(qbase, o), w) for o, w in chunks] for qbase in qbases]
@@ -529,7 +527,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                 _rope_apply(f, queries, H, D, op.rope, cos_t, sin_t)
             with f.when(b.icmp_signed("==", tid, f.sub(nth, 1))):
                 with f.loop(0, KVH, name="dk") as h:
-                    write_kv(t, h, filled=True)
+                    write_kv(t, h)
             s_lo, s_hi = share_positions(t)
             with f.loop(0, KVH, name="dh") as h:
                 attend(t, 1, h, s_lo, s_hi, slot_base(t), queries)
@@ -588,7 +586,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                     f.vec_map(G * D, [f.ptr(q, f.add(f.mul(t, H * D), group))], f.ptr(queries, group),
                               lambda x: x[0], name="qi")
                     _rope_apply(f, f.ptr(queries, group), G, D, op.rope, cos_t, sin_t)
-                write_kv(t, h, filled=True)
+                write_kv(t, h)
                 with f.loop(0, nth, name="ij", unroll=False) as part:
                     s_lo, s_hi = share_positions(t, part)
                     attend(t0, 1, h, s_lo, s_hi, slot_base(t), queries)
@@ -691,18 +689,18 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                                 tile(t0, h, sequence)
 
 
-def _dots(f: KernelBuilder, xs: list[ir.Value], rows: ir.Value, n: int, D: int, registers: int
+def _dots(f: KernelBuilder, xs: list[ir.Value], rows: ir.Value, n: int, D: int, tuning: Tuning
           ) -> list[list[ir.Value]]:
     """Per x of `xs` (D floats each) and row j < n of the rows of D floats at `rows`, the products of their floats
     as one `<VW x float>` (its lanes still to be added up), summed over D's `VW`-float chunks in a loop rather than
     unrolled (one induction variable: row j at a constant offset), as many (x, row) sums at a time as half the
-    `registers` hold: each one register (with 16, AVX2's, a chunk's two 8-float halves into one: 16 sums of
+    vector registers hold, each one register wide (AVX2: a chunk's two 8-float halves into one ymm; 16 sums of
     16 floats were 32 ymm, and spilled), each chunk of x and of a row loaded once for them."""
     b = f.b
-    width = VW if registers >= 32 else VW // 2
+    width = tuning.register_floats
     halves = [list(range(h, h + width)) for h in range(0, VW, width)]
     W = vec(F32, width)
-    step = max(1, registers // 2 // len(xs))
+    step = max(1, tuning.vector_registers // 2 // len(xs))
     products: list[list[ir.Value]] = [[] for _ in xs]
     for first in range(0, n, step):
         js = range(first, min(n, first + step))

@@ -76,9 +76,14 @@ class Tuning:
     vector_registers: int = 16
 
     @property
+    def register_floats(self) -> int:
+        """The floats a vector register holds: 16 with AVX-512 (its 32 zmm), 8 otherwise."""
+        return 16 if self.vector_registers >= 32 else 8
+
+    @property
     def float_vectors(self) -> int:
         """The `<16 x float>` the vector registers hold: 32 zmm with AVX-512, 8 in 16 ymm otherwise."""
-        return self.vector_registers if self.vector_registers >= 32 else self.vector_registers // 2
+        return self.vector_registers * self.register_floats // 16
 
 
 class KernelLibrary:

@@ -221,17 +221,17 @@ def deals_evenly(slots: np.ndarray, lengths: np.ndarray, kv_heads: int, nth: int
     return len(set(slots.tolist())) == len(slots) and 4 * nth * heaviest <= 5 * load.sum()
 
 
-@pytest.mark.parametrize("nth", [1, 2, 3])
-@pytest.mark.parametrize("cache", ["f32", "f16", "q8_0"])
-def test_decode_rows_of_sequences_of_their_own_take_whole_items(tmp_path, tm, nth, cache):
+@pytest.mark.parametrize("nth,cache,D", [(nth, cache, 32) for nth in (1, 2, 3) for cache in ("f32", "f16", "q8_0")]
+                         + [(2, "f16", 256), (3, "q8_0", 256)])
+def test_decode_rows_of_sequences_of_their_own_take_whole_items(tmp_path, tm, nth, cache, D):
     """A decode of 7 rows, each in a sequence of its own, at depths near each other (and an 8th outside the cache,
-    skipped), with an f32, f16 or q8_0 cache: the threads take whole (row, kv head) items and wait at no barrier inside the kernel (the barrier's
+    skipped), with an f32, f16 or q8_0 cache (heads of 256 too: staged blocks, each query alone, G being 3): the threads take whole (row, kv head) items and wait at no barrier inside the kernel (the barrier's
     generation never moves); each row's rotated K and its V are in its sequence's cache and its output matches the
     reference over that cache (RoPE, GQA) and, bit for bit, the output of the row decoded alone. Two rows of one
     sequence, or (on 3 threads) one row far longer than the rest, have the threads split the positions instead
     (the generation moves, from 2 threads) and match all the same."""
     rng = np.random.default_rng(12)
-    H, KVH, D, S, SLOTS, R = 6, 2, 32, 64, 8, 8
+    H, KVH, S, SLOTS, R = 6, 2, 64, 8, 8
     element = {"f32": F32_ATTR, "f16": F16_ATTR, "q8_0": i8}[cache]
     W = tgt.kv_row_width(D, element)
 
@@ -301,12 +301,12 @@ def q8_values(rows: np.ndarray, D: int) -> np.ndarray:
     return (flat[:, :D].astype(np.float32) * scales.repeat(32, axis=1)).reshape(*rows.shape[:-1], D)
 
 
-@pytest.mark.parametrize("nth", [1, 2])
-def test_attention_with_a_q8_0_cache(tmp_path, tm, nth):
+@pytest.mark.parametrize("nth,D", [(1, 64), (2, 64), (2, 256)])
+def test_attention_with_a_q8_0_cache(tmp_path, tm, nth, D):
     """A q8_0 cache: each new row stored as the numpy q8_0 encoding of the rotated k and v,
-    byte for byte; attention over the stored values (prefill tiles, then decode's split)."""
+    byte for byte; attention over the stored values (prefill tiles, then decode's split; heads of 256 too)."""
     rng = np.random.default_rng(8)
-    H, KVH, D, S, total = 4, 2, 64, 80, 8
+    H, KVH, S, total = 4, 2, 80, 8
     W = tgt.kv_row_width(D, i8)
     k_fn = Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, p, s, n: tgt.AttentionOp(q, k, v, kc, vc, o, p, s, n, ROPE),
                   [tgt.memref(total, H, D), tgt.memref(total, KVH, D), tgt.memref(total, KVH, D),

@@ -17,10 +17,16 @@ A `tgt` weight is in one of three layouts (`!tgt.weight<576x576, q4_1, tiles>`):
   4 broadcast activation bytes yields 16 features' partial sums (no horizontal sums),
   and a block's 8 vectors are an AMX B tile as they are. 4-bit codes pack quads q and
   q+4 of a block into one byte (low and high nibble: 256 bytes a block); bits 4 and 5
-  follow as one 64-bit mask per quad row; 8-bit codes take 512 bytes a block. Fields
+  follow as one 64-bit mask per quad row (bit i: the quad's byte i, one `kmovq` for
+  AVX-512's masked moves); 8-bit codes take 512 bytes a block. Fields
   are `[strip][K / group][16]`: one vector load gives a group's value for the 16
   features. A strip's codes are contiguous, so a kernel streams them. Rows are padded
   to a multiple of 16, K to a multiple of 64, with zero codes and fields.
+- `tiles_avx2`: the tiles with each high-bit mask an 8 × 8 transpose of the quad's bytes
+  (byte m of the mask holds at bit k the bit of the quad's byte 8k + m), for cores without
+  AVX-512's mask registers: the mask broadcast to 8 lanes of 64 bits takes each lane's bits
+  into place with one shift, where a bit per byte in order took AVX2 a byte shuffle, a
+  compare and two masks (7 instructions a quad and bit where 11).
 
 Quantized activation rows (`!tgt.qrows<128x576>`) hold, per row of width `W` (padded
 to `Wp`, a multiple of 64): `qs int8[Wp]` (the values, quantized per 32 by
@@ -56,6 +62,11 @@ class Layout(StrEnum):
     STORED = "stored"
     SPLIT = "split"
     TILES = "tiles"
+    TILES_AVX2 = "tiles_avx2"  # the tiles, their high-bit masks transposed (what AVX2 unpacks with shifts)
+
+    @property
+    def tiled(self) -> bool:
+        return self in (Layout.TILES, Layout.TILES_AVX2)
 
 
 @dataclass(frozen=True)
@@ -115,7 +126,7 @@ QUADS = TILE_K // 4
 
 
 def tile_planes(storage: Storage, shape: tuple[int, ...]) -> list[Plane]:
-    """The planes of an integer-format `[N, K]` weight in the tiles layout: `[strips, per strip]` each."""
+    """The planes of an integer-format `[N, K]` weight in the tiles layouts: `[strips, per strip]` each."""
     fmt = FORMATS[storage]
     assert fmt.bits is not None, f"{storage} is not an integer format"
     n, k = shape
@@ -130,18 +141,18 @@ def tile_planes(storage: Storage, shape: tuple[int, ...]) -> list[Plane]:
 
 
 def planes_of(storage: Storage, layout: Layout, shape: tuple[int, ...]) -> list[Plane]:
-    return tile_planes(storage, shape) if layout is Layout.TILES else weight_planes(storage, shape)
+    return tile_planes(storage, shape) if layout.tiled else weight_planes(storage, shape)
 
 
 def weight_nbytes(storage: Storage, layout: Layout, shape: tuple[int, ...]) -> int:
-    if layout in (Layout.SPLIT, Layout.TILES):
+    if layout is not Layout.STORED:
         planes = planes_of(storage, layout, shape)
         return align(planes[-1].offset + planes[-1].nbytes)
     return FORMATS[storage].nbytes(shape)
 
 
-def pack_tiles(qt: QuantizedTensor) -> np.ndarray:
-    """The tiles-layout bytes of a quantized tensor."""
+def pack_tiles(qt: QuantizedTensor, layout: Layout = Layout.TILES) -> np.ndarray:
+    """The bytes of a quantized tensor in a tiles layout."""
     fmt = FORMATS[qt.storage]
     n, k = qt.shape
     kp = padded_width(k)
@@ -150,7 +161,7 @@ def pack_tiles(qt: QuantizedTensor) -> np.ndarray:
     if codes.shape != (strips * STRIP, kp) or codes.dtype != np.uint8:  # padded to whole strips and tiles
         codes = np.zeros((strips * STRIP, kp), np.uint8)
         codes[:n, :k] = qt.codes
-    out = np.zeros(weight_nbytes(qt.storage, Layout.TILES, qt.shape), np.uint8)
+    out = np.zeros(weight_nbytes(qt.storage, layout, qt.shape), np.uint8)
     for plane in tile_planes(qt.storage, qt.shape):
         dst = plane.view(out)
         if plane.name == "codes":
@@ -160,6 +171,12 @@ def pack_tiles(qt: QuantizedTensor) -> np.ndarray:
             # a quad's 4 bytes as one word: [strip, feature, block, quad] → [strip, block, quad, feature]
             words = np.ascontiguousarray(words).view("<u4")[..., 0]
             dst.view("<u4").reshape(strips, blocks, -1, STRIP)[...] = words.transpose(0, 2, 3, 1)
+        elif plane.name.startswith("bit") and layout is Layout.TILES_AVX2:  # per quad, bit 8m + k: byte 8k + m's
+            bit = int(plane.name[3:])
+            ones = ((codes >> bit) & 1).reshape(strips, STRIP, blocks, QUADS, 4).transpose(0, 2, 3, 1, 4)
+            lanes = np.ascontiguousarray(ones).reshape(strips, blocks, QUADS, 64).view("<u8")  # [.., k]: bytes 8k..
+            dst.view("<u8").reshape(strips, blocks, QUADS)[...] = \
+                np.bitwise_or.reduce(lanes << np.arange(8, dtype=np.uint64), axis=-1)
         elif plane.name.startswith("bit"):  # per quad, bit f·4 + i: code i of feature f's bit
             bit = int(plane.name[3:])
             words = ((codes >> bit) & 1).reshape(strips, STRIP, blocks, QUADS, 4).view("<u4")[..., 0]
@@ -174,8 +191,9 @@ def pack_tiles(qt: QuantizedTensor) -> np.ndarray:
     return out
 
 
-def unpack_tiles(data: np.ndarray, storage: Storage, shape: tuple[int, int]) -> QuantizedTensor:
-    """The quantized tensor in tiles-layout bytes (the padding dropped)."""
+def unpack_tiles(data: np.ndarray, storage: Storage, shape: tuple[int, int], layout: Layout = Layout.TILES
+                 ) -> QuantizedTensor:
+    """The quantized tensor in a tiles layout's bytes (the padding dropped)."""
     fmt = FORMATS[storage]
     n, k = shape
     kp = padded_width(k)
@@ -193,8 +211,11 @@ def unpack_tiles(data: np.ndarray, storage: Storage, shape: tuple[int, int]) -> 
                 quads[...] = np.concatenate([nib & 15, nib >> 4], axis=2)
         elif plane.name.startswith("bit"):
             bit = int(plane.name[3:])
-            mask = np.ascontiguousarray(src).view(np.uint8).reshape(strips, blocks, QUADS, 8)
-            quads |= np.unpackbits(mask, axis=-1, bitorder="little").reshape(quads.shape) << bit
+            mask = np.ascontiguousarray(src).view(np.uint8).reshape(strips, blocks, QUADS, 8, 1)
+            bits = np.unpackbits(mask, axis=-1, bitorder="little")  # [.., byte m of the mask, its bit k]
+            if layout is Layout.TILES_AVX2:
+                bits = bits.swapaxes(-1, -2)  # bit k of byte m: the quad's byte 8k + m
+            quads |= bits.reshape(quads.shape) << bit
         else:
             group = fmt.field(plane.name).group
             values = src.reshape(strips, kp // group, STRIP).transpose(0, 2, 1).reshape(strips * STRIP, -1)
@@ -204,12 +225,12 @@ def unpack_tiles(data: np.ndarray, storage: Storage, shape: tuple[int, int]) -> 
 
 
 def pack(qt: QuantizedTensor, layout: Layout) -> np.ndarray:
-    """A quantized tensor's bytes in `layout` (split or tiles)."""
-    return pack_tiles(qt) if layout is Layout.TILES else pack_split(qt)
+    """A quantized tensor's bytes in `layout` (split or a tiles layout)."""
+    return pack_tiles(qt, layout) if layout.tiled else pack_split(qt)
 
 
 def unpack(data: np.ndarray, storage: Storage, layout: Layout, shape: tuple[int, int]) -> QuantizedTensor:
-    return unpack_tiles(data, storage, shape) if layout is Layout.TILES else unpack_split(data, storage, shape)
+    return unpack_tiles(data, storage, shape, layout) if layout.tiled else unpack_split(data, storage, shape)
 
 
 def pack_split(qt: QuantizedTensor) -> np.ndarray:

@@ -27,7 +27,7 @@ from xdsl.parser import Parser
 from xdsl.utils.exceptions import VerifyException
 
 from llmc.backends.cpu import KernelLibrary, compile_to_assembly, compile_to_object, link_shared, target_machine
-from llmc.backends.cpu.target import cpu_target, integer_isa, target_machine_for
+from llmc.backends.cpu.target import cpu_target, integer_isa, target_machine_for, tiles_layout
 from llmc.frontend import import_model, load_model
 from llmc.ir import find_function, llm, tgt
 from llmc.ir.formats import FORMATS, QMAX, Storage, integer_matmul, join_planes, quantize_rows, slice_sums, split_planes
@@ -160,7 +160,8 @@ def test_matmul_a16_equals_the_integer_reference(tmp_path, native, storage, K, R
     buf, rows = qrows_of(rand(rng, R, K, scale=3.0), R, 16)
     own = integer_isa(cpu_target("native"))
     isas = sorted({own, tgt.Isa.AVX2, tgt.Isa.GENERIC}, key=list(tgt.Isa).index)
-    paths = [(isa, Layout.SPLIT) for isa in isas] + [(isa, Layout.TILES) for isa in isas if isa is not tgt.Isa.GENERIC]
+    paths = [(isa, Layout.SPLIT) for isa in isas] + \
+        [(isa, tiles) for isa in isas if isa is not tgt.Isa.GENERIC for tiles in (Layout.TILES, Layout.TILES_AVX2)]
     for isa, layout in paths:
         wtype, data, _ = weight_of(storage, w, layout)
         for last_row in (False, True):
@@ -263,7 +264,7 @@ def test_every_integer_path_compiles_a16(isa):
     """Each integer path's a16 matmul and SwiGLU kernels use its instructions and no wider ones
     (compiled for a CPU that has them, whatever the host); AVX2's multiply 16-bit words."""
     N, K, R = 64, 256, 32
-    layout = Layout.SPLIT if isa is tgt.Isa.GENERIC else Layout.TILES  # (what `pack` gives each)
+    layout = Layout.SPLIT if isa is tgt.Isa.GENERIC else tiles_layout(isa)  # (what `pack` gives each)
     wtype = tgt.WeightType((N, K), Storage.Q4_1, layout)
     module = ir.Module(name="kernels")
     library = KernelLibrary(module)

@@ -628,13 +628,14 @@ def test_the_tgt_interpreter_reproduces_the_quantize_stage(tiny) -> None:
 
 def test_quantized_artifacts_store_the_chosen_types(tiny, artifact) -> None:
     """The manifest records each weight's storage type and the layout `pack` chose for this host."""
-    from llmc.backends.cpu.target import cpu_target, integer_isa
+    from llmc.backends.cpu.target import cpu_target, integer_isa, tiles_layout
 
     directory = artifact(QSPECS["k-quants"])
     manifest = json.loads((directory / "manifest.json").read_text())
     weights = manifest["weights"]
     assert weights["blk.0.attn_q"]["storage"] == "q4_k" and weights["blk.1.ffn_down"]["storage"] == "q6_k"
-    packed = "split" if integer_isa(cpu_target("native")) is tgt.Isa.GENERIC else "tiles"
+    own = integer_isa(cpu_target("native"))
+    packed = "split" if own is tgt.Isa.GENERIC else tiles_layout(own).value
     assert {w["layout"] for n, w in weights.items() if w["storage"] != "f32"} == {packed}
     assert manifest["entry_points"]["decode"]["arguments"] == ["tokens", "positions", "n", "k_cache", "v_cache",
                                                                 "logits", "arena", "weights", "tid", "nth", "sync"]
@@ -645,11 +646,14 @@ def test_quantized_artifacts_store_the_chosen_types(tiny, artifact) -> None:
 @pytest.mark.parametrize("isa", [i for i in tgt.Isa if i in host.ISA_CPUS and i is not tgt.Isa.AMX])
 def test_each_cpu_gets_its_integer_path_and_layout(tiny, isa: tgt.Isa) -> None:
     """Whatever the host, compiling for a named CPU chooses that CPU's integer dot product for every
-    a8 kernel, and the weight layout it reads: `tiles` wherever it has an integer dot product."""
+    a8 kernel, and the weight layout it reads: `tiles` wherever it has an integer dot product (`tiles_avx2`
+    without AVX-512)."""
+    from llmc.backends.cpu.target import tiles_layout
+
     ir_text = compile_model(str(tiny(QSPECS["k-quants"], "gguf")), None,
                             CompileOptions(prefill_chunk=4, max_seq=32, compute="a8"),  # (a32 is x86-64's default)
                             BackendOptions(cpu=host.ISA_CPUS[isa]), compile_to="lower", progress=lambda _: None)
-    packed = "split" if isa is tgt.Isa.GENERIC else "tiles"
+    packed = "split" if isa is tgt.Isa.GENERIC else tiles_layout(isa).value
     assert f"!tgt.weight<256x256, q4_k, {packed}>" in ir_text and "!tgt.qrows<" in ir_text
     assert set(re.findall(r" isa (\w+)", ir_text)) == {isa.value}
 

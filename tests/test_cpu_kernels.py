@@ -49,7 +49,7 @@ from llmc.backends.cpu import (
 from llmc.backends.cpu import amx as amx_tiles
 from llmc.backends.cpu.codegen import read_probe
 from llmc.backends.cpu.gemm import CHUNK_BYTES, CHUNKS_PER_THREAD, DEALT_SHARE, PREFETCH_BYTES, TILE_COLS
-from llmc.backends.cpu.target import CPUS, cpu_target, integer_isa, llvm_features, near_prefetch_bytes
+from llmc.backends.cpu.target import CPUS, cpu_target, integer_isa, llvm_features, near_prefetch_bytes, tiles_layout
 from llmc.errors import LlmcError, UsageError
 from llmc.ir import tgt
 from llmc.ir.formats import FORMATS, Storage, integer_matmul, quantize_rows, slice_sums
@@ -90,7 +90,8 @@ def f32_weight(w: np.ndarray) -> tgt.WeightType:
 # embedding -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("storage,layout", [(s, Layout.STORED) for s in Storage if s.is_float] +
-                         [(s, layout) for s in Storage if not s.is_float for layout in (Layout.SPLIT, Layout.TILES)],
+                         [(s, layout) for s in Storage if not s.is_float
+                          for layout in (Layout.SPLIT, Layout.TILES, Layout.TILES_AVX2)],
                          ids=str)
 def test_embedding_dequantizes_rows_of_every_storage(tmp_path, tm, storage, layout):
     rng = np.random.default_rng(0)
@@ -268,7 +269,7 @@ def test_matmul_a8_equals_the_integer_reference(tmp_path, tm, storage):
     x = rand(rng, R, K, scale=3.0)
     buf, rows = qrows_of(x, R)
     layouts = [(isa, Layout.SPLIT) for isa in tm.isas] + \
-        [(isa, Layout.TILES) for isa in tm.isas if isa is not tgt.Isa.GENERIC]
+        [(isa, tiles) for isa in tm.isas if isa is not tgt.Isa.GENERIC for tiles in (Layout.TILES, Layout.TILES_AVX2)]
     for isa, layout in layouts:
         wtype, data, _ = weight_of(storage, w, layout)
         for last_row in (False, True):
@@ -365,7 +366,7 @@ def test_every_integer_path_compiles(isa):
     from llmc.backends.cpu.target import target_machine_for
 
     N, K, R = 64, 256, 32
-    layout = Layout.SPLIT if isa is tgt.Isa.GENERIC else Layout.TILES  # (what `pack` gives each)
+    layout = Layout.SPLIT if isa is tgt.Isa.GENERIC else tiles_layout(isa)  # (what `pack` gives each)
     wtype = tgt.WeightType((N, K), Storage.Q4_1, layout)
     kernels = [(matmul_op(isa=isa), [tgt.QRowsType(R, K), wtype, tgt.memref(R, N), IDX]),
                (swiglu_op(isa=isa), [tgt.QRowsType(R, K), wtype, wtype, tgt.QRowsType(R, N), IDX])]
@@ -425,7 +426,7 @@ def test_swiglu_a8_writes_quantized_rows(tmp_path, tm, storage, N):
     K, R = 256, 5
     qg, qu = (FORMATS[storage].quantize(rand(rng, N, K)) for _ in range(2))
     buf, rows = qrows_of(rand(rng, R, K), R)
-    layout = Layout.SPLIT if tm.isas[0] is tgt.Isa.GENERIC else Layout.TILES
+    layout = Layout.SPLIT if tm.isas[0] is tgt.Isa.GENERIC else tiles_layout(tm.isas[0])
     wtype = tgt.WeightType((N, K), storage, layout)
     gd, ud = pack(qg, layout), pack(qu, layout)
     k = Kernel(tmp_path, tm, swiglu_op(isa=tm.isas[0]), [tgt.QRowsType(R, K), wtype, wtype, tgt.QRowsType(R, N), IDX])

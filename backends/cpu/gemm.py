@@ -256,7 +256,7 @@ def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt
     unit = unit or C
     assert unit % C == 0
     column_bytes = sum(t.nbytes for _, t in weights) // N  # (of every weight: what dealing a unit hands out)
-    if weights[0][1].layout is Layout.TILES:
+    if weights[0][1].layout.tiled:
         gemm_tiles(f, rows, N, [TiledWeight(f, p, t) for p, t in weights], column_bytes, finish, tid, nth, work, isa,
                    unit, flush, prefetch)
         return

@@ -248,7 +248,7 @@ def _weight_type(value) -> tgt.WeightType:
 def _weight_row(f: KernelBuilder, ptr: ir.Value, weight: tgt.WeightType, row: ir.Value, dst: ir.Value) -> None:
     """Row `row` of a weight matrix (any storage, any layout), dequantized into floats at `dst`."""
     D = weight.shape[1]
-    if weight.layout is Layout.TILES:
+    if weight.layout.tiled:
         _tiles_row(f, TiledWeight(f, ptr, weight), row, D, dst)
     elif weight.layout is Layout.SPLIT:
         w = SplitWeight(f, ptr, weight)

@@ -69,6 +69,12 @@ def llvm_features(target: TargetAttr) -> str:
     return ",".join(("+" if f in target.features else "-") + f for f in FEATURES)
 
 
+
+def tiles_layout(isa: Isa) -> Layout:
+    """The tiles layout `isa`'s kernels read best: `tiles` (its high-bit masks in byte order, one `kmovq`) with
+    AVX-512, `tiles_avx2` (transposed: one shift a 64-bit lane) without."""
+    return Layout.TILES if isa in (Isa.VNNI512, Isa.AMX) else Layout.TILES_AVX2
+
 def integer_isa(target: TargetAttr) -> Isa:
     """The best integer dot product the target has, for `a8` kernels."""
     if target.has("avx512vnni", "avx512bw", "avx512vl"):
@@ -169,9 +175,12 @@ class CpuTarget(TargetDescription):
 
     def weight_layout(self, readers: Sequence[tgt.Kernel]) -> Layout:
         """`tiles` where the target has an integer dot product (AVX2, VNNI-256, VNNI-512) and every reader
-        takes quantized rows (or gathers rows: the embedding), `split` otherwise."""
-        tiles = self.integer_isa() is not Isa.GENERIC and all(_reads_tiles(k) for k in readers)
-        return Layout.TILES if tiles else Layout.SPLIT
+        takes quantized rows (or gathers rows: the embedding), `split` otherwise; without AVX-512 (AVX2,
+        VNNI-256), `tiles_avx2`."""
+        isa = self.integer_isa()
+        if isa is Isa.GENERIC or not all(_reads_tiles(k) for k in readers):
+            return Layout.SPLIT
+        return tiles_layout(isa)
 
     def kernel_isa(self, op: tgt.Kernel, rows: int) -> Isa | None:
         """A matmul reading quantized rows: the integer dot product, or `amx` for `a8` rows in whole

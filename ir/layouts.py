@@ -1,6 +1,6 @@
 """Byte layouts of the target level: packed weights and quantized activation rows.
 
-A `tgt` weight is in one of three layouts (`!tgt.weight<576x576, q4_1, tiles>`):
+A `tgt` weight is in one of four layouts (`!tgt.weight<576x576, q4_1, tiles>`):
 
 - `stored`: as the model file keeps it, row-major (float formats; GGUF blocks).
 - `split`: integer formats repacked for SIMD loads. Each row's codes are cut into

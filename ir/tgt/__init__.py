@@ -11,8 +11,8 @@ buffer; none returns a value. Types say what the bytes are:
   by integer (`a8`) matmuls; `!tgt.qrows<128x576xi16>`: the same quantized to int16, as
   two int8 planes (read by `a16` matmuls);
 - `!tgt.weight<576x576, q4_1, tiles>`: a weight of the artifact in a storage type
-  (`llmc.ir.formats`) and a layout (`stored` as in the model file, `split` or `tiles`,
-  chosen for the target by the `pack` pass).
+  (`llmc.ir.formats`) and a layout (`stored` as in the model file, `split`, `tiles` or
+  `tiles_avx2`, chosen for the target by the `pack` pass).
 
 Activations live in one arena per entry point (`tgt.alloc`, placed by `plan-memory`),
 weights are symbols into the artifact's weight file (`tgt.weight`), the KV cache and

@@ -1,10 +1,11 @@
 // pack: each weight's layout and each kernel's instruction set, from the target (AVX2 here): integer
-// weights in the `tiles` layout (strips of 16 features × 32-blocks), every matmul `isa avx2`.
+// weights in the `tiles_avx2` layout (strips of 16 features × 32-blocks, the high bits' masks transposed for
+// AVX2's shifts), every matmul `isa avx2`.
 // RUN: llmc-opt %s -p pack | filecheck %s
 
 // CHECK-NOT:    stored
-// CHECK:        [[EMBD:%.*]] = tgt.weight @token_embd : !tgt.weight<64x32, q8_0, tiles>
-// CHECK:        tgt.swiglu {{.*}} isa avx2 : !tgt.qrows<1x32>, !tgt.weight<64x32, q8_0, tiles>, !tgt.weight<64x32, q8_0, tiles> -> !tgt.qrows<1x64>
+// CHECK:        [[EMBD:%.*]] = tgt.weight @token_embd : !tgt.weight<64x32, q8_0, tiles_avx2>
+// CHECK:        tgt.swiglu {{.*}} isa avx2 : !tgt.qrows<1x32>, !tgt.weight<64x32, q8_0, tiles_avx2>, !tgt.weight<64x32, q8_0, tiles_avx2> -> !tgt.qrows<1x64>
 // CHECK:        tgt.matmul {{.*}} accumulate isa avx2 :
 // CHECK:        tgt.matmul {{.*}}, [[EMBD]] -> %logits rows %n isa avx2 :
 builtin.module attributes {tgt.target = #tgt.target<cpu, "x86_64", "x86-64-v3", ["avx2"]>, llm.phase = "group"} {

@@ -66,6 +66,7 @@ class Layout(StrEnum):
 
     @property
     def tiled(self) -> bool:
+        """Whether the layout is one of the tiles (strips of 16 features × 32-blocks)."""
         return self in (Layout.TILES, Layout.TILES_AVX2)
 
 

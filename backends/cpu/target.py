@@ -69,11 +69,11 @@ def llvm_features(target: TargetAttr) -> str:
     return ",".join(("+" if f in target.features else "-") + f for f in FEATURES)
 
 
-
 def tiles_layout(isa: Isa) -> Layout:
     """The tiles layout `isa`'s kernels read best: `tiles` (its high-bit masks in byte order, one `kmovq`) with
     AVX-512, `tiles_avx2` (transposed: one shift a 64-bit lane) without."""
     return Layout.TILES if isa in (Isa.VNNI512, Isa.AMX) else Layout.TILES_AVX2
+
 
 def integer_isa(target: TargetAttr) -> Isa:
     """The best integer dot product the target has, for `a8` kernels."""

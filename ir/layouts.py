@@ -152,7 +152,7 @@ def weight_nbytes(storage: Storage, layout: Layout, shape: tuple[int, ...]) -> i
     return FORMATS[storage].nbytes(shape)
 
 
-def pack_tiles(qt: QuantizedTensor, layout: Layout = Layout.TILES) -> np.ndarray:
+def pack_tiles(qt: QuantizedTensor, layout: Layout) -> np.ndarray:
     """The bytes of a quantized tensor in a tiles layout."""
     fmt = FORMATS[qt.storage]
     n, k = qt.shape
@@ -192,8 +192,7 @@ def pack_tiles(qt: QuantizedTensor, layout: Layout = Layout.TILES) -> np.ndarray
     return out
 
 
-def unpack_tiles(data: np.ndarray, storage: Storage, shape: tuple[int, int], layout: Layout = Layout.TILES
-                 ) -> QuantizedTensor:
+def unpack_tiles(data: np.ndarray, storage: Storage, shape: tuple[int, int], layout: Layout) -> QuantizedTensor:
     """The quantized tensor in a tiles layout's bytes (the padding dropped)."""
     fmt = FORMATS[storage]
     n, k = shape

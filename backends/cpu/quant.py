@@ -298,9 +298,7 @@ class TiledWeight:
             for q in range(QUADS):
                 mask = b_.load(f.ptr(self.ptrs[f"bit{bit}"], f.add(at, q)), align=8)
                 if self.transposed:
-                    lanes = shuffle(f, b_.insert_element(ir.Constant(vec(I64, 1), None), mask, ir.Constant(I32, 0)),
-                                    [0] * 8)
-                    moved = b_.lshr(b_.shl(lanes, ir.Constant(vec(I64, 8), [max(bit - k, 0) for k in range(8)])),
+                    moved = b_.lshr(b_.shl(f.splat_i64(mask, 8), ir.Constant(vec(I64, 8), [max(bit - k, 0) for k in range(8)])),
                                     ir.Constant(vec(I64, 8), [max(k - bit, 0) for k in range(8)]))
                     plane = b_.and_(b_.bitcast(moved, vec(I8, 64)), splat_i(vec(I8, 64), 1 << bit))
                 else:

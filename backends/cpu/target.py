@@ -174,9 +174,9 @@ class CpuTarget(TargetDescription):
         return a16_cost(self.target) if self.has_integer_dot() else (1.0, 1.0)
 
     def weight_layout(self, readers: Sequence[tgt.Kernel]) -> Layout:
-        """`tiles` where the target has an integer dot product (AVX2, VNNI-256, VNNI-512) and every reader
-        takes quantized rows (or gathers rows: the embedding), `split` otherwise; without AVX-512 (AVX2,
-        VNNI-256), `tiles_avx2`."""
+        """A tiles layout (`tiles_layout`: `tiles` with AVX-512, `tiles_avx2` without) where the target has an
+        integer dot product (AVX2, VNNI-256, VNNI-512) and every reader takes quantized rows (or gathers rows:
+        the embedding), `split` otherwise."""
         isa = self.integer_isa()
         if isa is Isa.GENERIC or not all(_reads_tiles(k) for k in readers):
             return Layout.SPLIT

@@ -144,14 +144,35 @@ def test_kernels_write_int16_rows_bit_for_bit(tmp_path, native, D):
     np.testing.assert_allclose(d, rd, rtol=1e-6)
 
 
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("storage", [Storage.Q4_1, Storage.Q4_K, Storage.Q5_0, Storage.Q5_1, Storage.Q6_K], ids=str)
+def test_avx2_pair_sums_stay_exact_at_their_largest(tmp_path, native, storage, bits):
+    """AVX2 sums each quad's `vpmaddubsw` pairs in 16 bits over `pair_quads(bits)` quads: with nearly every
+    code at its format's largest and every value at the rows' (all −1: int8 −127, `hi` −127), the kernels
+    of one row and of 8 still equal the integer reference (one quad more a sum overflows for 5- and 6-bit
+    codes, whose sums run over 4 and 2 quads)."""
+    K, N, R = 256, 32, 8
+    w = np.ones((N, K), f32)
+    w[:, ::16] = -1.0  # (each 16-slice's one negative value: every format's other codes at their largest)
+    qt = FORMATS[storage].quantize(w)
+    assert (qt.codes == qt.codes.max()).mean() > 0.9
+    buf, rows = qrows_of(np.full((R, K), -1.0, f32), R, bits)
+    wtype, data, _ = weight_of(storage, w, Layout.TILES_AVX2)
+    k = Kernel(tmp_path, native, matmul_op(isa=tgt.Isa.AVX2), [tgt.QRowsType(R, K, bits), wtype, tgt.memref(R, N), IDX])
+    for n in (1, R):
+        out = np.zeros((R, N), f32)
+        k({"x": buf, "weight": data, "out": out, "rows": n})
+        assert_close(out[:n], integer_matmul(*rows.values(0, n), qt), rtol=2e-6)
+
+
 @pytest.mark.parametrize("K,R", [(256, 5), (4352, 9)])
 @pytest.mark.parametrize("storage", [Storage.Q4_1, Storage.Q8_0, Storage.Q6_K], ids=str)
 def test_matmul_a16_equals_the_integer_reference(tmp_path, native, storage, K, R):
     """Every integer path this host runs (its own, AVX2's, generic; the tiles layout on all but generic), on
     the same int16 rows as the reference; `last_row` too. The kernel rounds each lane's int32 sum
     of 4 products (up to 2^25) to float, the reference each slice's exact sum: within 2e-6 at K 256,
-    × √(K / 256) for longer rows. (K 4352: AVX2's rows as words take tiles of 4 rows, not 8, within
-    `WORDS_BYTES` of stack.)"""
+    × √(K / 256) for longer rows. (K 4352: AVX2's rows as words, for q8_0, take tiles of 4 rows, not 8,
+    within `WORDS_BYTES` of stack.)"""
     rng = np.random.default_rng(13)
     N = 48
     w = rand(rng, N, K)
@@ -262,7 +283,7 @@ def test_swiglu_a16_reads_and_writes_int16_rows(tmp_path, native, layout):
 @pytest.mark.parametrize("isa", [i for i in host.ISA_CPUS if i is not tgt.Isa.AMX], ids=str)
 def test_every_integer_path_compiles_a16(isa):
     """Each integer path's a16 matmul and SwiGLU kernels use its instructions and no wider ones
-    (compiled for a CPU that has them, whatever the host); AVX2's multiply 16-bit words."""
+    (compiled for a CPU that has them, whatever the host): AVX2's `vpmaddubsw` of each plane."""
     N, K, R = 64, 256, 32
     layout = Layout.SPLIT if isa is tgt.Isa.GENERIC else tiles_layout(isa)  # (what `pack` gives each)
     wtype = tgt.WeightType((N, K), Storage.Q4_1, layout)
@@ -273,8 +294,6 @@ def test_every_integer_path_compiles_a16(isa):
         library.kernel(kernel_op(make, types))
     asm = compile_to_assembly(module, target_machine_for(cpu_target(host.ISA_CPUS[isa])))
     used, unused = ISA_INSTRUCTIONS[isa]
-    if isa is tgt.Isa.AVX2:  # int16 rows as 16-bit words: vpmaddwd alone
-        used, unused = used - {"vpmaddubsw"}, unused | {"vpmaddubsw"}
     assert all(mark in asm for mark in used), [mark for mark in used if mark not in asm]
     assert not any(mark in asm for mark in unused), [mark for mark in unused if mark in asm]
 

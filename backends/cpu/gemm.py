@@ -18,9 +18,10 @@ loop depends on what the operands are:
   into 16-bit words first) before the same scaling;
 - the same in the tiles layout (`gemm_tiles`, every CPU with an integer dot product): per
   strip of 16 columns and 32-block, 8 `vpdpbusd` of code vectors by broadcast activations
-  (VNNI-256: two each, a half of the strip's columns apiece; AVX2: codes and activations
-  as 16-bit words, 4 `vpmaddwd` each, `quant.words_quads`), the 16 columns' sums in the
-  lanes, for up to 8 rows while the block's codes are in registers (a decode's rows read
+  (VNNI-256: two each, a half of the strip's columns apiece; AVX2: two `vpmaddubsw` each,
+  whose 16-bit pairs add up over the block before a `vpmaddwd`, `quant.byte_pairs`, or for
+  8-bit codes codes and activations as 16-bit words, 4 `vpmaddwd` each, `quant.words_quads`),
+  the 16 columns' sums in the lanes, for up to 8 rows while the block's codes are in registers (a decode's rows read
   each weight once); a zero point (q8_0, q4_0, q5_0, q6_k) is taken
   into the integer sums, `−zero · Σq` per row and block (`QRowsAccess.zero_term`),
   where the split layout scales an offset term in; with `isa amx`, whole 16-row blocks
@@ -50,7 +51,10 @@ from llmc.backends.cpu.quant import (
     QRowsAccess,
     SplitWeight,
     TiledWeight,
+    byte_pairs,
     dot_slices,
+    pair_quads,
+    pairs_sums,
     rows_dot,
     scaled_block,
     shuffle,
@@ -68,8 +72,8 @@ from llmc.ir.tgt import SCREEN_COLUMNS
 # (tiles layout: a decode's rows, up to 8, walk each weight block together while it is in registers)
 SPLIT_ROWS = (4, 2, 1)
 # (by the tiles' isa: VNNI-256's rows take two chains a plane for each half of a strip, and 4 or 8 rows spill them
-# from its 16 registers: 8 rows of SmolLM2 7.73 ms a step in tiles of 2, 8.24 of 4, 10.23 of 8 on Zen 5; AVX2's 16-bit
-# words share each widened quad between the rows, best at 8: 10.9 ms, 11.4 of 4, 12.3 of 2)
+# from its 16 registers: 8 rows of SmolLM2 7.73 ms a step in tiles of 2, 8.24 of 4, 10.23 of 8 on Zen 5; AVX2 shares
+# each quad's codes (bytes, or words widened) between the rows, best at 8: 9.67 ms, 10.08 of 4, 9.99 of 2)
 STRIP_ROWS = {tgt.Isa.VNNI512: (8, 4, 2, 1), tgt.Isa.AVX2: (8, 4, 2, 1), tgt.Isa.VNNI256: (2, 1)}
 TILE_ROWS = max(SPLIT_ROWS[0], *(sizes[0] for sizes in STRIP_ROWS.values()))  # the most rows a `finish` or `flush` gets
 TILE_COLS = {1: 4, 2: 2}
@@ -445,7 +449,7 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
 
     vector = tgt.Isa.VNNI512 if isa is tgt.Isa.AMX else isa  # (the rows AMX leaves)
     kp, sizes, row_words = access[0].kp, STRIP_ROWS[vector], None
-    if vector is tgt.Isa.AVX2 and any(takes_words(rows.q, w) for w in access):  # rows as 16-bit words, on the stack
+    if vector is tgt.Isa.AVX2 and any(takes_words(w) for w in access):  # rows as 16-bit words, on the stack
         sizes = tuple(r for r in sizes if r == 1 or r * kp * 2 <= WORDS_BYTES)
         row_words = b.bitcast(f.alloca(I32, sizes[0] * kp // 2, name="row_words"), I16.as_pointer())  # (4-aligned)
         # rows that fit in one tile (a decode's) are widened once, before any column; more, a tile at a time for each
@@ -499,10 +503,10 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
             span(f.i64(0), f.i64(N - rest), rest)
 
 
-def takes_words(q: QRowsAccess, w: TiledWeight) -> bool:
-    """Whether AVX2 multiplies `q`'s rows by `w` as 16-bit words: int16 rows, or 8-bit codes (else `vpmaddubsw`'s
-    pairs, codes below 128)."""
-    return q.planes == 2 or w.bits == 8
+def takes_words(w: TiledWeight) -> bool:
+    """Whether AVX2 multiplies rows by `w` as 16-bit words: 8-bit codes (whose `vpmaddubsw` pairs could saturate;
+    codes below 8 bits take `quant.byte_pairs`)."""
+    return w.bits == 8
 
 
 def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r: int, s: ir.Value,
@@ -510,9 +514,10 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
     """`<16 x float>` per row: rows t..t+r · the 16 columns of strip s of `w`, scaled every `step` 16-slices (the
     codes prefetched into L1 `prefetch` bytes ahead for fewer than 4 rows; for more, into L2 `FAR_PREFETCH_BYTES`
     ahead, and from int16 rows into L1 `L2_TO_L1_PREFETCH_BYTES` ahead as well). `isa` `vnni512` or `vnni256`:
-    `vpdpbusd` of the codes by each row's int8 values (of each plane); `avx2`: the codes and each row's values as
-    16-bit words, `vpmaddwd` (`quant.words_quads`), except int8 rows on codes below 8 bits: `vpmaddubsw`, then
-    `vpmaddwd` by ones (`quant.vpdpbusd`'s AVX2 form), 6 instructions a quad where words take 8 and a widening.
+    `vpdpbusd` of the codes by each row's int8 values (of each plane); `avx2`, codes below 8 bits: `vpmaddubsw` of
+    the codes by each plane's values, its 16-bit pairs summed over as many quads as stay exact (`quant.byte_pairs`:
+    a 4-bit 32-block's 8), then one `vpmaddwd` a half (by 256 for `hi`, 1 for `lo`); 8-bit codes: the codes and
+    each row's values as 16-bit words, `vpmaddwd` (`quant.words_quads`; `vpmaddubsw`'s pairs could saturate).
     `row_words` (`i16*`, with words): the r rows as words already (`QRowsAccess.words`), `w.kp` apart."""
     b = f.b
     accs = [acc for [acc] in _accumulators(f, vec(F32, STRIP), 1, r, 1, "tacc")[0]]
@@ -522,10 +527,12 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
     # the sums (`QRowsAccess.zero_term`, off the multiply pipes), so no offset term is scaled in after.
     folded = not w.fmt.minimum
     across = r >= 4
-    words = isa is tgt.Isa.AVX2 and takes_words(q, w)
+    words = isa is tgt.Isa.AVX2 and takes_words(w)
+    bytewise = isa is tgt.Isa.AVX2 and not words
     assert row_words is not None or not words
     n_chains = 1 if across else DOT_CHAINS
     zero = ir.Constant(vec(I32, STRIP), [0] * STRIP)
+    zero16 = ir.Constant(vec(I16, 16), [0] * 16)
     eight = ir.Constant(vec(I32, STRIP), [8] * STRIP)
     with f.loop(0, w.blocks, name="blk", unroll=False) as blk:
         w.prefetch(s, blk, *((FAR_PREFETCH_BYTES, 2) if across else (prefetch, 1)))
@@ -551,6 +558,19 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
                         x4 = shuffle(f, b.load(b.gep(x, [f.i64(quad)]), align=4), [i % 4 for i in range(16)])
                         pairs[ri] = words_quads(f, pairs[ri], codes[quad], x4)
                 dots = [words_sums(f, p) for p in pairs]
+            elif bytewise:  # 16-bit pair sums of as many quads as stay exact, then int32; `hi`'s times 256
+                depth = pair_quads(w.bits)
+                for n, quad in enumerate(quads):
+                    if n % depth == 0:
+                        acc = [[[zero16] * 2 for _ in range(q.planes)] for _ in range(r)]
+                    for ri in range(r):
+                        for plane, xs in enumerate(xs_by_row[ri]):
+                            acc[ri][plane] = byte_pairs(f, acc[ri][plane], codes[quad], xs[quad])
+                    if n % depth == depth - 1 or n == len(quads) - 1:
+                        for ri in range(r):
+                            for plane in range(q.planes):
+                                times = 256 if plane == 0 and q.planes == 2 else 1
+                                dots[ri] = b.add(dots[ri], pairs_sums(f, acc[ri][plane], times))
             elif across:
                 chains = [[zero] * q.planes for _ in range(r)]
                 for quad in quads:

@@ -76,22 +76,38 @@ def prefetch(f: KernelBuilder, base: ir.Value, offset: ir.Value, level: int = 1)
 
 def vpdpbusd(f: KernelBuilder, acc: ir.Value, codes: ir.Value, x: ir.Value, isa: Isa = Isa.VNNI512) -> ir.Value:
     """`acc` (`<16 x i32>`) plus, per lane, 4 unsigned codes × 4 int8 values: one AVX-512 VNNI instruction; with
-    `isa` `vnni256` (AVX-VNNI) one for each half of the lanes; with `avx2`, codes below 128 only, for each half
-    `vpmaddubsw` (no pair of products reaches 2^15) and `vpmaddwd` by ones."""
+    `isa` `vnni256` (AVX-VNNI) one for each half of the lanes. (AVX2 has no such instruction: `byte_pairs`.)"""
     if isa is Isa.VNNI512:
         fn = declare(f, "llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [vec(I32, 16), vec(I8, 64), vec(I8, 64)])
         return f.b.call(fn, [acc, codes, x])
-    if isa is Isa.AVX2:
-        maddubs = declare(f, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vec(I8, 32), vec(I8, 32)])
-    else:
-        fn = declare(f, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), [vec(I32, 8), vec(I8, 32), vec(I8, 32)])
+    fn = declare(f, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), [vec(I32, 8), vec(I8, 32), vec(I8, 32)])
     halves = []
     for h in (0, 1):
         part, c, v = (shuffle(f, value, list(range(n * h, n * h + n))) for value, n in ((acc, 8), (codes, 32), (x, 32)))
-        if isa is Isa.AVX2:
-            halves.append(f.b.add(part, _pmaddwd(f, f.b.call(maddubs, [c, v]), splat_i(vec(I16, 16), 1))))
-        else:
-            halves.append(f.b.call(fn, [part, c, v]))
+        halves.append(f.b.call(fn, [part, c, v]))
+    return shuffle(f, halves[0], list(range(16)), halves[1])
+
+
+def pair_quads(bits: int) -> int:
+    """How many quads' `byte_pairs` a 16-bit lane sums exactly: each adds two products of a code below 2^bits and
+    an int8 value, at most 2 · (2^bits − 1) · 128 in size (4-bit codes: 8 quads, a 32-block; 6-bit: 2)."""
+    return (2**15 - 1) // (2 * (2**bits - 1) * 128)
+
+
+def byte_pairs(f: KernelBuilder, acc: list[ir.Value], codes: ir.Value, x: ir.Value) -> list[ir.Value]:
+    """AVX2: 4 codes × 16 features (`codes`, below 128) by 4 int8 values (`x`, in every lane) added to `acc` as
+    16-bit pairs, one `vpmaddubsw` per half of the features: `acc` is two `<16 x i16>` (features 8h..8h+7, each
+    feature's two pair sums side by side), exact for `pair_quads` quads; `pairs_sums` makes them int32 sums."""
+    maddubs = declare(f, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vec(I8, 32), vec(I8, 32)])
+    return [f.b.add(a, f.b.call(maddubs, [shuffle(f, codes, list(range(32 * h, 32 * h + 32))),
+                                           shuffle(f, x, list(range(32 * h, 32 * h + 32)))]))
+            for h, a in enumerate(acc)]
+
+
+def pairs_sums(f: KernelBuilder, pairs: list[ir.Value], times: int = 1) -> ir.Value:
+    """`byte_pairs`'s two `<16 x i16>` → the 16 features' sums times `times` (`<16 x i32>`, in order): one
+    `vpmaddwd` a half."""
+    halves = [_pmaddwd(f, p, splat_i(vec(I16, 16), times)) for p in pairs]
     return shuffle(f, halves[0], list(range(16)), halves[1])
 
 

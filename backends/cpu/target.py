@@ -99,21 +99,21 @@ def target_machine_for(target: TargetAttr):
 # `a8` kernels: SmolLM2-135M all-a16 against all-a8, each a16 run right after its a8 run (`llmc
 # bench --prompt-tokens 128,512 --decode-tokens 64`, 3 rounds, medians). AVX2 and VNNI-256 in the
 # tiles layout, with `--cpu x86-64-v3` and `--cpu alderlake` on a 2-core AMD EPYC (Zen 5, 2 threads):
-# AVX2 prefill 0.63–0.66×, decode 0.74× (int16 rows multiply as 16-bit words, `vpmaddwd` after a
-# widening, where int8 rows on codes below 8 bits take `vpmaddubsw`; with the rows widened once per
-# unit of columns, 0.62–0.69× and 0.75–0.99× in a noisier run: the table keeps the first); VNNI-256 prefill 0.60–0.64×,
+# AVX2 prefill 0.61–0.68×, decode 0.83× (each plane's `vpmaddubsw`, its 16-bit pairs summed over a
+# block before one `vpmaddwd`, as int8 rows take it: two where int8 rows take one; decode from
+# `benchmarks/decode_step.py`'s medians, 2.056 against 1.711 ms a step); VNNI-256 prefill 0.60–0.64×,
 # decode 0.73× (two `vpdpbusd` a plane where int8 rows take one). VNNI-512: measured on a 2-core AMX
 # Xeon, the same command at --repeat 5 with `--cpu icelake-server`: prefill 0.78–0.81×, decode 0.95×.
 # AMX: a16 takes no tiles (its prefill runs on VNNI-512) where a8's prefill does: prefill 0.65–0.68×
 # of a8 on tiles, decode 1.0× (both VNNI-512).
-A16_COST = {Isa.AVX2: (1.55, 1.35), Isa.VNNI256: (1.65, 1.4), Isa.VNNI512: (1.25, 1.05)}
+A16_COST = {Isa.AVX2: (1.55, 1.2), Isa.VNNI256: (1.65, 1.4), Isa.VNNI512: (1.25, 1.05)}
 A16_PREFILL_ON_AMX = 1.5
 
 
 def a16_cost(target: TargetAttr) -> tuple[float, float]:
     """`a16`'s cost as a multiple of `a8`'s on `target`: (prefill, decode).
 
-        a16_cost(cpu_target("x86-64-v3"))   # (1.3, 1.2)
+        a16_cost(cpu_target("x86-64-v3"))   # (1.55, 1.2)
     """
     isa = integer_isa(target)
     prefill, decode = A16_COST[isa]

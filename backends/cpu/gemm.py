@@ -21,8 +21,8 @@ loop depends on what the operands are:
   (VNNI-256: two each, a half of the strip's columns apiece; AVX2: two `vpmaddubsw` each,
   whose 16-bit pairs add up over the block before a `vpmaddwd`, `quant.byte_pairs`, or for
   8-bit codes codes and activations as 16-bit words, 4 `vpmaddwd` each, `quant.words_quads`),
-  the 16 columns' sums in the lanes, for up to 8 rows while the block's codes are in registers (a decode's rows read
-  each weight once); a zero point (q8_0, q4_0, q5_0, q6_k) is taken
+  the 16 columns' sums in the lanes, for up to 8 rows while the block's codes are in
+  registers (a decode's rows read each weight once); a zero point (q8_0, q4_0, q5_0, q6_k) is taken
   into the integer sums, `−zero · Σq` per row and block (`QRowsAccess.zero_term`),
   where the split layout scales an offset term in; with `isa amx`, whole 16-row blocks
   on AMX tiles (`amx.gemm_amx`); screened (`gemm_screened`, decode's LM head): int8 rows

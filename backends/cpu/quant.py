@@ -80,6 +80,7 @@ def vpdpbusd(f: KernelBuilder, acc: ir.Value, codes: ir.Value, x: ir.Value, isa:
     if isa is Isa.VNNI512:
         fn = declare(f, "llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [vec(I32, 16), vec(I8, 64), vec(I8, 64)])
         return f.b.call(fn, [acc, codes, x])
+    assert isa is Isa.VNNI256, isa
     fn = declare(f, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), [vec(I32, 8), vec(I8, 32), vec(I8, 32)])
     halves = []
     for h in (0, 1):

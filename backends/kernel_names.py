@@ -35,12 +35,12 @@ def kernel_name(op: tgt.Kernel) -> str:
     weights = [v.type for _, v in op.abi() if isinstance(v.type, tgt.WeightType) and len(v.type.shape) == 2]
     if weights:
         parts.append(weights[0].storage.value)
-    if isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)):
+    if isinstance(op, (tgt.MatmulOp, tgt.QkvOp, tgt.SwigluOp)):
         rows = op.rows_type()
         parts.append(f"a{rows.bits}" if isinstance(rows, tgt.QRowsType) else "a32")
-        n, k = tgt.dims(op.weight if isinstance(op, tgt.MatmulOp) else op.gate)
-        parts.append(f"k{k}_n{n}")
-        flags = {"bias": "bias", "norm": "norm", "accumulate": "acc", "last_row": "last"}
+        widths = [w.shape[0] for w in weights[:3 if isinstance(op, tgt.QkvOp) else 1]]  # (SwiGLU: the gate's)
+        parts.append(f"k{weights[0].shape[1]}_n{'_'.join(map(str, widths))}")
+        flags = {"bias": "bias", "bq": "bias", "norm": "norm", "accumulate": "acc", "last_row": "last"}
         parts += [short for name, short in flags.items() if getattr(op, name, None) is not None]
     if "out" in dict(op.abi()) and tgt.is_quantized(op.out):
         parts.append(f"q{op.out.type.bits}")

@@ -127,7 +127,7 @@ def _store(get: _State, out: SSAValue, rows: np.ndarray) -> None:
         dst[: rows.shape[0]] = rows.reshape(dst[: rows.shape[0]].shape)
 
 
-def _project(get: _State, op: tgt.MatmulOp | tgt.SwigluOp, weight: SSAValue, rows: int,
+def _project(get: _State, op: tgt.MatmulOp | tgt.QkvOp | tgt.SwigluOp, weight: SSAValue, rows: int,
              last_row: bool = False) -> np.ndarray:
     """`x · wᵀ` for the rows a matmul reads (normalized first when a norm is fused, then quantized with
     `quantize`)."""
@@ -203,6 +203,13 @@ def _matmul(op: tgt.MatmulOp, get: _State) -> None:
     y = soft_capped(y, llm.optional_value(op, "softcap"))
     out = get(op.out)[: y.shape[0]]
     out[...] = out + y if op.accumulate is not None else y
+
+
+@kernel(tgt.QkvOp)
+def _qkv(op: tgt.QkvOp, get: _State) -> None:
+    for weight, out, bias in op.projections():
+        y = _project(get, op, weight, get.n)
+        get(out)[: y.shape[0]] = y if bias is None else y + get(bias)
 
 
 @kernel(tgt.SwigluOp)

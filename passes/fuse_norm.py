@@ -14,6 +14,13 @@ tgt.matmul %h, %wq -> %q rows %n isa vnni512 : !tgt.qrows<1x576xi16>, !tgt.weigh
 tgt.matmul %x, %wq -> %q rows %n norm %g eps 1.000000e-05 quantize <1x576xi16> isa vnni512 : memref<1x576xf32>, !tgt.weight<576x576, q4_1, tiles> norm !tgt.weight<576, f32, stored> -> memref<1x576xf32>
 ```
 
+Three matmuls reading the norm (an attention's q, k and v projections) become one `tgt.qkv`, which
+normalizes and quantizes the rows once for the three and deals their columns as one stream:
+
+```mlir
+tgt.qkv %x, %wq, %wk, %wv -> %q, %k, %v rows %n norm %g eps 1.000000e-05 quantize <1x576xi16> isa vnni512 : memref<1x576xf32>, !tgt.weight<576x576, q4_1, tiles>, !tgt.weight<192x576, q4_1, tiles>, !tgt.weight<192x576, q4_1, tiles> norm !tgt.weight<576, f32, stored> -> memref<1x576xf32>, memref<1x192xf32>, memref<1x192xf32>
+```
+
 Entry points of more than `MAX_ROWS` rows (prefill, score) keep the norm: there every thread
 would quantize every row once per reader, more than the barrier costs. So does a norm whose
 float rows a kernel writes before its last reader reads them.
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
+from xdsl.ir import Block
 
 from llmc.errors import LlmcError
 from llmc.ir import tgt
@@ -66,6 +74,30 @@ def _fused(op: tgt.MatmulOp | tgt.SwigluOp, norm: tgt.RMSNormOp) -> tgt.MatmulOp
     return new
 
 
+def _qkv(block: Block, ops: list, readers: list) -> tgt.QkvOp | None:
+    """One `tgt.qkv` of three fused matmuls `readers` (in program order) where they qualify: plain projections
+    (no residual, last row or soft-cap) of one isa and layout, all biased or none, with nothing but buffers and
+    weights defined between them; it takes the last one's place."""
+    matmuls = [op for op in readers if isinstance(op, tgt.MatmulOp)]
+    if len(matmuls) != 3:
+        return None
+    at = sorted(ops.index(op) for op in matmuls)
+    first, last = ops[at[0]], ops[at[-1]]
+    plain = all(op.accumulate is None and op.last_row is None and op.softcap is None for op in matmuls)
+    if not plain or len({(op.isa, op.weight.type.layout, op.bias is None) for op in matmuls}) != 1 or \
+            any(isinstance(op, tgt.Kernel) for op in ops[at[0] + 1:at[-1]] if op not in matmuls):
+        return None
+    q, k, v = (ops[i] for i in at)
+    biases = None if first.bias is None else (q.bias, k.bias, v.bias)
+    fused = tgt.QkvOp(first.x, (q.weight, k.weight, v.weight), (q.out, k.out, v.out), first.rows, biases=biases,
+                      norm=first.norm, eps=first.eps, quantize=first.quantize, isa=first.isa)
+    block.insert_op_before(fused, last)
+    for op in matmuls:
+        block.erase_op(op)
+        ops[ops.index(op)] = fused
+    return fused
+
+
 def fuse(function: func.FuncOp) -> int:
     """Fuse every norm of `function` that qualifies; returns how many."""
     block = function.body.block
@@ -77,10 +109,13 @@ def fuse(function: func.FuncOp) -> int:
         last = max(ops.index(op) for op in readers)
         if any(_writes(op, norm.x) for op in ops[at + 1:last + 1]):
             continue
+        news = []
         for op in readers:
             block.insert_op_before(new := _fused(op, norm), op)
             ops[ops.index(op)] = new
+            news.append(new)
             block.erase_op(op)
+        _qkv(block, ops, news)
         alloc = norm.out.owner
         block.erase_op(norm)
         if not alloc.result.uses:

@@ -1,9 +1,9 @@
 """The matmul family's loop nests: every tile of rows × columns, for every weight format and row kind.
 
-`gemm(f, rows, N, weights, finish, tid, nth, isa)` visits tiles of up to `TILE_ROWS` rows ×
-`TILE_COLS` columns (per weight; swiglu passes two) and hands each tile's dot products
-to `finish`, which writes them (bias, accumulate, silu·up, quantized rows). The inner
-loop depends on what the operands are:
+`gemm(f, rows, parts, tid, nth, isa)` visits tiles of up to `TILE_ROWS` rows ×
+`TILE_COLS` columns (per weight; swiglu passes two) of each part (an output: `tgt.qkv` has three)
+and hands each tile's dot products to the part's `finish`, which writes them (bias, accumulate,
+silu·up, quantized rows). The inner loop depends on what the operands are:
 
 - float weights (f32, f16, bf16) × float rows: a scalar reduction over k per (row,
   column) that LLVM vectorises (f16/bf16 converted as they are loaded);
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from llvmlite import ir
 
@@ -223,6 +224,48 @@ def dealt(f: KernelBuilder, units: int, unit_bytes: int, tid: ir.Value, nth: ir.
     b.position_at_end(done)
 
 
+def dealt_columns(f: KernelBuilder, sizes: list[int], unit: int, column_bytes: int, tid: ir.Value, nth: ir.Value,
+                  work: ir.Value, columns: Callable[[int, ir.Value, ir.Value], None],
+                  rest: Callable[[int, ir.Value, int], None], dealing: ir.Value | None = None) -> None:
+    """`dealt` over the whole `unit`s of one or more outputs' columns (`sizes[i]` columns in output i, their units
+    dealt as one sequence): columns(i, lo, hi) for each range [lo, hi) of output i's columns (whole units) this
+    thread takes; then on the last thread rest(i, j0, width) for each output's columns past its last whole unit.
+
+        dealt_columns(f, [576, 192, 192], 16, …)  # q, k, v: 60 units; thread 1 of 2 takes q's 480..576, k, v
+    """
+    b = f.b
+    counts = [n // unit for n in sizes]
+    with dealt(f, sum(counts), unit * column_bytes, tid, nth, work, dealing) as (lo, hi):
+        first = 0
+        for i, count in enumerate(counts):
+            if len(counts) > 1:  # the range's part in output i's units
+                lo_i, hi_i = (f.smin(f.smax(f.sub(v, first), f.i64(0)), f.i64(count)) for v in (lo, hi))
+            else:
+                lo_i, hi_i = lo, hi
+            columns(i, f.mul(lo_i, unit), f.mul(hi_i, unit))
+            first += count
+    left = [(i, n - n % unit, n % unit) for i, n in enumerate(sizes) if n % unit]
+    if left:
+        with f.when(b.icmp_signed("==", tid, b.sub(nth, f.i64(1)))):
+            for i, j0, width in left:
+                rest(i, f.i64(j0), width)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One output of a projection kernel: its weights (SwiGLU's gate and up, whose products `finish` joins), what
+    writes its tiles (`finish`), and what writes quantized outputs after each unit of columns of a tile of rows
+    (`flush(t, r, j0)`). A matmul or SwiGLU kernel has one part; `tgt.qkv` three."""
+
+    weights: list[tuple[ir.Value, tgt.WeightType]]
+    finish: Finish
+    flush: Callable[[ir.Value, int, ir.Value], None] | None = None
+
+    @property
+    def N(self) -> int:
+        return tgt.dims(self.weights[0][1])[0]
+
+
 def row_tiles(f: KernelBuilder, rows: Rows, first: ir.Value, end: ir.Value, sizes: tuple[int, ...],
               body: Callable[[ir.Value, int], None]) -> None:
     """body(t, r) over rows first..end in tiles of r rows: `sizes[0]` at a time, then at most one tile
@@ -241,36 +284,38 @@ def row_tiles(f: KernelBuilder, rows: Rows, first: ir.Value, end: ir.Value, size
         t = f.add(t, part)
 
 
-def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt.WeightType]],
-          finish: Finish, tid: ir.Value, nth: ir.Value, work: ir.Value, isa: tgt.Isa | None, unit: int | None = None,
-          flush: Callable[[ir.Value, int, ir.Value], None] | None = None, *, prefetch: int) -> None:
-    """For every tile of rows ts and columns js: finish(ts, js, vals) with
-    vals[w][r][c] = x̂[ts[r]] · weights[w][js[c]], x̂ the rows (RMS-normalised when
+def gemm(f: KernelBuilder, rows: Rows, parts: list[Part], tid: ir.Value, nth: ir.Value, work: ir.Value,
+         isa: tgt.Isa | None, unit: int | None = None, *, prefetch: int) -> None:
+    """For every part, tile of rows ts and columns js: part.finish(ts, js, vals) with
+    vals[w][r][c] = x̂[ts[r]] · part.weights[w][js[c]], x̂ the rows (RMS-normalised when
     `rows.norm`: the scale 1/rms is applied to the finished dot product, the norm weight
-    inside it). Thread `tid` of `nth` takes the output columns `dealt` it in whole `unit`s
+    inside it). Thread `tid` of `nth` takes the parts' output columns `dealt` it in whole `unit`s
     (a tile's width by default; dealt from the counter `work` where the rows are one block,
     a fixed share of each block otherwise); the last thread takes the columns left over.
-    With `flush`, after the tiles of one unit of columns for a tile of rows `t` of `r`
+    With `part.flush`, after the tiles of one unit of columns for a tile of rows `t` of `r`
     rows: flush(t, r, j0) (quantized outputs are written from there). Tiles of fewer than 4 rows
     prefetch a tiles weight's codes `prefetch` bytes ahead (`target.near_prefetch_bytes`)."""
     b = f.b
-    nw = len(weights)
+    nw = len(parts[0].weights)
+    assert all(len(part.weights) == nw for part in parts)
     K = rows.K
     R, C = SPLIT_ROWS[0], TILE_COLS[nw]
     unit = unit or C
     assert unit % C == 0
-    column_bytes = sum(t.nbytes for _, t in weights) // N  # (of every weight: what dealing a unit hands out)
-    if weights[0][1].layout.tiled:
-        gemm_tiles(f, rows, N, [TiledWeight(f, p, t) for p, t in weights], column_bytes, finish, tid, nth, work, isa,
-                   unit, flush, prefetch)
+    sizes = [part.N for part in parts]
+    column_bytes = sum(t.nbytes for part in parts for _, t in part.weights) // sum(sizes)  # (what a unit hands out)
+    if parts[0].weights[0][1].layout.tiled:
+        gemm_tiles(f, rows, parts, column_bytes, tid, nth, work, isa, unit, prefetch)
         return
-    integer = weights[0][1].layout is Layout.SPLIT
-    access = [SplitWeight(f, p, t) if integer else (weight_ptr(f, p, t.storage), t.storage) for p, t in weights]
+    integer = parts[0].weights[0][1].layout is Layout.SPLIT
+    accesses = [[SplitWeight(f, p, t) if integer else (weight_ptr(f, p, t.storage), t.storage) for p, t in part.weights]
+                for part in parts]
     row_bytes = rows.q.row.row_bytes if rows.quantized else 4 * K  # (a decode's 8 int8 rows of K = 8192: one block)
     TB = max(R, min(MAX_BLOCK_ROWS, BLOCK_BYTES // row_bytes) // R * R)
     inv = f.alloca(F32, TB, name="inv_rms") if rows.norm is not None else None
 
-    def tile(t0: ir.Value, t: ir.Value, r: int, j0: ir.Value, c: int) -> None:
+    def tile(i: int, t0: ir.Value, t: ir.Value, r: int, j0: ir.Value, c: int) -> None:
+        access = accesses[i]
         if rows.quantized:
             vals = _tile_a8(f, rows, access, t, r, j0, c, isa)
         elif integer:
@@ -284,35 +329,35 @@ def gemm(f: KernelBuilder, rows: Rows, N: int, weights: list[tuple[ir.Value, tgt
                 scale = f.load(inv, f.sub(ts[ri], t0))
                 for wi in range(nw):
                     vals[wi][ri] = [f.fmul(v, scale) for v in vals[wi][ri]]
-        finish(ts, js, vals)
+        parts[i].finish(ts, js, vals)
 
-    def unit_columns(t0: ir.Value, t_end: ir.Value, j0: ir.Value, width: int) -> None:
-        """Rows t0..t_end of the `width` columns from j0, row tile by row tile."""
+    def unit_columns(i: int, t0: ir.Value, t_end: ir.Value, j0: ir.Value, width: int) -> None:
+        """Rows t0..t_end of part i's `width` columns from j0, row tile by row tile."""
         def row_tile(t: ir.Value, r: int) -> None:
             c_main = width // C * C
             if c_main:
                 with f.loop(0, c_main, C, name="jc", unroll=False) as jc:
-                    tile(t0, t, r, f.add(j0, jc), C)
+                    tile(i, t0, t, r, f.add(j0, jc), C)
             if width % C:
-                tile(t0, t, r, f.add(j0, f.i64(c_main)), width % C)
-            if flush is not None:
-                flush(t, r, j0)
+                tile(i, t0, t, r, f.add(j0, f.i64(c_main)), width % C)
+            if parts[i].flush is not None:
+                parts[i].flush(t, r, j0)
 
         row_tiles(f, rows, t0, t_end, SPLIT_ROWS, row_tile)
 
     one_block = b.icmp_signed("<=", rows.count, f.i64(TB))  # (several: each block's columns shared, not dealt)
-    rest = N % unit
     with f.loop(0, rows.count, TB, name="tb") as t0:
         t_end = f.smin(f.add(t0, TB), rows.count)
         if inv is not None:
             with f.loop(t0, t_end, name="tn") as t:
                 f.store(inv_rms(f, rows.row(t), K, rows.eps), inv, f.sub(t, t0))
-        with dealt(f, N // unit, unit * column_bytes, tid, nth, work, one_block) as (lo, hi):
-            with f.loop(f.mul(lo, unit), f.mul(hi, unit), unit, name="j") as j0:
-                unit_columns(t0, t_end, j0, unit)
-        if rest:
-            with f.when(b.icmp_signed("==", tid, b.sub(nth, f.i64(1)))):
-                unit_columns(t0, t_end, f.i64(N - rest), rest)
+
+        def columns(i: int, lo: ir.Value, hi: ir.Value) -> None:
+            with f.loop(lo, hi, unit, name="j") as j0:
+                unit_columns(i, t0, t_end, j0, unit)
+
+        dealt_columns(f, sizes, unit, column_bytes, tid, nth, work, columns,
+                      lambda i, j0, width: unit_columns(i, t0, t_end, j0, width), one_block)
 
 
 def _accumulators(f: KernelBuilder, ty: ir.Type, nw: int, r: int, c: int, name: str) -> list:
@@ -425,8 +470,8 @@ def broadcast_quad(f: KernelBuilder, q: QRowsAccess, t: ir.Value, k: ir.Value, p
     return f.b.bitcast(lanes, vec(I8, 64))
 
 
-def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], column_bytes: int, finish: Finish,
-               tid: ir.Value, nth: ir.Value, work: ir.Value, isa: tgt.Isa, unit: int, flush, prefetch: int) -> None:
+def gemm_tiles(f: KernelBuilder, rows: Rows, parts: list[Part], column_bytes: int, tid: ir.Value, nth: ir.Value,
+               work: ir.Value, isa: tgt.Isa, unit: int, prefetch: int) -> None:
     """Quantized rows × weights in the tiles layout. Whole 16-row blocks on AMX tiles where the
     kernel has `isa amx` (and the runtime allowed them); every other row on VNNI-512 (or the kernel's
     `isa`, VNNI-256 or AVX2, as `_strip_dot` takes them): per strip
@@ -441,15 +486,15 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
     b = f.b
     unit = max(STRIP, unit)  # (whole strips)
     assert unit % STRIP == 0
-    rest = N % unit
-    step = min(w.scale_step() for w in access)  # 16-slices per scale group (the same for every weight)
+    accesses = [[TiledWeight(f, p, t) for p, t in part.weights] for part in parts]
     start = f.i64(0)
     if isa is tgt.Isa.AMX:
         start = b.select(amx.enabled(f), b.and_(rows.count, f.i64(-amx.TILE)), f.i64(0))
 
     vector = tgt.Isa.VNNI512 if isa is tgt.Isa.AMX else isa  # (the rows AMX leaves)
-    kp, sizes, row_words = access[0].kp, STRIP_ROWS[vector], None
-    if vector is tgt.Isa.AVX2 and any(takes_words(w) for w in access):  # rows as 16-bit words, on the stack
+    kp, sizes, row_words = accesses[0][0].kp, STRIP_ROWS[vector], None
+    if vector is tgt.Isa.AVX2 and any(takes_words(w) for access in accesses for w in access):  # rows as 16-bit
+        # words, on the stack
         sizes = tuple(r for r in sizes if r == 1 or r * kp * 2 <= WORDS_BYTES)
         row_words = b.bitcast(f.alloca(I32, sizes[0] * kp // 2, name="row_words"), I16.as_pointer())  # (4-aligned)
         # rows that fit in one tile (a decode's) are widened once, before any column; more, a tile at a time for each
@@ -466,8 +511,10 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
         with f.when(every_row):
             widen(f.i64(0), rows.count)
 
-    def unit_rows(t: ir.Value, r: int, j0: ir.Value, width: int) -> None:
-        """Rows t..t+r of the `width` columns from j0 (whole strips, the last one possibly partial)."""
+    def unit_rows(i: int, t: ir.Value, r: int, j0: ir.Value, width: int) -> None:
+        """Rows t..t+r of part i's `width` columns from j0 (whole strips, the last one possibly partial)."""
+        access = accesses[i]
+        step = min(w.scale_step() for w in access)  # 16-slices per scale group (the same for SwiGLU's two)
         nstrips = -(-width // STRIP)
         vals = [[[None] * width for _ in range(r)] for _ in access]
         tile_words = row_words
@@ -484,23 +531,22 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, N: int, access: list[TiledWeight], 
                 for ri in range(r):
                     for c in range(min(STRIP, width - si * STRIP)):
                         vals[wi][ri][si * STRIP + c] = b.extract_element(sums[wi][ri], ir.Constant(I32, c))
-        finish([f.add(t, ri) for ri in range(r)], [f.add(j0, c) for c in range(width)], vals)
-        if flush is not None:
-            flush(t, r, j0)
+        parts[i].finish([f.add(t, ri) for ri in range(r)], [f.add(j0, c) for c in range(width)], vals)
+        if parts[i].flush is not None:
+            parts[i].flush(t, r, j0)
 
-    def span(first: ir.Value, j0: ir.Value, width: int) -> None:
-        """Rows first..count of the `width` columns from j0, in tiles of `STRIP_ROWS`."""
-        row_tiles(f, rows, first, rows.count, sizes, lambda t, r: unit_rows(t, r, j0, width))
+    def span(i: int, first: ir.Value, j0: ir.Value, width: int) -> None:
+        """Rows first..count of part i's `width` columns from j0, in tiles of `STRIP_ROWS`."""
+        row_tiles(f, rows, first, rows.count, sizes, lambda t, r: unit_rows(i, t, r, j0, width))
 
-    with dealt(f, N // unit, unit * column_bytes, tid, nth, work) as (lo, hi):
-        lo, hi = f.mul(lo, unit), f.mul(hi, unit)
+    def columns(i: int, lo: ir.Value, hi: ir.Value) -> None:
         if isa is tgt.Isa.AMX:
-            amx.gemm_amx(f, rows.q, access, start, lo, hi, unit, finish, flush)
+            amx.gemm_amx(f, rows.q, accesses[i], start, lo, hi, unit, parts[i].finish, parts[i].flush)
         with f.loop(lo, hi, unit, name="ju") as j0:
-            span(start, j0, unit)
-    if rest:  # the columns left over, every row of them, on the last thread
-        with f.when(b.icmp_signed("==", tid, b.sub(nth, f.i64(1)))):
-            span(f.i64(0), f.i64(N - rest), rest)
+            span(i, start, j0, unit)
+
+    dealt_columns(f, [part.N for part in parts], unit, column_bytes, tid, nth, work, columns,
+                  lambda i, j0, width: span(i, f.i64(0), j0, width))  # (the columns left over: every row of them)
 
 
 def takes_words(w: TiledWeight) -> bool:
@@ -653,10 +699,9 @@ def gemm_screened(f: KernelBuilder, rows: Rows, coarse: QRowsAccess, N: int, wei
 
         row_tiles(f, rows, f.i64(0), rows.count, STRIP_ROWS[tgt.Isa.VNNI512], tile)
 
-    unit, rest = SCREEN_COLUMNS, N % SCREEN_COLUMNS
-    with dealt(f, N // unit, unit * (weight[1].nbytes // N), tid, nth, work) as (lo, hi):
-        with f.loop(f.mul(lo, unit), f.mul(hi, unit), unit, name="jb") as j0:
-            block(j0, unit)
-    if rest:  # the columns left over, on the last thread
-        with f.when(b.icmp_signed("==", tid, b.sub(nth, f.i64(1)))):
-            block(f.i64(N - rest), rest)
+    def columns(_: int, lo: ir.Value, hi: ir.Value) -> None:
+        with f.loop(lo, hi, SCREEN_COLUMNS, name="jb") as j0:
+            block(j0, SCREEN_COLUMNS)
+
+    dealt_columns(f, [N], SCREEN_COLUMNS, weight[1].nbytes // N, tid, nth, work, columns,
+                  lambda _, j0, width: block(j0, width))

@@ -37,6 +37,8 @@ from llmc.backends.cpu import attention
 from llmc.backends.cpu.gemm import (
     PREFETCH_BYTES,
     TILE_ROWS,
+    Finish,
+    Part,
     Rows,
     floats,
     gemm,
@@ -364,7 +366,7 @@ def _quantize(lib: KernelLibrary, f: KernelBuilder, op: tgt.QuantizeOp, a: dict)
 # ------------------------------------------------------------------------ the matmul family
 
 
-def _projection_rows(f: KernelBuilder, op: tgt.MatmulOp | tgt.SwigluOp, a: dict, K: int, last_row: bool) -> Rows:
+def _projection_rows(f: KernelBuilder, op: tgt.MatmulOp | tgt.QkvOp | tgt.SwigluOp, a: dict, K: int, last_row: bool) -> Rows:
     """The rows a projection's dot products read. With `quantize`, every row of `x` RMS-normalized and
     quantized first, by every thread into its own copy on its stack (the bytes `tgt.rms_norm` writes),
     so no thread waits for another's rows."""
@@ -374,7 +376,7 @@ def _projection_rows(f: KernelBuilder, op: tgt.MatmulOp | tgt.SwigluOp, a: dict,
     return Rows(f, private.base, op.quantize, K, a["rows"], None, None, last_row)
 
 
-def _private_rows(f: KernelBuilder, op: tgt.MatmulOp | tgt.SwigluOp, a: dict, K: int,
+def _private_rows(f: KernelBuilder, op: tgt.MatmulOp | tgt.QkvOp | tgt.SwigluOp, a: dict, K: int,
                   types: list[tgt.QRowsType]) -> list[QRowsAccess]:
     """Every row of `x` RMS-normalized once and quantized to each of `types` by this thread, into copies on
     its stack."""
@@ -384,15 +386,13 @@ def _private_rows(f: KernelBuilder, op: tgt.MatmulOp | tgt.SwigluOp, a: dict, K:
     return qs
 
 
-@EMITTERS.implement(tgt.MatmulOp)
-def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> None:
-    """out[t, j] (+)= x̂[t] · w[j] (+ bias[j]); `last_row`: only row rows-1, into out row 0."""
-    N, K = tgt.dims(op.weight)
-    out = floats(f, a["out"])
-    bias = floats(f, a["bias"]) if "bias" in a else None
-    accumulate = op.accumulate is not None
-    softcap = llm.optional_value(op, "softcap")
+def _isa(op: tgt.MatmulOp | tgt.QkvOp | tgt.SwigluOp) -> tgt.Isa | None:
+    return op.isa.data if op.isa is not None else None
 
+
+def _columns_finish(f: KernelBuilder, out: ir.Value, N: int, bias: ir.Value | None, softcap: float | None = None,
+                    accumulate: bool = False) -> Finish:
+    """The `finish` of a matmul's columns: `out[t, j] (+)= v (+ bias[j])`, soft-capped with `softcap`."""
     def finish(ts: list[ir.Value], js: list[ir.Value], vals: list[list[list[ir.Value]]]) -> None:
         biases = [f.load(bias, j) for j in js] if bias is not None else None
         for ri, t in enumerate(ts):
@@ -407,6 +407,15 @@ def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> 
                     v = f.b.fadd(f.load(out, idx), v)
                 f.store(v, out, idx)
 
+    return finish
+
+
+@EMITTERS.implement(tgt.MatmulOp)
+def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> None:
+    """out[t, j] (+)= x̂[t] · w[j] (+ bias[j]); `last_row`: only row rows-1, into out row 0."""
+    N, K = tgt.dims(op.weight)
+    finish = _columns_finish(f, floats(f, a["out"]), N, floats(f, a["bias"]) if "bias" in a else None,
+                             llm.optional_value(op, "softcap"), op.accumulate is not None)
     weight = (a["weight"], _weight_type(op.weight))
     if op.screen is not None:  # (int16 `quantize` rows: the same rows in int8 too, for the first products)
         fine, coarse = _private_rows(f, op, a, K, [op.quantize, tgt.QRowsType(op.quantize.rows, op.quantize.width)])
@@ -415,8 +424,19 @@ def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> 
                       lib.tuning.prefetch_bytes)
         return
     rows = _projection_rows(f, op, a, K, op.last_row is not None)
-    isa = op.isa.data if op.isa is not None else None
-    gemm(f, rows, N, [weight], finish, a["tid"], a["nth"], a["work"], isa, prefetch=lib.tuning.prefetch_bytes)
+    gemm(f, rows, [Part([weight], finish)], a["tid"], a["nth"], a["work"], _isa(op), prefetch=lib.tuning.prefetch_bytes)
+
+
+@EMITTERS.implement(tgt.QkvOp)
+def _qkv(lib: KernelLibrary, f: KernelBuilder, op: tgt.QkvOp, a: dict) -> None:
+    """q, k, v[t, j] = x̂[t] · w[j] (+ bias[j]): the rows normalized and quantized once, the three weights'
+    columns dealt as one sequence."""
+    K = tgt.row_width(op.x)
+    parts = [Part([(a[w], _weight_type(getattr(op, w)))],
+                  _columns_finish(f, floats(f, a[o]), tgt.row_width(getattr(op, o)), floats(f, a[b]) if b in a else None))
+             for w, o, b in op.OUTPUTS]
+    rows = _projection_rows(f, op, a, K, False)
+    gemm(f, rows, parts, a["tid"], a["nth"], a["work"], _isa(op), prefetch=lib.tuning.prefetch_bytes)
 
 
 @EMITTERS.implement(tgt.SwigluOp)
@@ -461,11 +481,11 @@ def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> 
             q.store_block(f.add(t, ri), f.b.sdiv(j0, f.i64(ACT_BLOCK)), f.vload(row, f.i64(0)), f.vload(row, f.i64(16)))
 
     weights = [(a["gate"], _weight_type(op.gate)), (a["up"], _weight_type(op.up))]
-    isa = op.isa.data if op.isa is not None else None
     if q is None:
-        gemm(f, rows, N, weights, finish, a["tid"], a["nth"], a["work"], isa, prefetch=lib.tuning.prefetch_bytes)
+        gemm(f, rows, [Part(weights, finish)], a["tid"], a["nth"], a["work"], _isa(op),
+             prefetch=lib.tuning.prefetch_bytes)
         return
-    gemm(f, rows, N, weights, finish, a["tid"], a["nth"], a["work"], isa, unit=ACT_BLOCK, flush=flush,
+    gemm(f, rows, [Part(weights, finish, flush)], a["tid"], a["nth"], a["work"], _isa(op), unit=ACT_BLOCK,
          prefetch=lib.tuning.prefetch_bytes)
 
 

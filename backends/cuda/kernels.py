@@ -210,5 +210,5 @@ EMITTERS.implement(tgt.AddOp)(lambda e: _elementwise(e, ("lhs", "rhs"), lambda f
 EMITTERS.implement(tgt.MulOp)(lambda e: _elementwise(e, ("lhs", "rhs"), lambda f, x, y: f.fmul(x, y)))
 EMITTERS.implement(*tgt.ACTIVATION_KERNELS.values())(
     lambda e: _elementwise(e, ("x",), lambda f, x: getattr(f, ACTIVATIONS[e.op.ACTIVATION].builder)(x)))
-for _op_type in (tgt.QuantizeOp, tgt.MoeOp, tgt.BinaryOp, tgt.ScalarOp, tgt.UnaryOp, tgt.ReduceOp):
+for _op_type in (tgt.QuantizeOp, tgt.QkvOp, tgt.MoeOp, tgt.BinaryOp, tgt.ScalarOp, tgt.UnaryOp, tgt.ReduceOp):
     EMITTERS.refuse(_op_type, "yet; --target cpu compiles it")

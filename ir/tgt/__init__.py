@@ -56,6 +56,7 @@ from llmc.ir.tgt.kernels import (
     MatmulOp,
     MoeOp,
     MulOp,
+    QkvOp,
     QuantizeOp,
     RMSNormOp,
     RopeOp,
@@ -65,7 +66,7 @@ from llmc.ir.tgt.types import *  # noqa: F403
 from llmc.ir.tgt.types import IsaAttr, LayoutAttr, QRowsType, StorageType, TargetAttr, WeightType
 
 KERNELS: tuple[type[Kernel], ...] = (
-    EmbeddingOp, RMSNormOp, QuantizeOp, MatmulOp, SwigluOp, RopeOp, AttentionOp, AddOp, MulOp,
+    EmbeddingOp, RMSNormOp, QuantizeOp, MatmulOp, QkvOp, SwigluOp, RopeOp, AttentionOp, AddOp, MulOp,
     *ACTIVATION_KERNELS.values(), MoeOp, BinaryOp, ScalarOp, UnaryOp, ReduceOp,
 )
 

@@ -1,5 +1,5 @@
 """The `tgt` dialect's kernels: `Kernel`, whose declared operands are its ABI, and the fused
-kernels `group` and `lower` make of the model ops (embedding, RMSNorm, quantize, matmul, SwiGLU,
+kernels `group` and `lower` make of the model ops (embedding, RMSNorm, quantize, matmul, q/k/v projections, SwiGLU,
 RoPE, attention, add, mul, SiLU, GELU, mixtures of experts).
 
 ```mlir
@@ -378,6 +378,76 @@ class SwigluOp(_Projection):
             self._fail("quantized rows cannot be normalized: the producer of the rows normalizes")
         self._private_rows()
         self._quantized_kernel(self.rows_type(), self.gate, self.up)
+
+
+@irdl_op_definition
+class QkvOp(_Projection):
+    """An attention's three input projections of the same rows in one kernel: `q[t] = x̂[t] · w_qᵀ (+ b_q)`,
+    and the same for `k` and `v`, with `x̂` the rows RMS-normalized and quantized once (`norm`, `quantize`: as
+    `tgt.matmul`'s), the three weights' columns dealt to the threads as one stream. `fuse-norm` makes it of the
+    three matmuls that read one norm's rows at decode-sized entry points.
+
+    ```mlir
+    tgt.qkv %x, %wq, %wk, %wv -> %q, %k, %v rows %n norm %g eps 1.000000e-05 quantize <1x576xi16> isa vnni512 : memref<1x576xf32>, !tgt.weight<576x576, q4_1, tiles>, !tgt.weight<192x576, q4_1, tiles>, !tgt.weight<192x576, q4_1, tiles> norm !tgt.weight<576, f32, stored> -> memref<1x576xf32>, memref<1x192xf32>, memref<1x192xf32>
+    ```
+    """
+
+    name = "tgt.qkv"
+    ROWS: ClassVar[tuple[str, ...]] = ("x", "q", "k", "v")
+    WRITES: ClassVar[tuple[str, ...]] = ("q", "k", "v")
+    OUTPUTS: ClassVar[tuple[tuple[str, str, str], ...]] = (("wq", "q", "bq"), ("wk", "k", "bk"), ("wv", "v", "bv"))
+    x = operand_def(MemRefType)
+    wq = operand_def(WeightType)
+    wk = operand_def(WeightType)
+    wv = operand_def(WeightType)
+    q = operand_def(MemRefType)
+    k = operand_def(MemRefType)
+    v = operand_def(MemRefType)
+    rows = operand_def(IndexType)
+    bq = opt_operand_def(WeightType)
+    bk = opt_operand_def(WeightType)
+    bv = opt_operand_def(WeightType)
+    norm = operand_def(WeightType)
+    eps = prop_def(FloatAttr[Float32Type])
+    quantize = prop_def(QRowsType)
+    isa = opt_prop_def(IsaAttr)
+    irdl_options = (AttrSizedOperandSegments(as_property=True),)
+    assembly_format = (
+        "$x `,` $wq `,` $wk `,` $wv `->` $q `,` $k `,` $v `rows` $rows (`bias` $bq^ `,` $bk `,` $bv)? `norm` $norm "
+        "`eps` $eps `quantize` $quantize (`isa` $isa^)? attr-dict `:` type($x) `,` type($wq) `,` type($wk) `,` "
+        "type($wv) (`bias` type($bq)^ `,` type($bk) `,` type($bv))? `norm` type($norm) `->` type($q) `,` type($k) "
+        "`,` type($v)"
+    )
+
+    def __init__(self, x: SSAValue, weights: tuple[SSAValue, SSAValue, SSAValue], outs: tuple[SSAValue, SSAValue,
+                 SSAValue], rows: SSAValue, *, biases: tuple[SSAValue, SSAValue, SSAValue] | None, norm: SSAValue,
+                 eps: FloatAttr, quantize: QRowsType, isa: IsaAttr | None):
+        props: dict[str, Attribute] = {"eps": eps, "quantize": quantize}
+        if isa is not None:
+            props["isa"] = isa
+        super().__init__(operands=[x, *weights, *outs, rows, *([[b] for b in biases] if biases else [[]] * 3), norm],
+                         properties=props)
+
+    def projections(self) -> list[tuple[SSAValue, SSAValue, SSAValue | None]]:
+        """`(weight, out, bias)` of q, k and v."""
+        return [(getattr(self, w), getattr(self, o), getattr(self, b)) for w, o, b in self.OUTPUTS]
+
+    def verify_(self) -> None:
+        K = row_width(self.x)
+        if len({b is None for _, _, b in self.projections()}) != 1:
+            self._fail("'bias' takes a bias for each of q, k and v")
+        for weight, out, bias in self.projections():
+            n, k = dims(weight)
+            self._same("reduction dimension (x vs weight)", K, k)
+            self._same("output width (weight vs out)", n, row_width(out))
+            self._float_weight("bias", bias, n)
+            if root(out) is root(self.x):
+                self._fail("x and an output are one buffer: writing it would overwrite the rows it reads")
+        if len({root(out) for _, out, _ in self.projections()}) != 3:
+            self._fail("q, k and v must be three buffers")
+        self._float_weight("norm", self.norm, K)
+        self._private_rows()
+        self._quantized_kernel(self.quantize, self.wq, self.wk, self.wv)
 
 
 @irdl_op_definition

@@ -166,6 +166,28 @@ def test_each_row_of_a_batched_decode_is_its_sequence_alone(artifact, spec: Tiny
     alone.close()
 
 
+def test_decode_steps_after_other_jobs_and_into_other_arrays_give_the_same_logits(artifact) -> None:
+    """`Session._call` writes an entry point's argument words only when another job's were the last, and takes a
+    logits array's address once: steps after the read probe, into views at other addresses and into a new array
+    give the logits of plain `feed` steps."""
+    plain, mixed = Session(artifact(QSPEC)), Session(artifact(QSPEC))
+    prompt = PROMPTS[0]
+    expected = [plain.feed(prompt), *(plain.feed([10 + i]) for i in range(4))]
+    got = [mixed.feed(prompt)]
+    rows = np.zeros((2, mixed.vocab_size), np.float32)
+    for i, logits in enumerate((rows[1:], rows[:1], rows[1:], np.zeros((1, mixed.vocab_size), np.float32))):
+        if i == 2:
+            mixed.read_weights()
+        mixed.run("decode", np.array([10 + i], np.int32), np.array([len(prompt) + i], np.int32), np.zeros(1, np.int32),
+                  logits)
+        got.append(logits[0].copy())
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(got[1], got[2])
+    plain.close()
+    mixed.close()
+
+
 def test_one_sequence_artifacts_keep_the_one_row_decode(artifact) -> None:
     session = Session(artifact(SPEC, max_batch=1))
     assert session.slot_count == 1 and session.batch == 1

@@ -334,7 +334,7 @@ class Engine:
         chunk = prompt[seq.fed : seq.fed + self.session.manifest.entry_points[entry]["max_tokens"]]
         rows = len(chunk) if scoring else 1
         self.session.run(entry, np.asarray(chunk, np.int32), np.arange(seq.position, seq.position + len(chunk)),
-                         np.full(len(chunk), seq.slot), logits[:rows])
+                         np.full(len(chunk), seq.slot), logits)
         if scoring:
             k = seq.request.sampling.logprobs or 0
             seq.prompt_logprobs += [log_probs(logits[i], prompt[seq.fed + i + 1], k)
@@ -378,7 +378,7 @@ class Engine:
         positions = np.concatenate([np.arange(seq.position, seq.position + 1 + len(draft)) for seq, draft in groups])
         slots = np.concatenate([np.full(1 + len(draft), seq.slot) for seq, draft in groups])
         start = time.perf_counter()
-        self.session.run("verify", tokens, positions, slots, self.verify_logits[: tokens.size])
+        self.session.run("verify", tokens, positions, slots, self.verify_logits)
         self.cost.record(tokens.size, time.perf_counter() - start)
         self.verify_calls += 1
         row = 0
@@ -457,13 +457,19 @@ class Engine:
         positions = np.array([s.position for s in ready], np.int32)
         slots = np.array([s.slot for s in ready], np.int32)
         start = time.perf_counter()
-        self.session.run("decode", tokens, positions, slots, self.logits[: len(ready)])
-        self.cost.record(len(ready), time.perf_counter() - start)
+        self.session.run("decode", tokens, positions, slots, self.logits)  # (the same array every step: `run`
+        self.cost.record(len(ready), time.perf_counter() - start)          # checks it and takes its address once)
         self.steps += 1
         self.decoded_rows += len(ready)
+        # the plain greedy rows' tokens in one argmax (after a step each numpy call's objects are cache misses)
+        best = self.logits[: len(ready)].argmax(axis=1).tolist() if any(s.sampler.plain for s in ready) else None
         for row, seq in enumerate(ready):
             seq.cached.append(seq.token)
-            self._next(seq, self.logits[row])
+            if best is not None and seq.sampler.plain and self.logits[row, best[row]] != -np.inf:
+                seq.sampler.take([best[row]])
+                self._take(seq, [best[row]])
+            else:
+                self._next(seq, self.logits[row])
 
     def step(self) -> None:
         """Admit, drop cancelled sequences, feed one prompt chunk, decode every generating sequence."""

@@ -298,8 +298,8 @@ class CudaSession(Conversation):
         else:
             for launch in launches:
                 dev.launch(*launch)
-        if logits is not None:
-            dev.download(self.buffers["logits"], logits)
+        if logits is not None:  # (the rows the entry point wrote)
+            dev.download(self.buffers["logits"], logits[: min(n, self.logit_rows[entry])])
 
     def profile(self, entry: str, tokens: list[int] | np.ndarray) -> list[tuple[str, float, int]]:
         """Run `entry` on `tokens` at the current position launch by launch, timing each:

@@ -439,14 +439,13 @@ class Session(Conversation):
         self.amx, why = amx.enable(self.library)
         if not self.amx and "failed" in why:
             print(f"llmc: AMX tiles unavailable ({why}): prefill runs on VNNI", file=sys.stderr)
-        self.entries = {name: (entry["symbol"], entry["arguments"]) for name, entry in self.manifest.entry_points.items()}
         self.sync = np.zeros(SYNC_WORDS, np.int64)
         self.team = _Team(self.library, self.manifest.data["team_jobs"], self.threads)
         self.buffers = {"tokens": _ptr(self.tokens), "positions": _ptr(self.positions), "slots": _ptr(self.slot_ids),
                         "k_cache": _ptr(self.k_cache), "v_cache": _ptr(self.v_cache), "arena": _ptr(self.arena),
                         "weights": self.weights.ctypes.data, "tid": 0, "nth": self.threads, "sync": _ptr(self.sync)}
-        self.calls = {name: _EntryCall(self.team, symbol, names, self.buffers)
-                      for name, (symbol, names) in self.entries.items()}
+        self.calls = {name: _EntryCall(self.team, entry["symbol"], entry["arguments"], self.buffers)
+                      for name, entry in self.manifest.entry_points.items()}
         self._logits: tuple[np.ndarray | None, int] = (None, 0)  # the last logits array and its address
 
     def close(self) -> None:

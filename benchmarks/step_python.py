@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmc.errors import LlmcError
 from llmc.runtime.batch import Engine, Request
 from llmc.runtime.session import open_session
 
@@ -30,7 +31,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
-    session = open_session(args.artifact, threads=args.threads)
+    if args.steps < 4:
+        parser.error("--steps must be at least 4")
+    try:
+        session = open_session(args.artifact, threads=args.threads)
+    except LlmcError as e:
+        parser.error(str(e))
     if not 1 <= args.rows <= session.batch:
         parser.error(f"--rows must be in 1..{session.batch} (the artifact's --max-batch)")
     team, clock = session.team, time.perf_counter

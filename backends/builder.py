@@ -69,11 +69,13 @@ class _LoopID(ir.values.MDValue):
 
 
 class KernelBuilder:
-    """A function being emitted: an entry block for allocas, a builder, loop helpers."""
+    """A function being emitted: an entry block for allocas, a builder, loop helpers. `array_align`: the
+    alignment of its stack arrays (`alloca` with a count; None: LLVM's choice)."""
 
-    def __init__(self, module: ir.Module, fn: ir.Function):
+    def __init__(self, module: ir.Module, fn: ir.Function, array_align: int | None = None):
         self.module = module
         self.fn = fn
+        self.array_align = array_align
         entry = fn.append_basic_block("entry")
         self._entry = ir.IRBuilder(entry)
         self._first = fn.append_basic_block("start")
@@ -108,10 +110,13 @@ class KernelBuilder:
                                 ir.Constant(ir.VectorType(I32, ty.count), [0] * ty.count))
 
     def alloca(self, ty: ir.Type, count: int | None = None, name: str = "") -> ir.Value:
-        """A stack slot in the entry block (static size: no stack growth in loops)."""
+        """A stack slot in the entry block (static size: no stack growth in loops); with `count`, an array of
+        `count` elements aligned to `array_align`."""
         if count is None:
             return self._entry.alloca(ty, name=name)
         arr = self._entry.alloca(ir.ArrayType(ty, count), name=name)
+        if self.array_align is not None:
+            arr.align = self.array_align
         return self._entry.bitcast(arr, ty.as_pointer())
 
     def ptr(self, base: ir.Value, index: int | ir.Value) -> ir.Value:

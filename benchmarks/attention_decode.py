@@ -28,6 +28,7 @@ from llmc.backends.cpu.target import cpu_target, kernel_tuning, target_machine_f
 from llmc.errors import UsageError
 from llmc.ir import llm, tgt
 from llmc.ir.layouts import qrows_nbytes
+from llmc.runtime.session import aligned_zeros
 
 ROWS = 4  # the kernel's row capacity (decode takes 1)
 MAX_CACHE_BYTES = 4 << 30  # the layers' K and V caches together, f16
@@ -56,6 +57,13 @@ def attention_op(H: int, KVH: int, D: int, capacity: int) -> tgt.AttentionOp:
     block.add_op(op)
     op.verify()
     return op
+
+
+def cache_rows(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Random f16 cache rows where the runtime keeps a cache: from a page (`aligned_zeros`)."""
+    rows = aligned_zeros(shape, np.float16)
+    rows[:] = rng.standard_normal(shape, dtype=np.float32)
+    return rows
 
 
 def main() -> int:
@@ -92,8 +100,8 @@ def main() -> int:
                   "out": np.zeros(qrows_nbytes(ROWS, H * D, 16), np.uint8),
                   "positions": np.full(ROWS, args.depth, np.int32),
                   "partials": np.zeros(tgt.dims(tgt.AttentionOp.partials_type(H, D)), np.float32)}
-        caches = [{name: rng.standard_normal((KVH, capacity, D), dtype=np.float32).astype(np.float16)
-                   for name in ("k_cache", "v_cache")} for _ in range(args.layers)]
+        caches = [{name: cache_rows(rng, (KVH, capacity, D)) for name in ("k_cache", "v_cache")}
+                  for _ in range(args.layers)]
         sync = np.zeros(SYNC_WORDS, np.int64)
         work = np.zeros(1, np.int64)  # the work counter: zero at each call, as the entry point's barrier leaves it
         calls = [[ctypes.c_int64(1) if name == "rows" else ctypes.c_void_p({**shared, **layer}[name].ctypes.data)

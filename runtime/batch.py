@@ -53,7 +53,7 @@ import numpy as np
 from llmc.errors import LlmcError
 from llmc.runtime.grammar import GrammarError
 from llmc.runtime.sampling import Constraint, Sampler, SamplingOptions, TokenLogprob, log_probs
-from llmc.runtime.session import CapacityError, Conversation, common_prefix
+from llmc.runtime.session import CapacityError, Conversation, aligned_zeros, common_prefix
 from llmc.runtime.speculate import PromptLookup, Speculation, accept
 
 SWITCH_INTERVAL = 2e-4  # seconds: how long a thread waits for the GIL before the holder is asked to let go
@@ -181,11 +181,11 @@ class Engine:
         self.reused_tokens = 0  # prompt tokens taken from a slot's cache instead
         self.waiting: deque[Request] = deque()
         self.running: list[_Sequence] = []
-        self.logits = np.zeros((session.batch, session.vocab_size), np.float32)
+        self.logits = aligned_zeros((session.batch, session.vocab_size), np.float32)
         self.steps = 0  # decode calls so far
         self.decoded_rows = 0  # sequences' tokens those calls produced
         self.speculate = speculate
-        self.verify_logits = np.zeros((session.max_verify, session.vocab_size), np.float32)
+        self.verify_logits = aligned_zeros((session.max_verify, session.vocab_size), np.float32)
         self.score_logits: np.ndarray | None = None  # every row's logits of `score` (echo), when first run
         # a compiled `verify` takes rows of several slots, as `decode` does (`score`, standing in, one slot's)
         self.together = "verify" in session.manifest.entry_points
@@ -327,7 +327,8 @@ class Engine:
         prompt, scoring = seq.request.prompt, seq.request.prompt_logprobs is not None
         if scoring:
             if self.score_logits is None:
-                self.score_logits = np.zeros(self.session.manifest.entry_points["score"]["logits"], np.float32)
+                self.score_logits = aligned_zeros(tuple(self.session.manifest.entry_points["score"]["logits"]),
+                                                  np.float32)
             entry, logits = "score", self.score_logits
         else:
             entry, logits = "prefill" if seq.position == 0 else "prefill_kv", self.logits

@@ -27,7 +27,8 @@ from llmc.ir import find_function, tgt
 from llmc.ir.interpreter import KVCache, forward_logits
 from llmc.passes.pipeline import PHASES, CompileOptions
 from llmc.runtime.artifact import ArtifactError
-from llmc.runtime.session import CapacityError, Session
+from llmc.runtime.batch import Engine
+from llmc.runtime.session import PAGE, CapacityError, Session
 from llmc.verify import teacher_forced
 
 SPECS = {
@@ -424,6 +425,22 @@ def test_the_thread_team_wakes_after_sleeping_and_stops_on_close(artifact) -> No
     session.close()
     assert len(workers) == 2 and not any(worker.is_alive() for worker in workers)
     session.close()  # twice is harmless
+
+
+def test_what_the_kernels_read_through_vectors_starts_on_a_page(artifact) -> None:
+    """The session's KV cache, arena, logits, barrier and team words, and an engine's logits, start on a page
+    (numpy's own large arrays start 16 bytes past a cache line: a cache row of 128 bytes then spans three lines,
+    and the barrier's words share theirs with the work counters), and zeroed."""
+    session = Session(artifact(QSPECS["mixed"], chunk=4), threads=2)
+    engine = Engine(session, end_ids=())
+    arrays = {"k_cache": session.k_cache, "v_cache": session.v_cache, "arena": session.arena, "sync": session.sync,
+              "team": session.team.words, "logits": session.logits, "engine logits": engine.logits,
+              "verify logits": engine.verify_logits}
+    for name, array in arrays.items():
+        assert array.ctypes.data % PAGE == 0, name
+    assert not session.k_cache.any() and session.arena.size >= session.manifest.entry_points["decode"]["arena_bytes"]
+    assert session.k_cache.shape == tuple(session.manifest.kv_cache["shape"])
+    session.close()
 
 
 def test_a_session_dropped_without_close_stops_its_workers(artifact) -> None:

@@ -37,13 +37,11 @@ def opened(spec: str, rows: int, depth: int) -> runtime.Conversation:
     runtime.aligned_zeros = numpy_zeros if placement else place
     try:
         session = runtime.open_session(Path(path), threads=2)
-    except LlmcError as e:
-        raise SystemExit(f"{path}: {e}") from None
     finally:
         runtime.aligned_zeros = place
     if session.slot_count < rows or session.capacity <= depth:
-        raise SystemExit(f"{path} holds {session.slot_count} sequence(s) of {session.capacity} tokens: {rows} rows at "
-                         f"depth {depth} need --max-batch {rows} and --max-seq above {depth}")
+        raise LlmcError(f"{path} holds {session.slot_count} sequence(s) of {session.capacity} tokens: {rows} rows at "
+                        f"depth {depth} need --max-batch {rows} and --max-seq above {depth}")
     rng = np.random.default_rng(0)
     logits = np.zeros((1, session.vocab_size), np.float32)
     chunk = session.manifest.entry_points["prefill"]["max_tokens"]
@@ -72,7 +70,10 @@ def main() -> int:
     specs = args.artifacts
     if len(specs) == 1 and ":" not in specs[0]:
         specs = [f"{specs[0]}:numpy", specs[0]]
-    sessions = [(spec, opened(spec, args.rows, args.depth)) for spec in specs]
+    try:
+        sessions = [(spec, opened(spec, args.rows, args.depth)) for spec in specs]
+    except LlmcError as e:
+        p.error(str(e))
     tokens = np.arange(5, 5 + args.rows, dtype=np.int32)
     positions = np.full(args.rows, args.depth, np.int32)
     slots = np.arange(args.rows, dtype=np.int32)

@@ -323,3 +323,24 @@ def test_the_decode_step_benchmark_times_each_artifact_in_turns(artifact) -> Non
     missing = subprocess.run([sys.executable, str(script), str(built.parent / "none")], capture_output=True,
                              text=True, timeout=300)
     assert missing.returncode == 2 and "none: no such artifact directory" in missing.stderr.strip().splitlines()[-1]
+
+
+def test_the_aligned_buffers_benchmark_times_both_placements(artifact) -> None:
+    """`benchmarks/aligned_buffers.py` fills the cache with `prefill`, then times decode with the runtime's buffers
+    from a page and where numpy places them, in turns; a bad placement, rows the cache has no slots for, a depth past
+    its capacity or a missing artifact are one usage error."""
+    script = Path(__file__).parents[1] / "benchmarks" / "aligned_buffers.py"
+    built = artifact("gguf")
+    run = subprocess.run([sys.executable, str(script), str(built), "--depth", "5", "--turns", "2", "--calls", "3"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert [line.split(": ")[0] for line in lines] == [f"{built}:numpy", str(built)], lines
+    assert all(0 < float(line.split("best ")[1].split(" ms")[0]) < 1e4 for line in lines)
+    for options, message in (([str(built) + ":huge"], "must be 'numpy'"), ([str(built), "--rows", "2"],
+                             "need --max-batch 2"), ([str(built), "--depth", "32"], "--max-seq above 32"),
+                             ([str(built.parent / "none")], "none: no such artifact directory"),
+                             ([str(built), "--turns", "0"], "must be at least 1")):
+        bad = subprocess.run([sys.executable, str(script), *options], capture_output=True, text=True, timeout=300)
+        last = bad.stderr.strip().splitlines()[-1]
+        assert bad.returncode == 2 and last.startswith("aligned_buffers.py: error:") and message in last, bad.stderr

@@ -124,16 +124,14 @@ class _EntryCall:
 
 
 HUGE_PAGE = 1 << 21
-
-
 PAGE = 4096
 
 
 def aligned_zeros(shape: int | tuple[int, ...], dtype) -> np.ndarray:
     """A zeroed array that starts on a page (numpy's own large arrays start 16 bytes past one). What the kernels
     read and write through vectors (the KV cache's rows, the arena's activations, logits) then lies on whole cache
-    lines, and the team's and the barrier's words on the lines `llmc.abi` gives them: one-row decode at depth 2048
-    took 3–4% longer with the cache and the arena astride lines, a prefill of 512 tokens after 2048 longer still."""
+    lines, and the team's and the barrier's words on the lines `llmc.abi` gives them (one-row decode of SmolLM2 at
+    depth 2048 took 2–4% longer with them where numpy put them: `benchmarks/aligned_buffers.py`)."""
     dtype = np.dtype(dtype)
     size = int(np.prod(shape)) * dtype.itemsize
     raw = np.zeros(size + PAGE, np.uint8)

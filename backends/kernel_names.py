@@ -35,7 +35,7 @@ def kernel_name(op: tgt.Kernel) -> str:
     weights = [v.type for _, v in op.abi() if isinstance(v.type, tgt.WeightType) and len(v.type.shape) == 2]
     if weights:
         parts.append(weights[0].storage.value)
-    if isinstance(op, (tgt.MatmulOp, tgt.QkvOp, tgt.SwigluOp)):
+    if isinstance(op, tgt.Projection):
         rows = op.rows_type()
         parts.append(f"a{rows.bits}" if isinstance(rows, tgt.QRowsType) else "a32")
         widths = [w.shape[0] for w in weights[:3 if isinstance(op, tgt.QkvOp) else 1]]  # (SwiGLU: the gate's)

@@ -127,7 +127,7 @@ def _store(get: _State, out: SSAValue, rows: np.ndarray) -> None:
         dst[: rows.shape[0]] = rows.reshape(dst[: rows.shape[0]].shape)
 
 
-def _project(get: _State, op: tgt.MatmulOp | tgt.QkvOp | tgt.SwigluOp, weight: SSAValue, rows: int,
+def _project(get: _State, op: tgt.Projection, weight: SSAValue, rows: int,
              last_row: bool = False) -> np.ndarray:
     """`x · wᵀ` for the rows a matmul reads (normalized first when a norm is fused, then quantized with
     `quantize`)."""

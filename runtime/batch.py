@@ -327,8 +327,7 @@ class Engine:
         prompt, scoring = seq.request.prompt, seq.request.prompt_logprobs is not None
         if scoring:
             if self.score_logits is None:
-                self.score_logits = aligned_zeros(tuple(self.session.manifest.entry_points["score"]["logits"]),
-                                                  np.float32)
+                self.score_logits = aligned_zeros(self.session.manifest.entry_points["score"]["logits"], np.float32)
             entry, logits = "score", self.score_logits
         else:
             entry, logits = "prefill" if seq.position == 0 else "prefill_kv", self.logits

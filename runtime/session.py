@@ -127,7 +127,7 @@ HUGE_PAGE = 1 << 21
 PAGE = 4096
 
 
-def aligned_zeros(shape: int | tuple[int, ...], dtype) -> np.ndarray:
+def aligned_zeros(shape: int | Sequence[int], dtype) -> np.ndarray:
     """A zeroed array that starts on a page (numpy's own large arrays start 16 bytes past one). What the kernels
     read and write through vectors (the KV cache's rows, the arena's activations, logits) then lies on whole cache
     lines, and the team's and the barrier's words on the lines `llmc.abi` gives them (one-row decode of SmolLM2 at
@@ -364,7 +364,7 @@ class Conversation:
         tokens = np.asarray(tokens, dtype=np.int32)
         self._check(tokens)
         if entry not in self._row_logits:
-            self._row_logits[entry] = aligned_zeros(tuple(self.manifest.entry_points[entry]["logits"]), np.float32)
+            self._row_logits[entry] = aligned_zeros(self.manifest.entry_points[entry]["logits"], np.float32)
         logits, rows = self._row_logits[entry], self.manifest.entry_points[entry]["max_tokens"]
         out = np.empty((tokens.size, self.vocab_size), np.float32)
         for begin in range(0, tokens.size, rows):
@@ -440,8 +440,8 @@ class Session(Conversation):
             self.weights = load_weights(self.manifest.file("weights"))
             if check_files:
                 check_sha256(self.manifest, "weights", memoryview(self.weights))  # (the bytes used: hashed once)
-            self.k_cache = aligned_zeros(tuple(kv["shape"]), KV_DTYPES[kv["dtype"]])
-            self.v_cache = aligned_zeros(tuple(kv["shape"]), KV_DTYPES[kv["dtype"]])
+            self.k_cache = aligned_zeros(kv["shape"], KV_DTYPES[kv["dtype"]])
+            self.v_cache = aligned_zeros(kv["shape"], KV_DTYPES[kv["dtype"]])
             self.arena = aligned_zeros(arena_bytes, np.uint8)
         except (MemoryError, OSError) as e:
             weights = self.manifest.data["files"]["weights"]["bytes"]

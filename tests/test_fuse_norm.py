@@ -52,7 +52,7 @@ def test_decode_norms_fold_into_their_projections_and_prefill_keeps_them(tiny):
     module = _lowered(tiny)
     decode = _kernels(module, "decode")
     assert not any(isinstance(op, tgt.RMSNormOp) for op in decode)
-    fused = [op for op in decode if isinstance(op, (tgt.MatmulOp, tgt.QkvOp, tgt.SwigluOp)) and op.quantize is not None]
+    fused = [op for op in decode if isinstance(op, tgt.Projection) and op.quantize is not None]
     assert len(fused) == 2 * SPEC.layers + 1  # q/k/v, gate/up per layer; the LM head
     assert sum(isinstance(op, tgt.QkvOp) for op in fused) == SPEC.layers
     assert MAX_ROWS < 32

@@ -291,7 +291,7 @@ def _isa_note(module: ModuleOp) -> str:
     dot product they use."""
     isa, modes = "", set()
     for op in module.walk():
-        if isinstance(op, (tgt.MatmulOp, tgt.QkvOp, tgt.SwigluOp)) and op.isa is not None:
+        if isinstance(op, tgt.Projection) and op.isa is not None:
             isa = isa or op.isa.data.value
             rows = op.rows_type()
             modes.add(f"a{rows.bits}" if isinstance(rows, tgt.QRowsType) else "a8")

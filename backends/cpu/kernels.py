@@ -369,7 +369,7 @@ def _quantize(lib: KernelLibrary, f: KernelBuilder, op: tgt.QuantizeOp, a: dict)
 # ------------------------------------------------------------------------ the matmul family
 
 
-def _projection_rows(f: KernelBuilder, op: tgt.MatmulOp | tgt.QkvOp | tgt.SwigluOp, a: dict, K: int, last_row: bool) -> Rows:
+def _projection_rows(f: KernelBuilder, op: tgt.Projection, a: dict, K: int, last_row: bool) -> Rows:
     """The rows a projection's dot products read. With `quantize`, every row of `x` RMS-normalized and
     quantized first, by every thread into its own copy on its stack (the bytes `tgt.rms_norm` writes),
     so no thread waits for another's rows."""
@@ -379,7 +379,7 @@ def _projection_rows(f: KernelBuilder, op: tgt.MatmulOp | tgt.QkvOp | tgt.Swiglu
     return Rows(f, private.base, op.quantize, K, a["rows"], None, None, last_row)
 
 
-def _private_rows(f: KernelBuilder, op: tgt.MatmulOp | tgt.QkvOp | tgt.SwigluOp, a: dict, K: int,
+def _private_rows(f: KernelBuilder, op: tgt.Projection, a: dict, K: int,
                   types: list[tgt.QRowsType]) -> list[QRowsAccess]:
     """Every row of `x` RMS-normalized once and quantized to each of `types` by this thread, into copies on
     its stack."""
@@ -389,7 +389,7 @@ def _private_rows(f: KernelBuilder, op: tgt.MatmulOp | tgt.QkvOp | tgt.SwigluOp,
     return qs
 
 
-def _isa(op: tgt.MatmulOp | tgt.QkvOp | tgt.SwigluOp) -> tgt.Isa | None:
+def _isa(op: tgt.Projection) -> tgt.Isa | None:
     return op.isa.data if op.isa is not None else None
 
 

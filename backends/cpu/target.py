@@ -187,7 +187,7 @@ class CpuTarget(TargetDescription):
         16-row blocks when every weight format's scales are constant over 32-value blocks."""
         from llmc.backends.cpu.amx import supports
 
-        if not (isinstance(op, (tgt.MatmulOp, tgt.QkvOp, tgt.SwigluOp)) and isinstance(op.rows_type(), tgt.QRowsType)):
+        if not (isinstance(op, tgt.Projection) and isinstance(op.rows_type(), tgt.QRowsType)):
             return None
         isa = self.integer_isa()
         amx = isa is Isa.VNNI512 and self.target.has("amx-tile", "amx-int8")
@@ -214,4 +214,4 @@ def _matrices(op: tgt.Kernel) -> list[tgt.WeightType]:
 def _reads_tiles(op: tgt.Kernel) -> bool:
     """Whether a kernel reads its integer weights in the tiles layout (on a CPU with an integer dot product)."""
     return isinstance(op, tgt.EmbeddingOp) or \
-        (isinstance(op, (tgt.MatmulOp, tgt.QkvOp, tgt.SwigluOp)) and isinstance(op.rows_type(), tgt.QRowsType))
+        (isinstance(op, tgt.Projection) and isinstance(op.rows_type(), tgt.QRowsType))

@@ -124,8 +124,8 @@ def _eps_props(eps: float | None) -> dict[str, Attribute]:
     return {"eps": FloatAttr(eps, f32)} if eps is not None else {}
 
 
-class _Projection(Kernel):
-    """What the matmul and SwiGLU kernels share: `quantize`, rows normalized and quantized by the kernel itself;
+class Projection(Kernel):
+    """What the matmul, q/k/v and SwiGLU kernels share: `quantize`, rows normalized and quantized by the kernel itself;
     their output columns dealt to the threads."""
 
     DEALS: ClassVar[bool] = True
@@ -241,7 +241,7 @@ class QuantizeOp(Kernel):
 
 
 @irdl_op_definition
-class MatmulOp(_Projection):
+class MatmulOp(Projection):
     """`out[t] (+)= norm?(x[t]) · wᵀ + bias`, for every row or only the last one.
 
     `x` is float rows (`a32`: weights dequantized in registers) or quantized rows (`a8`, or
@@ -333,7 +333,7 @@ class MatmulOp(_Projection):
 
 
 @irdl_op_definition
-class SwigluOp(_Projection):
+class SwigluOp(Projection):
     """The gated feed-forward input: `out[t] = silu(x[t]·w_gateᵀ) * (x[t]·w_upᵀ)` (with an `activation`,
     that one instead of silu: `activation gelu_tanh`), norm optional (and `quantize`, as `tgt.matmul`'s).
 
@@ -381,7 +381,7 @@ class SwigluOp(_Projection):
 
 
 @irdl_op_definition
-class QkvOp(_Projection):
+class QkvOp(Projection):
     """An attention's three input projections of the same rows in one kernel: `q[t] = x̂[t] · w_qᵀ (+ b_q)`,
     and the same for `k` and `v`, with `x̂` the rows RMS-normalized and quantized once (`norm`, `quantize`: as
     `tgt.matmul`'s), the three weights' columns dealt to the threads as one stream. `fuse-norm` makes it of the

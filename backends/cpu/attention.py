@@ -437,9 +437,9 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                                         for m, c in zip(inside_block, range(0, span, 16))]
                         top = chunk_scores[0]
                         for v in chunk_scores[1:]:
-                            top = f.intrinsic("llvm.maxnum", top, v)
+                            top = f.intrinsic("llvm.maxnum", top, v, flags=("nnan",))
                         m_old = f.load(m_buf, i)
-                        m_new = f.intrinsic("llvm.maxnum", m_old, f.reduce_max(top))
+                        m_new = f.intrinsic("llvm.maxnum", m_old, f.reduce_max(top), flags=("nnan",))
                         total = f.const(V16, 0.0)
                         for m, v, c in zip(inside_block, chunk_scores, range(0, span, 16)):
                             e = b.select(m, f.exp(b.fsub(v, f.splat(m_new, V16))), f.const(V16, 0.0))
@@ -521,7 +521,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
         top = f.alloca(F32, name="top")
         b.store(f.f32(float("-inf")), top)
         with f.loop(0, nth, name="mx") as j:
-            b.store(f.intrinsic("llvm.maxnum", b.load(top), f.load(partials, part(j))), top)
+            b.store(f.intrinsic("llvm.maxnum", b.load(top), f.load(partials, part(j)), flags=("nnan",)), top)
         M = b.load(top)
         total = f.alloca(F32, name="total")
         b.store(f.f32(0.0), total)

@@ -381,9 +381,8 @@ def q8_block(f: KernelBuilder, v0: ir.Value, v1: ir.Value, qmax: int = 127) -> t
     `d = amax / qmax` and the values `roundeven(x · qmax / amax)` as two `<16 x i32>` (`qmax`
     127 for int8; `QMAX[16]` = 32512 for int16 rows)."""
     b = f.b
-    both = f.intrinsic("llvm.maxnum", *(f.intrinsic("llvm.fabs", v) for v in (v0, v1)))
-    # (nnan: a tree of vector maxima, not 15 NaN-aware scalar steps; a NaN value has no defined code either way)
-    amax = b.call(declare(f, "llvm.vector.reduce.fmax.v16f32", F32, [both.type]), [both], fastmath=("nnan",))
+    # (a NaN value has no defined code either way)
+    amax = f.reduce_max(f.intrinsic("llvm.maxnum", *(f.intrinsic("llvm.fabs", v) for v in (v0, v1)), flags=("nnan",)))
     inv = b.select(b.fcmp_ordered(">", amax, f.f32(0.0)), b.fdiv(f.f32(float(qmax)), amax), f.f32(0.0))
     inv16 = f.splat(inv, vec(F32, 16))
     return b.fdiv(amax, f.f32(float(qmax))), [b.fptosi(f.intrinsic("llvm.roundeven", b.fmul(v, inv16)), vec(I32, 16))

@@ -243,6 +243,11 @@ class KernelBuilder:
             fn = ir.Function(self.module, ir.FunctionType(F32, [F32, ty]), name=name)
         return self.b.call(fn, [self.f32(-0.0), v], fastmath=FAST)
 
+    def forget_memory(self) -> None:
+        """An optimization barrier: nothing read from memory before it is reused after it (an empty inline
+        assembly that clobbers memory), so LLVM loads it again rather than keeping it in a register."""
+        self.b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", side_effect=True), [])
+
     def reduce_max(self, v: ir.Value) -> ir.Value:
         """The largest lane of a float vector of no NaN (`nnan`: a tree of 4 `vmaxps` for 16 lanes, where
         NaN-aware `maxnum` takes a chain of 15 compares, maxima and blends in a row)."""
@@ -250,16 +255,17 @@ class KernelBuilder:
         fn = self.module.globals.get(name) or ir.Function(self.module, ir.FunctionType(F32, [v.type]), name=name)
         return self.b.call(fn, [v], fastmath=("nnan",))
 
-    def hsum16(self, vectors: Sequence[ir.Value]) -> ir.Value:
-        """16 `<16 x float>` → one whose lane j is the sum of vector j's lanes: a transposing tree
-        of shuffles and adds (45 instructions where 16 reductions take about twice as many)."""
-        assert len(vectors) == 16
-        level, half = list(vectors), 8
+    def hsum(self, vectors: Sequence[ir.Value]) -> ir.Value:
+        """n `<n x float>` (n 8 or 16) → one whose lane j is the sum of vector j's lanes: a transposing tree
+        of shuffles and adds (for 16: 45 instructions where 16 reductions take about twice as many)."""
+        n = len(vectors)
+        assert n in (8, 16) and all(v.type.count == n for v in vectors)
+        level, half = list(vectors), n // 2
         while len(level) > 1:
-            lo = [i for i in range(16) if i % (2 * half) < half]
-            hi = [i for i in range(16) if i % (2 * half) >= half]
-            masks = (ir.Constant(ir.VectorType(I32, 16), lo + [16 + i for i in lo]),
-                     ir.Constant(ir.VectorType(I32, 16), hi + [16 + i for i in hi]))
+            lo = [i for i in range(n) if i % (2 * half) < half]
+            hi = [i for i in range(n) if i % (2 * half) >= half]
+            masks = (ir.Constant(ir.VectorType(I32, n), lo + [n + i for i in lo]),
+                     ir.Constant(ir.VectorType(I32, n), hi + [n + i for i in hi]))
             level = [self.fadd(self.b.shuffle_vector(a, c, masks[0]), self.b.shuffle_vector(a, c, masks[1]))
                      for a, c in zip(level[::2], level[1::2])]
             half //= 2

@@ -287,7 +287,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
         × the G heads of kv head h,
         over cache positions [s_lo, s_hi) of the sequence whose cache begins at element `base`,
         a block of positions at a time: the block's K rows (and for prefill its V rows) staged as f32,
-        16 scores at once (`KernelBuilder.hsum16` of 16 rows' products), then per query a vector max
+        16 scores at once (`KernelBuilder.hsum` of 16 rows' products), then per query a vector max
         and exp and the weighted V rows (decode: `weigh_v_rows`, all the queries after the block's exps)."""
         nq = tq * G
         V16 = vec(F32, 16)
@@ -306,15 +306,32 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
             """The queries at `qbases` against staged rows s16..s16+15, 16 scores each into `scores` at its `at` +
             s16 (rows past `count` hold stale values: their lanes go unread)."""
             if rolled:
-                by_query = _dots(f, [f.ptr(queries, qbase) for qbase in qbases], f.ptr(kbuf, f.mul(s16, D)), 16, D,
-                                 lib.tuning)
+                by_query = [f.hsum(products) for products in _dots(f, [f.ptr(queries, qbase) for qbase in qbases],
+                                                                   f.ptr(kbuf, f.mul(s16, D)), 16, D, lib.tuning)]
             else:
                 krows = [f.mul(f.add(s16, j), D) for j in range(16)]
-                qvs = [[f.vload(queries, f.add(qbase, o), w) for o, w in chunks] for qbase in qbases]
-                by_query = [[_sum16(f, [f.fmul(x, f.vload(kbuf, f.add(krow, o), w)) for x, (o, w) in zip(qv, chunks)])
-                             for krow in krows] for qv in qvs]
-            for products, at in zip(by_query, ats):
-                f.vstore(capped(f.fmul(f.hsum16(products), f.splat(scale, V16))), scores, f.add(at, s16))
+
+                def products(qbase: ir.Value, rows: list[ir.Value]) -> list[ir.Value]:
+                    qv = [f.vload(queries, f.add(qbase, o), w) for o, w in chunks]
+                    return [_sum16(f, [f.fmul(x, f.vload(kbuf, f.add(krow, o), w)) for x, (o, w) in zip(qv, chunks)])
+                            for krow in rows]
+
+                if lib.tuning.register_floats == 8:  # AVX2: a position's products folded into one ymm, 8 positions
+                    # at a time (16 sums of 16 floats were 32 ymm, and spilled)
+                    lo, hi = list(range(8)), list(range(8, 16))
+                    by_query = []
+                    for qbase in qbases:
+                        halves = []
+                        for group in (krows[:8], krows[8:]):
+                            if halves:
+                                f.forget_memory()
+                            folded = [f.fadd(shuffle(f, p, lo), shuffle(f, p, hi)) for p in products(qbase, group)]
+                            halves.append(f.hsum(folded))
+                        by_query.append(shuffle(f, halves[0], list(range(16)), halves[1]))
+                else:
+                    by_query = [f.hsum(products(qbase, krows)) for qbase in qbases]
+            for total, at in zip(by_query, ats):
+                f.vstore(capped(f.fmul(total, f.splat(scale, V16))), scores, f.add(at, s16))
 
         qrow = [] if rolled else [query_row(i) for i in range(nq)]
         kv_base = f.add(base, f.mul(h, S * W))
@@ -326,12 +343,12 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
         def weigh_v_rows(s0: ir.Value, count: ir.Value) -> None:
             """Decode (one row, its G queries): acc += p · V over the block's positions, each V row read once
             from the cache for a set of queries whose sums stay in registers: 16-float chunks in half the target's
-            vector registers (AVX2: 8 of its 16 ymm, two queries of head dim 64, where 12 spilled; AVX-512: 16 of
-            its 32 zmm, SmolLM2's 3 queries a kv head in one pass, not two: its one-row decode step at depth 2048
-            3% faster on Zen 5)."""
+            vector registers (`Tuning.float_vectors`; AVX2: 8 of its 16 ymm, one query of head dim 64, where two
+            spilled and SmolLM2's attention at depth 2048 took 10% longer; AVX-512: 16 of its 32 zmm, SmolLM2's 3
+            queries a kv head in one pass, not two: its one-row decode step at depth 2048 3% faster on Zen 5)."""
             valid = f.smax(0, f.smin(count, f.sub(f.load(limits, 0), s0)))
             first = f.smax(0, f.smin(valid, f.sub(f.load(starts, 0), s0)))
-            per_set = max(1, lib.tuning.vector_registers // 2 // len(chunks))
+            per_set = max(1, lib.tuning.float_vectors // 2 // len(chunks))
             for q0 in range(0, nq, per_set):
                 queries = range(q0, min(nq, q0 + per_set))
                 sums = {(i, o): f.alloca(vec(F32, w), name=f"pv{i}_{o}") for i in queries for o, w in chunks}
@@ -420,8 +437,11 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                     with f.loop(0, nq, together, name="sq", unroll=False) as i:
                         ids = [f.add(i, k) for k in range(together)]
                         score16([query_row(k) for k in ids], s16, [f.mul(k, span) for k in ids])
-                else:
+                else:  # (each query loads the staged K rows again: kept from the first for the others, SmolLM2's
+                    # 64 K vectors spilled, and its decode attention at depth 2048 took 13% longer, 10% on AVX2)
                     for i in range(nq):
+                        if i:
+                            f.forget_memory()
                         score16([qrow[i]], s16, [f.i64(i * span)])
             with f.loop(0, nq, name="sm", unroll=False) as i:
                 row = f.ptr(scores, f.mul(i, span))

@@ -40,7 +40,7 @@ SCORE_QUERIES = 4  # heads wider than `UNROLLED_HEAD_DIM`: queries scored togeth
 PV_QUERIES = 2  # staged blocks: queries whose weighted V rows one pass sums (each V chunk loaded once for them)
 assert QUERY_TILE % SCORE_QUERIES == 0 and QUERY_TILE % PV_QUERIES == 0  # (a tile's queries: QUERY_TILE × G)
 DECODE_POS_BLOCK = 32  # decode's, whose K block (8 KB at D 64) stays in L1 beside the V rows streaming past
-# decode's wide heads stage K and V in this many floats each: 16 positions of D 256 (16 KB a buffer), which with the
+# decode's wide heads stage V in this many floats: 16 positions of D 256 (16 KB), which with the
 # next block's rows prefetched stay in L1 (48 KB on Zen 5); prefill's 32 made its one row at depth 2048 13% slower
 DECODE_STAGED_FLOATS = 4096
 # decode, several rows: of the next row's share of the cache, this many positions' K and V rows (every kv head) are
@@ -155,10 +155,12 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
        the registers (each V chunk loaded once for them; D 256 on AVX2: 8 passes, where one pass a query had
        spilled every sum).
        Heads wider than `UNROLLED_HEAD_DIM` loop over the queries (`SCORE_QUERIES` at a time, each K chunk loaded
-       once for them) and the chunks of D where narrower ones unroll them; their decode stages K and V as prefill
-       does (in blocks of `DECODE_STAGED_FLOATS`), a query's sums in passes over D's chunks, and as it weighs a
-       block's V rows prefetches the next block's rows into L1 (the Gemma 3 270M shape's decode step at depth 2048
-       8% faster on AVX2 than with V rows read directly a query at a time, whose 32 ymm of sums spilled).
+       once for them) and the chunks of D where narrower ones unroll them; their decode scores K straight from an
+       f16 or f32 cache (each chunk read once, for all the queries: staged first, the 270M model's attention at
+       depth 2048 took 19% longer) and stages V as prefill does (in blocks of `DECODE_STAGED_FLOATS`), a query's
+       sums in passes over D's chunks, and as it weighs a block's V rows prefetches the next block's rows into L1
+       (the Gemma 3 270M shape's decode step at depth 2048 8% faster on AVX2 than with V rows read directly a
+       query at a time, whose 32 ymm of sums spilled).
 
     With `slots` (a cache of several sequences, `[slots, KVH, S, D]`), row t lives in
     sequence slots[t]: its cache rows are that sequence's. Decode's rows (one per sequence)
@@ -286,7 +288,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
         """Queries of rows t0..t0+tq (each from its `starts[r]` up to its `limits[r]`; in `queries`, laid out as `q`)
         × the G heads of kv head h,
         over cache positions [s_lo, s_hi) of the sequence whose cache begins at element `base`,
-        a block of positions at a time: the block's K rows (and for prefill its V rows) staged as f32,
+        a block of positions at a time: the block's K rows (wide heads' decode: V rows) staged as f32 (prefill: both),
         16 scores at once (`KernelBuilder.hsum` of 16 rows' products), then per query a vector max
         and exp and the weighted V rows (decode: `weigh_v_rows`, all the queries after the block's exps)."""
         nq = tq * G
@@ -302,12 +304,20 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
             r, g = (i // G, i % G) if isinstance(i, int) else (b.sdiv(i, f.i64(G)), b.srem(i, f.i64(G)))
             return f.mul(f.add(f.mul(f.add(t0, r), H), f.add(f.mul(h, G), g)), D)
 
-        def score16(qbases: list[ir.Value], s16: ir.Value, ats: list[ir.Value]) -> None:
-            """The queries at `qbases` against staged rows s16..s16+15, 16 scores each into `scores` at its `at` +
-            s16 (rows past `count` hold stale values: their lanes go unread)."""
+        def score16(qbases: list[ir.Value], s0: ir.Value, s16: ir.Value, ats: list[ir.Value]) -> None:
+            """The queries at `qbases` against the block's rows s16..s16+15 (the block at position s0), 16 scores
+            each into `scores` at its `at` + s16 (rows past `count` hold stale values: their lanes go unread)."""
             if rolled:
+                def k_chunk(j: int, o: ir.Value, w: int) -> ir.Value:
+                    """Row s16 + j's chunk of `w` floats at `o`: from the cache (`unstaged_k`), or staged."""
+                    if not unstaged_k:
+                        return f.vload(kbuf, f.add(f.add(f.mul(s16, D), o), j * D), w)
+                    at = f.add(f.add(kv_base, f.mul(f.add(f.add(s0, s16), j), W)), o)
+                    x = b.load(b.bitcast(f.ptr(k_cache, at), vec(element, w).as_pointer()), align=1)
+                    return x if element is F32 else b.fpext(x, vec(F32, w))
+
                 by_query = [f.hsum(products) for products in _dots(f, [f.ptr(queries, qbase) for qbase in qbases],
-                                                                   f.ptr(kbuf, f.mul(s16, D)), 16, D, lib.tuning)]
+                                                                   k_chunk, 16, D, lib.tuning)]
             else:
                 krows = [f.mul(f.add(s16, j), D) for j in range(16)]
 
@@ -336,7 +346,8 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
         qrow = [] if rolled else [query_row(i) for i in range(nq)]
         kv_base = f.add(base, f.mul(h, S * W))
         direct_v = tq == 1 and not rolled  # decode, heads up to 128: only K staged, V rows read by weigh_v_rows
-        ahead = tq == 1 and rolled  # decode, wider heads: K and V staged, the next block's rows prefetched
+        ahead = tq == 1 and rolled  # decode, wider heads: V staged, the next block's K and V rows prefetched
+        unstaged_k = ahead and element is not I8  # (K scored straight from an f16 or f32 cache: read once anyway)
         span = DECODE_POS_BLOCK if direct_v else decode_block if ahead else block
         lane = ir.Constant(vec(I64, 16), list(range(16)))
 
@@ -424,7 +435,9 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
             count = f.smin(span, f.sub(s_hi, s0))
             with f.loop(0, count, name="st", unroll=False) as s:
                 at = f.add(kv_base, f.mul(f.add(s0, s), W))
-                for cache, staged in ((k_cache, kbuf),) if direct_v else ((k_cache, kbuf), (v_cache, vbuf)):
+                staging = ((k_cache, kbuf),) if direct_v else ((v_cache, vbuf),) if unstaged_k else (
+                    (k_cache, kbuf), (v_cache, vbuf))
+                for cache, staged in staging:
                     for (o, _), row in zip(chunks, cache_row(cache, at)):
                         f.vstore(row, staged, f.add(f.mul(s, D), o))
             if not direct_v:
@@ -436,13 +449,13 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                     together = math.gcd(nq, SCORE_QUERIES)
                     with f.loop(0, nq, together, name="sq", unroll=False) as i:
                         ids = [f.add(i, k) for k in range(together)]
-                        score16([query_row(k) for k in ids], s16, [f.mul(k, span) for k in ids])
+                        score16([query_row(k) for k in ids], s0, s16, [f.mul(k, span) for k in ids])
                 else:  # (each query loads the staged K rows again: kept from the first for the others, SmolLM2's
                     # 64 K vectors spilled, and its decode attention at depth 2048 took 13% longer, 10% on AVX2)
                     for i in range(nq):
                         if i:
                             f.forget_memory()
-                        score16([qrow[i]], s16, [f.i64(i * span)])
+                        score16([qrow[i]], s0, s16, [f.i64(i * span)])
             with f.loop(0, nq, name="sm", unroll=False) as i:
                 row = f.ptr(scores, f.mul(i, span))
                 r = b.sdiv(i, f.i64(G))
@@ -733,10 +746,11 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                                 tile(t0, h, sequence)
 
 
-def _dots(f: KernelBuilder, xs: list[ir.Value], rows: ir.Value, n: int, D: int, tuning: Tuning
-          ) -> list[list[ir.Value]]:
-    """Per x of `xs` (D floats each) and row j < n of the rows of D floats at `rows`, the products of their floats
-    as one `<VW x float>` (its lanes still to be added up), summed over D's `VW`-float chunks in a loop rather than
+def _dots(f: KernelBuilder, xs: list[ir.Value], rows: Callable[[int, ir.Value, int], ir.Value], n: int, D: int,
+          tuning: Tuning) -> list[list[ir.Value]]:
+    """Per x of `xs` (D floats each) and row j < n (`rows(j, o, w)`: its `<w x float>` chunk at element o), the
+    products of their floats as one `<VW x float>` (its lanes still to be added up), summed over D's `VW`-float
+    chunks in a loop rather than
     unrolled (one induction variable: row j at a constant offset), as many (x, row) sums at a time as half the
     vector registers hold, each one register wide (AVX2: a chunk's two 8-float halves into one ymm; 16 sums of
     16 floats were 32 ymm, and spilled), each chunk of x and of a row loaded once for them."""
@@ -754,7 +768,7 @@ def _dots(f: KernelBuilder, xs: list[ir.Value], rows: ir.Value, n: int, D: int, 
         with f.loop(0, D - D % VW, VW, name="dc") as o:
             xvs = [[shuffle(f, f.vload(x, o), h) for h in halves] for x in xs]
             for c, j in enumerate(js):
-                kv = [shuffle(f, f.vload(rows, f.add(o, j * D)), h) for h in halves]
+                kv = [shuffle(f, rows(j, o, VW), h) for h in halves]
                 for xv, row in zip(xvs, sums):
                     total = b.load(row[c])
                     for xh, kh in zip(xv, kv):
@@ -766,7 +780,7 @@ def _dots(f: KernelBuilder, xs: list[ir.Value], rows: ir.Value, n: int, D: int, 
         o, w = D - D % VW, D % VW
         for x, out in zip(xs, products):
             xv = f.vload(x, f.i64(o), w)
-            out[:] = [f.fadd(p, _sum16(f, [f.fmul(xv, f.vload(rows, f.i64(j * D + o), w))])) for j, p in enumerate(out)]
+            out[:] = [f.fadd(p, _sum16(f, [f.fmul(xv, rows(j, f.i64(o), w))])) for j, p in enumerate(out)]
     return products
 
 

@@ -248,6 +248,11 @@ class KernelBuilder:
         assembly that clobbers memory), so LLVM loads it again rather than keeping it in a register."""
         self.b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", side_effect=True), [])
 
+    def fmax(self, a: ir.Value, c: ir.Value) -> ir.Value:
+        """The larger of two floats, or of two float vectors lane by lane, of no NaN (`nnan`: one `vmaxss` or
+        `vmaxps`, where NaN-aware `maxnum` adds a compare and a blend)."""
+        return self.intrinsic("llvm.maxnum", a, c, flags=("nnan",))
+
     def reduce_max(self, v: ir.Value) -> ir.Value:
         """The largest lane of a float vector of no NaN (`nnan`: a tree of 4 `vmaxps` for 16 lanes, where
         NaN-aware `maxnum` takes a chain of 15 compares, maxima and blends in a row)."""

@@ -271,7 +271,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
     decode_block = max(16, min(block, DECODE_STAGED_FLOATS // D // 16 * 16))  # (wide heads' decode; D 256: 16)
     scores = f.alloca(F32, TQ * G * block, name="scores")
     corrs = f.alloca(F32, TQ * G, name="corrs")  # prefill: per query, what the block's new max scales its sums by
-    kbuf = f.alloca(F32, max(block, DECODE_POS_BLOCK) * D, name="k_block")  # the block's K and V rows as f32
+    kbuf = f.alloca(F32, max(block, DECODE_POS_BLOCK) * D, name="k_block")  # the block's K rows as f32
     vbuf = f.alloca(F32, block * D, name="v_block")
     limits = f.alloca(I64, TQ, name="limits")  # per row: its positions end here …
     starts = f.alloca(I64, TQ, name="starts")  # … and begin here (a sliding window's first)
@@ -349,6 +349,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
         ahead = tq == 1 and rolled  # decode, wider heads: V staged, the next block's K and V rows prefetched
         unstaged_k = ahead and element is not I8  # (K scored straight from an f16 or f32 cache: read once anyway)
         span = DECODE_POS_BLOCK if direct_v else decode_block if ahead else block
+        staging = ([] if unstaged_k else [(k_cache, kbuf)]) + ([] if direct_v else [(v_cache, vbuf)])
         lane = ir.Constant(vec(I64, 16), list(range(16)))
 
         def weigh_v_rows(s0: ir.Value, count: ir.Value) -> None:
@@ -435,8 +436,6 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
             count = f.smin(span, f.sub(s_hi, s0))
             with f.loop(0, count, name="st", unroll=False) as s:
                 at = f.add(kv_base, f.mul(f.add(s0, s), W))
-                staging = ((k_cache, kbuf),) if direct_v else ((v_cache, vbuf),) if unstaged_k else (
-                    (k_cache, kbuf), (v_cache, vbuf))
                 for cache, staged in staging:
                     for (o, _), row in zip(chunks, cache_row(cache, at)):
                         f.vstore(row, staged, f.add(f.mul(s, D), o))
@@ -470,9 +469,9 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                                         for m, c in zip(inside_block, range(0, span, 16))]
                         top = chunk_scores[0]
                         for v in chunk_scores[1:]:
-                            top = f.intrinsic("llvm.maxnum", top, v, flags=("nnan",))
+                            top = f.fmax(top, v)
                         m_old = f.load(m_buf, i)
-                        m_new = f.intrinsic("llvm.maxnum", m_old, f.reduce_max(top), flags=("nnan",))
+                        m_new = f.fmax(m_old, f.reduce_max(top))
                         total = f.const(V16, 0.0)
                         for m, v, c in zip(inside_block, chunk_scores, range(0, span, 16)):
                             e = b.select(m, f.exp(b.fsub(v, f.splat(m_new, V16))), f.const(V16, 0.0))
@@ -554,7 +553,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
         top = f.alloca(F32, name="top")
         b.store(f.f32(float("-inf")), top)
         with f.loop(0, nth, name="mx") as j:
-            b.store(f.intrinsic("llvm.maxnum", b.load(top), f.load(partials, part(j)), flags=("nnan",)), top)
+            b.store(f.fmax(b.load(top), f.load(partials, part(j))), top)
         M = b.load(top)
         total = f.alloca(F32, name="total")
         b.store(f.f32(0.0), total)
@@ -750,10 +749,10 @@ def _dots(f: KernelBuilder, xs: list[ir.Value], rows: Callable[[int, ir.Value, i
           tuning: Tuning) -> list[list[ir.Value]]:
     """Per x of `xs` (D floats each) and row j < n (`rows(j, o, w)`: its `<w x float>` chunk at element o), the
     products of their floats as one `<VW x float>` (its lanes still to be added up), summed over D's `VW`-float
-    chunks in a loop rather than
-    unrolled (one induction variable: row j at a constant offset), as many (x, row) sums at a time as half the
-    vector registers hold, each one register wide (AVX2: a chunk's two 8-float halves into one ymm; 16 sums of
-    16 floats were 32 ymm, and spilled), each chunk of x and of a row loaded once for them."""
+    chunks in a loop rather than unrolled (one induction variable: row j at a constant offset), as many (x, row)
+    sums at a time as half the vector registers hold, each one register wide (AVX2: a chunk's two 8-float halves
+    into one ymm; 16 sums of 16 floats were 32 ymm, and spilled), each chunk of x and of a row loaded once for
+    them."""
     b = f.b
     width = tuning.register_floats
     halves = [list(range(h, h + width)) for h in range(0, VW, width)]

@@ -679,7 +679,7 @@ def gemm_screened(f: KernelBuilder, rows: Rows, coarse: QRowsAccess, N: int, wei
                 for ri in range(r):
                     top = f.reduce_max(sums[ri] if cols == STRIP else b.select(valid, sums[ri], below))
                     f.store(top, strip_best, f.add(f.mul(si, rows_max), ri))
-                    f.store(f.intrinsic("llvm.maxnum", f.load(block_best, ri), top, flags=("nnan",)), block_best, ri)
+                    f.store(f.fmax(f.load(block_best, ri), top), block_best, ri)
 
             def fine_strip(si: ir.Value, cols: int) -> None:
                 s, js = strip_columns(si, cols)

@@ -537,7 +537,7 @@ def _moe(lib: KernelLibrary, f: KernelBuilder, op: tgt.MoeOp, a: dict) -> None:
             _weight_row(f, a["router"], types["router"], e, row_buf)
             score = dot(xrow, row_buf, D)
             f.store(score, scores, e)
-            b.store(f.intrinsic("llvm.maxnum", b.load(top), score, flags=("nnan",)), top)
+            b.store(f.fmax(b.load(top), score), top)
         total = f.alloca(F32, name="total")
         b.store(f.f32(0.0), total)
         with f.loop(0, E, name="se") as e:

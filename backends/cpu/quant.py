@@ -382,7 +382,7 @@ def q8_block(f: KernelBuilder, v0: ir.Value, v1: ir.Value, qmax: int = 127) -> t
     127 for int8; `QMAX[16]` = 32512 for int16 rows)."""
     b = f.b
     # (a NaN value has no defined code either way)
-    amax = f.reduce_max(f.intrinsic("llvm.maxnum", *(f.intrinsic("llvm.fabs", v) for v in (v0, v1)), flags=("nnan",)))
+    amax = f.reduce_max(f.fmax(*(f.intrinsic("llvm.fabs", v) for v in (v0, v1))))
     inv = b.select(b.fcmp_ordered(">", amax, f.f32(0.0)), b.fdiv(f.f32(float(qmax)), amax), f.f32(0.0))
     inv16 = f.splat(inv, vec(F32, 16))
     return b.fdiv(amax, f.f32(float(qmax))), [b.fptosi(f.intrinsic("llvm.roundeven", b.fmul(v, inv16)), vec(I32, 16))

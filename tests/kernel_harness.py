@@ -17,14 +17,14 @@ from pathlib import Path
 
 import numpy as np
 from llvmlite import ir
-from xdsl.dialects.builtin import FloatAttr, IndexType
+from xdsl.dialects.builtin import FloatAttr, IndexType, i32
 from xdsl.dialects.builtin import f32 as f32_type
 from xdsl.ir import Attribute, Block
 
 from llmc.abi import SYNC_WORDS, WORK_COUNTER_WORDS
-from llmc.backends.cpu import KernelLibrary, compile_to_object, link_shared
-from llmc.backends.cpu.target import cpu_target, integer_isa, kernel_tuning
-from llmc.ir import tgt
+from llmc.backends.cpu import KernelLibrary, compile_to_assembly, compile_to_object, link_shared
+from llmc.backends.cpu.target import cpu_target, integer_isa, kernel_tuning, target_machine_for
+from llmc.ir import llm, tgt
 from llmc.ir.layouts import QRowLayout, qrows_nbytes
 from llmc.ir.tgt_interpreter import QRows
 from llmc.runtime import amx as amx_permission
@@ -100,6 +100,31 @@ class Kernel:
         self.c(*args, ctypes.c_int64(0), ctypes.c_int64(nth), *extra)
         for t in threads:
             t.join()
+
+
+def attention_op(R: int, H: int, KVH: int, D: int, S: int, rope: llm.RopeAttr | None = None,
+                 out: Attribute | None = None, cache: Attribute = f32_type, **scoring
+                 ) -> tuple[Callable[..., tgt.AttentionOp], list[Attribute]]:
+    """A `tgt.attention` of R rows of H query heads of width D over KVH kv heads, caches of S positions of `cache`
+    elements, output `out` (default float rows `[R, H, D]`): `make` and its operand types, for `Kernel` or
+    `assembly`."""
+    def make(q, k, v, kc, vc, o, p, s, n):
+        return tgt.AttentionOp(q, k, v, kc, vc, o, p, s, n, rope, **llm.AttentionOp.scoring_properties(**scoring))
+
+    return make, [tgt.memref(R, H, D), tgt.memref(R, KVH, D), tgt.memref(R, KVH, D),
+                  tgt.memref(KVH, S, D, element_type=cache), tgt.memref(KVH, S, D, element_type=cache),
+                  out or tgt.memref(R, H, D), tgt.memref(R, element_type=i32), tgt.AttentionOp.partials_type(H, D),
+                  IDX]
+
+
+def assembly(cpu: str, *kernels: tuple[Callable[..., tgt.Kernel], list[Attribute]]) -> str:
+    """The assembly of kernels (each `make` and its operand types) compiled together for `cpu`, with its tuning:
+    what the code for a CPU the host may not run looks like."""
+    module = ir.Module(name="kernels")
+    library = KernelLibrary(module, tuning=kernel_tuning(cpu_target(cpu)))
+    for make, types in kernels:
+        library.kernel(kernel_op(make, types))
+    return compile_to_assembly(module, target_machine_for(cpu_target(cpu)))
 
 
 def lm_head_op(rows: int, width: int, screen: float | None = None) -> Callable[..., tgt.MatmulOp]:

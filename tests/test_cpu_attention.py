@@ -9,7 +9,7 @@ import re
 
 import numpy as np
 import pytest
-from kernel_harness import IDX, Kernel, assert_close, f32, kernel_op, rand, read_qrows
+from kernel_harness import IDX, Kernel, assembly, assert_close, attention_op, f32, rand, read_qrows
 from xdsl.dialects.builtin import f16 as F16_ATTR
 from xdsl.dialects.builtin import f32 as F32_ATTR
 from xdsl.dialects.builtin import i8, i32
@@ -93,14 +93,9 @@ def positions(start: int, n: int, capacity: int) -> np.ndarray:
 
 
 def attention_kernel(tmp_path, tm, H, KVH, D, S, R, rope, quantized=False, cache=f32, **scoring):
-    out = tgt.QRowsType(R, H * D) if quantized else tgt.memref(R, H, D)
-    element = F16_ATTR if cache == np.float16 else F32_ATTR
-    return Kernel(tmp_path, tm, lambda q, k, v, kc, vc, o, p, s, n: tgt.AttentionOp(
-                      q, k, v, kc, vc, o, p, s, n, ROPE if rope else None,
-                      **llm.AttentionOp.scoring_properties(**scoring)),
-                  [tgt.memref(R, H, D), tgt.memref(R, KVH, D), tgt.memref(R, KVH, D),
-                   tgt.memref(KVH, S, D, element_type=element), tgt.memref(KVH, S, D, element_type=element), out,
-                   tgt.memref(R, element_type=i32), tgt.AttentionOp.partials_type(H, D), IDX])
+    return Kernel(tmp_path, tm, *attention_op(R, H, KVH, D, S, ROPE if rope else None,
+                                              tgt.QRowsType(R, H * D) if quantized else None,
+                                              F16_ATTR if cache == np.float16 else F32_ATTR, **scoring))
 
 
 def partials(H, D) -> np.ndarray:
@@ -456,18 +451,6 @@ def test_attention_keeps_its_sums_in_registers(cpu, most):
     assembly) stores few vector registers to fixed stack slots (now 52 and 210): each query loads the staged K
     rows again (`forget_memory`), AVX2 sums 8 positions a ymm at a time and weighs V one query a pass. With 348
     and 1122 such stores, its decode attention at depth 2048 took 13% and 27% longer."""
-    from llvmlite import ir
-
-    from llmc.backends.cpu import KernelLibrary, compile_to_assembly
-    from llmc.backends.cpu.target import cpu_target, kernel_tuning, target_machine_for
-
-    R, H, KVH, D, S = 1, 9, 3, 64, 256
-    op = kernel_op(lambda q, k, v, kc, vc, o, p, s, n: tgt.AttentionOp(q, k, v, kc, vc, o, p, s, n),
-                   [tgt.memref(R, H, D), tgt.memref(R, KVH, D), tgt.memref(R, KVH, D), tgt.memref(KVH, S, D),
-                    tgt.memref(KVH, S, D), tgt.memref(R, H, D), tgt.memref(R, element_type=i32),
-                    tgt.AttentionOp.partials_type(H, D), IDX])
-    module = ir.Module(name="kernels")
-    KernelLibrary(module, tuning=kernel_tuning(cpu_target(cpu))).kernel(op)
-    asm = compile_to_assembly(module, target_machine_for(cpu_target(cpu)))
+    asm = assembly(cpu, attention_op(1, 9, 3, 64, 256))
     spills = re.findall(r"vmov[au]ps\s+%[yz]mm\d+, -?\d+\(%rsp\)$", asm, re.M)
     assert len(spills) <= most, len(spills)

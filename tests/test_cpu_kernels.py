@@ -24,9 +24,9 @@ from kernel_harness import (
     IDX,
     Kernel,
     Machine,
+    assembly,
     assert_close,
     f32,
-    kernel_op,
     lm_head_op,
     qrows_of,
     rand,
@@ -41,7 +41,6 @@ from llmc.backends.builder import FPTR, I64
 from llmc.backends.cpu import (
     KernelLibrary,
     ToolchainError,
-    compile_to_assembly,
     compile_to_object,
     link_shared,
     target_machine,
@@ -363,18 +362,11 @@ def test_every_integer_path_compiles(isa):
     """Every host compiles each integer path for a CPU that has it (AMX on an AVX2 host too): the a8
     matmul and SwiGLU kernels use that path's instructions and no wider ones. Those the host runs are
     also executed against the integer reference above."""
-    from llmc.backends.cpu.target import target_machine_for
-
     N, K, R = 64, 256, 32
     layout = Layout.SPLIT if isa is tgt.Isa.GENERIC else tiles_layout(isa)  # (what `pack` gives each)
     wtype = tgt.WeightType((N, K), Storage.Q4_1, layout)
-    kernels = [(matmul_op(isa=isa), [tgt.QRowsType(R, K), wtype, tgt.memref(R, N), IDX]),
-               (swiglu_op(isa=isa), [tgt.QRowsType(R, K), wtype, wtype, tgt.QRowsType(R, N), IDX])]
-    module = ir.Module(name="kernels")
-    library = KernelLibrary(module)
-    for make, types in kernels:
-        library.kernel(kernel_op(make, types))
-    asm = compile_to_assembly(module, target_machine_for(cpu_target(host.ISA_CPUS[isa])))
+    asm = assembly(host.ISA_CPUS[isa], (matmul_op(isa=isa), [tgt.QRowsType(R, K), wtype, tgt.memref(R, N), IDX]),
+                   (swiglu_op(isa=isa), [tgt.QRowsType(R, K), wtype, wtype, tgt.QRowsType(R, N), IDX]))
     used, unused = ISA_INSTRUCTIONS[isa]
     assert all(mark in asm for mark in used), [mark for mark in used if mark not in asm]
     assert not any(mark in asm for mark in unused), [mark for mark in unused if mark in asm]

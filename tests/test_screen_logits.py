@@ -8,11 +8,11 @@ from __future__ import annotations
 import host
 import numpy as np
 import pytest
-from kernel_harness import IDX, Kernel, Machine, kernel_op, lm_head_op, rand
+from kernel_harness import IDX, Kernel, Machine, assembly, attention_op, kernel_op, lm_head_op, rand
 from test_cpu_kernels import ref_rms_norm
 from test_fuse_norm import PROMPT, SPEC, STORAGE
 from tiny_models import TinySpec
-from xdsl.dialects.builtin import FloatAttr, f32, i32
+from xdsl.dialects.builtin import FloatAttr, f32
 from xdsl.utils.exceptions import VerifyException
 
 from llmc.backends.cpu.toolchain import target_machine
@@ -174,21 +174,7 @@ def test_maxima_are_vector_trees(kernel):
     """The screened head's strip maxima (8 rows a strip) and decode attention's block maxima take `vmaxps` trees:
     NaN-aware maxima (`vcmpunordss` beside each `vmaxss`, 15 in a row for 16 lanes) made the 270M model's 8-row
     decode step 6% slower. Any host: the assembly for a VNNI-512 CPU."""
-    from llvmlite import ir
-
-    from llmc.backends.cpu import KernelLibrary, compile_to_assembly
-    from llmc.backends.cpu.target import cpu_target, target_machine_for
-
-    if kernel == "lm_head":
-        op = kernel_op(lm_head_op(R, K, MARGIN), _types())
-    else:
-        H, KVH, D, S = 9, 3, 64, 256
-        op = kernel_op(lambda q, k, v, kc, vc, o, p, s, n: tgt.AttentionOp(q, k, v, kc, vc, o, p, s, n),
-                       [tgt.memref(R, H, D), tgt.memref(R, KVH, D), tgt.memref(R, KVH, D), tgt.memref(KVH, S, D),
-                        tgt.memref(KVH, S, D), tgt.memref(R, H, D), tgt.memref(R, element_type=i32),
-                        tgt.AttentionOp.partials_type(H, D), IDX])
-    module = ir.Module(name="kernels")
-    KernelLibrary(module).kernel(op)
-    asm = compile_to_assembly(module, target_machine_for(cpu_target(VNNI512)))
+    asm = assembly(VNNI512, (lm_head_op(R, K, MARGIN), _types()) if kernel == "lm_head"
+                   else attention_op(R, 9, 3, 64, 256))
     assert "vmaxps" in asm
     assert "vcmpunordss" not in asm

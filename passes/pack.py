@@ -16,9 +16,7 @@ with `vpmaddwd`, `generic` otherwise); where the target also has AMX-INT8, the k
 of entry points of 16 rows or more (prefill, score) get `isa amx`: tiles for whole
 16-row blocks (`backends/cpu/amx.py`), when every weight format's scales are constant
 over 32-value blocks (q6_k's 16-value scales keep VNNI). Kernels reading int16 rows
-(`a16`: two int8 planes, two products per block) take the same isa as `a8` except
-`amx`, which would need twice the accumulator tiles: on an AMX target they get
-`vnni512` (the tiles layout serves both).
+(`a16`: two int8 planes, two products per block) take the same isa as `a8`.
 
 On a CUDA target every integer weight takes the `split` layout: a lane reads one 4-byte
 word of codes, a warp 128 consecutive bytes (`backends/cuda/weights.py`); the matmuls of

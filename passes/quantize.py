@@ -74,7 +74,7 @@ FALLBACK = {
 COMPUTE_CHOICES = ("auto", "a32", "a8", "a16")
 # `auto`'s budget over all-a8: decode within 40% and prefill within 70%. The a16 of every x86
 # integer path fits whole (AVX2: decode 1.35×, prefill 1.55×; VNNI-256 1.4×, 1.65×; VNNI-512 1.05×,
-# 1.25×; AMX, whose a8 prefill runs on tiles that a16 does not use, prefill 1.5×): on SmolLM2 nothing less answers
+# 1.25×; AMX, a tile product per plane, prefill 1.3×): on SmolLM2 nothing less answers
 # like fp32 (widening 25–90% of the layers, or all layers but the LM head, left 22–31 of 42 chat
 # answers equal, against 24 for all-a8 and 41 for all-a16; an AMX default that kept 135 of 211
 # projections a8 answered 8 of 13).

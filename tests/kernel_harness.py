@@ -25,6 +25,7 @@ from llmc.abi import SYNC_WORDS, WORK_COUNTER_WORDS
 from llmc.backends.cpu import KernelLibrary, compile_to_assembly, compile_to_object, link_shared
 from llmc.backends.cpu.target import cpu_target, integer_isa, kernel_tuning, target_machine_for
 from llmc.ir import llm, tgt
+from llmc.ir.formats import join_planes
 from llmc.ir.layouts import QRowLayout, qrows_nbytes
 from llmc.ir.tgt_interpreter import QRows
 from llmc.runtime import amx as amx_permission
@@ -161,5 +162,7 @@ def qrows_of(x: np.ndarray, capacity: int, bits: int = 8) -> tuple[np.ndarray, Q
     return buf, rows
 
 
-def read_qrows(buf: np.ndarray, capacity: int, width: int, rows: int) -> tuple[np.ndarray, ...]:
-    return tuple(v[:rows] for v in QRowLayout(width).views(buf, capacity))
+def read_qrows(buf: np.ndarray, capacity: int, width: int, rows: int, bits: int = 8) -> tuple[np.ndarray, ...]:
+    """The values (int16 rows: joined from their planes), scales, sums and integer sums of the first `rows` rows."""
+    qs, d, s, n = (v[:rows] for v in QRowLayout(width, bits).views(buf, capacity))
+    return (join_planes(qs) if bits == 16 else qs), d, s, n

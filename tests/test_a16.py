@@ -18,13 +18,12 @@ from pathlib import Path
 import host
 import numpy as np
 import pytest
-from kernel_harness import IDX, Kernel, Machine, assert_close, f32, kernel_op, qrows_of, rand
+from kernel_harness import IDX, Kernel, Machine, assert_close, f32, kernel_op, qrows_of, rand, read_qrows
 from llvmlite import ir
-from test_cpu_kernels import ISA_INSTRUCTIONS, matmul_op, silu64, swiglu_op, weight_of
+from test_cpu_kernels import ISA_INSTRUCTIONS, check_swiglu_rows, matmul_op, swiglu_op, weight_of
 from tiny_models import TinySpec
 from xdsl.context import Context
 from xdsl.parser import Parser
-from xdsl.utils.exceptions import VerifyException
 
 from llmc.backends.cpu import KernelLibrary, compile_to_assembly, compile_to_object, link_shared, target_machine
 from llmc.backends.cpu.target import cpu_target, integer_isa, target_machine_for, tiles_layout
@@ -36,13 +35,6 @@ from llmc.ir.layouts import Layout, QRowLayout
 from llmc.ir.tgt_interpreter import KernelWeights, cache_for, run_entry
 from llmc.passes.pipeline import PHASES, CompileOptions, run_phase
 from llmc.verify import teacher_forced
-
-
-def read16(buf: np.ndarray, capacity: int, width: int, rows: int) -> tuple[np.ndarray, ...]:
-    """The int16 values (joined from their planes), scales, sums and integer sums of the first `rows` rows."""
-    qs, d, s, n = QRowLayout(width, 16).views(buf, capacity)
-    return join_planes(qs[:rows]), d[:rows], s[:rows], n[:rows]
-
 
 # numpy ---------------------------------------------------------------------------------------
 
@@ -97,15 +89,6 @@ def test_qrows_types_print_and_parse_their_width():
         Parser(ctx, "!tgt.qrows<4x96xi8>").parse_type()
 
 
-def test_amx_tiles_refuse_int16_rows():
-    """AMX would need a tile product per plane: `pack` gives int16 rows vnni512, and the verifier
-    refuses `isa amx` on them."""
-    types = [tgt.QRowsType(32, 256, 16), tgt.WeightType((64, 256), Storage.Q4_1, Layout.TILES), tgt.memref(32, 64),
-             IDX]
-    with pytest.raises(VerifyException, match="isa amx reads int8 rows"):
-        kernel_op(matmul_op(isa=tgt.Isa.AMX), types)
-
-
 # kernels -------------------------------------------------------------------------------------
 
 
@@ -136,7 +119,7 @@ def test_kernels_write_int16_rows_bit_for_bit(tmp_path, native, D):
     k = Kernel(tmp_path, native, lambda x, w, o, n: tgt.RMSNormOp(x, w, o, n, 1e-5),
                [tgt.memref(6, D), tgt.WeightType((D,), Storage.F32), tgt.QRowsType(6, D, 16), IDX])
     k({"x": x, "weight": w, "out": buf, "rows": 4})
-    qs, d, _, sums = read16(buf, 6, D, 4)
+    qs, d, _, sums = read_qrows(buf, 6, D, 4, 16)
     np.testing.assert_array_equal(sums, slice_sums(qs))
     x64 = x[:4].astype(np.float64)
     rq, rd, _ = quantize_rows((x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + 1e-5) * w).astype(f32), 16)
@@ -270,22 +253,15 @@ def test_swiglu_a16_reads_and_writes_int16_rows(tmp_path, native, layout):
         k = EmulatedVnniKernel(tmp_path, swiglu_op(isa=tgt.Isa.VNNI512), types)
     out = np.full(R * QRowLayout(N, 16).row_bytes, 0xFF, np.uint8)
     k({"x": buf, "gate": gdata, "up": udata, "out": out, "rows": n})
-    x = rows.values(0, n)
-    y = silu64(integer_matmul(*x, qg)) * integer_matmul(*x, qu)
-    qs, d, _, sums = read16(out, R, N, n)
-    np.testing.assert_array_equal(sums, slice_sums(qs))
-    rq, rd, _ = quantize_rows(y.astype(f32), 16)
-    assert np.abs(qs.astype(int) - rq).max() <= 1 and (qs != rq).mean() < 0.05
-    np.testing.assert_allclose(d, rd, rtol=1e-5)
-    assert not qs[:, N:].any()
+    check_swiglu_rows(out, rows, qg, qu, R, N, n, 16)
 
 
-@pytest.mark.parametrize("isa", [i for i in host.ISA_CPUS if i is not tgt.Isa.AMX], ids=str)
+@pytest.mark.parametrize("isa", list(host.ISA_CPUS), ids=str)
 def test_every_integer_path_compiles_a16(isa):
     """Each integer path's a16 matmul and SwiGLU kernels use its instructions and no wider ones
-    (compiled for a CPU that has them, whatever the host): AVX2's `vpmaddubsw` of each plane."""
+    (compiled for a CPU that has them, whatever the host): AVX2's `vpmaddubsw` of each plane, AMX's tiles."""
     N, K, R = 64, 256, 32
-    layout = Layout.SPLIT if isa is tgt.Isa.GENERIC else tiles_layout(isa)  # (what `pack` gives each)
+    layout = Layout.SPLIT if isa is tgt.Isa.GENERIC else tiles_layout(isa)
     wtype = tgt.WeightType((N, K), Storage.Q4_1, layout)
     module = ir.Module(name="kernels")
     library = KernelLibrary(module)
@@ -363,16 +339,16 @@ def test_mixed_readers_get_one_quantize_per_width(tiny):
     assert np.abs(ours - reference).max() <= 1e-4 * np.abs(reference).max()
 
 
-def test_amx_targets_give_a16_kernels_vnni512(tiny):
-    """Compiled for an AMX CPU with 32-row prefill chunks: the a8 kernels of prefill take the tiles
-    (but the LM head's, of one row), the a16 ones (int16 rows) VNNI-512."""
+def test_amx_targets_give_a8_and_a16_kernels_tiles(tiny):
+    """Compiled for an AMX CPU with 32-row prefill chunks: the a8 and a16 kernels of prefill take the
+    tiles (but the LM head's, of one row)."""
     options = CompileOptions(prefill_chunk=32, max_seq=64, kv_type="f32", compute="a8")
     module = phases(load_model(str(tiny(SPEC, "gguf"))), host.ISA_CPUS[tgt.Isa.AMX], only_q_a16, options=options)
     kernels = [op for op in find_function(module, "prefill").body.block.ops
                if isinstance(op, (tgt.MatmulOp, tgt.SwigluOp)) and tgt.is_quantized(op.x)
                and getattr(op, "last_row", None) is None]
     isas = {bits: {op.isa.data for op in kernels if op.x.type.bits == bits} for bits in (8, 16)}
-    assert isas == {8: {tgt.Isa.AMX}, 16: {tgt.Isa.VNNI512}}
+    assert isas == {8: {tgt.Isa.AMX}, 16: {tgt.Isa.AMX}}
 
 
 def test_a16_model_matches_its_stage_and_is_closer_to_fp32_than_a8(tiny, tmp_path):

@@ -115,9 +115,9 @@ def test_auto_widens_within_the_decode_budget_and_one_input_gets_one_mode(tiny, 
     assert all(len(modes) == 1 for modes in by_input.values())  # q/k/v and gate/up: one mode per shared input
 
 
-def test_an_amx_target_keeps_its_tiles_where_a16_costs_more(tiny, monkeypatch) -> None:
-    """a16 takes no AMX tiles: at 1.5× a8's prefill it fits the budget whole; where it cost 3×
-    (a slower VNNI), the prefill budget would keep most groups a8, on their tiles."""
+def test_an_amx_target_keeps_a8_where_a16_costs_more(tiny, monkeypatch) -> None:
+    """At `A16_PREFILL_ON_AMX` (1.3×) a8's prefill, a16 fits the budget whole; where it cost 3×,
+    the prefill budget would keep most groups a8."""
     _, module = quantized(tiny(MIXED, "gguf"), cpu_name="sapphirerapids")
     assert {op.mode for op in projections(module) if op.mode.integer} == {llm.Compute.A16}
     monkeypatch.setattr(cpu, "A16_PREFILL_ON_AMX", 3.0)

@@ -8,9 +8,11 @@ summed in float registers, `acc += C · (d_w · d_x) + off_w · s_x`, the arithm
 VNNI kernels on the same bytes.
 
     A: the rows' int8 values, loaded from the quantized rows as they are (stride: a row);
+       int16 rows (`a16`) are two int8 planes, `hi` and `lo`: an A tile and a product each;
     B: a block's 8 code vectors of the tiles layout, as stored (8-bit codes) or unpacked
        once per strip into a stack buffer (4- and 5-bit codes);
-    C: stored to the stack and scaled there, 16 features of a row per vector.
+    C: stored to the stack and scaled there, 16 features of a row per vector (int16 rows:
+       `(C_hi << 8) + C_lo` first, exact in int32).
 
 LLVM's `.internal` intrinsics let it configure the tiles itself (`ldtilecfg`); the
 process must have asked the kernel for the tile data first (`llmc.runtime.amx`), and
@@ -88,17 +90,15 @@ def gemm_amx(f: KernelBuilder, q: QRowsAccess, access: list[TiledWeight], t_end:
              j_lo: ir.Value, j_hi: ir.Value, unit: int, finish, flush=None) -> None:
     """Rows [0, t_end) (a multiple of 16) × columns [j_lo, j_hi) (whole `unit`s of whole
     strips): finish(ts, js, vals) per row and unit, vals[w][0][c] the row's dot product with
-    column js[c] of weight w; then flush(t, 1, j0) if given. Int8 rows only: int16 rows would
-    need a tile product per plane (`pack` gives their kernels `vnni512`)."""
-    if q.planes != 1:
-        raise ValueError(f"isa amx reads int8 rows, not {q.bits}-bit ones")
+    column js[c] of weight w; then flush(t, 1, j0) if given. Int16 rows take a tile product
+    per plane on the same B tile, joined as `(hi << 8) + lo` (the VNNI kernels' int32 sums)."""
     b = f.b
     w0 = access[0]
     blocks, nw, strips = w0.blocks, len(access), unit // STRIP
     bbuf = f.alloca(I8, nw * strips * blocks * QUADS * 64, name="bt")  # unpacked B tiles of the unit
-    cbuf = f.alloca(I32, TILE * STRIP, name="c")
+    cbuf = f.alloca(I32, q.planes * TILE * STRIP, name="c")  # [plane][row][feature]
     acc = f.alloca(F32, nw * strips * TILE * STRIP, name="acc")  # [weight][strip][row][feature]
-    cbytes = b.bitcast(cbuf, I8PTR)
+    eight = ir.Constant(vec(I32, STRIP), [8] * STRIP)
     row_bytes = q.row.row_bytes
 
     def b_tile(wi: int, w: TiledWeight, s: ir.Value, si: int, blk: ir.Value) -> ir.Value:
@@ -125,13 +125,17 @@ def gemm_amx(f: KernelBuilder, q: QRowsAccess, access: list[TiledWeight], t_end:
                     for total in sums:
                         b.store(f.const(vec(F32, STRIP), 0.0), total)
                     with f.loop(0, blocks, name="kb", unroll=False) as blk:
-                        a = _load(f, TILE, TILE_K, f.ptr(q.qs_ptr(t0), f.mul(blk, TILE_K)), row_bytes)
-                        _store(f, cbytes, _product(f, a, b_tile(wi, w, s, si, blk)))
+                        codes = b_tile(wi, w, s, si, blk)
+                        for plane in range(q.planes):
+                            a = _load(f, TILE, TILE_K, f.ptr(q.qs_ptr(t0, plane), f.mul(blk, TILE_K)), row_bytes)
+                            _store(f, b.bitcast(f.ptr(cbuf, plane * TILE * STRIP), I8PTR), _product(f, a, codes))
                         sl = f.mul(blk, TILE_K // SLICE)
                         scale = w.scale16(s, sl)
                         offset = w.offset16(s, sl, scale) if w.fmt.minimum else None  # (a zero point: taken into `dot`)
                         for r, total in enumerate(sums):
-                            dot = b.load(b.bitcast(f.ptr(cbuf, r * STRIP), vec(I32, STRIP).as_pointer()), align=4)
+                            dots = [b.load(b.bitcast(f.ptr(cbuf, (plane * TILE + r) * STRIP), vec(I32, STRIP).as_pointer()),
+                                           align=4) for plane in range(q.planes)]
+                            dot = dots[0] if q.planes == 1 else b.add(b.shl(dots[0], eight), dots[1])
                             if offset is None:
                                 dot = b.add(dot, q.zero_term(f.add(t0, r), sl, TILE_K // SLICE, w.fmt.zero))
                             xd, xs = q.block_scales(f.add(t0, r), sl, TILE_K // SLICE, offset is not None)

@@ -480,8 +480,7 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, parts: list[Part], column_bytes: in
     as `(hi << 8) + lo`), scaled once per scale group: `acc += dot · (d_w · d_x) + off_w · s_x` (with a zero
     point, `acc += (dot − zero · Σq) · (d_w · d_x)`: no floating-point multiply-add on the pipes `vpdpbusd` uses).
     From 4 rows each row and plane is one chain, the rows' products interleaved quad by quad (a
-    row's 16 dependent products had the out-of-order window waiting: 8 rows of int16, 1.06–1.08x).
-    AMX reads int8 rows only (`pack` gives int16 rows `vnni512`)."""
+    row's 16 dependent products had the out-of-order window waiting: 8 rows of int16, 1.06–1.08x)."""
     assert rows.quantized
     b = f.b
     unit = max(STRIP, unit)  # (whole strips)

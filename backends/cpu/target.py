@@ -104,10 +104,11 @@ def target_machine_for(target: TargetAttr):
 # `benchmarks/decode_step.py`'s medians, 2.056 against 1.711 ms a step); VNNI-256 prefill 0.60–0.64×,
 # decode 0.73× (two `vpdpbusd` a plane where int8 rows take one). VNNI-512: measured on a 2-core AMX
 # Xeon, the same command at --repeat 5 with `--cpu icelake-server`: prefill 0.78–0.81×, decode 0.95×.
-# AMX: a16 takes no tiles (its prefill runs on VNNI-512) where a8's prefill does: prefill 0.65–0.68×
-# of a8 on tiles, decode 1.0× (both VNNI-512).
+# AMX (prefill on tiles, a16 a tile product per plane): prefill 0.72–0.74× of a8 at 128 tokens, 0.79–0.80× at
+# 512, decode 1.0× (both VNNI-512), on the same Xeon (sapphirerapids features, 2 threads); before a16 took the
+# tiles, its prefill ran on VNNI-512 at 0.65–0.68× of a8's on tiles.
 A16_COST = {Isa.AVX2: (1.55, 1.2), Isa.VNNI256: (1.65, 1.4), Isa.VNNI512: (1.25, 1.05)}
-A16_PREFILL_ON_AMX = 1.5
+A16_PREFILL_ON_AMX = 1.3
 
 
 def a16_cost(target: TargetAttr) -> tuple[float, float]:
@@ -117,7 +118,7 @@ def a16_cost(target: TargetAttr) -> tuple[float, float]:
     """
     isa = integer_isa(target)
     prefill, decode = A16_COST[isa]
-    amx = isa is Isa.VNNI512 and target.has("amx-tile", "amx-int8")  # where `pack` gives a8's prefill AMX tiles
+    amx = isa is Isa.VNNI512 and target.has("amx-tile", "amx-int8")  # where `pack` gives prefill AMX tiles
     return (A16_PREFILL_ON_AMX if amx else prefill), decode
 
 
@@ -154,7 +155,7 @@ AMX_MIN_ROWS = 16  # entry points of at least this many rows get AMX tiles (one 
 class CpuTarget(TargetDescription):
     """An x86-64 CPU: `a8`/`a16` kernels on its integer dot product; with one (AVX2 or better) the `tiles`
     layout for weights only quantized-row kernels (and the embedding) read, `split` for the rest; AMX tiles
-    for the `a8` matmuls of entry points of `AMX_MIN_ROWS` rows or more."""
+    for the `a8` and `a16` matmuls of entry points of `AMX_MIN_ROWS` rows or more."""
 
     kind = "cpu"
     prefill_chunk = 128
@@ -183,8 +184,8 @@ class CpuTarget(TargetDescription):
         return tiles_layout(isa)
 
     def kernel_isa(self, op: tgt.Kernel, rows: int) -> Isa | None:
-        """A matmul reading quantized rows: the integer dot product, or `amx` for `a8` rows in whole
-        16-row blocks when every weight format's scales are constant over 32-value blocks."""
+        """A matmul reading quantized rows: the integer dot product, or `amx` for rows in whole 16-row
+        blocks when every weight format's scales are constant over 32-value blocks."""
         from llmc.backends.cpu.amx import supports
 
         if not (isinstance(op, tgt.Projection) and isinstance(op.rows_type(), tgt.QRowsType)):
@@ -192,7 +193,7 @@ class CpuTarget(TargetDescription):
         isa = self.integer_isa()
         amx = isa is Isa.VNNI512 and self.target.has("amx-tile", "amx-int8")
         tiles = amx and rows >= AMX_MIN_ROWS and getattr(op, "last_row", None) is None \
-            and op.rows_type().bits == 8 and all(supports(w.storage) for w in _matrices(op))
+            and all(supports(w.storage) for w in _matrices(op))
         return Isa.AMX if tiles else isa
 
     def kernels(self) -> frozenset[type[tgt.Kernel]]:

@@ -100,12 +100,10 @@ class Kernel(IRDLOperation):
 
     def _quantized_kernel(self, rows: Attribute, *weights: SSAValue) -> None:
         """An a8 or a16 kernel (quantized input rows: their type) needs integer weight formats, and in a
-        packed layout an isa; AMX tiles read int8 rows only."""
+        packed layout an isa."""
         if not isinstance(rows, QRowsType):
             return
         isa = getattr(self, "isa")
-        if isa is not None and isa.data is Isa.AMX and rows.bits != 8:
-            self._fail(f"isa amx reads int8 rows, not {rows}")
         for w in weights:
             t = w.type
             assert isinstance(t, WeightType)

@@ -592,23 +592,25 @@ def test_prefill_for_amx_takes_tiles_and_decode_keeps_vnni(tiny, artifact, spec:
             Session(directory)
 
 
+@pytest.mark.parametrize("compute", ["a8", "a16"])
 @pytest.mark.parametrize("spec", AMX_SPECS.values(), ids=AMX_SPECS.keys())
-def test_prefill_on_amx_tiles_agrees_with_the_quantize_stage(tiny, artifact, spec: TinySpec) -> None:
-    """Run on an AMX host: prefill and score on two 16-row tiles (the 13 rows of the last chunk on
-    VNNI) as close to the reference as VNNI; with the tiles refused, the same kernels on VNNI alone."""
+def test_prefill_on_amx_tiles_agrees_with_the_quantize_stage(tiny, artifact, spec: TinySpec, compute: str) -> None:
+    """Run on an AMX host: prefill and score of int8 or int16 rows on two 16-row tiles (the 13 rows of the
+    last chunk on VNNI) as close to the reference as VNNI; with the tiles refused, the same kernels on VNNI
+    alone."""
     from llmc.backends.cpu.target import cpu_target
     from llmc.passes.pipeline import run_phase
 
     if not host.runs(host.ISA_CPUS[tgt.Isa.AMX]):
         pytest.skip(host.why_not(host.ISA_CPUS[tgt.Isa.AMX]))
-    session = Session(artifact(spec, chunk=32, max_seq=64, compute="a8"))
+    session = Session(artifact(spec, chunk=32, max_seq=64, compute=compute))
     assert session.amx
     ours = session.score(LONG)
     model = load_model(str(tiny(spec, "gguf")))
     module = import_model(model)
     module.attributes[tgt.TARGET] = cpu_target("native")
     for phase in ("import", "optimize", "quantize"):
-        run_phase(module, phase, options=CompileOptions(compute="a8"))
+        run_phase(module, phase, options=CompileOptions(compute=compute))
     reference = forward_logits(module, model.weights, LONG)
     assert _cosines(ours, reference).min() > 0.999
     assert (ours.argmax(-1) == reference.argmax(-1)).mean() >= 0.9

@@ -84,7 +84,7 @@ def test_tokenizer_splits_digits_like_the_original(smollm2_path) -> None:
 
 
 def test_quantize_keeps_the_files_types_and_chooses_a16(smollm2_path, capsys) -> None:
-    assert main(["compile", "smollm2-135m", "--compile-to", "quantize", "--cpu", "x86-64-v3"]) == 0  # AVX2 (AMX: a8 too)
+    assert main(["compile", "smollm2-135m", "--compile-to", "quantize", "--cpu", "x86-64-v3"]) == 0  # AVX2, on any host
     captured = capsys.readouterr()
     text = captured.out
     assert "llm.weight @blk.0.attn_q q4_1" in text and "llm.weight @token_embd q8_0" in text

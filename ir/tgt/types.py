@@ -97,8 +97,8 @@ SCREEN_COLUMNS = 2048  # a screened matmul's blocks of columns (`tgt.matmul … 
 
 class Isa(StrEnum):
     """The instructions a matmul kernel is built on, chosen by `pack` from the target: the integer
-    dot product of an `a8` kernel (and by the entry point's rows, `amx` for prefill and score where
-    the target has AMX-INT8), or on CUDA, tensor cores for the float-row prefill and score GEMMs."""
+    dot product of an `a8` or `a16` kernel (and by the entry point's rows, `amx` for prefill and score
+    where the target has AMX-INT8), or on CUDA, tensor cores for the float-row prefill and score GEMMs."""
 
     AMX = "amx"  # AMX-INT8 tiles for blocks of 16 rows, VNNI-512 for the rest
     VNNI512 = "vnni512"  # AVX-512 VNNI vpdpbusd on 512-bit vectors

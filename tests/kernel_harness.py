@@ -59,13 +59,12 @@ class Kernel:
     """One kernel op compiled alone; `kernel(values, nth)` calls it with operands by name."""
 
     def __init__(self, tmp_path: Path, tm: Machine, make: Callable[..., tgt.Kernel], types: list[Attribute],
-                 prefetch_bytes: int | None = None):
+                 **tuning: int):
         self.op = kernel_op(make, types)
         module = ir.Module(name="kernels")
-        tuning = kernel_tuning(cpu_target(tm.cpu))  # (the CPU's, or another prefetch distance)
-        if prefetch_bytes is not None:
-            tuning = dataclasses.replace(tuning, prefetch_bytes=prefetch_bytes)
-        self.fn = KernelLibrary(module, tuning=tuning).kernel(self.op)
+        # the CPU's tuning, or with other values (`prefetch_bytes=…`: another prefetch distance)
+        self.fn = KernelLibrary(module, tuning=dataclasses.replace(kernel_tuning(cpu_target(tm.cpu)), **tuning)
+                                ).kernel(self.op)
         self.ir = str(module)
         path = link_shared([compile_to_object(module, tm.tm)], tmp_path / f"k_{uuid.uuid4().hex}.so")
         self.library = ctypes.CDLL(str(path))

@@ -48,7 +48,15 @@ from llmc.backends.cpu import (
 from llmc.backends.cpu import amx as amx_tiles
 from llmc.backends.cpu.codegen import read_probe
 from llmc.backends.cpu.gemm import CHUNK_BYTES, CHUNKS_PER_THREAD, DEALT_SHARE, PREFETCH_BYTES, TILE_COLS
-from llmc.backends.cpu.target import CPUS, cpu_target, integer_isa, llvm_features, near_prefetch_bytes, tiles_layout
+from llmc.backends.cpu.target import (
+    CPUS,
+    cpu_target,
+    integer_isa,
+    kernel_tuning,
+    llvm_features,
+    near_prefetch_bytes,
+    tiles_layout,
+)
 from llmc.errors import LlmcError, UsageError
 from llmc.ir import tgt
 from llmc.ir.formats import FORMATS, Storage, integer_matmul, quantize_rows, slice_sums
@@ -702,8 +710,9 @@ def test_link_failure(tmp_path):
 
 
 def test_a_cpu_s_prefetch_distance_changes_the_one_row_code_not_its_results(tmp_path):
-    """`target.near_prefetch_bytes` (Zen 5's: 8 KB, twice the default) reaches a one-row tiles kernel: its code
-    differs from the default distance's, its results are the same bits, on one thread and on two."""
+    """`target.near_prefetch_bytes` (Zen 5's: 8 KB, twice the default) and an L2 prefetch as well (the AMX Xeon's,
+    `rocketlake`: 16 KB ahead) reach a one-row tiles kernel: its code differs from the default's, its results are
+    the same bits, on one thread and on two."""
     isa_cpu = host.ISA_CPUS[tgt.Isa.VNNI512]
     if not host.runs(isa_cpu):
         pytest.skip(host.why_not(isa_cpu))
@@ -716,14 +725,18 @@ def test_a_cpu_s_prefetch_distance_changes_the_one_row_code_not_its_results(tmp_
     data = pack(FORMATS[Storage.Q4_1].quantize(rand(rng, N, K)), Layout.TILES)
     x, g = rand(rng, 1, K), rand(rng, K)
     machine = Machine(isa_cpu, target_machine(isa_cpu))
+    far = kernel_tuning(cpu_target("rocketlake")).l2_prefetch_bytes
+    assert far and not kernel_tuning(cpu_target("znver5")).l2_prefetch_bytes
     kernels = [Kernel(tmp_path, machine, lm_head_op(1, K), types, prefetch_bytes=b) for b in (PREFETCH_BYTES, near)]
-    assert kernels[0].ir != kernels[1].ir
+    kernels.append(Kernel(tmp_path, machine, lm_head_op(1, K), types, l2_prefetch_bytes=far))
+    assert len({k.ir for k in kernels}) == 3 and "i32 0, i32 2, i32 1)" in kernels[2].ir  # (llvm.prefetch into L2)
     for nth in (1, 2):
         outs = [np.zeros((1, N), np.float32) for _ in kernels]
         for k, out in zip(kernels, outs):
             k({"x": x, "weight": data, "out": out, "rows": 1, "norm": g}, nth=nth)
         assert np.abs(outs[0]).max() > 0
-        np.testing.assert_array_equal(outs[1], outs[0])
+        for out in outs[1:]:
+            np.testing.assert_array_equal(out, outs[0])
 
 
 # the kernel cache ------------------------------------------------------------------

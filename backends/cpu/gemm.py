@@ -133,6 +133,7 @@ def inv_rms(f: KernelBuilder, row: ir.Value, D: int, eps: float) -> ir.Value:
 
 
 Finish = Callable[[list[ir.Value], list[ir.Value], list[list[list[ir.Value]]]], None]
+Prefetches = tuple[tuple[int, int], ...]  # a weight's codes prefetched this many bytes ahead into this cache level, each
 
 
 class Rows:
@@ -285,7 +286,7 @@ def row_tiles(f: KernelBuilder, rows: Rows, first: ir.Value, end: ir.Value, size
 
 
 def gemm(f: KernelBuilder, rows: Rows, parts: list[Part], tid: ir.Value, nth: ir.Value, work: ir.Value,
-         isa: tgt.Isa | None, unit: int | None = None, *, prefetch: int) -> None:
+         isa: tgt.Isa | None, unit: int | None = None, *, prefetch: Prefetches) -> None:
     """For every part, tile of rows ts and columns js: part.finish(ts, js, vals) with
     vals[w][r][c] = x̂[ts[r]] · part.weights[w][js[c]], x̂ the rows (RMS-normalised when
     `rows.norm`: the scale 1/rms is applied to the finished dot product, the norm weight
@@ -294,7 +295,7 @@ def gemm(f: KernelBuilder, rows: Rows, parts: list[Part], tid: ir.Value, nth: ir
     a fixed share of each block otherwise); the last thread takes the columns left over.
     With `part.flush`, after the tiles of one unit of columns for a tile of rows `t` of `r`
     rows: flush(t, r, j0) (quantized outputs are written from there). Tiles of fewer than 4 rows
-    prefetch a tiles weight's codes `prefetch` bytes ahead (`target.near_prefetch_bytes`)."""
+    prefetch a tiles weight's codes as `prefetch` says (`Tuning.near_prefetches`: bytes ahead and cache level)."""
     b = f.b
     nw = len(parts[0].weights)
     assert all(len(part.weights) == nw for part in parts)
@@ -471,7 +472,7 @@ def broadcast_quad(f: KernelBuilder, q: QRowsAccess, t: ir.Value, k: ir.Value, p
 
 
 def gemm_tiles(f: KernelBuilder, rows: Rows, parts: list[Part], column_bytes: int, tid: ir.Value, nth: ir.Value,
-               work: ir.Value, isa: tgt.Isa, unit: int, prefetch: int) -> None:
+               work: ir.Value, isa: tgt.Isa, unit: int, prefetch: Prefetches) -> None:
     """Quantized rows × weights in the tiles layout. Whole 16-row blocks on AMX tiles where the
     kernel has `isa amx` (and the runtime allowed them); every other row on VNNI-512 (or the kernel's
     `isa`, VNNI-256 or AVX2, as `_strip_dot` takes them): per strip
@@ -555,9 +556,9 @@ def takes_words(w: TiledWeight) -> bool:
 
 
 def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r: int, s: ir.Value,
-               step: int, prefetch: int, isa: tgt.Isa, row_words: ir.Value | None = None) -> list[ir.Value]:
+               step: int, prefetch: Prefetches, isa: tgt.Isa, row_words: ir.Value | None = None) -> list[ir.Value]:
     """`<16 x float>` per row: rows t..t+r · the 16 columns of strip s of `w`, scaled every `step` 16-slices (the
-    codes prefetched into L1 `prefetch` bytes ahead for fewer than 4 rows; for more, into L2 `FAR_PREFETCH_BYTES`
+    codes prefetched as `prefetch` says for fewer than 4 rows (bytes ahead, cache level); for more, into L2 `FAR_PREFETCH_BYTES`
     ahead, and from int16 rows into L1 `L2_TO_L1_PREFETCH_BYTES` ahead as well). `isa` `vnni512` or `vnni256`:
     `vpdpbusd` of the codes by each row's int8 values (of each plane); `avx2`, codes below 8 bits: `vpmaddubsw` of
     the codes by each plane's values, its 16-bit pairs summed over as many quads as stay exact (`quant.byte_pairs`:
@@ -580,7 +581,8 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
     zero16 = ir.Constant(vec(I16, 16), [0] * 16)
     eight = ir.Constant(vec(I32, STRIP), [8] * STRIP)
     with f.loop(0, w.blocks, name="blk", unroll=False) as blk:
-        w.prefetch(s, blk, *((FAR_PREFETCH_BYTES, 2) if across else (prefetch, 1)))
+        for ahead, level in ((FAR_PREFETCH_BYTES, 2),) if across else prefetch:
+            w.prefetch(s, blk, ahead, level)
         if across and q.planes == 2:
             w.prefetch(s, blk, L2_TO_L1_PREFETCH_BYTES, 1)
         codes = w.quads(s, blk)
@@ -641,7 +643,8 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
 
 
 def gemm_screened(f: KernelBuilder, rows: Rows, coarse: QRowsAccess, N: int, weight: tuple[ir.Value, tgt.WeightType],
-                  finish: Finish, margin: float, tid: ir.Value, nth: ir.Value, work: ir.Value, prefetch: int) -> None:
+                  finish: Finish, margin: float, tid: ir.Value, nth: ir.Value, work: ir.Value,
+                  prefetch: Prefetches) -> None:
     """A screened matmul (`tgt.matmul … screen M`) in the tiles layout: `rows` int16, `coarse` the same rows
     quantized to int8. Per block of `SCREEN_COLUMNS` columns (dealt whole, so the blocks do not depend on the
     threads) and tile of rows: every strip's products with the int8 rows, finished, each row's largest result

@@ -39,6 +39,7 @@ from llmc.backends.cpu.gemm import (
     TILE_ROWS,
     Finish,
     Part,
+    Prefetches,
     Rows,
     floats,
     gemm,
@@ -72,11 +73,18 @@ EMITTERS = OpInterface("cpu", "kernel emitter")  # `fn(lib, f, op, args)` emits 
 @dataclass(frozen=True)
 class Tuning:
     """What a kernel's code takes from its CPU beyond the IR (`target.kernel_tuning`), part of each kernel's cache
-    identity: the one-row tiles kernels' prefetch distance (`target.near_prefetch_bytes`) and the vector registers
+    identity: the one-row tiles kernels' prefetch distances, into L1 (`target.near_prefetch_bytes`) and, where the
+    CPU's table gives one, into L2 as well (`target.NEAR_L2_PREFETCH_BYTES`; 0: none), and the vector registers
     (decode attention keeps half of them for V sums)."""
 
     prefetch_bytes: int = PREFETCH_BYTES
     vector_registers: int = 16
+    l2_prefetch_bytes: int = 0
+
+    @property
+    def near_prefetches(self) -> Prefetches:
+        """The one-row tiles kernels' prefetches: (bytes ahead, cache level) each."""
+        return ((self.prefetch_bytes, 1),) + (((self.l2_prefetch_bytes, 2),) if self.l2_prefetch_bytes else ())
 
     @property
     def register_floats(self) -> int:
@@ -424,10 +432,10 @@ def _matmul(lib: KernelLibrary, f: KernelBuilder, op: tgt.MatmulOp, a: dict) -> 
         fine, coarse = _private_rows(f, op, a, K, [op.quantize, tgt.QRowsType(op.quantize.rows, op.quantize.width)])
         rows = Rows(f, fine.base, op.quantize, K, a["rows"], None, None, False)
         gemm_screened(f, rows, coarse, N, weight, finish, op.screen.value.data, a["tid"], a["nth"], a["work"],
-                      lib.tuning.prefetch_bytes)
+                      lib.tuning.near_prefetches)
         return
     rows = _projection_rows(f, op, a, K, op.last_row is not None)
-    gemm(f, rows, [Part([weight], finish)], a["tid"], a["nth"], a["work"], _isa(op), prefetch=lib.tuning.prefetch_bytes)
+    gemm(f, rows, [Part([weight], finish)], a["tid"], a["nth"], a["work"], _isa(op), prefetch=lib.tuning.near_prefetches)
 
 
 @EMITTERS.implement(tgt.QkvOp)
@@ -439,7 +447,7 @@ def _qkv(lib: KernelLibrary, f: KernelBuilder, op: tgt.QkvOp, a: dict) -> None:
                   _columns_finish(f, floats(f, a[o]), tgt.row_width(getattr(op, o)), floats(f, a[b]) if b in a else None))
              for w, o, b in op.OUTPUTS]
     rows = _projection_rows(f, op, a, K, False)
-    gemm(f, rows, parts, a["tid"], a["nth"], a["work"], _isa(op), prefetch=lib.tuning.prefetch_bytes)
+    gemm(f, rows, parts, a["tid"], a["nth"], a["work"], _isa(op), prefetch=lib.tuning.near_prefetches)
 
 
 @EMITTERS.implement(tgt.SwigluOp)
@@ -486,10 +494,10 @@ def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> 
     weights = [(a["gate"], _weight_type(op.gate)), (a["up"], _weight_type(op.up))]
     if q is None:
         gemm(f, rows, [Part(weights, finish)], a["tid"], a["nth"], a["work"], _isa(op),
-             prefetch=lib.tuning.prefetch_bytes)
+             prefetch=lib.tuning.near_prefetches)
         return
     gemm(f, rows, [Part(weights, finish, flush)], a["tid"], a["nth"], a["work"], _isa(op), unit=ACT_BLOCK,
-         prefetch=lib.tuning.prefetch_bytes)
+         prefetch=lib.tuning.near_prefetches)
 
 
 # ------------------------------------------------------------------------ mixture of experts

@@ -133,7 +133,7 @@ def inv_rms(f: KernelBuilder, row: ir.Value, D: int, eps: float) -> ir.Value:
 
 
 Finish = Callable[[list[ir.Value], list[ir.Value], list[list[list[ir.Value]]]], None]
-Prefetches = tuple[tuple[int, int], ...]  # a weight's codes prefetched this many bytes ahead into this cache level, each
+Prefetches = tuple[tuple[int, int], ...]  # prefetches of a weight's codes: (bytes ahead, cache level) each
 
 
 class Rows:

@@ -131,8 +131,8 @@ NEAR_PREFETCH_BYTES = {"znver5": 8192}
 # And into L2 as well, this far ahead, by CPU name: where the weights come from a large L3 at a core's rate. The AMX
 # Xeon of issue 27's twenty-fifth round (480 MiB L3 holding the weights; LLVM names its VM's CPU `rocketlake`):
 # 16 KB made SmolLM2's one-row decode step 3–4% faster (2.269 → 2.187, 2.290 → 2.213 ms a call) and the 270M
-# model's 4.5% (9.120 → 8.710); 8 KB the same within the noise, 32 KB 1.6–3%, 64 KB 2% slower; L2 alone (no L1)
-# 8 and 16 KB none faster.
+# model's 4.5% (9.120 → 8.710); 8 KB the same within the noise, 32 KB only 1.6–3% faster, 64 KB 2% slower; L2
+# alone (no L1), 8 or 16 KB ahead, no faster.
 NEAR_L2_PREFETCH_BYTES = {"rocketlake": 16384}
 
 

@@ -98,7 +98,6 @@ def gemm_amx(f: KernelBuilder, q: QRowsAccess, access: list[TiledWeight], t_end:
     bbuf = f.alloca(I8, nw * strips * blocks * QUADS * 64, name="bt")  # unpacked B tiles of the unit
     cbuf = f.alloca(I32, q.planes * TILE * STRIP, name="c")  # [plane][row][feature]
     acc = f.alloca(F32, nw * strips * TILE * STRIP, name="acc")  # [weight][strip][row][feature]
-    eight = ir.Constant(vec(I32, STRIP), [8] * STRIP)
     row_bytes = q.row.row_bytes
 
     def b_tile(wi: int, w: TiledWeight, s: ir.Value, si: int, blk: ir.Value) -> ir.Value:
@@ -135,7 +134,7 @@ def gemm_amx(f: KernelBuilder, q: QRowsAccess, access: list[TiledWeight], t_end:
                         for r, total in enumerate(sums):
                             dots = [b.load(b.bitcast(f.ptr(cbuf, (plane * TILE + r) * STRIP), vec(I32, STRIP).as_pointer()),
                                            align=4) for plane in range(q.planes)]
-                            dot = dots[0] if q.planes == 1 else b.add(b.shl(dots[0], eight), dots[1])
+                            dot = q.joined(dots)
                             if offset is None:
                                 dot = b.add(dot, q.zero_term(f.add(t0, r), sl, TILE_K // SLICE, w.fmt.zero))
                             xd, xs = q.block_scales(f.add(t0, r), sl, TILE_K // SLICE, offset is not None)

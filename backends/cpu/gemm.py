@@ -624,7 +624,7 @@ def _strip_dot(f: KernelBuilder, q: QRowsAccess, w: TiledWeight, t: ir.Value, r:
                     for ri in range(r):
                         for plane, xs in enumerate(xs_by_row[ri]):
                             chains[ri][plane] = vpdpbusd(f, chains[ri][plane], codes[quad], xs[quad], isa)
-                dots = [c[0] if q.planes == 1 else b.add(b.shl(c[0], eight), c[1]) for c in chains]
+                dots = [q.joined(c) for c in chains]
             else:
                 for ri in range(r):
                     for plane, xs in enumerate(xs_by_row[ri]):  # int16 rows: `lo`'s products onto `hi`'s << 8

@@ -155,6 +155,16 @@ class KernelBuilder:
         a, c = self.i64(a), self.i64(c)
         return self.b.select(self.b.icmp_signed(">", a, c), a, c)
 
+    def copy_bytes(self, dst: ir.Value, src: ir.Value | None, nbytes: ir.Value) -> None:
+        """`nbytes` bytes from `src` to `dst` (both `i8*`, not overlapping), or zeros where `src` is None."""
+        i8p = ir.IntType(8).as_pointer()
+        if src is None:
+            fn = self.module.declare_intrinsic("llvm.memset", [i8p, I64])
+            self.b.call(fn, [dst, ir.Constant(ir.IntType(8), 0), self.i64(nbytes), ir.Constant(ir.IntType(1), 0)])
+        else:
+            fn = self.module.declare_intrinsic("llvm.memcpy", [i8p, i8p, I64])
+            self.b.call(fn, [dst, src, self.i64(nbytes), ir.Constant(ir.IntType(1), 0)])
+
     # float arithmetic (fast-math flags by default) -----------------------------------
 
     def fadd(self, a, c, flags=FAST):

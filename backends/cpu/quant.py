@@ -16,6 +16,8 @@ int16 rows as 16-bit words, `words_dot`):
 
 from __future__ import annotations
 
+import copy
+
 from llvmlite import ir
 
 from llmc.backends.builder import F32, I32, I64, KernelBuilder
@@ -405,6 +407,12 @@ class QRowsAccess:
         self.bits = qrows.bits
         self.planes = self.row.planes
         self.capacity = qrows.rows  # the most rows the buffer holds
+
+    def from_row(self, base: ir.Value) -> QRowsAccess:
+        """The same rows' layout with row 0 at `base` (an `i8*`: a row of this buffer, or a copy of rows)."""
+        other = copy.copy(self)
+        other.base = base
+        return other
 
     def _at(self, t: ir.Value, offset: int, element: ir.Type) -> ir.Value:
         f = self.f

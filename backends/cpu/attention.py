@@ -209,14 +209,17 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
             ok = b.and_(ok, b.and_(b.icmp_signed(">=", sl, f.i64(0)), b.icmp_signed("<", sl, f.i64(SLOTS))))
         return ok
 
+    def cache_chunk(p: ir.Value, w: int) -> ir.Value:
+        """The `w` cache values at `p`: as f32 from an f32 or f16 cache, as stored from a q8_0 one."""
+        x = b.load(b.bitcast(p, vec(element, w).as_pointer()), align=1)
+        return b.fpext(x, vec(F32, w)) if element is F16 else x
+
     def cache_row(cache: ir.Value, index: ir.Value) -> list[ir.Value]:
         """The cache row at element `index` as f32 vectors (one per chunk of D)."""
         p = f.ptr(cache, index)
-        rows = [b.load(b.bitcast(f.ptr(p, o), vec(element, w).as_pointer()), align=1) for o, w in chunks]
-        if element is F32:
+        rows = [cache_chunk(f.ptr(p, o), w) for o, w in chunks]
+        if element is not I8:
             return rows
-        if element is F16:
-            return [b.fpext(r, vec(F32, r.type.count)) for r in rows]
         scales = b.bitcast(f.ptr(p, D), FPTR)  # q8_0 (`llmc.abi`): an f32 per KV_Q8_BLOCK after the D int8 values
         return [f.fmul(b.sitofp(r, vec(F32, w)), f.splat(f.load(scales, o // KV_Q8_BLOCK), vec(F32, w)))
                 for r, (o, w) in zip(rows, chunks)]
@@ -312,9 +315,7 @@ def attention(lib: KernelLibrary, f: KernelBuilder, op: tgt.AttentionOp, a: dict
                     """Row s16 + j's chunk of `w` floats at `o`: from the cache (`unstaged_k`), or staged."""
                     if not unstaged_k:
                         return f.vload(kbuf, f.add(f.add(f.mul(s16, D), o), j * D), w)
-                    at = f.add(f.add(kv_base, f.mul(f.add(f.add(s0, s16), j), W)), o)
-                    x = b.load(b.bitcast(f.ptr(k_cache, at), vec(element, w).as_pointer()), align=1)
-                    return x if element is F32 else b.fpext(x, vec(F32, w))
+                    return cache_chunk(f.ptr(k_cache, f.add(f.add(kv_base, f.mul(f.add(f.add(s0, s16), j), W)), o)), w)
 
                 by_query = [f.hsum(products) for products in _dots(f, [f.ptr(queries, qbase) for qbase in qbases],
                                                                    k_chunk, 16, D, lib.tuning)]

@@ -275,7 +275,7 @@ def row_tiles(f: KernelBuilder, rows: Rows, first: ir.Value, end: ir.Value, size
     Sizes larger than a quantized row buffer are left out (a decode of one row: tiles of 1 only).
     With `padded`, rows left over that are more than half of `sizes[0]` are padded(t, sizes[0], n) instead, n
     the rows left: each weight read once for them, not once per smaller tile (on the AMX Xeon a 1.1B model's
-    step of 7 rows took 47 ms as 4 + 2 + 1, 33 as one tile)."""
+    step of 7 rows took 46 ms as 4 + 2 + 1, 36 as one tile; 8 rows 33)."""
     b = f.b
     sizes = tuple(r for r in sizes if not rows.quantized or r <= rows.q.capacity)
     span = f.sub(end, first)

@@ -559,18 +559,21 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, parts: list[Part], column_bytes: in
                     for c in range(min(STRIP, width - si * STRIP)):
                         vals[wi][ri][si * STRIP + c] = b.extract_element(sums[wi][ri], ir.Constant(I32, c))
 
-        def keep(n: int) -> None:
-            parts[i].finish([f.add(t, ri) for ri in range(n)], [f.add(j0, c) for c in range(width)],
-                            [v[:n] for v in vals])
+        def keep(first: int, n: int) -> None:
+            """Rows t+first..t+first+n finished (and flushed)."""
+            at = f.add(t, first)
+            parts[i].finish([f.add(at, ri) for ri in range(n)], [f.add(j0, c) for c in range(width)],
+                            [v[first:first + n] for v in vals])
             if parts[i].flush is not None:
-                parts[i].flush(t, n, j0)
+                parts[i].flush(at, n, j0)
 
         if live is None:
-            keep(r)
+            keep(0, r)
             return
-        for n in range(r // 2 + 1, r):
-            with f.when(b.icmp_signed("==", live, f.i64(n))):
-                keep(n)
+        keep(0, r // 2 + 1)  # (a padded tile has more than half its rows; then each further row where there is one)
+        for ri in range(r // 2 + 1, r - 1):
+            with f.when(b.icmp_signed("<", f.i64(ri), live)):
+                keep(ri, 1)
 
     def span(i: int, first: ir.Value, j0: ir.Value, width: int) -> None:
         """Rows first..count of part i's `width` columns from j0, in tiles of `STRIP_ROWS` (rows left over that

@@ -456,11 +456,12 @@ def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> 
     rows or quantized rows.
 
     Quantized rows are written a block of 32 columns at a time: the thread computing
-    the block keeps it in `block` (one tile of rows) and quantizes it when it is full.
+    the block keeps it in `block` (row t of a tile in its row t mod `TILE_ROWS`) and quantizes it when it is full.
     """
     N, K = tgt.dims(op.gate)
     rows = _projection_rows(f, op, a, K, False)
     q = QRowsAccess(f, a["out"], op.out.type) if tgt.is_quantized(op.out) else None
+    assert TILE_ROWS & (TILE_ROWS - 1) == 0  # (a power of two: `block_row`)
     block = f.alloca(F32, TILE_ROWS * ACT_BLOCK, name="block") if q is not None else None
     out = floats(f, a["out"]) if q is None else None
 
@@ -482,13 +483,17 @@ def _swiglu(lib: KernelLibrary, f: KernelBuilder, op: tgt.SwigluOp, a: dict) -> 
             row = b.shuffle_vector(y, ir.Constant(y.type, None),
                                    ir.Constant(ir.VectorType(I32, width), list(range(ri * width, (ri + 1) * width))))
             if block is not None:
-                f.vstore(row, block, f.add(f.i64(ri * ACT_BLOCK), b.srem(js[0], f.i64(ACT_BLOCK))))
+                f.vstore(row, block, f.add(block_row(ts[ri]), b.srem(js[0], f.i64(ACT_BLOCK))))
             else:
                 f.vstore(row, out, f.add(f.mul(ts[ri], N), js[0]))
 
+    def block_row(t: ir.Value) -> ir.Value:
+        """Where row t's values start in `block`."""
+        return f.mul(f.b.and_(t, f.i64(TILE_ROWS - 1)), ACT_BLOCK)
+
     def flush(t: ir.Value, r: int, j0: ir.Value) -> None:
         for ri in range(r):
-            row = f.ptr(block, ri * ACT_BLOCK)
+            row = f.ptr(block, block_row(f.add(t, ri)))
             q.store_block(f.add(t, ri), f.b.sdiv(j0, f.i64(ACT_BLOCK)), f.vload(row, f.i64(0)), f.vload(row, f.i64(16)))
 
     weights = [(a["gate"], _weight_type(op.gate)), (a["up"], _weight_type(op.up))]

@@ -441,8 +441,8 @@ def test_swiglu_a8_writes_quantized_rows(tmp_path, tm, storage, N):
 @pytest.mark.parametrize("storage", [Storage.Q4_1, Storage.Q6_K, Storage.Q8_0], ids=str)
 def test_rows_equal_each_row_alone(tmp_path, tm, storage, bits):
     """A batch's rows walk each weight block together in tiles of up to 8 rows (then 4, 2, 1; from 4 rows
-    one `vpdpbusd` chain per row and plane, fewer rows two chains each; 5 to 7 rows left, one tile of 8 whose
-    rows past them read the last again): every row of a call of 1..11 rows is bit for bit that row alone,
+    one `vpdpbusd` chain per row and plane, fewer rows two chains each; 5 to 7 rows left, one tile of 8 read from
+    a copy of them and zero rows): every row of a call of 1..11 rows is bit for bit that row alone,
     matmul and SwiGLU, on each integer path, int8 and int16 rows, and no row past the call's is written."""
     rng = np.random.default_rng(5)
     N, K, R = 96, 256, 11

@@ -267,17 +267,29 @@ class Part:
         return tgt.dims(self.weights[0][1])[0]
 
 
+def tile_sizes(rows: Rows, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """`sizes` without those larger than a quantized row buffer (a decode of one row: tiles of 1 only)."""
+    return tuple(r for r in sizes if not rows.quantized or r <= rows.q.capacity)
+
+
+def rows_left(f: KernelBuilder, span: ir.Value, big: int) -> tuple[ir.Value, ir.Value]:
+    """Of `span` rows, those left after whole tiles of `big`, and whether they are one padded tile (more than
+    half of one). The same for any span that starts at a multiple of `big`."""
+    left = f.b.and_(span, f.i64(big - 1))
+    return left, f.b.icmp_signed(">", left, f.i64(big // 2))
+
+
 def row_tiles(f: KernelBuilder, rows: Rows, first: ir.Value, end: ir.Value, sizes: tuple[int, ...],
               body: Callable[[ir.Value, int], None],
               padded: Callable[[ir.Value, int, ir.Value], None] | None = None) -> None:
     """body(t, r) over rows first..end in tiles of r rows: `sizes[0]` at a time, then at most one tile
     of each smaller size (powers of two, halving: 7 rows of (4, 2, 1) are three tiles, not 4 + 1 + 1 + 1).
-    Sizes larger than a quantized row buffer are left out (a decode of one row: tiles of 1 only).
+    Sizes larger than a quantized row buffer are left out (`tile_sizes`).
     With `padded`, rows left over that are more than half of `sizes[0]` are padded(t, sizes[0], n) instead, n
-    the rows left: each weight read once for them, not once per smaller tile (on the AMX Xeon a 1.1B model's
-    step of 7 rows took 46 ms as 4 + 2 + 1, 36 as one tile; 8 rows 33)."""
+    the rows left (`rows_left`): each weight read once for them, not once per smaller tile (on the AMX Xeon a 1.1B
+    model's step of 7 rows took 46 ms as 4 + 2 + 1, 36 as one tile; 8 rows 33)."""
     b = f.b
-    sizes = tuple(r for r in sizes if not rows.quantized or r <= rows.q.capacity)
+    sizes = tile_sizes(rows, sizes)
     span = f.sub(end, first)
     t = f.add(first, b.and_(span, f.i64(-sizes[0])))
     with f.loop(first, t, sizes[0], name=f"t{sizes[0]}") as t_big:
@@ -293,8 +305,8 @@ def row_tiles(f: KernelBuilder, rows: Rows, first: ir.Value, end: ir.Value, size
     if padded is None or len(sizes) == 1:
         halving(t)
         return
-    left = b.and_(span, f.i64(sizes[0] - 1))
-    with b.if_else(b.icmp_signed(">", left, f.i64(sizes[0] // 2))) as (whole, halves):
+    left, one_tile = rows_left(f, span, sizes[0])
+    with b.if_else(one_tile) as (whole, halves):
         with whole:
             padded(t, sizes[0], left)
         with halves:
@@ -526,11 +538,13 @@ def gemm_tiles(f: KernelBuilder, rows: Rows, parts: list[Part], column_bytes: in
         with f.when(every_row), f.loop(0, rows.count, name="wr", unroll=False) as t:
             widen(rows.q, f.add(rows.first, t), t)
 
-    big = next(r for r in sizes if r <= rows.q.capacity)
+    big = tile_sizes(rows, sizes)[0]
     padded_rows = f.alloca(I8, big * rows.q.row.row_bytes, name="padded_rows") if big > 2 else None
     if padded_rows is not None:  # rows left over that fill more than half a tile: a tile of them and zero rows
-        row_bytes, tail, left = rows.q.row.row_bytes, b.and_(rows.count, f.i64(-big)), b.and_(rows.count, f.i64(big - 1))
-        with f.when(b.icmp_signed(">", left, f.i64(big // 2))):
+        # (once a call: `row_tiles` starts at 0 or at AMX's multiple of 16, so its rows left are these)
+        row_bytes, tail = rows.q.row.row_bytes, b.and_(rows.count, f.i64(-big))
+        left, one_tile = rows_left(f, rows.count, big)
+        with f.when(one_tile):
             f.copy_bytes(padded_rows, rows.q.qs_ptr(f.add(rows.first, tail)), f.mul(left, row_bytes))
             f.copy_bytes(f.ptr(padded_rows, f.mul(left, row_bytes)), None, f.mul(f.sub(big, left), row_bytes))
 

@@ -10,10 +10,12 @@ engine's steps, each one `decode` call of all the rows), per second of wall time
 the process's CPU time (with `--threads 1` the second is steadier on a busy machine). The first
 sequence alone is measured the same way; every sequence's tokens are compared with the same
 sequence alone (they must be equal: a row's result does not depend on its neighbours). Each run
-starts from an empty cache, so every prompt is fed whole, as alone: a prompt still in a slot's cache
-from an earlier run would be fed from its last token, and an `a8` build rounds that chunking
-differently (its tokens could then differ for that reason alone). Prints one line per repeat and
-the best.
+starts from an empty cache: a prompt still in a slot's cache from an earlier run would be fed from
+its last token. The engine feeds the prompts submitted together in one `prefill_kv` call, all but
+the last holding their last token back for the first decode call, so a row's logits are not
+computed in the calls that compute them alone: they differ in the last bits (an `a8` build rounds
+them another way), and the greedy tokens are checked equal all the same. Prints one line per repeat
+and the best.
 """
 
 from __future__ import annotations

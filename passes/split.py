@@ -28,7 +28,8 @@ later phases whether the cache holds history to read.
 
 With `max_batch B > 1` the cache holds B sequences (`!llm.kv_cache<…, slots B>`) and every
 entry point takes each row's slot (`%slots`, passed on to every `llm.attention`): a prompt
-chunk's rows are all in one slot; `@decode` takes up to B rows, one token of each of up to B
+chunk's rows are runs of consecutive positions, each run in one slot (`@prefill_kv` feeds
+several sequences' prompts in one call); `@decode` takes up to B rows, one token of each of up to B
 sequences, and returns every row's logits; `@verify`'s rows may be in several slots, each row
 attending within its own slot up to its position as decode's do (the server checks every
 sequence's draft in one call):

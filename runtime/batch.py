@@ -5,11 +5,15 @@ An artifact compiled with `--max-batch B` holds B sequences in its cache, and it
 read once for all of them. `Engine` schedules requests onto the slots:
 
 - a request waits in a bounded queue until a slot is free (`QueueFull` beyond it);
-- each step runs at most one prompt chunk (`prefill`, then `prefill_kv`) of one
-  admitted request, then one `decode` over every sequence that is generating, so a new
-  prompt enters between the decode steps of the others; the prompts being fed take turns
-  chunk by chunk (the one fed least recently first), so a short prompt admitted behind
-  long ones is fed at the next step, not after them;
+- each step runs at most one call feeding prompts, then one `decode` over every sequence
+  that is generating, so new prompts enter between the decode steps of the others. The
+  feeding call takes the prompts being fed in turn (the one fed least recently first), a
+  chunk of each as far as its rows reach (`prefill_kv` with several sequences' rows), so a
+  short prompt admitted behind long ones is fed at the next step, not after them, and
+  prompts that arrive together are fed in one call (the weights read once for all of
+  them). A prompt that ends inside the call but not on its last row (whose logits are the
+  only ones a feeding call returns) holds its last token back for the step's `decode`:
+  such prompts start generating together, in the same decode calls;
 - a request ends at its end-of-sequence token, at `max_tokens`, at the cache's capacity
   or when cancelled; its slot is free for the next step.
 
@@ -317,34 +321,66 @@ class Engine:
         if seq.speculation is not None:
             seq.speculation.drafter.extend(tokens)
 
-    def _prefill_one(self) -> None:
-        """One prompt chunk of the sequence feeding its prompt that was fed least recently (`prefill`, or
-        `prefill_kv` after the tokens already in its slot; `score` for a request that asks for its prompt's
-        logprobs)."""
-        seq = min((s for s in self.running if s.token is None), key=lambda s: s.fed_at, default=None)
-        if seq is None:
+    def _feed_prompts(self) -> None:
+        """One call feeding the prompts being fed, the one fed least recently first, as far as the call's rows
+        reach (`prefill`'s `max_tokens`): one sequence's chunk alone as `prefill` (or `prefill_kv` after the tokens
+        already in its slot), several sequences' chunks together as `prefill_kv`. The call's logits are its last
+        row's: a sequence whose prompt ends in the call but not on its last row holds its prompt's last token
+        back, and `decode` feeds it beside the generating sequences' tokens, so prompts that arrive together
+        start generating together. A request that asks for its prompt's logprobs runs its chunk alone through
+        `score`, in its turn."""
+        feeding = sorted((s for s in self.running if s.token is None), key=lambda s: s.fed_at)
+        if not feeding:
             return
-        prompt, scoring = seq.request.prompt, seq.request.prompt_logprobs is not None
-        if scoring:
-            if self.score_logits is None:
-                self.score_logits = aligned_zeros(self.session.manifest.entry_points["score"]["logits"], np.float32)
-            entry, logits = "score", self.score_logits
-        else:
-            entry, logits = "prefill" if seq.position == 0 else "prefill_kv", self.logits
-        chunk = prompt[seq.fed : seq.fed + self.session.manifest.entry_points[entry]["max_tokens"]]
-        rows = len(chunk) if scoring else 1
-        self.session.run(entry, np.asarray(chunk, np.int32), np.arange(seq.position, seq.position + len(chunk)),
-                         np.full(len(chunk), seq.slot), logits)
-        if scoring:
-            k = seq.request.sampling.logprobs or 0
-            seq.prompt_logprobs += [log_probs(logits[i], prompt[seq.fed + i + 1], k)
-                                    for i in range(min(len(chunk), len(prompt) - 1 - seq.fed))]
+        if feeding[0].request.prompt_logprobs is not None:
+            self._score_chunk(feeding[0])
+            return
+        room = self.session.manifest.entry_points["prefill_kv"]["max_tokens"]
+        calls: list[tuple[_Sequence, list[int]]] = []
+        for seq in (s for s in feeding if s.request.prompt_logprobs is None):
+            if room == 0:
+                break
+            chunk = seq.request.prompt[seq.fed : seq.fed + room]
+            calls.append((seq, chunk))
+            room -= len(chunk)
+        held = [seq for seq, chunk in calls[:-1] if seq.fed + len(chunk) == len(seq.request.prompt)]
+        calls = [(seq, chunk[:-1] if seq in held else chunk) for seq, chunk in calls]
+        calls = [(seq, chunk) for seq, chunk in calls if chunk]
+        last = calls[-1][0]
+        tokens = [t for _, chunk in calls for t in chunk]
+        entry = "prefill" if len(calls) == 1 and last.position == 0 else "prefill_kv"
+        self.session.run(entry, np.asarray(tokens, np.int32),
+                         np.concatenate([np.arange(seq.position, seq.position + len(chunk)) for seq, chunk in calls]),
+                         np.concatenate([np.full(len(chunk), seq.slot) for seq, chunk in calls]), self.logits)
+        self.prompt_tokens += len(tokens) + len(held)  # (the held tokens: fed by this step's decode)
+        for seq, chunk in calls:
+            seq.fed += len(chunk)
+            seq.cached.extend(chunk)
+            seq.fed_at = self.prompt_tokens
+        for seq in held:
+            seq.fed += 1
+            seq.token = seq.request.prompt[-1]
+            seq.fed_at = self.prompt_tokens
+        if last.fed == len(last.request.prompt):
+            self._prompt_done(last, self.logits[0])
+
+    def _score_chunk(self, seq: _Sequence) -> None:
+        """One chunk of `seq`'s prompt through `score` (every row's logits: the prompt's logprobs)."""
+        prompt = seq.request.prompt
+        if self.score_logits is None:
+            self.score_logits = aligned_zeros(self.session.manifest.entry_points["score"]["logits"], np.float32)
+        chunk = prompt[seq.fed : seq.fed + self.session.manifest.entry_points["score"]["max_tokens"]]
+        self.session.run("score", np.asarray(chunk, np.int32), np.arange(seq.position, seq.position + len(chunk)),
+                         np.full(len(chunk), seq.slot), self.score_logits)
+        k = seq.request.sampling.logprobs or 0
+        seq.prompt_logprobs += [log_probs(self.score_logits[i], prompt[seq.fed + i + 1], k)
+                                for i in range(min(len(chunk), len(prompt) - 1 - seq.fed))]
         seq.fed += len(chunk)
         seq.cached.extend(chunk)
         self.prompt_tokens += len(chunk)
         seq.fed_at = self.prompt_tokens
         if seq.fed == len(prompt):
-            self._prompt_done(seq, logits[rows - 1])
+            self._prompt_done(seq, self.score_logits[len(chunk) - 1])
 
     def _prompt_done(self, seq: _Sequence, logits: np.ndarray) -> None:
         """After the prompt's last token: hand over its logprobs (echo), then the first token, unless the
@@ -477,7 +513,7 @@ class Engine:
         for seq in [s for s in self.running if s.request.cancelled.is_set()]:
             self._end(seq, "cancelled")
         try:
-            self._prefill_one()
+            self._feed_prompts()
             self._decode()
         except Exception as e:  # a failed call ends its sequences, not the engine
             for seq in list(self.running):

@@ -290,8 +290,8 @@ class Conversation:
     def run(self, entry: str, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
             logits: np.ndarray | None) -> None:
         """Run `entry` on rows `tokens` at `positions` of cache `slots` (the caller checks them: a
-        chunk's rows are consecutive positions of one slot, decode's rows distinct slots, verify's
-        rows one slot's); the logits go to `logits` (None: a target may leave them on the device), a C-contiguous
+        chunk's and verify's rows are runs of consecutive positions, each run in one slot (`prefill`'s and
+        `score`'s one run), decode's rows distinct slots); the logits go to `logits` (None: a target may leave them on the device), a C-contiguous
         float32 array with room for the rows the entry point writes (ValueError otherwise: the kernels write
         through its address)."""
         entry = self._entry(entry)

@@ -225,13 +225,16 @@ def test_the_engine_gives_every_request_its_text_alone(artifact) -> None:
         engine.step()
     assert [got[i] for i in range(len(PROMPTS))] == expected
     assert set(reasons.values()) == {"length"}
-    assert engine.decoded_rows == 5 * len(PROMPTS) and engine.steps < engine.decoded_rows / 2
+    # every token after a stream's first came from a decode call, and some first ones too (prompts fed together
+    # whose last token the step's decode fed)
+    assert 5 * len(PROMPTS) < engine.decoded_rows < 6 * len(PROMPTS) and engine.steps < engine.decoded_rows / 2
     session.close()
 
 
 def test_prompts_being_fed_take_turns_chunk_by_chunk(artifact) -> None:
     """A short prompt admitted behind a long one is fed at the next step, not after the long one's seven chunks
-    (one client's long prompt does not hold up another's first token); each text stays what it is alone."""
+    (one client's long prompt does not hold up another's first token), in the call that feeds the long one's next
+    chunk; each text stays what it is alone."""
     session = Session(artifact(QSPEC, max_batch=2))
     prompts = [[(7 * i) % 200 + 3 for i in range(28)], PROMPTS[1][:2]]
     expected = [_alone_stream(session, prompt, 3) for prompt in prompts]
@@ -241,12 +244,38 @@ def test_prompts_being_fed_take_turns_chunk_by_chunk(artifact) -> None:
     engine.step()  # the long prompt's first chunk of 4
     engine.submit(Request(prompts[1], 3, emit=into(got[1])))
     engine.step()
-    # the short prompt's one chunk came next (its first token, then the step's decode its second); the long one
-    # waits its turn
-    assert got == [[], expected[1][:2]]
+    # the short prompt came first in the call (its last token held back: the step's decode gave its first token),
+    # then two rows of the long one, as far as the call's 4 rows reached
+    assert got == [[], expected[1][:1]] and engine.prompt_tokens == 4 + 2 + 2
     while engine.busy:
         engine.step()
     assert got == expected
+    session.close()
+
+
+def test_prompts_arriving_together_are_fed_in_one_call_and_generate_together(artifact) -> None:
+    """Four prompts submitted together: one `prefill_kv` call feeds them all (each its own slot's rows), the
+    first decode call gives each its first token but the last in the call (whose logits the feeding call
+    returned: its second), and from then on every decode call has all four rows; each text stays what its
+    prompt gives alone."""
+    session = Session(artifact(QSPEC, chunk=16, max_batch=4))
+    prompts = PROMPTS[:4]  # 3 + 7 + 1 + 5 tokens: one call's 16 rows
+    sampling = [SamplingOptions(temperature=8.0, seed=i) for i in range(len(prompts))]
+    expected = [_alone_stream(session, p, 6, o) for p, o in zip(prompts, sampling)]
+    engine = Engine(session, ())
+    calls: list[tuple[str, int]] = []
+    run = session.run
+    session.run = lambda entry, tokens, *rest: (calls.append((entry, len(tokens))), run(entry, tokens, *rest))[1]
+    got: list[list[int]] = [[] for _ in prompts]
+    for prompt, options, out in zip(prompts, sampling, got):
+        engine.submit(Request(prompt, 6, options, emit=into(out)))
+    engine.step()
+    assert calls == [("prefill_kv", 3 - 1 + 7 - 1 + 0 + 5), ("decode", 4)]
+    assert [len(out) for out in got] == [1, 1, 1, 2]
+    while engine.busy:
+        engine.step()
+    assert got == expected
+    assert calls[2:] == [("decode", 4)] * 4 + [("decode", 3)]
     session.close()
 
 

@@ -253,6 +253,35 @@ def test_prompts_being_fed_take_turns_chunk_by_chunk(artifact) -> None:
     session.close()
 
 
+def test_one_prefill_kv_call_feeds_several_sequences_as_their_own_calls_do(artifact) -> None:
+    """Runs of four sequences' prompts in one `prefill_kv` call (each run its own slot's, one of them empty),
+    then their last tokens in `decode` and three greedy steps: the logits of calls of one sequence each, as close
+    as two chunkings of one sequence are (other row counts sum in other orders, and an a8 activation can round to
+    the next int8 step: 1.6e-5 of the largest logit here)."""
+    session = Session(artifact(QSPEC, chunk=16, max_batch=4))
+    prompts = PROMPTS[:4]
+    logits = np.zeros((session.batch, session.vocab_size), np.float32)
+
+    def steps(together: bool) -> np.ndarray:
+        session.reset()
+        runs = [(slot, p[:-1]) for slot, p in enumerate(prompts) if len(p) > 1]
+        for group in [runs] if together else [[run] for run in runs]:
+            session.run("prefill_kv", np.array([t for _, chunk in group for t in chunk], np.int32),
+                        np.concatenate([np.arange(len(chunk)) for _, chunk in group]),
+                        np.concatenate([np.full(len(chunk), slot) for slot, chunk in group]), logits)
+        tokens, out = np.array([p[-1] for p in prompts], np.int32), []
+        for step in range(4):
+            session.run("decode", tokens, np.array([len(p) - 1 + step for p in prompts]), np.arange(4), logits)
+            out.append(logits[:4].copy())
+            tokens = logits[:4].argmax(1).astype(np.int32)
+        return np.stack(out)
+
+    alone, together = steps(False), steps(True)
+    assert (alone.argmax(-1) == together.argmax(-1)).all()
+    assert np.abs(alone - together).max() <= 1e-4 * np.abs(alone).max()
+    session.close()
+
+
 def test_prompts_arriving_together_are_fed_in_one_call_and_generate_together(artifact) -> None:
     """Four prompts submitted together: one `prefill_kv` call feeds them all (each its own slot's rows), the
     first decode call gives each its first token but the last in the call (whose logits the feeding call

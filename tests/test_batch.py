@@ -265,7 +265,7 @@ def test_one_prefill_kv_call_feeds_several_sequences_as_their_own_calls_do(artif
     def steps(together: bool) -> np.ndarray:
         session.reset()
         runs = [(slot, p[:-1]) for slot, p in enumerate(prompts) if len(p) > 1]
-        for group in [runs] if together else [[run] for run in runs]:
+        for group in [runs] if together else [[one] for one in runs]:
             session.run("prefill_kv", np.array([t for _, chunk in group for t in chunk], np.int32),
                         np.concatenate([np.arange(len(chunk)) for _, chunk in group]),
                         np.concatenate([np.full(len(chunk), slot) for slot, chunk in group]), logits)
@@ -293,8 +293,8 @@ def test_prompts_arriving_together_are_fed_in_one_call_and_generate_together(art
     expected = [_alone_stream(session, p, 6, o) for p, o in zip(prompts, sampling)]
     engine = Engine(session, ())
     calls: list[tuple[str, int]] = []
-    run = session.run
-    session.run = lambda entry, tokens, *rest: (calls.append((entry, len(tokens))), run(entry, tokens, *rest))[1]
+    call = session.run
+    session.run = lambda entry, tokens, *rest: (calls.append((entry, len(tokens))), call(entry, tokens, *rest))[1]
     got: list[list[int]] = [[] for _ in prompts]
     for prompt, options, out in zip(prompts, sampling, got):
         engine.submit(Request(prompt, 6, options, emit=into(out)))

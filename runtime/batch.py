@@ -323,7 +323,7 @@ class Engine:
 
     def _feed_prompts(self) -> None:
         """One call feeding the prompts being fed, the one fed least recently first, as far as the call's rows
-        reach (`prefill`'s `max_tokens`): one sequence's chunk alone as `prefill` (or `prefill_kv` after the tokens
+        reach (`prefill_kv`'s `max_tokens`): one sequence's chunk alone as `prefill` (or `prefill_kv` after the tokens
         already in its slot), several sequences' chunks together as `prefill_kv`. The call's logits are its last
         row's: a sequence whose prompt ends in the call but not on its last row holds its prompt's last token
         back, and `decode` feeds it beside the generating sequences' tokens, so prompts that arrive together
@@ -352,15 +352,11 @@ class Engine:
         self.session.run(entry, np.asarray(tokens, np.int32),
                          np.concatenate([np.arange(seq.position, seq.position + len(chunk)) for seq, chunk in calls]),
                          np.concatenate([np.full(len(chunk), seq.slot) for seq, chunk in calls]), self.logits)
-        self.prompt_tokens += len(tokens) + len(held)  # (the held tokens: fed by this step's decode)
         for seq, chunk in calls:
-            seq.fed += len(chunk)
-            seq.cached.extend(chunk)
-            seq.fed_at = self.prompt_tokens
+            self._fed(seq, chunk)
         for seq in held:
-            seq.fed += 1
             seq.token = seq.request.prompt[-1]
-            seq.fed_at = self.prompt_tokens
+            self._fed(seq, [seq.token], cached=False)
         if last.fed == len(last.request.prompt):
             self._prompt_done(last, self.logits[0])
 
@@ -375,12 +371,18 @@ class Engine:
         k = seq.request.sampling.logprobs or 0
         seq.prompt_logprobs += [log_probs(self.score_logits[i], prompt[seq.fed + i + 1], k)
                                 for i in range(min(len(chunk), len(prompt) - 1 - seq.fed))]
-        seq.fed += len(chunk)
-        seq.cached.extend(chunk)
-        self.prompt_tokens += len(chunk)
-        seq.fed_at = self.prompt_tokens
+        self._fed(seq, chunk)
         if seq.fed == len(prompt):
             self._prompt_done(seq, self.score_logits[len(chunk) - 1])
+
+    def _fed(self, seq: _Sequence, chunk: list[int], cached: bool = True) -> None:
+        """Count `chunk` of `seq`'s prompt fed, at this point of the prompts fed: its K/V in the slot now (`cached`
+        false: from this step's decode, which puts the token in `seq.cached`)."""
+        seq.fed += len(chunk)
+        if cached:
+            seq.cached.extend(chunk)
+        self.prompt_tokens += len(chunk)
+        seq.fed_at = self.prompt_tokens
 
     def _prompt_done(self, seq: _Sequence, logits: np.ndarray) -> None:
         """After the prompt's last token: hand over its logprobs (echo), then the first token, unless the
@@ -508,7 +510,7 @@ class Engine:
                 self._next(seq, self.logits[row])
 
     def step(self) -> None:
-        """Admit, drop cancelled sequences, feed one prompt chunk, decode every generating sequence."""
+        """Admit, drop cancelled sequences, feed the prompts being fed (one call), decode every generating sequence."""
         self._admit()
         for seq in [s for s in self.running if s.request.cancelled.is_set()]:
             self._end(seq, "cancelled")

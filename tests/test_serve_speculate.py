@@ -16,8 +16,8 @@ import pytest
 from test_batch import PROMPTS, SPEC, into
 from tiny_models import TinySpec
 
-from llmc.runtime.batch import Engine, Request
-from llmc.runtime.sampling import SamplingOptions
+from llmc.runtime.batch import CallCost, Engine, Request, _Sequence
+from llmc.runtime.sampling import Sampler, SamplingOptions
 from llmc.runtime.session import Session
 
 CAPACITY = 64
@@ -109,9 +109,34 @@ def test_ends_mid_draft_are_plain_decodes(artifact, monkeypatch, verify: int) ->
     session.close()
 
 
-def test_sampled_requests_speculate_unless_seeded(artifact) -> None:
+def test_drafts_are_verified_as_far_as_the_call_costs_say_they_pay(artifact) -> None:
+    """`_worth_verifying` on fixed call costs, two drafts of 4 (2 tokens each expected) beside 2 plain rows: where
+    rows cost nothing more (a tiny model's calls), both drafts in the one verify call; where each row costs a
+    one-row call, neither; in calls of their own (`score` standing in for `verify`), a draft pays alone, not beside
+    others whose decode call it adds to."""
+    engine = Engine(Session(artifact(SPEC, max_batch=4, max_seq=CAPACITY, speculate=8)), (), speculate=True)
+    assert engine.together
+    drafted = [(_Sequence(Request([1], 10), slot, Sampler(SamplingOptions()), []), [5, 6, 7, 8]) for slot in range(2)]
+
+    def costs(nine_rows: float) -> CallCost:
+        """A call of one row taking 1 s, of 9 rows `nine_rows`, and a line through them."""
+        cost = CallCost()
+        cost.record(1, 1.0)
+        cost.record(9, nine_rows)
+        return cost
+
+    for nine_rows, verified in ((1.0, 2), (9.0, 0)):
+        engine.cost = costs(nine_rows)
+        assert engine._worth_verifying(drafted, 2) == verified
+    engine.cost, engine.together = costs(1.0), False  # (a call of its own per draft, then a decode of the others)
+    assert engine._worth_verifying(drafted, 2) == 0 and engine._worth_verifying(drafted[:1], 0) == 1
+    engine.session.close()
+
+
+def test_sampled_requests_speculate_unless_seeded(artifact, monkeypatch) -> None:
     """Sampling speculates (the acceptance rule keeps the distribution: tests/test_speculate.py), except with a
-    seed, whose text must not depend on what else runs."""
+    seed, whose text must not depend on what else runs (every draft verified: `every_draft`)."""
+    monkeypatch.setattr(Engine, "_worth_verifying", every_draft)
     session = Session(artifact(SPEC, max_batch=4, max_seq=CAPACITY))
     requests = [(prompt, 20) for prompt in COPIES]
     for seed in (None, 1):

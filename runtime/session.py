@@ -289,11 +289,11 @@ class Conversation:
 
     def run(self, entry: str, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
             logits: np.ndarray | None) -> None:
-        """Run `entry` on rows `tokens` at `positions` of cache `slots` (the caller checks them: a
-        chunk's and verify's rows are runs of consecutive positions, each run in one slot (`prefill`'s and
-        `score`'s one run), decode's rows distinct slots); the logits go to `logits` (None: a target may leave them on the device), a C-contiguous
-        float32 array with room for the rows the entry point writes (ValueError otherwise: the kernels write
-        through its address)."""
+        """Run `entry` on rows `tokens` at `positions` of cache `slots` (the caller checks them: a chunk's and
+        verify's rows are runs of consecutive positions, each run in one slot (`prefill`'s and `score`'s one run),
+        decode's rows distinct slots); the logits go to `logits` (None: a target may leave them on the device), a
+        C-contiguous float32 array with room for the rows the entry point writes (ValueError otherwise: the kernels
+        write through its address)."""
         entry = self._entry(entry)
         if logits is not None:  # (the type checked once an array: a decode loop passes the same one every step)
             rows = min(len(tokens), self.logit_rows[entry])

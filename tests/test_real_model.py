@@ -203,8 +203,9 @@ def test_cuda_artifact_on_the_emulator_matches_the_cpu_artifact(smollm2_path, co
     logits = {}
     for name, session in (("gpu", gpu), ("cpu", cpu)):
         session.reset()
-        prompt = session.feed(codec.encode("The capital of France is"))  # (the prefill in chunks of 4, then one
-        logits[name] = np.stack([prompt, session.feed([int(np.argmax(prompt))])])  # decode: the emulator's ~9 s)
+        # the prefill in chunks of 4, then one decode step (the emulator takes ~9 s a step of the real model)
+        prompt = session.feed(codec.encode("The capital of France is"))
+        logits[name] = np.stack([prompt, session.feed([int(np.argmax(prompt))])])
     a, b = logits["gpu"], logits["cpu"]
     assert (a.argmax(-1) == b.argmax(-1)).all()  # " Paris."
     cosine = (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)

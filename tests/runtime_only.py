@@ -4,6 +4,7 @@
 imports of xDSL, llvmlite, torch, transformers, gguf and llmc's compiler packages (and of the
 comma-separated `extra_blocked`, to play a missing optional package) fail, and which checks at
 exit that none of them was loaded: what runs an artifact (`run`, `serve`, `chat`) needs none.
+A `prelude` (Python source: a test's patch of the runtime) runs first, under the same blocking.
 """
 
 from __future__ import annotations
@@ -26,14 +27,16 @@ _SCRIPT = textwrap.dedent(
             return None
 
     sys.meta_path.insert(0, Block())
+    exec(sys.argv[2])
     from llmc.cli import main
-    code = main(sys.argv[2:])
+    code = main(sys.argv[3:])
     assert not any(m.startswith(("xdsl", "llvmlite", "torch")) for m in sys.modules)
     sys.exit(code)
     """
 )
 
 
-def runtime_only(extra_blocked: str, *argv: str) -> list[str]:
-    """The command line of `llmc *argv` with the compiler stack (and `extra_blocked`) unimportable."""
-    return [sys.executable, "-c", _SCRIPT, extra_blocked, *argv]
+def runtime_only(extra_blocked: str, *argv: str, prelude: str = "") -> list[str]:
+    """The command line of `llmc *argv` with the compiler stack (and `extra_blocked`) unimportable, after
+    `prelude`."""
+    return [sys.executable, "-c", _SCRIPT, extra_blocked, prelude, *argv]

@@ -74,8 +74,10 @@ class Served:
         return self.process.wait(timeout)
 
 
-def start_server(artifact: Path, *options: str) -> Served:
-    return started(runtime_only("", "serve", str(artifact), "--port", "0", "--threads", "1", *options))
+def start_server(artifact: Path, *options: str, prelude: str = "") -> Served:
+    """`llmc serve artifact *options` on a free port, runtime only (`runtime_only`, after `prelude`)."""
+    return started(runtime_only("", "serve", str(artifact), "--port", "0", "--threads", "1", *options,
+                                prelude=prelude))
 
 
 def started(command: list[str]) -> Served:

@@ -29,6 +29,10 @@ def every_draft(engine: Engine, drafted: list, others: int) -> int:
     return len(drafted)
 
 
+# a served engine's `every_draft` (a `start_server` prelude)
+EVERY_DRAFT = "from llmc.runtime.batch import Engine\nEngine._worth_verifying = lambda self, drafted, others: len(drafted)"
+
+
 def _streams(session: Session, requests: list[tuple[list[int], int]], speculate: bool, eos: int | None = None,
              sampling: SamplingOptions = SamplingOptions()) -> tuple[list[tuple[list[int], str]], Engine]:
     """Each request's (tokens, finish reason), all submitted at once to one engine."""
@@ -169,9 +173,10 @@ def served_artifact(tiny, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def clients(served_artifact: Path):
-    """{True: a client of a speculating server, False: of a plain one} (both greedy-identical by the bar)."""
-    servers = {speculate: start_server(served_artifact, "--speculate" if speculate else "--no-speculate")
-               for speculate in (True, False)}
+    """{True: a client of a speculating server that verifies every draft (`EVERY_DRAFT`: its timed choice of
+    when verifying pays is tested on fixed costs), False: of a plain one} (both greedy-identical by the bar)."""
+    servers = {True: start_server(served_artifact, "--speculate", prelude=EVERY_DRAFT),
+               False: start_server(served_artifact, "--no-speculate")}
     clients = {speculate: openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=60)
                for speculate, served in servers.items()}
     yield clients, servers

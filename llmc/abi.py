@@ -111,6 +111,14 @@ PTX_DESCRIPTION = f"// {DESCRIPTION} "  # CUDA: the start of the PTX's last line
 READ_PROBE = f"{ENTRY_PREFIX}read"
 READ_PROBE_ARGUMENTS: dict[str, str] = {"p": POINTER, "bytes": INT64, "tid": INT64, "nth": INT64, "out": POINTER}
 READ_PROBE_STEP = 256  # bytes per iteration: four 64-byte loads
+# `void llmc_argmax(float *logits, int64_t n, int64_t count, int64_t tid, int64_t nth, int64_t *out)`: for each
+# of `n` rows of `count` logits, thread `tid` of `nth` leaves in out[row · nth + tid] the first index of the largest
+# logit in its share of the row (its share's first where none is above -inf; -1 for an empty share). The thread
+# team runs it after a call when the team's words ask (`TEAM_ARGMAX_ROWS`); the runtime takes the largest of the
+# threads' firsts (greedy decoding: each thread reads the logits it wrote, in its own caches).
+ARGMAX = f"{ENTRY_PREFIX}argmax"
+ARGMAX_ARGUMENTS: dict[str, str] = {"logits": POINTER, "n": INT64, "count": INT64, "tid": INT64, "nth": INT64,
+                                    "out": POINTER}
 AMX_FLAG = f"{ENTRY_PREFIX}amx"  # an int32 the runtime sets to 1 once the process may use AMX tiles
 
 # The native thread team (`backends/cpu/team.py`): the runtime's workers wait in
@@ -123,6 +131,10 @@ TEAM_GENERATION = 0  # bumped by each call (its low 32 bits are the futex sleepi
 TEAM_SLEEPERS = 1  # workers asleep on the futex
 TEAM_JOB = 2  # the job of the latest call; `TEAM_STOP` ends the workers
 TEAM_THREADS = 3  # the team's size, set once by the runtime
+TEAM_ARGMAX_ROWS = 4  # rows of logits to take the argmax of after the next call (`ARGMAX`; the call zeroes it), …
+TEAM_ARGMAX_LOGITS = 5  # … at this address, …
+TEAM_ARGMAX_COUNT = 6  # … of this many logits each, …
+TEAM_ARGMAX_OUT = 7  # … the threads' firsts to this address
 TEAM_DONE = 8  # the done barrier's two words (arrivals, generation), a cache line of their own
 TEAM_ARGS = 16  # the job's arguments, in its function's order (every argument an int64 or an address)
 TEAM_WORDS = TEAM_ARGS + 16

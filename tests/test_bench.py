@@ -109,6 +109,25 @@ def test_the_read_probe_reads_every_byte_once(artifact, threads) -> None:
     session.close()
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_greedy_decode_steps_take_the_thread_teams_argmax(artifact, threads) -> None:
+    """A decode step's greedy token comes from the thread team's argmax (`llmc.abi.ARGMAX`), which the call
+    then forgets: each is numpy's argmax of the step's logits, the read probe between steps changes nothing."""
+    from llmc.abi import TEAM_ARGMAX_ROWS
+
+    session = Session(artifact("gguf"), threads=threads)
+    assert session._firsts is not None
+    tokens = [session.greedy([1, 2, 3])]
+    for _ in range(6):
+        tokens.append(session.greedy(tokens[-1:]))
+        assert tokens[-1] == int(np.argmax(session.logits[0])) and session.team.words[TEAM_ARGMAX_ROWS] == 0
+        session.read_weights()
+    session.rewind(0)
+    session.feed([1, 2, 3])
+    assert [int(np.argmax(session.feed([t]))) for t in tokens[:6]] == tokens[1:]  # numpy's, step by step
+    session.close()
+
+
 def test_table_takes_ratios_against_llama_cpps_fastest_path() -> None:
     ours = EngineSpeeds("llmc x", "llmc", {(0, 8): 100.0}, {0: 50.0})
     fast = EngineSpeeds("llama.cpp repack", "llama.cpp", {(0, 8): 200.0}, {0: 20.0})

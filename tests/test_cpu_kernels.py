@@ -46,7 +46,7 @@ from llmc.backends.cpu import (
     target_machine,
 )
 from llmc.backends.cpu import amx as amx_tiles
-from llmc.backends.cpu.codegen import read_probe
+from llmc.backends.cpu.codegen import argmax_job, read_probe
 from llmc.backends.cpu.gemm import CHUNK_BYTES, CHUNKS_PER_THREAD, DEALT_SHARE, PREFETCH_BYTES, TILE_COLS
 from llmc.backends.cpu.target import (
     CPUS,
@@ -739,6 +739,47 @@ def test_a_cpu_s_prefetch_distance_changes_the_one_row_code_not_its_results(tmp_
         assert np.abs(outs[0]).max() > 0
         for out in outs[1:]:
             np.testing.assert_array_equal(out, outs[0])
+
+
+# greedy decoding's argmax ------------------------------------------------------------
+
+@pytest.mark.parametrize("nth", [1, 2, 3])
+def test_the_threads_argmax_is_numpys(tm, tmp_path, nth) -> None:
+    """`llmc_argmax` (the thread team's, for greedy decoding): the largest of the threads' firsts, the earliest
+    thread's on ties, is numpy's argmax of each row, where the largest is tied across the threads' shares and
+    within a 16-float vector, where every logit is -inf, where the only finite one is the last (a share's tail);
+    a share past the row's end is -1."""
+    module = ir.Module(name="kernels")
+    fn = argmax_job(module)
+    library = ctypes.CDLL(str(link_shared([compile_to_object(module, tm.tm)], tmp_path / f"a_{uuid.uuid4().hex}.so")))
+    run = getattr(library, fn.name)
+    vocab = 269
+    logits = np.random.default_rng(2).standard_normal((5, vocab)).astype(np.float32)
+    logits[1, [vocab - 1, vocab // 2, 18, 34]] = 9.0
+    logits[2] = -np.inf
+    logits[3] = -np.inf
+    logits[3, -1] = -5.0
+    logits[4, 20:] = -np.inf
+
+    def argmaxes(rows: int, count: int) -> tuple[list[int], np.ndarray]:
+        """Each row's argmax as the session takes it from the threads' firsts, and the firsts."""
+        firsts = np.full(rows * nth, -7, np.int64)
+        for tid in range(nth):
+            run(ctypes.c_void_p(logits.ctypes.data), ctypes.c_int64(rows), ctypes.c_int64(count),
+                ctypes.c_int64(tid), ctypes.c_int64(nth), ctypes.c_void_p(firsts.ctypes.data))
+        out = []
+        for row, ours in zip(logits.ravel()[: rows * count].reshape(rows, count), firsts.reshape(rows, nth)):
+            best = -1
+            for i in ours.tolist():
+                if i >= 0 and (best < 0 or row[i] > row[best]):
+                    best = i
+            out.append(best)
+        return out, firsts
+
+    got, firsts = argmaxes(5, vocab)
+    assert got == logits.argmax(axis=1).tolist() and ((firsts >= 0) & (firsts < vocab)).all()
+    got, firsts = argmaxes(1, 16)  # one vector: the threads' shares but one are empty
+    assert got == [int(np.argmax(logits[0, :16]))] and sorted(firsts.tolist())[:-1] == [-1] * (nth - 1)
 
 
 # the kernel cache ------------------------------------------------------------------

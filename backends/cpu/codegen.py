@@ -39,6 +39,8 @@ from xdsl.dialects.builtin import IndexType, ModuleOp
 from xdsl.ir import SSAValue
 
 from llmc.abi import (
+    ARGMAX,
+    ARGMAX_ARGUMENTS,
     DESCRIPTION,
     ENTRY_PREFIX,
     IMPLICIT_ARGUMENTS,
@@ -52,7 +54,7 @@ from llmc.abi import (
     WORK_COUNTERS,
     entry_symbol,
 )
-from llmc.backends.builder import I64, VOID, KernelBuilder
+from llmc.backends.builder import F32, I64, VOID, KernelBuilder
 from llmc.backends.cpu.kernels import I64PTR, KernelLibrary
 from llmc.backends.cpu.quant import I8PTR, prefetch
 from llmc.backends.cpu.team import team_run, team_work
@@ -215,6 +217,57 @@ def read_probe(module: ir.Module) -> ir.Function:
     return fn
 
 
+def argmax_job(module: ir.Module) -> ir.Function:
+    """`void llmc_argmax(i8* logits, i64 n, i64 count, i64 tid, i64 nth, i64* out)`: per row of `n` rows of
+    `count` floats, the first index of the largest in thread `tid`'s share of the row (whole 16-float vectors,
+    the last share's tail too) into out[row · nth + tid]: its share's first index where none is above -inf, -1
+    where the share is empty. NaN is never the largest (as the CUDA target's argmax). Greedy decoding's token
+    is the largest of the threads' (`Session.argmaxes`): each reads the logits its share of the LM head wrote, in
+    its own caches, where numpy's argmax read them all from the other core's too (SmolLM2: 26 us a token).
+    The thread team runs it after a call whose words ask (`team.py`)."""
+    types = [_parameter_type(name, kind) for name, kind in ARGMAX_ARGUMENTS.items()]
+    fn = ir.Function(module, ir.FunctionType(VOID, types), name=ARGMAX)
+    for arg, name in zip(fn.args, ARGMAX_ARGUMENTS):
+        arg.name = name
+    f = KernelBuilder(module, fn)
+    b = f.b
+    logits, n, count, tid, nth, out = fn.args
+    x = b.bitcast(logits, F32.as_pointer())
+    floats, indices = ir.VectorType(F32, 16), ir.VectorType(I64, 16)
+    none = 1 << 62  # (a lane's index before any of its floats is above -inf)
+    lo, hi = f.share(b.sdiv(f.add(count, 15), f.i64(16)), tid, nth, 16)
+    hi = f.smin(hi, count)
+    whole = f.add(lo, f.mul(b.sdiv(f.smax(f.sub(hi, lo), 0), f.i64(16)), 16))
+    best, where = f.alloca(floats, name="best"), f.alloca(indices, name="where")
+    top, at = f.alloca(F32, name="top"), f.alloca(I64, name="at")
+    with f.loop(0, n, name="row", unroll=False) as r:
+        row = f.ptr(x, f.mul(r, count))
+        b.store(f.const(floats, float("-inf")), best)
+        b.store(ir.Constant(indices, [none] * 16), where)
+        with f.loop(lo, whole, 16, name="v", unroll=False) as i:
+            v = f.vload(row, i)
+            above = b.fcmp_ordered(">", v, b.load(best))
+            b.store(b.select(above, v, b.load(best)), best)
+            b.store(b.select(above, b.add(f.splat_i64(i, 16), ir.Constant(indices, list(range(16)))),
+                             b.load(where)), where)
+        largest = f.reduce_max(b.load(best))  # (no NaN: one never gets in)
+        first = b.select(b.fcmp_ordered("==", b.load(best), f.splat(largest, floats)), b.load(where),
+                         ir.Constant(indices, [none] * 16))
+        b.store(largest, top)
+        smin = "llvm.vector.reduce.smin.v16i64"
+        b.store(b.call(module.globals.get(smin) or ir.Function(module, ir.FunctionType(I64, [indices]), name=smin),
+                       [first]), at)
+        with f.loop(whole, hi, name="t", unroll=False) as i:
+            v = f.load(row, i)
+            above = b.fcmp_ordered(">", v, b.load(top))
+            b.store(b.select(above, v, b.load(top)), top)
+            b.store(b.select(above, i, b.load(at)), at)
+        index = b.select(b.icmp_signed("==", b.load(at), f.i64(none)), lo, b.load(at))
+        f.store(b.select(b.icmp_signed("<", lo, hi), index, f.i64(-1)), out, f.add(f.mul(r, nth), tid))
+    f.finish()
+    return fn
+
+
 def describe(module: ir.Module, description: dict) -> ir.GlobalVariable:
     """`const char llmc_description[]`: what the library's code was compiled for (the manifest's own
     fields, `llmc.package.describe`), as NUL-terminated JSON, for the runtime to check the manifest
@@ -230,7 +283,7 @@ def describe(module: ir.Module, description: dict) -> ir.GlobalVariable:
 def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int], description: dict
                 ) -> tuple[list[ir.Module], dict[str, int]]:
     """The LLVM modules of an artifact: the first holds every entry point (`entry_symbol(stage)`
-    each), the read probe (`READ_PROBE`), the thread team that runs them (`team`) and the
+    each), the read probe (`READ_PROBE`), greedy decoding's argmax (`ARGMAX`), the thread team that runs them (`team`) and the
     `description` (`DESCRIPTION`), the others one kernel each (compiled and cached alone); also
     the number of barriers each entry point's threads pass."""
     from llmc.backends.cpu.target import kernel_tuning
@@ -248,9 +301,10 @@ def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int], description
             emitter.emit(op)
         barriers[stage] = emitter.barriers
     read_probe(llvm_module)
+    argmax = argmax_job(llvm_module)
     jobs = [llvm_module.get_global(symbol) for symbol in team_jobs(module)]
-    team_work(lib, jobs)
-    team_run(lib, jobs)
+    team_work(lib, jobs, argmax)
+    team_run(lib, jobs, argmax)
     describe(llvm_module, description)
     return [llvm_module, *lib.modules], barriers
 

@@ -10,7 +10,10 @@ the team's generation, runs the job as thread 0 and waits on a barrier for the o
 worker watches the generation with `pause` for about `SPIN_CYCLES` after its last job, then
 sleeps on a futex until the next. So a decode step costs one native call and two barriers'
 worth of cache-line traffic, with no Python, no OS call and no GIL hand-over on the way. A job
-of -1 (`TEAM_STOP`) makes every worker return.
+of -1 (`TEAM_STOP`) makes every worker return. Where the runtime left rows in `TEAM_ARGMAX_ROWS`, the
+threads then take the argmax of those rows of logits (`llmc.abi.ARGMAX`: each thread its share, which its
+share of the LM head wrote) between two passes of the done barrier, and thread 0 zeroes the word: greedy
+decoding's token costs one more barrier, not a second call.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ from __future__ import annotations
 from llvmlite import ir
 
 from llmc.abi import (
+    TEAM_ARGMAX_COUNT,
+    TEAM_ARGMAX_LOGITS,
+    TEAM_ARGMAX_OUT,
+    TEAM_ARGMAX_ROWS,
     TEAM_ARGS,
     TEAM_DONE,
     TEAM_GENERATION,
@@ -69,13 +76,22 @@ def _dispatch(b: ir.IRBuilder, team: ir.Value, job: ir.Value, tid: ir.Value, job
     b.position_at_end(after)
 
 
-def _finish(lib: KernelLibrary, b: ir.IRBuilder, team: ir.Value) -> None:
-    """Every thread arrives at the team's done barrier."""
-    lib.wait(b, _word(b, team, TEAM_DONE), b.load(_word(b, team, TEAM_THREADS)))
+def _finish(lib: KernelLibrary, b: ir.IRBuilder, team: ir.Value, tid: ir.Value, argmax: ir.Function) -> None:
+    """Every thread arrives at the team's done barrier; where `TEAM_ARGMAX_ROWS` asks, each then takes its share
+    of those rows' argmax (`argmax`) and arrives again."""
+    threads = b.load(_word(b, team, TEAM_THREADS))
+    rows = b.load(_word(b, team, TEAM_ARGMAX_ROWS))  # (before arriving: thread 0 zeroes it, and the runtime sets
+    lib.wait(b, _word(b, team, TEAM_DONE), threads)  # the next call's, only after every thread has arrived)
+    with b.if_then(b.icmp_signed(">", rows, ir.Constant(I64, 0))):
+        logits, out = (b.inttoptr(b.load(_word(b, team, w)), p.type) for w, p in ((TEAM_ARGMAX_LOGITS, argmax.args[0]),
+                                                                                (TEAM_ARGMAX_OUT, argmax.args[5])))
+        b.call(argmax, [logits, rows, b.load(_word(b, team, TEAM_ARGMAX_COUNT)), tid, threads, out])
+        lib.wait(b, _word(b, team, TEAM_DONE), threads)
 
 
-def team_work(lib: KernelLibrary, jobs: list[ir.Function]) -> ir.Function:
-    """`llmc_team_work`: wait for a new generation (spin, then sleep), run its job, arrive at the done barrier."""
+def team_work(lib: KernelLibrary, jobs: list[ir.Function], argmax: ir.Function) -> ir.Function:
+    """`llmc_team_work`: wait for a new generation (spin, then sleep), run its job, arrive at the done barrier
+    (`_finish`)."""
     module = lib.module
     fn = ir.Function(module, ir.FunctionType(VOID, [I64PTR, I64]), name=TEAM_WORK)
     team, tid = fn.args
@@ -124,13 +140,14 @@ def team_work(lib: KernelLibrary, jobs: list[ir.Function]) -> ir.Function:
     b.ret_void()
     b.position_at_end(run)
     _dispatch(b, team, job, tid, jobs)
-    _finish(lib, b, team)
+    _finish(lib, b, team, tid, argmax)
     b.branch(idle)
     return fn
 
 
-def team_run(lib: KernelLibrary, jobs: list[ir.Function]) -> ir.Function:
-    """`llmc_team_run`: publish the job, wake sleeping workers, run it as thread 0, wait for the others."""
+def team_run(lib: KernelLibrary, jobs: list[ir.Function], argmax: ir.Function) -> ir.Function:
+    """`llmc_team_run`: publish the job, wake sleeping workers, run it as thread 0, wait for the others
+    (`_finish`), zero the argmax's rows (every thread has read them)."""
     module = lib.module
     fn = ir.Function(module, ir.FunctionType(VOID, [I64PTR, I64]), name=TEAM_RUN)
     team, job = fn.args
@@ -150,6 +167,7 @@ def team_run(lib: KernelLibrary, jobs: list[ir.Function]) -> ir.Function:
     b.ret_void()
     b.position_at_end(run)
     _dispatch(b, team, job, ir.Constant(I64, 0), jobs)
-    _finish(lib, b, team)
+    _finish(lib, b, team, ir.Constant(I64, 0), argmax)
+    b.store(ir.Constant(I64, 0), _word(b, team, TEAM_ARGMAX_ROWS))
     b.ret_void()
     return fn

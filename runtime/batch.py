@@ -494,13 +494,15 @@ class Engine:
         tokens = np.array([s.token for s in ready], np.int32)
         positions = np.array([s.position for s in ready], np.int32)
         slots = np.array([s.slot for s in ready], np.int32)
-        start = time.perf_counter()
-        self.session.run("decode", tokens, positions, slots, self.logits)  # (the same array every step: `run`
-        self.cost.record(len(ready), time.perf_counter() - start)          # checks it and takes its address once)
+        start = time.perf_counter()  # (the same logits array every step: `run` checks it and takes its address once)
+        if any(s.sampler.plain for s in ready):  # the plain greedy rows' tokens: the rows' argmaxes, the session's
+            best = self.session.decode_argmaxes(tokens, positions, slots, self.logits)
+        else:
+            best = None
+            self.session.run("decode", tokens, positions, slots, self.logits)
+        self.cost.record(len(ready), time.perf_counter() - start)
         self.steps += 1
         self.decoded_rows += len(ready)
-        # the plain greedy rows' tokens in one argmax (after a step each numpy call's objects are cache misses)
-        best = self.logits[: len(ready)].argmax(axis=1).tolist() if any(s.sampler.plain for s in ready) else None
         for row, seq in enumerate(ready):
             seq.cached.append(seq.token)
             if best is not None and seq.sampler.plain and self.logits[row, best[row]] != -np.inf:

@@ -334,6 +334,13 @@ class Conversation:
         """`feed`, then the most likely next token (a target may take the argmax where the logits are)."""
         return int(np.argmax(self._last_logits(tokens)))
 
+    def decode_argmaxes(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                        logits: np.ndarray) -> list[int]:
+        """`run("decode", …)`, then each row's argmax (the first index of its largest logit; a target may take
+        them where the logits are)."""
+        self.run("decode", tokens, positions, slots, logits)
+        return logits[: len(tokens)].argmax(axis=1).tolist()
+
     def _last_logits(self, tokens: list[int] | np.ndarray) -> np.ndarray:
         """Run `tokens` after the ones already fed; the last token's logits where the call left them (the next
         call overwrites them)."""
@@ -465,12 +472,11 @@ class Session(Conversation):
         self.calls = {name: _EntryCall(self.team, entry["symbol"], entry["arguments"], self.buffers)
                       for name, entry in self.manifest.entry_points.items()}
         self._logits: tuple[np.ndarray | None, int] = (None, 0)  # the last logits array and its address
-        self._firsts = None  # each thread's first index of its share's largest logit (`greedy`), where the team
-        if hasattr(self.library, ARGMAX):  # takes the argmax (a library compiled before it could not)
-            self._firsts = aligned_zeros(self.threads, np.int64)
-            words = self.team.words
-            words[TEAM_ARGMAX_LOGITS], words[TEAM_ARGMAX_COUNT] = _ptr(self.logits), self.vocab_size
-            words[TEAM_ARGMAX_OUT] = _ptr(self._firsts)
+        self._firsts = None  # each thread's first index of the largest logit in its share of each row, where the
+        if hasattr(self.library, ARGMAX):  # team takes the argmax (`greedy`; a library from before it cannot)
+            self._firsts = aligned_zeros(max(self.logit_rows.values()) * self.threads, np.int64)
+            self.team.words[TEAM_ARGMAX_COUNT], self.team.words[TEAM_ARGMAX_OUT] = self.vocab_size, _ptr(self._firsts)
+        self._argmax_logits: tuple[np.ndarray | None, int] = (None, 0)  # the last such logits array and its address
 
     def close(self) -> None:
         """Stop the worker threads."""
@@ -486,25 +492,43 @@ class Session(Conversation):
         self.calls[entry].start(n, self._logits[1])
 
     def greedy(self, tokens: list[int] | np.ndarray) -> int:
-        """`feed`, then the most likely next token: a decode step's by the thread team (`llmc.abi.ARGMAX`), each
-        thread scanning its share of the logits, which its share of the LM head has just written, in its own
-        caches (numpy's argmax read every logit, half of them from the other core's: 26 us of SmolLM2's 2 ms
-        step, 100 us of the 270M model's 8 ms); the largest of the threads' firsts, the earliest's on ties."""
+        """`feed`, then the most likely next token: a decode step's by the thread team (`_team_argmaxes`)."""
         if self._firsts is None or len(tokens) != 1 or self.position == 0:
             return super().greedy(tokens)
         token = int(tokens[0])
         self._check_range(1, token, token)
-        self.team.words[TEAM_ARGMAX_ROWS] = 1  # (the call zeroes it)
+        return self._team_argmaxes(self.logits, 1, lambda: self._step(token, self.logits))[0]
+
+    def decode_argmaxes(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                        logits: np.ndarray) -> list[int]:
+        """`run("decode", …)`, each row's argmax by the thread team (`_team_argmaxes`)."""
+        if self._firsts is None or len(tokens) > len(self._firsts) // self.threads:
+            return super().decode_argmaxes(tokens, positions, slots, logits)
+        return self._team_argmaxes(logits, len(tokens), lambda: self.run("decode", tokens, positions, slots, logits))
+
+    def _team_argmaxes(self, logits: np.ndarray, rows: int, call: Callable[[], None]) -> list[int]:
+        """`call()` (one native call, whose logits go to `logits`), then the argmax of its first `rows` rows by the
+        thread team (`llmc.abi.ARGMAX`): each thread scans its share of each row, which its share of the LM head
+        has just written, in its own caches (numpy's argmax read every logit, half of them from the other core's:
+        26 us of SmolLM2's 2 ms step, 100 us of the 270M model's 8 ms); each row's largest of the threads'
+        firsts, the earliest's on ties."""
+        if logits is not self._argmax_logits[0]:
+            self._argmax_logits = (logits, _ptr(logits))
+        words = self.team.words
+        words[TEAM_ARGMAX_LOGITS], words[TEAM_ARGMAX_ROWS] = self._argmax_logits[1], rows  # (the call zeroes rows)
         try:
-            self._step(token, self.logits)
+            call()
         except BaseException:
-            self.team.words[TEAM_ARGMAX_ROWS] = 0
+            words[TEAM_ARGMAX_ROWS] = 0
             raise
-        row, best = self.logits[0], -1
-        for i in self._firsts.tolist():
-            if i >= 0 and (best < 0 or row[i] > row[best]):
-                best = i
-        return best
+        firsts, out = self._firsts[: rows * self.threads].tolist(), []
+        for r in range(rows):
+            row, best = logits[r], -1
+            for i in firsts[r * self.threads : (r + 1) * self.threads]:
+                if i >= 0 and (best < 0 or row[i] > row[best]):
+                    best = i
+            out.append(best)
+        return out
 
     @property
     def where(self) -> str:

@@ -128,6 +128,25 @@ def test_greedy_decode_steps_take_the_thread_teams_argmax(artifact, threads) -> 
     session.close()
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_batched_decodes_rows_take_the_thread_teams_argmaxes(artifact, threads) -> None:
+    """`decode_argmaxes` (the engine's plain greedy rows): each row's token is numpy's argmax of its logits, for
+    every row count the artifact takes; a call that fails before it runs asks nothing of the next."""
+    from llmc.abi import TEAM_ARGMAX_ROWS
+
+    session = Session(artifact("batched"), threads=threads)
+    logits = np.zeros((session.batch, session.vocab_size), np.float32)
+    for rows in range(1, session.batch + 1):
+        slots = np.arange(rows, dtype=np.int32)
+        tokens = np.arange(5, 5 + rows, dtype=np.int32)
+        best = session.decode_argmaxes(tokens, np.full(rows, rows, np.int32), slots, logits)
+        assert best == logits[:rows].argmax(axis=1).tolist() and session.team.words[TEAM_ARGMAX_ROWS] == 0
+    with pytest.raises(ValueError, match="C-contiguous float32"):
+        session.decode_argmaxes(tokens, np.full(rows, 1, np.int32), slots, logits[:, ::2])
+    assert session.team.words[TEAM_ARGMAX_ROWS] == 0
+    session.close()
+
+
 def test_table_takes_ratios_against_llama_cpps_fastest_path() -> None:
     ours = EngineSpeeds("llmc x", "llmc", {(0, 8): 100.0}, {0: 50.0})
     fast = EngineSpeeds("llama.cpp repack", "llama.cpp", {(0, 8): 200.0}, {0: 20.0})

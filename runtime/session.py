@@ -476,7 +476,6 @@ class Session(Conversation):
         if hasattr(self.library, ARGMAX):  # team takes the argmax (`greedy`; a library from before it cannot)
             self._firsts = aligned_zeros(max(self.logit_rows.values()) * self.threads, np.int64)
             self.team.words[TEAM_ARGMAX_COUNT], self.team.words[TEAM_ARGMAX_OUT] = self.vocab_size, _ptr(self._firsts)
-        self._argmax_logits: tuple[np.ndarray | None, int] = (None, 0)  # the last such logits array and its address
 
     def close(self) -> None:
         """Stop the worker threads."""
@@ -487,9 +486,13 @@ class Session(Conversation):
         the weights through the caches, each Python object this touches is a cache miss (the whole `run` took
         55 us a step, 3.7 us warm, with the arguments rebuilt and the address taken every call)."""
         assert logits is not None
+        self.calls[entry].start(n, self._address(logits))
+
+    def _address(self, logits: np.ndarray) -> int:
+        """The address of `logits`, taken once for the array a decode loop passes every step."""
         if logits is not self._logits[0]:
             self._logits = (logits, _ptr(logits))
-        self.calls[entry].start(n, self._logits[1])
+        return self._logits[1]
 
     def greedy(self, tokens: list[int] | np.ndarray) -> int:
         """`feed`, then the most likely next token: a decode step's by the thread team (`_team_argmaxes`)."""
@@ -512,10 +515,8 @@ class Session(Conversation):
         has just written, in its own caches (numpy's argmax read every logit, half of them from the other core's:
         26 us of SmolLM2's 2 ms step, 100 us of the 270M model's 8 ms); each row's largest of the threads'
         firsts, the earliest's on ties."""
-        if logits is not self._argmax_logits[0]:
-            self._argmax_logits = (logits, _ptr(logits))
         words = self.team.words
-        words[TEAM_ARGMAX_LOGITS], words[TEAM_ARGMAX_ROWS] = self._argmax_logits[1], rows  # (the call zeroes rows)
+        words[TEAM_ARGMAX_LOGITS], words[TEAM_ARGMAX_ROWS] = self._address(logits), rows  # (the call zeroes rows)
         try:
             call()
         except BaseException:

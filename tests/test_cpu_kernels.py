@@ -46,7 +46,7 @@ from llmc.backends.cpu import (
     target_machine,
 )
 from llmc.backends.cpu import amx as amx_tiles
-from llmc.backends.cpu.codegen import argmax_job, read_probe
+from llmc.backends.cpu.codegen import argmax_kernel, read_probe
 from llmc.backends.cpu.gemm import CHUNK_BYTES, CHUNKS_PER_THREAD, DEALT_SHARE, PREFETCH_BYTES, TILE_COLS
 from llmc.backends.cpu.target import (
     CPUS,
@@ -750,7 +750,7 @@ def test_the_threads_argmax_is_numpys(tm, tmp_path, nth) -> None:
     within a 16-float vector, where every logit is -inf, where the only finite one is the last (a share's tail);
     a share past the row's end is -1."""
     module = ir.Module(name="kernels")
-    fn = argmax_job(module)
+    fn = argmax_kernel(module)
     library = ctypes.CDLL(str(link_shared([compile_to_object(module, tm.tm)], tmp_path / f"a_{uuid.uuid4().hex}.so")))
     run = getattr(library, fn.name)
     vocab = 269

@@ -219,12 +219,12 @@ def read_probe(module: ir.Module) -> ir.Function:
     return fn
 
 
-def argmax_job(module: ir.Module) -> ir.Function:
+def argmax_kernel(module: ir.Module) -> ir.Function:
     """`void llmc_argmax(i8* logits, i64 n, i64 count, i64 tid, i64 nth, i64* out)`: per row of `n` rows of
     `count` floats, the first index of the largest in thread `tid`'s share of the row (whole 16-float vectors,
     the last share's tail too) into out[row · nth + tid]: its share's first index where none is above -inf, -1
     where the share is empty. NaN is never the largest (as the CUDA target's argmax). Greedy decoding's token
-    is the largest of the threads' (`Session.argmaxes`): each reads the logits its share of the LM head wrote, in
+    is the largest of the threads' (`Session._team_argmaxes`): each reads the logits its share of the LM head wrote, in
     its own caches, where numpy's argmax read them all from the other core's too (SmolLM2: 26 us a token).
     The thread team runs it after a call whose words ask (`team.py`)."""
     types = [_parameter_type(name, kind) for name, kind in ARGMAX_ARGUMENTS.items()]
@@ -297,9 +297,9 @@ def describe(module: ir.Module, description: dict) -> ir.GlobalVariable:
 def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int], description: dict
                 ) -> tuple[list[ir.Module], dict[str, int]]:
     """The LLVM modules of an artifact: the first holds every entry point (`entry_symbol(stage)`
-    each), the read probe (`READ_PROBE`), greedy decoding's argmax (`ARGMAX`), the thread team that runs them (`team`) and the
-    `description` (`DESCRIPTION`), the others one kernel each (compiled and cached alone); also
-    the number of barriers each entry point's threads pass."""
+    each), the read probe (`READ_PROBE`), greedy decoding's argmax (`ARGMAX`), the thread team that
+    runs them (`team`) and the `description` (`DESCRIPTION`), the others one kernel each (compiled and
+    cached alone); also the number of barriers each entry point's threads pass."""
     from llmc.backends.cpu.target import kernel_tuning
 
     llvm_module = ir.Module("llmc")
@@ -315,7 +315,7 @@ def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int], description
             emitter.emit(op)
         barriers[stage] = emitter.barriers
     read_probe(llvm_module)
-    argmax = argmax_job(llvm_module)
+    argmax = argmax_kernel(llvm_module)
     jobs = [llvm_module.get_global(symbol) for symbol in team_jobs(module)]
     team_work(lib, jobs, argmax)
     team_run(lib, jobs, argmax)

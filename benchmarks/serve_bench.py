@@ -10,8 +10,8 @@ listening at once and measured in turn, and checks the texts are the same; `--pr
 whose continuation copies a passage they hold (where drafts are accepted), `open` (the default)
 open-ended ones.
 
-It starts `llmc serve` on a free loopback port, sends every prompt alone (streaming, greedy,
-`max_tokens` = --tokens, end of sequence ignored by choosing prompts that run long), then all of
+It starts `llmc serve` on a free loopback port, sends every prompt alone (streaming, greedy or at
+`--temperature` with seed 0, `max_tokens` = --tokens, end of sequence ignored by choosing prompts that run long), then all of
 them at once, through the official `openai` client. Decode rate of a stream: its tokens after the
 first over the time from its first token to its last; aggregate: all streams' tokens after their
 first over the time from the first first-token to the last last-token. With `--vs-llama-server`,
@@ -98,11 +98,11 @@ def wait_ready(url: str, process: subprocess.Popen, timeout: float = 300) -> Non
     raise SystemExit(f"{url} not ready after {timeout:.0f} s")
 
 
-def one_stream(client, model: str, prompt: str, tokens: int, out: list, index: int) -> None:
+def one_stream(client, model: str, prompt: str, tokens: int, temperature: float, out: list, index: int) -> None:
     start = time.perf_counter()
     text, count, first, last = [], 0, None, None
-    response = client.completions.create(model=model, prompt=prompt, max_tokens=tokens, temperature=0,
-                                         stream=True, stream_options={"include_usage": True})
+    response = client.completions.create(model=model, prompt=prompt, max_tokens=tokens, temperature=temperature,
+                                         seed=0, stream=True, stream_options={"include_usage": True})
     for chunk in response:
         now = time.perf_counter()
         if chunk.choices and chunk.choices[0].text:
@@ -114,9 +114,9 @@ def one_stream(client, model: str, prompt: str, tokens: int, out: list, index: i
     out[index] = Stream("".join(text), count, first, last, start)
 
 
-def run_streams(client, model: str, prompts: list[str], tokens: int) -> list[Stream]:
+def run_streams(client, model: str, prompts: list[str], tokens: int, temperature: float = 0) -> list[Stream]:
     out: list = [None] * len(prompts)
-    threads = [threading.Thread(target=one_stream, args=(client, model, p, tokens, out, i))
+    threads = [threading.Thread(target=one_stream, args=(client, model, p, tokens, temperature, out, i))
                for i, p in enumerate(prompts)]
     for t in threads:
         t.start()
@@ -130,14 +130,14 @@ def decode_rate(streams: list[Stream]) -> float:
     return after_first / (max(s.last for s in streams) - min(s.first for s in streams))
 
 
-def measure(base_url: str, prompts: list[str], tokens: int, repeat: int) -> dict:
+def measure(base_url: str, prompts: list[str], tokens: int, repeat: int, temperature: float) -> dict:
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
     model = client.models.list().data[0].id
     run_streams(client, model, prompts, 8)  # warm-up: weights paged in, every slot's cache pages touched
-    alone = [[run_streams(client, model, [p], tokens)[0] for p in prompts] for _ in range(repeat)]
-    together = [run_streams(client, model, prompts, tokens) for _ in range(repeat)]
+    alone = [[run_streams(client, model, [p], tokens, temperature)[0] for p in prompts] for _ in range(repeat)]
+    together = [run_streams(client, model, prompts, tokens, temperature) for _ in range(repeat)]
     alone_rate = statistics.median(decode_rate([s]) for rep in alone for s in rep)
     best = max(together, key=decode_rate)
     same = all(together[r][i].text == alone[0][i].text for r in range(repeat) for i in range(len(prompts)))
@@ -145,7 +145,8 @@ def measure(base_url: str, prompts: list[str], tokens: int, repeat: int) -> dict
             "tokens": [s.tokens for s in best], "wall": max(s.last for s in best) - min(s.start for s in best)}
 
 
-def measured(servers: list[tuple[subprocess.Popen, str]], prompts: list[str], tokens: int, repeat: int) -> list[dict]:
+def measured(servers: list[tuple[subprocess.Popen, str]], prompts: list[str], tokens: int, repeat: int,
+             temperature: float) -> list[dict]:
     """`measure` on each server (a process and the URL it listens at) in turn, `repeat` rounds, all listening at
     once (each idle while another runs: a shared machine's noise falls on all alike); the median of each one's
     one-stream rates, its best aggregate, and its `/health` after. The servers are stopped after."""
@@ -154,7 +155,8 @@ def measured(servers: list[tuple[subprocess.Popen, str]], prompts: list[str], to
     try:
         for process, url in servers:
             wait_ready(url + "/health", process)
-        rounds = [[measure(url + "/v1", prompts, tokens, 1) for _, url in servers] for _ in range(repeat)]
+        rounds = [[measure(url + "/v1", prompts, tokens, 1, temperature) for _, url in servers]
+                  for _ in range(repeat)]
         results = []
         for i, (_, url) in enumerate(servers):
             mine = [r[i] for r in rounds]
@@ -195,6 +197,9 @@ def main() -> int:
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="each request's temperature (default 0: greedy; sampled streams are seeded, so their texts "
+                        "alone and together still compare)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--prompts", choices=("open", "copy"), default="open",
                    help="open-ended prompts, or ones that copy a passage they hold (default: open)")
@@ -208,12 +213,13 @@ def main() -> int:
     variants = (False, True) if args.speculate else (False,)
     servers = [serve_llmc(args.artifact, args.streams, args.threads, speculate) for speculate in variants]
     rows = [(f"llmc serve {args.artifact.name}{' --speculate' if speculate else ''}", result)
-            for speculate, result in zip(variants, measured(servers, prompts, args.tokens, args.repeat))]
+            for speculate, result in zip(variants, measured(servers, prompts, args.tokens, args.repeat, args.temperature))]
     if args.vs_llama_server:
         manifest = json.loads((args.artifact / "manifest.json").read_text())
         threads = args.threads or len(os.sched_getaffinity(0))
         server = serve_llama(args.vs_llama_server, manifest["model"]["source_path"], args.streams, threads, 512)
-        rows.append((f"llama-server -np {args.streams}", measured([server], prompts, args.tokens, args.repeat)[0]))
+        result = measured([server], prompts, args.tokens, args.repeat, args.temperature)[0]
+        rows.append((f"llama-server -np {args.streams}", result))
     print(f"| server | 1 stream decode tok/s | {args.streams} streams aggregate tok/s | × one stream "
           f"| texts equal alone | tokens per stream | wall s |")
     print("|---|--:|--:|--:|---|---|--:|")

@@ -84,11 +84,13 @@ def log_probs(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
     `log_probs(np.log([0.5, 0.25, 0.25]), 1, 1)` is `TokenLogprob(1, log 0.25, ((0, log 0.5),))`."""
     scores = logits.astype(np.float64)
     top = scores.max()
-    log_sum = top + math.log(np.exp(scores - top).sum())
-    best = np.argpartition(-scores, k - 1)[:k] if 0 < k < scores.size else np.arange(scores.size if k else 0)
+    best = _largest(scores, k)
     best = best[np.argsort(-scores[best], kind="stable")]
-    return TokenLogprob(int(token), float(scores[token] - log_sum),
-                        tuple((int(i), float(scores[i] - log_sum)) for i in best))
+    chosen, best_scores = scores[token], scores[best]
+    scores -= top  # (in place: a second temporary of a vocabulary's float64s is page faults in every call)
+    log_sum = top + math.log(np.exp(scores, out=scores).sum())
+    return TokenLogprob(int(token), float(chosen - log_sum),
+                        tuple((int(i), float(s - log_sum)) for i, s in zip(best, best_scores)))
 
 
 class Constraint(Protocol):
@@ -173,14 +175,14 @@ class Sampler:
         return token
 
     def choose(self, logits: np.ndarray) -> int:
-        """The next token after `logits` (not taken): the processed argmax, or a draw from `distribution`."""
+        """The next token after `logits` (not taken): the processed argmax, or a draw by `weights`."""
         if self.greedy:
             scores = self.processed(logits)
             token = int(np.argmax(scores))
             if scores[token] == -np.inf:
                 raise ValueError("no token is allowed next (the grammar and logit-bias exclude all)")
             return token
-        return self.draw(*self.distribution(logits))
+        return self.draw(*self.weights(logits))
 
     def record(self, logits: np.ndarray, token: int) -> None:
         """Take `token`, chosen after `logits`, recording its logprobs there when `options.logprobs` asks."""
@@ -238,49 +240,119 @@ class Sampler:
         """The ids this sampler may choose after raw `logits` (temperature > 0) and their probabilities:
         `processed`, then temperature, top-k, top-p and min-p; likeliest first where a filter applies (else in
         id order), e.g. `ids, probs = sampler.distribution(logits)`, `probs.sum() == 1`."""
+        ids, weights = self.weights(logits)
+        if ids is None:
+            ids = np.flatnonzero(weights)
+            weights = weights[ids].astype(np.float64)
+        return ids, weights / weights.sum()
+
+    def weights(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """What `distribution` normalizes, in the fewest passes over the vocabulary: where no filter applies,
+        `(None, w)` with every token's float32 weight (the likeliest's 1; `exp((score - top) / temperature)`,
+        0 for tokens at -inf); else the ids top-k, top-p and min-p keep and their float64 weights, likeliest
+        first. Only top-p without top-k weighs every token (for the total mass); the filters find their heads
+        among the largest scores (`_largest`), since the order of weights is the order of scores."""
         o = self.options
-        scores = self.processed(logits).astype(np.float64)
+        scores = self.processed(logits)
         top = scores.max()
         if top == -np.inf:
             raise ValueError("no token is allowed next (the grammar and logit-bias exclude all)")
-        scores -= top
-        with np.errstate(over="ignore", invalid="ignore"):  # ≤ 0, and -inf far below the top at a tiny temperature
-            scores /= o.temperature
-        weights = np.exp(scores, out=scores)  # the top one's 1
-        ids = np.flatnonzero(weights)
-        weights = weights[ids]
-        if 0 < o.top_k < ids.size:
-            best = np.argpartition(-weights, o.top_k - 1)[: o.top_k]
-            ids, weights = ids[best], weights[best]
-        if o.top_k or o.top_p < 1 or o.min_p > 0:
-            total = weights.sum()
-            ids, weights = _likeliest(ids, weights, o.top_p * total, o.min_p)
-            keep = ids.size
-            if o.top_p < 1:
-                keep = int(np.searchsorted(np.cumsum(weights), o.top_p * total) + 1)
-            if o.min_p > 0:
-                keep = min(keep, int(np.count_nonzero(weights >= o.min_p)))
-            ids, weights = ids[:keep], weights[:keep]
-        return ids, weights / weights.sum()
+        if not (o.top_k or o.top_p < 1 or o.min_p > 0):
+            return None, _float32_weights(scores, top, o.temperature)
 
-    def draw(self, ids: np.ndarray, probs: np.ndarray) -> int:
-        """One of `ids`, drawn with `probs` (as `rng.choice(len(ids), p=probs)` draws, without its checks of
-        `probs`, which cost more than the draw over a whole vocabulary)."""
-        cdf = np.cumsum(probs)
-        cdf /= cdf[-1]
-        return int(ids[np.searchsorted(cdf, self.rng.random(), side="right")])
+        def weigh(ids: np.ndarray) -> np.ndarray:
+            with np.errstate(over="ignore", invalid="ignore"):  # (a tiny temperature: -inf, weight 0)
+                return np.exp((scores[ids].astype(np.float64) - top) / o.temperature)
+
+        if o.top_k:
+            ids = _largest(scores, o.top_k)
+            weights = weigh(ids)
+            mass = o.top_p * weights.sum()
+        else:  # a head of the likeliest, grown 4x at a time until it holds every token top-p or min-p may keep
+            mass = o.top_p * float(_float32_weights(scores, top, o.temperature).sum()) if o.top_p < 1 else np.inf
+            size = HEAD
+            while True:
+                ids = _largest(scores, size)
+                weights = weigh(ids)
+                if ids.size == scores.size or weights.sum() > mass * (1 + 1e-9) or weights.min() < o.min_p:
+                    break
+                size *= 4
+        order = np.argsort(-weights)
+        ids, weights = ids[order], weights[order]
+        keep = int(np.count_nonzero(weights))  # (tokens at -inf last)
+        if o.top_p < 1:
+            keep = min(keep, int(np.searchsorted(np.cumsum(weights), mass) + 1))
+        if o.min_p > 0:
+            keep = min(keep, int(np.count_nonzero(weights >= o.min_p)))
+        return ids[:keep], weights[:keep]
+
+    def draw(self, ids: np.ndarray | None, weights: np.ndarray) -> int:
+        """One of `ids` (None: 0, 1, …), drawn with probabilities proportional to `weights`: what
+        `rng.choice(len(ids), p=weights / weights.sum())` draws, without its checks, normalization and running
+        sum over every token, which cost more than the draw (`_search`)."""
+        i = _search(weights, self.rng.random())
+        return i if ids is None else int(ids[i])
 
 
-def _likeliest(ids: np.ndarray, weights: np.ndarray, mass: float, min_p: float) -> tuple[np.ndarray, np.ndarray]:
-    """`ids` and their `weights` (the top one's 1) sorted likeliest first, cut to a head that holds every token
-    top-p (the head reaching `mass`) or min-p (weights >= `min_p`) may keep: a partial sort grown 4x at a time,
-    not a sort of the whole vocabulary."""
-    size = 64
-    while size < ids.size:
-        head = np.argpartition(-weights, size - 1)[:size]
-        if weights[head].sum() > mass * (1 + 1e-9) or weights[head].min() < min_p:
-            ids, weights = ids[head], weights[head]
-            break
-        size *= 4
-    order = np.argsort(-weights)
-    return ids[order], weights[order]
+HEAD = 64  # top-p and min-p without top-k: the likeliest tokens weighed first
+GROUP = 64  # `_largest`: values a group (at most), whose maxima bound the k-th largest from below
+SEARCH_BLOCK = 1024  # `_search`: weights whose sum is a step of its first, coarse search
+
+
+def _float32_weights(scores: np.ndarray, top: float, temperature: float) -> np.ndarray:
+    """`exp((scores - top) / temperature)` in float32, in one array (three passes; the float64 copies they
+    replace, two alive at once, page-faulted on every call): the likeliest's 1, a token at -inf 0. The
+    temperature is taken at least float32's smallest normal, where every token but the likeliest already
+    weighs 0."""
+    weights = np.subtract(scores, np.float32(top), dtype=np.float32)
+    finfo = np.finfo(np.float32)
+    scale = np.float32(min(max(temperature, float(finfo.tiny)), float(finfo.max)))
+    with np.errstate(over="ignore", invalid="ignore"):
+        if scale != 1:
+            np.divide(weights, scale, out=weights)
+        return np.exp(weights, out=weights)
+
+
+def _largest(values: np.ndarray, k: int) -> np.ndarray:
+    """The indices of the `k` largest `values`, in no order (ties at the k-th either way): found among the
+    values at or above the k-th largest maximum of groups of up to `GROUP` values (k values reach it, so the
+    k largest do), a few passes over `values` where `np.argpartition` over all of them took 5x as long.
+
+    >>> sorted(_largest(np.array([3.0, 9.0, 1.0, 7.0]), 2).tolist())
+    [1, 3]
+    """
+    n = values.size
+    if k >= n or k <= 0:
+        return np.arange(n if k > 0 else 0)
+    group = min(GROUP, n // k)  # k groups at least
+    if group >= 2:
+        columns = n // group
+        maxima = values[: columns * group].reshape(group, columns).max(axis=0)  # group j: j, j + columns, …
+        ids = np.flatnonzero(values >= np.partition(maxima, columns - k)[columns - k])
+        if ids.size >= k:  # (not so where NaN is among the values)
+            return ids[np.argpartition(values[ids], ids.size - k)[ids.size - k :]]
+    return np.argpartition(values, n - k)[n - k :]
+
+
+def _search(weights: np.ndarray, u: float) -> int:
+    """The first index where the running sum of `weights` (≥ 0, not all 0) exceeds `u` (in [0, 1)) times their
+    total, as `np.searchsorted(np.cumsum(weights), u * total, side="right")` finds it; searched by the sums of
+    `SEARCH_BLOCK`-weight blocks, then a running sum within one block (a running sum over 49k weights took
+    115 µs). Rounding at the last step lands on the last weight above 0 there.
+
+    >>> _search(np.array([0.0, 1.0, 0.0, 3.0]), 0.5)
+    3
+    """
+    whole = weights.size // SEARCH_BLOCK * SEARCH_BLOCK
+    sums = weights[:whole].reshape(-1, SEARCH_BLOCK).sum(axis=1)  # (float32's pairwise sums: 2x as fast)
+    if whole < weights.size:
+        sums = np.append(sums, weights[whole:].sum())
+    running = np.cumsum(sums, dtype=np.float64)
+    target = u * running[-1]
+    block = int(np.searchsorted(running, target, side="right"))  # (< sums.size: u < 1)
+    part = weights[block * SEARCH_BLOCK : (block + 1) * SEARCH_BLOCK]
+    i = int(np.searchsorted(np.cumsum(part, dtype=np.float64), target - (running[block - 1] if block else 0.0),
+                            side="right"))
+    if i == part.size:
+        i = int(np.flatnonzero(part)[-1])
+    return block * SEARCH_BLOCK + i

@@ -259,7 +259,7 @@ def accept(sampler: Sampler, rows: np.ndarray, drafts: list[int]) -> tuple[int, 
             taken = sampler.rng.random() < probs[ids == x].sum()
             if not taken:
                 residual = np.where(ids == x, 0.0, probs)  # norm(max(p - q, 0)), q one-hot at x
-                token = sampler.draw(ids, residual / residual.sum())
+                token = sampler.draw(ids, residual)
         if not taken:
             sampler.record(rows[i], token)
             return i, token

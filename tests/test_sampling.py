@@ -9,7 +9,7 @@ from test_speculate import _Oracle
 from tiny_models import TinySpec
 
 from llmc.runtime.codec import TextCodec
-from llmc.runtime.sampling import Sampler, SamplingOptions, log_probs
+from llmc.runtime.sampling import SEARCH_BLOCK, Sampler, SamplingOptions, _largest, _search, log_probs
 from llmc.runtime.session import Session
 from llmc.runtime.speculate import Speculation, step
 
@@ -51,8 +51,10 @@ def test_distribution_is_the_filters_formula(temperature, top_k, top_p, min_p) -
     expected = _reference(LOGITS, temperature, top_k, top_p, min_p)
     assert set(ids.tolist()) == set(expected)
     got = _as_dict(ids, probs)
-    assert max(abs(got[i] - p) for i, p in expected.items()) < 1e-9
-    if top_k or top_p < 1 or min_p:
+    filtered = top_k or top_p < 1 or min_p
+    # float64 weights where a filter applies; float32 over the whole vocabulary where none does
+    assert max(abs(got[i] - p) for i, p in expected.items()) < (1e-9 if filtered else 1e-8)
+    if filtered:
         assert np.all(np.diff(probs) <= 0)  # likeliest first
     if temperature == 5.0:
         assert len(ids) > 64
@@ -136,6 +138,60 @@ def test_draw_is_rng_choice_without_its_checks() -> None:
     mine, numpy = Sampler(SamplingOptions(1.0, seed=3)), np.random.default_rng(3)
     assert [mine.draw(ids, probs) for _ in range(200)] == [int(ids[numpy.choice(len(ids), p=probs)])
                                                            for _ in range(200)]
+
+
+def test_a_vocabularys_draws_are_rng_choices_of_its_softmax() -> None:
+    # a vocabulary past `SEARCH_BLOCK`'s multiples: the draw searches the blocks' sums, then one block
+    vocab = 3 * SEARCH_BLOCK + 517
+    logits = (np.random.default_rng(11).standard_normal(vocab) * 3).astype(np.float32)
+    probs = _softmax(logits.astype(np.float64) / 0.8)
+    sampler, numpy = Sampler(SamplingOptions(0.8, seed=5)), np.random.default_rng(5)
+    assert [sampler(logits) for _ in range(300)] == [int(numpy.choice(vocab, p=probs)) for _ in range(300)]
+
+
+def test_draws_take_only_allowed_tokens_at_any_temperature() -> None:
+    logits = np.full(5000, -np.inf, np.float32)
+    allowed = [7, 1900, 4999]
+    logits[allowed] = [1.0, 2.0, 0.5]
+    drawn = [Sampler(SamplingOptions(1.0, seed=seed))(logits) for seed in range(600)]
+    assert set(drawn) == set(allowed)
+    counts = np.array([drawn.count(token) for token in allowed]) / len(drawn)
+    assert np.abs(counts - _softmax(logits[allowed].astype(np.float64))).max() < 0.06
+    for temperature in (1e-30, 1e-40, 1e-50):  # float32: normal, subnormal, 0; every token but the likeliest weighs 0
+        assert {Sampler(SamplingOptions(temperature, seed=s))(LOGITS) for s in range(20)} == {int(LOGITS.argmax())}
+    assert len({Sampler(SamplingOptions(1e300, seed=s))(LOGITS) for s in range(50)}) > 40  # (all alike: uniform)
+
+
+@pytest.mark.parametrize("size", [5, 63, 64, 65, 1000, 5000, 70_001])
+def test_largest_are_argpartitions(size) -> None:
+    values = np.random.default_rng(size).standard_normal(size).astype(np.float32)
+    values[::7] = -np.inf  # (tokens a grammar excludes)
+    for k in sorted({1, 2, 40, 63, 64, 65, 1000, size // 3, size - 1, size} & set(range(1, size + 1))):
+        got = _largest(values, k)
+        assert got.size == k and np.unique(got).size == k
+        assert np.sort(values[got]).tolist() == np.sort(values)[size - k :].tolist()
+    assert _largest(values, 0).size == 0
+    values[size // 2] = np.nan  # (not a logit; still k indices)
+    assert _largest(values, min(3, size)).size == min(3, size)
+
+
+@pytest.mark.parametrize("size", [1, 5, SEARCH_BLOCK, SEARCH_BLOCK + 1, 4 * SEARCH_BLOCK - 3])
+def test_search_is_the_running_sums_searchsorted(size) -> None:
+    rng = np.random.default_rng(size)
+    weights = rng.random(size).astype(np.float32) ** 4
+    weights[rng.random(size) < 0.3] = 0  # (tokens at -inf weigh 0)
+    weights[-1] = 0
+    weights[0] = max(weights[0], 0.1)
+    for leading_zeros in (0, max(0, min(SEARCH_BLOCK, size - 2))):  # (a first block all 0: u = 0 must pass it)
+        weights[:leading_zeros] = 0
+        weights[leading_zeros] = max(weights[leading_zeros], 0.1)
+        running = np.cumsum(weights, dtype=np.float64)
+        last = int(np.flatnonzero(weights)[-1])
+        for u in [0.0, *rng.random(200), np.nextafter(1.0, 0.0)]:
+            got = _search(weights, u)
+            assert weights[got] > 0
+            expected = min(int(np.searchsorted(running, u * running[-1], side="right")), last)
+            assert got == expected, (u, got, expected)
 
 
 def test_plain_only_where_nothing_is_processed() -> None:

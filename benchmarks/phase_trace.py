@@ -6,7 +6,9 @@
     .venv/bin/python benchmarks/phase_trace.py /tmp/traced.llmc [--period 5 --first 1 --layers 30] [--steps 40] [--depth 32]
 
 The patch makes every barrier write the time stamp counter at each thread's arrival and departure into
-`llmc_btrace` (per barrier instance: the first thread to arrive, then the last). This script runs `--steps`
+`llmc_btrace` (per barrier instance: the first thread to arrive, then the last; the team's done barrier, which
+has a sync word of its own, in a ring of its own: it once overwrote the entry points' instances, and the LM head's
+phase went missing at depth). This script runs `--steps`
 decode calls of `--rows` rows (one by default; more need an artifact compiled with `--max-batch`) on 2
 threads and prints, for each barrier's place in a layer (`--period` barriers
 from the `--first` of a step, `--layers` times: SmolLM2's are after q/k/v, attention, o, swiglu and down)
@@ -28,7 +30,8 @@ import numpy as np
 
 from llmc.runtime.session import open_session
 
-SLOTS = 8192  # barrier instances the patch's ring holds (4 words each, for 2 threads)
+SLOTS = 16384  # barrier instances the patch's ring holds (4 words each, for 2 threads): an entry point's barriers
+# by their sync word's generation in the first half, the team's done barrier (its own word) in the second
 
 
 def main() -> int:

@@ -301,9 +301,9 @@ SEARCH_BLOCK = 1024  # `_search`: weights whose sum is a step of its first, coar
 
 def _float32_weights(scores: np.ndarray, top: float, temperature: float) -> np.ndarray:
     """`exp((scores - top) / temperature)` in float32, in one array (three passes; the float64 copies they
-    replace, two alive at once, page-faulted on every call): the likeliest's 1, a token at -inf 0. The
-    temperature is taken at least float32's smallest normal, where every token but the likeliest already
-    weighs 0."""
+    replace, two alive at once, page-faulted on every call): the likeliest's 1, a token at -inf 0, and so is
+    one below float32's range (under e^-103 of the likeliest: never drawn in practice). The temperature is taken
+    at least float32's smallest normal, where every token but the likeliest already weighs 0."""
     weights = np.subtract(scores, np.float32(top), dtype=np.float32)
     finfo = np.finfo(np.float32)
     scale = np.float32(min(max(temperature, float(finfo.tiny)), float(finfo.max)))

@@ -72,6 +72,10 @@ def main() -> int:
     if min(args.rows, args.tokens, args.prompt, args.repeat) < 1:
         p.error("--rows, --tokens, --prompt and --repeat must be at least 1")
     try:
+        SamplingOptions(args.temperature).check()
+    except ValueError as e:
+        p.error(str(e))
+    try:
         session = open_session(args.artifact, threads=args.threads)
     except LlmcError as e:
         p.error(str(e))

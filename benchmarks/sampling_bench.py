@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmc.errors import LlmcError
 from llmc.runtime.codec import TextCodec
 from llmc.runtime.sampling import Sampler, SamplingOptions
 from llmc.runtime.session import open_session
@@ -58,7 +59,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=100, help="tokens decoded after each prompt (rows timed: 3x)")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
-    rows = logits_rows(args.artifact, args.steps, args.threads)
+    if args.steps < 1:
+        p.error(f"--steps must be at least 1, got {args.steps}")
+    try:
+        rows = logits_rows(args.artifact, args.steps, args.threads)
+    except LlmcError as e:
+        p.error(str(e))
     print(f"{len(rows)} rows of {rows.shape[1]} logits ({args.artifact.name})\n")
     print("| options | mean µs | median µs | p99 µs |")
     print("|---|--:|--:|--:|")

@@ -207,6 +207,8 @@ def main() -> int:
     p.add_argument("--vs-llama-server", metavar="PATH", help="llama.cpp's llama-server, run on the artifact's GGUF")
     args = p.parse_args()
     prompts = PROMPTS if args.prompts == "open" else COPY_PROMPTS
+    if not 0 <= args.temperature <= 2:  # (the API's range, as OpenAI's)
+        raise SystemExit(f"--temperature must be in [0, 2], got {args.temperature}")
     if not 1 <= args.streams <= len(prompts):
         raise SystemExit(f"--streams must be in 1..{len(prompts)} with --prompts {args.prompts}")
     prompts = prompts[: args.streams]

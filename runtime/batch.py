@@ -495,19 +495,19 @@ class Engine:
         positions = np.array([s.position for s in ready], np.int32)
         slots = np.array([s.slot for s in ready], np.int32)
         start = time.perf_counter()  # (the same logits array every step: `run` checks it and takes its address once)
-        if any(s.sampler.plain for s in ready):  # the plain greedy rows' tokens: the rows' argmaxes, the session's
-            best = self.session.decode_argmaxes(tokens, positions, slots, self.logits)
+        if any(s.sampler.plain or s.sampler.plain_draw for s in ready):  # the plain rows' tokens: the session's
+            picks = self.session.decode_picks(tokens, positions, slots, self.logits, [s.sampler for s in ready])
         else:
-            best = None
+            picks = [None] * len(ready)
             self.session.run("decode", tokens, positions, slots, self.logits)
         self.cost.record(len(ready), time.perf_counter() - start)
         self.steps += 1
         self.decoded_rows += len(ready)
-        for row, seq in enumerate(ready):
+        for row, (seq, token) in enumerate(zip(ready, picks)):
             seq.cached.append(seq.token)
-            if best is not None and seq.sampler.plain and self.logits[row, best[row]] != -np.inf:
-                seq.sampler.take([best[row]])
-                self._take(seq, [best[row]])
+            if token is not None:
+                seq.sampler.take([token])
+                self._take(seq, [token])
             else:
                 self._next(seq, self.logits[row])
 

@@ -9,11 +9,13 @@ temperature / top-k / top-p / min-p sampling; the chosen tokens' logprobs on req
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+from llmc.abi import WEIGH_BLOCK
 
 MOST_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 # repetition penalties from 1/10 to 10: past them, a score divided or multiplied by the penalty reaches inf
@@ -163,10 +165,29 @@ class Sampler:
     @property
     def plain(self) -> bool:
         """Greedy with nothing to process or record: the argmax of the raw logits is the choice, so a caller
-        may take the session's own argmax (`session.greedy`) and then `take` it."""
+        may take the session's own argmax (`session.greedy`, `session.pick`) and then `take` it."""
+        return self.greedy and self._raw
+
+    @property
+    def plain_draw(self) -> bool:
+        """A draw at `temperature` from the raw logits, with nothing to process, filter or record: a caller may
+        take the session's choice (`session.pick`, which may weigh the logits where they are: `draw_weighed`)
+        and then `take` it."""
         o = self.options
-        return (self.greedy and self.constraint is None and self.generated is None and self.occurred is None
-                and not o.logit_bias and o.logprobs is None)
+        return not self.greedy and self._raw and not (o.top_k or o.top_p < 1 or o.min_p > 0)
+
+    @property
+    def _raw(self) -> bool:
+        """Whether the choice is made on the raw logits, and nothing of them is recorded."""
+        o = self.options
+        return (self.constraint is None and self.generated is None and self.occurred is None and not o.logit_bias
+                and o.logprobs is None)
+
+    @property
+    def scale(self) -> np.float32:
+        """What the logits' differences are multiplied by before `exp`: 1 / temperature, in float32
+        (`_temperature`)."""
+        return np.float32(1.0 / _temperature(self.options.temperature))
 
     def __call__(self, logits: np.ndarray) -> int:
         """Choose the next token after `logits`, record its logprobs (if asked) and take it."""
@@ -286,6 +307,24 @@ class Sampler:
             keep = min(keep, int(np.count_nonzero(weights >= o.min_p)))
         return ids[:keep], weights[:keep]
 
+    def draw_weighed(self, logits: np.ndarray, blocks: np.ndarray) -> int | None:
+        """`choose` for a `plain_draw` sampler, from `logits` weighed by blocks of `WEIGH_BLOCK` (`llmc.abi.WEIGH`:
+        each block's largest logit and its sum of exp((logit − largest) · `scale`), float32 [blocks, 2]): the
+        blocks' masses relative to the largest logit find the draw's block (one `rng.random()`, as `draw`), whose
+        own weights (`_float32_weights`) find the token, what `draw(*weights(logits))` finds up to the float32
+        rounding of the blocks' sums. None, drawing nothing, where the masses are not finite numbers above 0
+        (a NaN logit, all at -inf): `choose` then says why."""
+        maxima = blocks[:, 0].astype(np.float64)
+        top = maxima.max()
+        with np.errstate(over="ignore", invalid="ignore"):
+            masses = blocks[:, 1] * np.exp((maxima - top) * float(self.scale))
+        total = masses.sum()
+        if not (math.isfinite(total) and total > 0):
+            return None
+        temperature = self.options.temperature
+        return _search_blocks(masses, self.rng.random(), lambda block: _float32_weights(
+            logits[block * WEIGH_BLOCK : (block + 1) * WEIGH_BLOCK], top, temperature))
+
     def draw(self, ids: np.ndarray | None, weights: np.ndarray) -> int:
         """One of `ids` (None: 0, 1, …), drawn with probabilities proportional to `weights`: what
         `rng.choice(len(ids), p=weights / weights.sum())` draws, without its checks, normalization and running
@@ -296,17 +335,23 @@ class Sampler:
 
 HEAD = 64  # top-p and min-p without top-k: the likeliest tokens weighed first
 GROUP = 64  # `_largest`: values a group (at most), whose maxima bound the k-th largest from below
-SEARCH_BLOCK = 1024  # `_search`: weights whose sum is a step of its first, coarse search
+SEARCH_BLOCK = WEIGH_BLOCK  # `_search`: weights whose sum is a step of its first, coarse search (the team's blocks)
+
+
+def _temperature(temperature: float) -> float:
+    """The temperature as the weights take it: at least float32's smallest normal (where every token but the
+    likeliest already weighs 0) and at most its largest."""
+    finfo = np.finfo(np.float32)
+    return min(max(temperature, float(finfo.tiny)), float(finfo.max))
 
 
 def _float32_weights(scores: np.ndarray, top: float, temperature: float) -> np.ndarray:
     """`exp((scores - top) / temperature)` in float32, in one array (three passes; the float64 copies they
     replace, two alive at once, page-faulted on every call): the likeliest's 1, a token at -inf 0, and so is
-    one below float32's range (under e^-103 of the likeliest: never drawn in practice). The temperature is taken
-    at least float32's smallest normal, where every token but the likeliest already weighs 0."""
+    one below float32's range (under e^-103 of the likeliest: never drawn in practice); the temperature as
+    `_temperature` takes it."""
     weights = np.subtract(scores, np.float32(top), dtype=np.float32)
-    finfo = np.finfo(np.float32)
-    scale = np.float32(min(max(temperature, float(finfo.tiny)), float(finfo.max)))
+    scale = np.float32(_temperature(temperature))
     with np.errstate(over="ignore", invalid="ignore"):
         if scale != 1:
             np.divide(weights, scale, out=weights)
@@ -337,8 +382,8 @@ def _largest(values: np.ndarray, k: int) -> np.ndarray:
 def _search(weights: np.ndarray, u: float) -> int:
     """The first index where the running sum of `weights` (≥ 0, not all 0) exceeds `u` (in [0, 1)) times their
     total, as `np.searchsorted(np.cumsum(weights), u * total, side="right")` finds it; searched by the sums of
-    `SEARCH_BLOCK`-weight blocks, then a running sum within one block (a running sum over 49k weights took
-    115 µs). Rounding at the last step lands on the last weight above 0 there.
+    `SEARCH_BLOCK`-weight blocks, then a running sum within one block (`_search_blocks`; a running sum over 49k
+    weights took 115 µs).
 
     >>> _search(np.array([0.0, 1.0, 0.0, 3.0]), 0.5)
     3
@@ -347,12 +392,21 @@ def _search(weights: np.ndarray, u: float) -> int:
     sums = weights[:whole].reshape(-1, SEARCH_BLOCK).sum(axis=1)  # (float32's pairwise sums: 2x as fast)
     if whole < weights.size:
         sums = np.append(sums, weights[whole:].sum())
+    return _search_blocks(sums, u, lambda block: weights[block * SEARCH_BLOCK : (block + 1) * SEARCH_BLOCK])
+
+
+def _search_blocks(sums: np.ndarray, u: float, block_weights: Callable[[int], np.ndarray]) -> int:
+    """`_search` over weights given as the sums of their `SEARCH_BLOCK`-weight blocks (≥ 0, not all 0) and
+    the weights of any one block (`block_weights(b)`): the block where the blocks' running sum exceeds `u`
+    times their total, then the weight where the running sum within it exceeds the rest. Rounding at the last
+    step lands on the block's last weight above 0 (its largest where none is)."""
     running = np.cumsum(sums, dtype=np.float64)
     target = u * running[-1]
     block = int(np.searchsorted(running, target, side="right"))  # (< sums.size: u < 1)
-    part = weights[block * SEARCH_BLOCK : (block + 1) * SEARCH_BLOCK]
+    part = block_weights(block)
     i = int(np.searchsorted(np.cumsum(part, dtype=np.float64), target - (running[block - 1] if block else 0.0),
                             side="right"))
     if i == part.size:
-        i = int(np.flatnonzero(part)[-1])
+        above = np.flatnonzero(part)
+        i = int(above[-1]) if above.size else int(np.argmax(part))
     return block * SEARCH_BLOCK + i

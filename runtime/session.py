@@ -22,6 +22,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,16 +32,21 @@ from llmc.abi import (
     READ_PROBE_ARGUMENTS,
     READ_PROBE_STEP,
     SYNC_WORDS,
-    TEAM_ARGMAX_COUNT,
-    TEAM_ARGMAX_LOGITS,
     TEAM_ARGMAX_OUT,
     TEAM_ARGMAX_ROWS,
     TEAM_ARGS,
+    TEAM_LOGIT_COUNT,
+    TEAM_LOGITS,
     TEAM_RUN,
     TEAM_STOP,
     TEAM_THREADS,
+    TEAM_WEIGH_OUT,
+    TEAM_WEIGH_ROWS,
+    TEAM_WEIGH_SCALES,
     TEAM_WORDS,
     TEAM_WORK,
+    WEIGH,
+    WEIGH_BLOCK,
 )
 from llmc.errors import LlmcError
 from llmc.runtime import amx
@@ -54,6 +60,9 @@ from llmc.runtime.artifact import (
     load_verified_library,
     missing_cpu_features,
 )
+
+if TYPE_CHECKING:
+    from llmc.runtime.sampling import Sampler
 
 
 def default_threads() -> int:
@@ -334,12 +343,27 @@ class Conversation:
         """`feed`, then the most likely next token (a target may take the argmax where the logits are)."""
         return int(np.argmax(self._last_logits(tokens)))
 
-    def decode_argmaxes(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-                        logits: np.ndarray) -> list[int]:
-        """`run("decode", …)`, then each row's argmax (the first index of its largest logit; a target may take
-        them where the logits are)."""
+    def pick(self, tokens: list[int] | np.ndarray, sampler: Sampler) -> int:
+        """`feed`, then the next token of a `plain` sampler (the argmax) or a `plain_draw` one (a draw), not taken
+        (a target may choose it where the logits are)."""
+        return self.greedy(tokens) if sampler.plain else sampler.choose(self._last_logits(tokens))
+
+    def decode_picks(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, logits: np.ndarray,
+                     samplers: Sequence[Sampler]) -> list[int | None]:
+        """`run("decode", …)`, then the next token of each row whose sampler is `plain` (the argmax, the first
+        index of its largest logit) or `plain_draw` (a draw), not taken; None for the other rows, and for one
+        whose choice fails (every logit at -inf, NaN), which the caller's own `sampler(…)` then reports (a target
+        may choose where the logits are)."""
         self.run("decode", tokens, positions, slots, logits)
-        return logits[: len(tokens)].argmax(axis=1).tolist()
+        picks: list[int | None] = []
+        for row, sampler in zip(logits, samplers):
+            token = None
+            if sampler.plain:
+                token = int(np.argmax(row))
+            elif sampler.plain_draw and np.isfinite(row.max()):
+                token = sampler.choose(row)
+            picks.append(None if token is None or row[token] == -np.inf else token)
+        return picks
 
     def _last_logits(self, tokens: list[int] | np.ndarray) -> np.ndarray:
         """Run `tokens` after the ones already fed; the last token's logits where the call left them (the next
@@ -472,10 +496,17 @@ class Session(Conversation):
         self.calls = {name: _EntryCall(self.team, entry["symbol"], entry["arguments"], self.buffers)
                       for name, entry in self.manifest.entry_points.items()}
         self._logits: tuple[np.ndarray | None, int] = (None, 0)  # the last logits array and its address
+        rows = max(self.logit_rows.values())
         self._firsts = None  # each thread's first index of the largest logit in its share of each row, where the
         if hasattr(self.library, ARGMAX):  # team takes the argmax (`greedy`; a library from before it cannot)
-            self._firsts = aligned_zeros(max(self.logit_rows.values()) * self.threads, np.int64)
-            self.team.words[TEAM_ARGMAX_COUNT], self.team.words[TEAM_ARGMAX_OUT] = self.vocab_size, _ptr(self._firsts)
+            self._firsts = aligned_zeros(rows * self.threads, np.int64)
+            self.team.words[TEAM_LOGIT_COUNT], self.team.words[TEAM_ARGMAX_OUT] = self.vocab_size, _ptr(self._firsts)
+        self._scales = self._blocks = None  # each row's scale and its blocks' (largest, sum), where the team weighs
+        if hasattr(self.library, WEIGH):  # the logits for a draw (`pick`; a library from before it cannot)
+            self._scales = aligned_zeros(rows, np.float32)
+            self._blocks = aligned_zeros((rows, -(-self.vocab_size // WEIGH_BLOCK), 2), np.float32)
+            self.team.words[TEAM_WEIGH_SCALES], self.team.words[TEAM_WEIGH_OUT] = (_ptr(self._scales),
+                                                                                  _ptr(self._blocks))
 
     def close(self) -> None:
         """Stop the worker threads."""
@@ -495,41 +526,67 @@ class Session(Conversation):
         return self._logits[1]
 
     def greedy(self, tokens: list[int] | np.ndarray) -> int:
-        """`feed`, then the most likely next token: a decode step's by the thread team (`_team_argmaxes`)."""
+        """`feed`, then the most likely next token: a decode step's by the thread team (`_team_picks`)."""
         if self._firsts is None or len(tokens) != 1 or self.position == 0:
             return super().greedy(tokens)
         token = int(tokens[0])
         self._check_range(1, token, token)
-        return self._team_argmaxes(self.logits, 1, lambda: self._step(token, self.logits))[0]
+        return self._team_picks(self.logits, None, lambda: self._step(token, self.logits))[0]
 
-    def decode_argmaxes(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-                        logits: np.ndarray) -> list[int]:
-        """`run("decode", …)`, each row's argmax by the thread team (`_team_argmaxes`)."""
-        if self._firsts is None or len(tokens) > len(self._firsts) // self.threads:
-            return super().decode_argmaxes(tokens, positions, slots, logits)
-        return self._team_argmaxes(logits, len(tokens), lambda: self.run("decode", tokens, positions, slots, logits))
+    def pick(self, tokens: list[int] | np.ndarray, sampler: Sampler) -> int:
+        """`feed`, then the next token of a `plain` or `plain_draw` sampler: a decode step's by the thread team
+        (`_team_picks`)."""
+        if sampler.plain or self._scales is None or len(tokens) != 1 or self.position == 0:
+            return super().pick(tokens, sampler)
+        token = int(tokens[0])
+        self._check_range(1, token, token)
+        chosen = self._team_picks(self.logits, [sampler], lambda: self._step(token, self.logits))[0]
+        return chosen if chosen is not None else sampler.choose(self.logits[0])  # (which says why it cannot)
 
-    def _team_argmaxes(self, logits: np.ndarray, rows: int, call: Callable[[], None]) -> list[int]:
-        """`call()` (one native call, whose logits go to `logits`), then the argmax of its first `rows` rows by the
-        thread team (`llmc.abi.ARGMAX`): each thread scans its share of each row, which its share of the LM head
-        has just written, in its own caches (numpy's argmax read every logit, half of them from the other core's:
-        26 us of SmolLM2's 2 ms step, 100 us of the 270M model's 8 ms); each row's largest of the threads'
-        firsts, the earliest's on ties."""
+    def decode_picks(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, logits: np.ndarray,
+                     samplers: Sequence[Sampler]) -> list[int | None]:
+        """`run("decode", …)`, each row's pick by the thread team (`_team_picks`)."""
+        if self._firsts is None or len(tokens) > max(self.logit_rows.values()):
+            return super().decode_picks(tokens, positions, slots, logits, samplers)
+        return self._team_picks(logits, samplers, lambda: self.run("decode", tokens, positions, slots, logits))
+
+    def _team_picks(self, logits: np.ndarray, samplers: Sequence[Sampler] | None,
+                    call: Callable[[], None]) -> list[int | None]:
+        """`call()` (one native call, whose logits go to `logits`), then by the thread team, each thread over
+        its share of each row, which its share of the LM head has just written, in its own caches: the argmax
+        of every row (`samplers` None: greedy) or of each whose sampler is `plain` (`llmc.abi.ARGMAX`; each
+        row's largest of the threads' firsts, the earliest's on ties), and the weighing of each row whose
+        sampler is `plain_draw` (`llmc.abi.WEIGH`, drawn from by `Sampler.draw_weighed`). numpy's argmax read
+        every logit, half of them from the other core's: 26 us of SmolLM2's 2 ms step, 100 us of the 270M
+        model's 8 ms; a draw's passes over the logits in numpy took 65 and 300 us. None for other rows, as
+        `decode_picks` (and for a draw where the library cannot weigh: one from before `WEIGH`)."""
         words = self.team.words
-        words[TEAM_ARGMAX_LOGITS], words[TEAM_ARGMAX_ROWS] = self._address(logits), rows  # (the call zeroes rows)
+        rows = 1 if samplers is None else len(samplers)
+        greedy = samplers is None or any(s.plain for s in samplers)
+        drawn = samplers is not None and self._scales is not None and any(s.plain_draw for s in samplers)
+        if drawn:
+            self._scales[:rows] = [s.scale if s.plain_draw else -1.0 for s in samplers]
+        words[TEAM_LOGITS] = self._address(logits)
+        words[TEAM_ARGMAX_ROWS] = rows if greedy else 0  # (the call zeroes both)
+        words[TEAM_WEIGH_ROWS] = rows if drawn else 0
         try:
             call()
         except BaseException:
-            words[TEAM_ARGMAX_ROWS] = 0
+            words[TEAM_ARGMAX_ROWS] = words[TEAM_WEIGH_ROWS] = 0
             raise
-        firsts, out = self._firsts[: rows * self.threads].tolist(), []
+        firsts = self._firsts[: rows * self.threads].tolist() if greedy else []
+        picks: list[int | None] = []
         for r in range(rows):
-            row, best = logits[r], -1
-            for i in firsts[r * self.threads : (r + 1) * self.threads]:
-                if i >= 0 and (best < 0 or row[i] > row[best]):
-                    best = i
-            out.append(best)
-        return out
+            row, best = logits[r], None
+            if samplers is None or samplers[r].plain:
+                for i in firsts[r * self.threads : (r + 1) * self.threads]:
+                    if i >= 0 and (best is None or row[i] > row[best]):
+                        best = i
+                best = best if samplers is None or (best is not None and row[best] != -np.inf) else None
+            elif drawn and samplers[r].plain_draw:
+                best = samplers[r].draw_weighed(row, self._blocks[r])
+            picks.append(best)
+        return picks
 
     @property
     def where(self) -> str:

@@ -129,21 +129,57 @@ def test_greedy_decode_steps_take_the_thread_teams_argmax(artifact, threads) -> 
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_a_batched_decodes_rows_take_the_thread_teams_argmaxes(artifact, threads) -> None:
-    """`decode_argmaxes` (the engine's plain greedy rows): each row's token is numpy's argmax of its logits, for
-    every row count the artifact takes; a call that fails before it runs asks nothing of the next."""
-    from llmc.abi import TEAM_ARGMAX_ROWS
+def test_a_batched_decodes_plain_rows_take_the_thread_teams_argmaxes_and_draws(artifact, threads) -> None:
+    """`decode_picks` (the engine's rows): a plain greedy row's token is numpy's argmax of its logits, a plain
+    sampled row's the draw its sampler makes from those logits (the team's weighing, `llmc.abi.WEIGH`), a row
+    whose sampler filters or processes is left to the caller (None), for every row count the artifact takes and
+    a few steps of each sampler; a call that fails before it runs asks nothing of the next."""
+    from llmc.abi import TEAM_ARGMAX_ROWS, TEAM_WEIGH_ROWS
+    from llmc.runtime.sampling import Sampler, SamplingOptions
 
     session = Session(artifact("batched"), threads=threads)
+    assert session._firsts is not None and session._scales is not None
     logits = np.zeros((session.batch, session.vocab_size), np.float32)
+    kinds = [SamplingOptions(), SamplingOptions(0.9, seed=1), SamplingOptions(1.0, top_k=5, seed=2),
+             SamplingOptions(1.5, seed=3)]
     for rows in range(1, session.batch + 1):
+        options = [kinds[i % len(kinds)] for i in range(rows)]
+        ours, twins = ([Sampler(o) for o in options] for _ in range(2))
         slots = np.arange(rows, dtype=np.int32)
-        tokens = np.arange(5, 5 + rows, dtype=np.int32)
-        best = session.decode_argmaxes(tokens, np.full(rows, rows, np.int32), slots, logits)
-        assert best == logits[:rows].argmax(axis=1).tolist() and session.team.words[TEAM_ARGMAX_ROWS] == 0
+        for step in range(3):
+            tokens = np.arange(5 + step, 5 + step + rows, dtype=np.int32)
+            picks = session.decode_picks(tokens, np.full(rows, rows + step, np.int32), slots, logits, ours)
+            for row, (o, twin, pick) in enumerate(zip(options, twins, picks)):
+                expected = (int(np.argmax(logits[row])) if o.temperature == 0 else
+                            None if o.top_k else twin.draw(*twin.weights(logits[row])))
+                assert pick == expected, (rows, step, row)
+            assert session.team.words[TEAM_ARGMAX_ROWS] == session.team.words[TEAM_WEIGH_ROWS] == 0
     with pytest.raises(ValueError, match="C-contiguous float32"):
-        session.decode_argmaxes(tokens, np.full(rows, 1, np.int32), slots, logits[:, ::2])
-    assert session.team.words[TEAM_ARGMAX_ROWS] == 0
+        session.decode_picks(tokens, np.full(rows, 1, np.int32), slots, logits[:, ::2], ours)
+    assert session.team.words[TEAM_ARGMAX_ROWS] == session.team.words[TEAM_WEIGH_ROWS] == 0
+    session._scales = None  # as a library from before the weighing: its draws are the caller's
+    picks = session.decode_picks(tokens, np.full(rows, rows + 3, np.int32), slots, logits, ours)
+    assert picks == [int(np.argmax(logits[row])) if o.temperature == 0 else None for row, o in enumerate(options)]
+    session.close()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_sampled_decode_step_draws_from_the_thread_teams_weighing(artifact, threads) -> None:
+    """`pick` with a plain sampled sampler: a decode step's token is the draw its sampler makes from the
+    step's logits (the team's weighing), the prompt's the sampler's own; the read probe between steps changes
+    nothing."""
+    from llmc.abi import TEAM_WEIGH_ROWS
+    from llmc.runtime.sampling import Sampler, SamplingOptions
+
+    session = Session(artifact("gguf"), threads=threads)
+    assert session._scales is not None  # (the team weighs)
+    ours, twin = (Sampler(SamplingOptions(1.2, seed=7)) for _ in range(2))
+    tokens = [session.pick([1, 2, 3], ours)]
+    assert tokens[0] == twin.draw(*twin.weights(session.logits[0]))
+    for _ in range(8):
+        tokens.append(session.pick(tokens[-1:], ours))
+        assert tokens[-1] == twin.draw(*twin.weights(session.logits[0])) and session.team.words[TEAM_WEIGH_ROWS] == 0
+        session.read_weights()
     session.close()
 
 

@@ -51,6 +51,9 @@ from llmc.abi import (
     READ_PROBE_ARGUMENTS,
     READ_PROBE_STEP,
     SYNC_LINE_WORDS,
+    WEIGH,
+    WEIGH_ARGUMENTS,
+    WEIGH_BLOCK,
     WORK_COUNTER_WORDS,
     WORK_COUNTERS,
     entry_symbol,
@@ -224,7 +227,7 @@ def argmax_kernel(module: ir.Module) -> ir.Function:
     `count` floats, the first index of the largest in thread `tid`'s share of the row (whole 16-float vectors,
     the last share's tail too) into out[row · nth + tid]: its share's first index where none is above -inf, -1
     where the share is empty. NaN is never the largest (as the CUDA target's argmax). Greedy decoding's token
-    is the largest of the threads' (`Session._team_argmaxes`): each reads the logits its share of the LM head wrote, in
+    is the largest of the threads' (`Session._team_picks`): each reads the logits its share of the LM head wrote, in
     its own caches, where numpy's argmax read them all from the other core's too (SmolLM2: 26 us a token).
     The thread team runs it after a call whose words ask (`team.py`)."""
     types = [_parameter_type(name, kind) for name, kind in ARGMAX_ARGUMENTS.items()]
@@ -282,6 +285,71 @@ def argmax_kernel(module: ir.Module) -> ir.Function:
     return fn
 
 
+WEIGH_CHAINS = 4  # the weighing's independent maxima and sums (a block is 64 vectors: one chain waits on each add)
+
+
+def weigh_kernel(module: ir.Module) -> ir.Function:
+    """`void llmc_weigh(i8* logits, i64 n, i64 count, i64 tid, i64 nth, i8* scales, i8* out)`: per row of `n`
+    rows of `count` floats whose scale s = scales[row] is >= 0, for each `WEIGH_BLOCK`-float block of thread
+    `tid`'s share of the row's blocks: the block's largest float m and Σ exp((x − m) · s) over it, as two floats
+    at out[2 · (row · blocks + block)] (`llmc.abi.WEIGH`). Each block is read twice from L1, the row once from
+    where the LM head left it. A sampled token's draw needs nothing else from the logits but its block's own
+    (`Sampler.draw_weighed`): the weights' pass over the vocabulary runs on every thread, in native code.
+    The thread team runs it after a call whose words ask (`team.py`)."""
+    types = [_parameter_type(name, kind) for name, kind in WEIGH_ARGUMENTS.items()]
+    fn = ir.Function(module, ir.FunctionType(VOID, types), name=WEIGH)
+    for arg, name in zip(fn.args, WEIGH_ARGUMENTS):
+        arg.name = name
+    f = KernelBuilder(module, fn)
+    b = f.b
+    logits, n, count, tid, nth, scales, out = fn.args
+    x, s, o = (b.bitcast(p, F32.as_pointer()) for p in (logits, scales, out))
+    floats = ir.VectorType(F32, 16)
+    blocks = b.sdiv(f.add(count, WEIGH_BLOCK - 1), f.i64(WEIGH_BLOCK))
+    lo, hi = f.share(blocks, tid, nth)
+    chains = [f.alloca(floats, name=f"chain{k}") for k in range(WEIGH_CHAINS)]
+    tail = f.alloca(F32, name="tail")
+
+    def fold(row: ir.Value, start: ir.Value, end: ir.Value, first: float, combine, term) -> ir.Value:
+        """combine(…, term(v)) over the floats [start, end) of `row`: `WEIGH_CHAINS` vectors side by side, one,
+        then one float at a time (`term` takes a float or a vector)."""
+        for chain in chains:
+            b.store(f.const(floats, first), chain)
+        whole = f.add(start, f.mul(b.sdiv(f.sub(end, start), f.i64(16)), 16))
+        wide = f.add(start, f.mul(b.sdiv(f.sub(end, start), f.i64(16 * WEIGH_CHAINS)), 16 * WEIGH_CHAINS))
+        with f.loop(start, wide, 16 * WEIGH_CHAINS, name="c", unroll=False) as i:
+            for k, chain in enumerate(chains):
+                b.store(combine(b.load(chain), term(f.vload(row, f.add(i, 16 * k)))), chain)
+        with f.loop(wide, whole, 16, name="v", unroll=False) as i:
+            b.store(combine(b.load(chains[0]), term(f.vload(row, i))), chains[0])
+        vector = functools.reduce(combine, (b.load(chain) for chain in chains))
+        b.store(functools.reduce(combine, (b.extract_element(vector, f.i64(j)) for j in range(16))), tail)
+        with f.loop(whole, end, name="t", unroll=False) as i:
+            b.store(combine(b.load(tail), term(f.load(row, i))), tail)
+        return b.load(tail)
+
+    with f.loop(0, n, name="row", unroll=False) as r:
+        scale = f.load(s, r)
+        with f.when(b.fcmp_ordered(">=", scale, f.f32(0.0))):
+            row = f.ptr(x, f.mul(r, count))
+            with f.loop(lo, hi, name="block", unroll=False) as j:
+                start = f.mul(j, WEIGH_BLOCK)
+                end = f.smin(f.add(start, WEIGH_BLOCK), count)
+                largest = fold(row, start, end, float("-inf"), f.fmax, lambda v: v)
+
+                def weight(v: ir.Value) -> ir.Value:
+                    ty = v.type
+                    at = (lambda c: f.splat(c, ty)) if isinstance(ty, ir.VectorType) else (lambda c: c)
+                    return f.exp(b.fmul(b.fsub(v, at(largest)), at(scale)))
+
+                total = fold(row, start, end, 0.0, f.fadd, weight)
+                at = f.mul(f.add(f.mul(r, blocks), j), 2)
+                f.store(largest, o, at)
+                f.store(total, o, f.add(at, 1))
+    f.finish()
+    return fn
+
+
 def describe(module: ir.Module, description: dict) -> ir.GlobalVariable:
     """`const char llmc_description[]`: what the library's code was compiled for (the manifest's own
     fields, `llmc.package.describe`), as NUL-terminated JSON, for the runtime to check the manifest
@@ -297,9 +365,9 @@ def describe(module: ir.Module, description: dict) -> ir.GlobalVariable:
 def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int], description: dict
                 ) -> tuple[list[ir.Module], dict[str, int]]:
     """The LLVM modules of an artifact: the first holds every entry point (`entry_symbol(stage)`
-    each), the read probe (`READ_PROBE`), greedy decoding's argmax (`ARGMAX`), the thread team that
-    runs them (`team`) and the `description` (`DESCRIPTION`), the others one kernel each (compiled and
-    cached alone); also the number of barriers each entry point's threads pass."""
+    each), the read probe (`READ_PROBE`), greedy decoding's argmax (`ARGMAX`) and sampling's weighing
+    (`WEIGH`), the thread team that runs them (`team`) and the `description` (`DESCRIPTION`), the others one
+    kernel each (compiled and cached alone); also the number of barriers each entry point's threads pass."""
     from llmc.backends.cpu.target import kernel_tuning
 
     llvm_module = ir.Module("llmc")
@@ -315,10 +383,10 @@ def emit_module(module: ModuleOp, weight_offsets: Mapping[str, int], description
             emitter.emit(op)
         barriers[stage] = emitter.barriers
     read_probe(llvm_module)
-    argmax = argmax_kernel(llvm_module)
+    passes = argmax_kernel(llvm_module), weigh_kernel(llvm_module)
     jobs = [llvm_module.get_global(symbol) for symbol in team_jobs(module)]
-    team_work(lib, jobs, argmax)
-    team_run(lib, jobs, argmax)
+    team_work(lib, jobs, *passes)
+    team_run(lib, jobs, *passes)
     describe(llvm_module, description)
     return [llvm_module, *lib.modules], barriers
 

@@ -13,7 +13,8 @@ worth of cache-line traffic, with no Python, no OS call and no GIL hand-over on 
 of -1 (`TEAM_STOP`) makes every worker return. Where the runtime left rows in `TEAM_ARGMAX_ROWS`, the
 threads then take the argmax of those rows of logits (`llmc.abi.ARGMAX`: each thread its share, which its
 share of the LM head wrote) between two passes of the done barrier, and thread 0 zeroes the word: greedy
-decoding's token costs one more barrier, not a second call.
+decoding's token costs one more barrier, not a second call. Rows in `TEAM_WEIGH_ROWS` are weighed for a
+sampled token's draw the same way and in the same pass (`llmc.abi.WEIGH`).
 """
 
 from __future__ import annotations
@@ -21,18 +22,21 @@ from __future__ import annotations
 from llvmlite import ir
 
 from llmc.abi import (
-    TEAM_ARGMAX_COUNT,
-    TEAM_ARGMAX_LOGITS,
     TEAM_ARGMAX_OUT,
     TEAM_ARGMAX_ROWS,
     TEAM_ARGS,
     TEAM_DONE,
     TEAM_GENERATION,
     TEAM_JOB,
+    TEAM_LOGIT_COUNT,
+    TEAM_LOGITS,
     TEAM_RUN,
     TEAM_SLEEPERS,
     TEAM_STOP,
     TEAM_THREADS,
+    TEAM_WEIGH_OUT,
+    TEAM_WEIGH_ROWS,
+    TEAM_WEIGH_SCALES,
     TEAM_WORK,
 )
 from llmc.backends.builder import I32, I64, VOID
@@ -76,20 +80,31 @@ def _dispatch(b: ir.IRBuilder, team: ir.Value, job: ir.Value, tid: ir.Value, job
     b.position_at_end(after)
 
 
-def _finish(lib: KernelLibrary, b: ir.IRBuilder, team: ir.Value, tid: ir.Value, argmax: ir.Function) -> None:
-    """Every thread arrives at the team's done barrier; where `TEAM_ARGMAX_ROWS` asks, each then takes its share
-    of those rows' argmax (`argmax`) and arrives again."""
+def _finish(lib: KernelLibrary, b: ir.IRBuilder, team: ir.Value, tid: ir.Value, argmax: ir.Function,
+            weigh: ir.Function) -> None:
+    """Every thread arrives at the team's done barrier; where `TEAM_ARGMAX_ROWS` or `TEAM_WEIGH_ROWS` ask, each
+    then takes its share of those rows' argmax (`argmax`) or weighing (`weigh`) and arrives again."""
     threads = b.load(_word(b, team, TEAM_THREADS))
-    rows = b.load(_word(b, team, TEAM_ARGMAX_ROWS))  # (before arriving: thread 0 zeroes it, and the runtime sets
-    lib.wait(b, _word(b, team, TEAM_DONE), threads)  # the next call's, only after every thread has arrived)
-    with b.if_then(b.icmp_signed(">", rows, ir.Constant(I64, 0))):
-        logits, out = (b.inttoptr(b.load(_word(b, team, w)), p.type) for w, p in ((TEAM_ARGMAX_LOGITS, argmax.args[0]),
-                                                                                (TEAM_ARGMAX_OUT, argmax.args[5])))
-        b.call(argmax, [logits, rows, b.load(_word(b, team, TEAM_ARGMAX_COUNT)), tid, threads, out])
+    rows = b.load(_word(b, team, TEAM_ARGMAX_ROWS))  # (before arriving: thread 0 zeroes them, and the runtime sets
+    weighed = b.load(_word(b, team, TEAM_WEIGH_ROWS))  # the next call's, only after every thread has arrived)
+    lib.wait(b, _word(b, team, TEAM_DONE), threads)
+    zero = ir.Constant(I64, 0)
+
+    def address(word: int, param: ir.Argument) -> ir.Value:
+        return b.inttoptr(b.load(_word(b, team, word)), param.type)
+
+    with b.if_then(b.icmp_signed(">", b.or_(rows, weighed), zero)):
+        count = b.load(_word(b, team, TEAM_LOGIT_COUNT))
+        with b.if_then(b.icmp_signed(">", rows, zero)):
+            b.call(argmax, [address(TEAM_LOGITS, argmax.args[0]), rows, count, tid, threads,
+                            address(TEAM_ARGMAX_OUT, argmax.args[5])])
+        with b.if_then(b.icmp_signed(">", weighed, zero)):
+            b.call(weigh, [address(TEAM_LOGITS, weigh.args[0]), weighed, count, tid, threads,
+                           address(TEAM_WEIGH_SCALES, weigh.args[5]), address(TEAM_WEIGH_OUT, weigh.args[6])])
         lib.wait(b, _word(b, team, TEAM_DONE), threads)
 
 
-def team_work(lib: KernelLibrary, jobs: list[ir.Function], argmax: ir.Function) -> ir.Function:
+def team_work(lib: KernelLibrary, jobs: list[ir.Function], argmax: ir.Function, weigh: ir.Function) -> ir.Function:
     """`llmc_team_work`: wait for a new generation (spin, then sleep), run its job, arrive at the done barrier
     (`_finish`)."""
     module = lib.module
@@ -140,14 +155,14 @@ def team_work(lib: KernelLibrary, jobs: list[ir.Function], argmax: ir.Function) 
     b.ret_void()
     b.position_at_end(run)
     _dispatch(b, team, job, tid, jobs)
-    _finish(lib, b, team, tid, argmax)
+    _finish(lib, b, team, tid, argmax, weigh)
     b.branch(idle)
     return fn
 
 
-def team_run(lib: KernelLibrary, jobs: list[ir.Function], argmax: ir.Function) -> ir.Function:
+def team_run(lib: KernelLibrary, jobs: list[ir.Function], argmax: ir.Function, weigh: ir.Function) -> ir.Function:
     """`llmc_team_run`: publish the job, wake sleeping workers, run it as thread 0, wait for the others
-    (`_finish`), zero the argmax's rows (every thread has read them)."""
+    (`_finish`), zero the argmax's and the weighing's rows (every thread has read them)."""
     module = lib.module
     fn = ir.Function(module, ir.FunctionType(VOID, [I64PTR, I64]), name=TEAM_RUN)
     team, job = fn.args
@@ -167,7 +182,8 @@ def team_run(lib: KernelLibrary, jobs: list[ir.Function], argmax: ir.Function) -
     b.ret_void()
     b.position_at_end(run)
     _dispatch(b, team, job, ir.Constant(I64, 0), jobs)
-    _finish(lib, b, team, ir.Constant(I64, 0), argmax)
+    _finish(lib, b, team, ir.Constant(I64, 0), argmax, weigh)
     b.store(ir.Constant(I64, 0), _word(b, team, TEAM_ARGMAX_ROWS))
+    b.store(ir.Constant(I64, 0), _word(b, team, TEAM_WEIGH_ROWS))
     b.ret_void()
     return fn

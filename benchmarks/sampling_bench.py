@@ -1,17 +1,21 @@
-"""What choosing a token costs in Python, per option set, on a model's own logits (not random ones: the head
-that top-p needs depends on how peaked they are).
+"""What choosing a token costs, per option set, on a model's own logits (not random ones: the head that top-p
+needs depends on how peaked they are): in Python, and in a decode step as a generation takes it.
 
     .venv/bin/python benchmarks/sampling_bench.py smollm2.llmc [--steps 100] [--threads 2]
 
 Decodes `--steps` tokens after each of three chat prompts (sampling at temperature 1, seed i), keeps every
-step's logits, then times `Sampler.__call__` on each row in turn for each option set below (a fresh sampler
-per set, warmed on five rows). Prints a Markdown table of the mean, median and 99th percentile in µs, beside
-the artifact's vocabulary size; compare the rows against a decode step's time (`llmc bench`).
+step's logits, then times `Sampler.__call__` (numpy's passes over the vocabulary) on each row in turn for each
+option set below (a fresh sampler per set, warmed on five rows): the mean, median and 99th percentile in µs.
+Then, for each set, 3 × `--steps` decode steps after the first prompt as `llmc run` and the engine take them
+(`next_token`: where the sampler is plain, the session's choice, which the thread team weighs for a draw in an
+artifact that has `llmc_weigh`), in ten turns of every set: the median µs a step, whose difference from
+greedy's is what the choice costs. Prints a Markdown table beside the artifact's vocabulary size.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
@@ -20,11 +24,13 @@ import numpy as np
 from llmc.errors import LlmcError
 from llmc.runtime.codec import TextCodec
 from llmc.runtime.sampling import Sampler, SamplingOptions
-from llmc.runtime.session import open_session
+from llmc.runtime.session import Conversation, open_session
+from llmc.runtime.speculate import next_token
 
 PROMPTS = ["Tell me a long story about a dragon.", "Explain how a compiler works, step by step.",
            "Write a poem about the sea."]
 OPTIONS = {
+    "greedy": SamplingOptions(),
     "temperature 1 (OpenAI's default)": SamplingOptions(1.0),
     "temperature 1, top-p 0.9": SamplingOptions(1.0, top_p=0.9),
     "temperature 0.7, top-p 0.95": SamplingOptions(0.7, top_p=0.95),
@@ -36,21 +42,34 @@ OPTIONS = {
 }
 
 
-def logits_rows(artifact: Path, steps: int, threads: int | None) -> np.ndarray:
-    session = open_session(artifact, threads=threads)
-    codec = TextCodec.from_artifact(session.manifest)
+def logits_rows(session: Conversation, codec: TextCodec, steps: int) -> np.ndarray:
     rows = []
-    try:
-        for seed, question in enumerate(PROMPTS):
-            session.reset()
-            sampler = Sampler(SamplingOptions(1.0, seed=seed))
-            logits = session.feed(codec.encode(codec.chat(question)))
-            for _ in range(steps):
-                rows.append(np.array(logits))
-                logits = session.feed([sampler(logits)])
-    finally:
-        session.close()
+    for seed, question in enumerate(PROMPTS):
+        session.reset()
+        sampler = Sampler(SamplingOptions(1.0, seed=seed))
+        logits = session.feed(codec.encode(codec.chat(question)))
+        for _ in range(steps):
+            rows.append(np.array(logits))
+            logits = session.feed([sampler(logits)])
     return np.stack(rows)
+
+
+def step_times(session: Conversation, codec: TextCodec, steps: int, rounds: int = 10) -> dict[str, np.ndarray]:
+    """Seconds of `steps` decode steps per option set after the first prompt, the token chosen as a generation
+    does: `rounds` turns of each set in turn (a fresh generation each, seed = the turn), so that the host's
+    drift falls on every set alike."""
+    prompt = codec.encode(codec.chat(PROMPTS[0]))
+    times: dict[str, list[float]] = {name: [] for name in OPTIONS}
+    for turn in range(rounds):
+        for name, options in OPTIONS.items():
+            session.reset()
+            sampler = Sampler(dataclasses.replace(options, seed=turn))
+            token = next_token(session, sampler, prompt)
+            for _ in range(-(-steps // rounds)):
+                start = time.perf_counter()
+                token = next_token(session, sampler, [token])
+                times[name].append(time.perf_counter() - start)
+    return {name: np.array(t) for name, t in times.items()}
 
 
 def main() -> int:
@@ -62,23 +81,30 @@ def main() -> int:
     if args.steps < 1:
         p.error(f"--steps must be at least 1, got {args.steps}")
     try:
-        rows = logits_rows(args.artifact, args.steps, args.threads)
+        session = open_session(args.artifact, threads=args.threads)
     except LlmcError as e:
         p.error(str(e))
-    print(f"{len(rows)} rows of {rows.shape[1]} logits ({args.artifact.name})\n")
-    print("| options | mean µs | median µs | p99 µs |")
-    print("|---|--:|--:|--:|")
-    for name, options in OPTIONS.items():
-        sampler = Sampler(options)
-        for row in rows[:5]:
-            sampler(row)
-        times = []
-        for row in rows:
-            start = time.perf_counter()
-            sampler(row)
-            times.append(time.perf_counter() - start)
-        us = np.array(times) * 1e6
-        print(f"| {name} | {us.mean():.1f} | {np.median(us):.1f} | {np.percentile(us, 99):.1f} |")
+    codec = TextCodec.from_artifact(session.manifest)
+    try:
+        rows = logits_rows(session, codec, args.steps)
+        print(f"{len(rows)} rows of {rows.shape[1]} logits ({args.artifact.name})\n")
+        print("| options | Python: mean µs | median µs | p99 µs | a decode step: median µs |")
+        print("|---|--:|--:|--:|--:|")
+        steps = step_times(session, codec, 3 * args.steps)
+        for name, options in OPTIONS.items():
+            sampler = Sampler(options)
+            for row in rows[:5]:
+                sampler(row)
+            times = []
+            for row in rows:
+                start = time.perf_counter()
+                sampler(row)
+                times.append(time.perf_counter() - start)
+            us = np.array(times) * 1e6
+            step = np.median(steps[name]) * 1e6
+            print(f"| {name} | {us.mean():.1f} | {np.median(us):.1f} | {np.percentile(us, 99):.1f} | {step:.1f} |")
+    finally:
+        session.close()
     return 0
 
 

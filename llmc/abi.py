@@ -119,16 +119,19 @@ READ_PROBE_STEP = 256  # bytes per iteration: four 64-byte loads
 ARGMAX = f"{ENTRY_PREFIX}argmax"
 ARGMAX_ARGUMENTS: dict[str, str] = {"logits": POINTER, "n": INT64, "count": INT64, "tid": INT64, "nth": INT64,
                                     "out": POINTER}
-# `void llmc_weigh(float *logits, int64_t n, int64_t count, int64_t tid, int64_t nth, float *scales, float *out)`:
-# for each of `n` rows of `count` logits whose scale (an inverse temperature) is >= 0, thread `tid` of `nth` leaves,
-# for each of its share of the row's `WEIGH_BLOCK`-logit blocks b, the block's largest logit m in out[2·(row ·
-# blocks + b)] and the sum of exp((logit − m) · scale) over the block in the float after it (blocks = ⌈count /
-# WEIGH_BLOCK⌉). The thread team runs it after a call when the team's words ask (`TEAM_WEIGH_ROWS`); the runtime
-# draws a sampled token from the blocks' masses, then within one block (`Sampler.draw_weighed`).
+# `void llmc_weigh(float *logits, int64_t n, int64_t count, int64_t tid, int64_t nth, float *scales, float *out,
+# float *groups)`: for each of `n` rows of `count` logits whose scale (an inverse temperature) is >= 0, thread `tid`
+# of `nth` leaves, for each of its share of the row's `WEIGH_BLOCK`-logit blocks b, the block's largest logit m in
+# out[2·(row · blocks + b)] and the sum of exp((logit − m) · scale) over the block in the float after it, and the
+# largest logit of each `WEIGH_GROUP` of the block's in groups[row · ⌈count / WEIGH_GROUP⌉ + group] (blocks =
+# ⌈count / WEIGH_BLOCK⌉). The thread team runs it after a call when the team's words ask (`TEAM_WEIGH_ROWS`); the
+# runtime draws a sampled token from the blocks' masses, then within one block, or among the likeliest tokens,
+# found in the groups whose largest reach them (`Sampler.draw_weighed`).
 WEIGH = f"{ENTRY_PREFIX}weigh"
 WEIGH_ARGUMENTS: dict[str, str] = {"logits": POINTER, "n": INT64, "count": INT64, "tid": INT64, "nth": INT64,
-                                   "scales": POINTER, "out": POINTER}
+                                   "scales": POINTER, "out": POINTER, "groups": POINTER}
 WEIGH_BLOCK = 1024
+WEIGH_GROUP = 64
 AMX_FLAG = f"{ENTRY_PREFIX}amx"  # an int32 the runtime sets to 1 once the process may use AMX tiles
 
 # The native thread team (`backends/cpu/team.py`): the runtime's workers wait in
@@ -149,6 +152,7 @@ TEAM_DONE = 8  # the done barrier's two words (arrivals, generation), a cache li
 TEAM_ARGS = 16  # the job's arguments, in its function's order (every argument an int64 or an address)
 TEAM_WEIGH_ROWS = TEAM_ARGS + 16  # rows of logits to weigh after the next call (`WEIGH`; the call zeroes it), …
 TEAM_WEIGH_SCALES = TEAM_WEIGH_ROWS + 1  # … with the float32 scales at this address, …
-TEAM_WEIGH_OUT = TEAM_WEIGH_ROWS + 2  # … the blocks' (largest, sum) to this address
+TEAM_WEIGH_OUT = TEAM_WEIGH_ROWS + 2  # … the blocks' (largest, sum) to this address, …
+TEAM_WEIGH_GROUPS = TEAM_WEIGH_ROWS + 3  # … the groups' largest to this one
 TEAM_WORDS = TEAM_ARGS + 24
 TEAM_STOP = -1

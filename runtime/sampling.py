@@ -15,7 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
-from llmc.abi import WEIGH_BLOCK
+from llmc.abi import WEIGH_BLOCK, WEIGH_GROUP
 
 MOST_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 # repetition penalties from 1/10 to 10: past them, a score divided or multiplied by the penalty reaches inf
@@ -170,11 +170,10 @@ class Sampler:
 
     @property
     def plain_draw(self) -> bool:
-        """A draw at `temperature` from the raw logits, with nothing to process, filter or record: a caller may
-        take the session's choice (`session.pick`, which may weigh the logits where they are: `draw_weighed`)
-        and then `take` it."""
-        o = self.options
-        return not self.greedy and self._raw and not (o.top_k or o.top_p < 1 or o.min_p > 0)
+        """A draw (temperature, top-k, top-p, min-p) from the raw logits, with nothing to process or record: a
+        caller may take the session's choice (`session.pick`, which may weigh the logits where they are:
+        `draw_weighed`) and then `take` it."""
+        return not self.greedy and self._raw
 
     @property
     def _raw(self) -> bool:
@@ -267,15 +266,19 @@ class Sampler:
             weights = weights[ids].astype(np.float64)
         return ids, weights / weights.sum()
 
-    def weights(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    def weights(self, logits: np.ndarray, weighed: tuple[np.ndarray, np.ndarray] | None = None
+                ) -> tuple[np.ndarray | None, np.ndarray]:
         """What `distribution` normalizes, in the fewest passes over the vocabulary: where no filter applies,
         `(None, w)` with every token's float32 weight (the likeliest's 1; `exp((score - top) / temperature)`,
         0 for tokens at -inf); else the ids top-k, top-p and min-p keep and their float64 weights, likeliest
         first. Only top-p without top-k weighs every token (for the total mass); the filters find their heads
-        among the largest scores (`_largest`), since the order of weights is the order of scores."""
+        among the largest scores (`_largest`), since the order of weights is the order of scores. `weighed`,
+        the team's weighing of raw `logits` (`draw_weighed`), gives the top, the total mass and the groups'
+        largest, so that no pass over the vocabulary is left for a filtered draw."""
         o = self.options
         scores = self.processed(logits)
-        top = scores.max()
+        blocks, maxima = weighed if weighed is not None else (None, None)
+        top = blocks[:, 0].max() if blocks is not None else scores.max()
         if top == -np.inf:
             raise ValueError("no token is allowed next (the grammar and logit-bias exclude all)")
         if not (o.top_k or o.top_p < 1 or o.min_p > 0):
@@ -286,14 +289,17 @@ class Sampler:
                 return np.exp((scores[ids].astype(np.float64) - top) / o.temperature)
 
         if o.top_k:
-            ids = _largest(scores, o.top_k)
+            ids = _largest(scores, o.top_k, maxima)
             weights = weigh(ids)
             mass = o.top_p * weights.sum()
         else:  # a head of the likeliest, grown 4x at a time until it holds every token top-p or min-p may keep
-            mass = o.top_p * float(_float32_weights(scores, top, o.temperature).sum()) if o.top_p < 1 else np.inf
+            mass = np.inf
+            if o.top_p < 1:
+                mass = o.top_p * float(_block_masses(blocks, top, self.scale).sum() if blocks is not None else
+                                       _float32_weights(scores, top, o.temperature).sum())
             size = HEAD
             while True:
-                ids = _largest(scores, size)
+                ids = _largest(scores, size, maxima)
                 weights = weigh(ids)
                 if ids.size == scores.size or weights.sum() > mass * (1 + 1e-9) or weights.min() < o.min_p:
                     break
@@ -307,23 +313,25 @@ class Sampler:
             keep = min(keep, int(np.count_nonzero(weights >= o.min_p)))
         return ids[:keep], weights[:keep]
 
-    def draw_weighed(self, logits: np.ndarray, blocks: np.ndarray) -> int | None:
-        """`choose` for a `plain_draw` sampler, from `logits` weighed by blocks of `WEIGH_BLOCK` (`llmc.abi.WEIGH`:
-        each block's largest logit and its sum of exp((logit − largest) · `scale`), float32 [blocks, 2]): the
-        blocks' masses relative to the largest logit find the draw's block (one `rng.random()`, as `draw`), whose
-        own weights (`_float32_weights`) find the token, what `draw(*weights(logits))` finds up to the float32
-        rounding of the blocks' sums. None, drawing nothing, where the masses are not finite numbers above 0
-        (a NaN logit, all at -inf): `choose` then says why."""
-        maxima = blocks[:, 0].astype(np.float64)
-        top = maxima.max()
-        with np.errstate(over="ignore", invalid="ignore"):
-            masses = blocks[:, 1] * np.exp((maxima - top) * float(self.scale))
+    def draw_weighed(self, logits: np.ndarray, blocks: np.ndarray, maxima: np.ndarray) -> int | None:
+        """`choose` for a `plain_draw` sampler, from raw `logits` as the team weighed them (`llmc.abi.WEIGH`):
+        `blocks`, each `WEIGH_BLOCK` block's largest logit and its sum of exp((logit − largest) · `scale`)
+        (float32 [blocks, 2]), and `maxima`, each `WEIGH_GROUP` group's largest logit. Without a filter, the
+        blocks' masses relative to the largest logit find the draw's block (one `rng.random()`, as `draw`),
+        whose own weights (`_float32_weights`) find the token; with one, `weights` finds the head among the
+        groups that reach it. Either is what `draw(*weights(logits))` draws, up to the float32 rounding of the
+        blocks' sums. None, drawing nothing, where the masses are not finite numbers above 0 (a NaN logit, all
+        at -inf): `choose` then says why."""
+        top = blocks[:, 0].max()
+        masses = _block_masses(blocks, top, self.scale)
         total = masses.sum()
         if not (math.isfinite(total) and total > 0):
             return None
-        temperature = self.options.temperature
+        o = self.options
+        if o.top_k or o.top_p < 1 or o.min_p > 0:
+            return self.draw(*self.weights(logits, (blocks, maxima)))
         return _search_blocks(masses, self.rng.random(), lambda block: _float32_weights(
-            logits[block * WEIGH_BLOCK : (block + 1) * WEIGH_BLOCK], top, temperature))
+            logits[block * WEIGH_BLOCK : (block + 1) * WEIGH_BLOCK], top, o.temperature))
 
     def draw(self, ids: np.ndarray | None, weights: np.ndarray) -> int:
         """One of `ids` (None: 0, 1, …), drawn with probabilities proportional to `weights`: what
@@ -358,10 +366,12 @@ def _float32_weights(scores: np.ndarray, top: float, temperature: float) -> np.n
         return np.exp(weights, out=weights)
 
 
-def _largest(values: np.ndarray, k: int) -> np.ndarray:
+def _largest(values: np.ndarray, k: int, maxima: np.ndarray | None = None) -> np.ndarray:
     """The indices of the `k` largest `values`, in no order (ties at the k-th either way): found among the
     values at or above the k-th largest maximum of groups of up to `GROUP` values (k values reach it, so the
-    k largest do), a few passes over `values` where `np.argpartition` over all of them took 5x as long.
+    k largest do), a few passes over `values` where `np.argpartition` over all of them took 5x as long. Given
+    `maxima`, the largest of each `WEIGH_GROUP` values in turn (the team's, `draw_weighed`), only the groups
+    whose largest reach the k-th are read.
 
     >>> sorted(_largest(np.array([3.0, 9.0, 1.0, 7.0]), 2).tolist())
     [1, 3]
@@ -369,6 +379,13 @@ def _largest(values: np.ndarray, k: int) -> np.ndarray:
     n = values.size
     if k >= n or k <= 0:
         return np.arange(n if k > 0 else 0)
+    if maxima is not None and k <= maxima.size:
+        least = np.partition(maxima, maxima.size - k)[maxima.size - k]
+        ids = (np.flatnonzero(maxima >= least)[:, None] * WEIGH_GROUP + np.arange(WEIGH_GROUP)).ravel()
+        ids = ids[ids < n]
+        ids = ids[values[ids] >= least]
+        if ids.size >= k:  # (not so where NaN is among the values)
+            return ids[np.argpartition(values[ids], ids.size - k)[ids.size - k :]]
     group = min(GROUP, n // k)  # k groups at least
     if group >= 2:
         columns = n // group
@@ -377,6 +394,13 @@ def _largest(values: np.ndarray, k: int) -> np.ndarray:
         if ids.size >= k:  # (not so where NaN is among the values)
             return ids[np.argpartition(values[ids], ids.size - k)[ids.size - k :]]
     return np.argpartition(values, n - k)[n - k :]
+
+
+def _block_masses(blocks: np.ndarray, top: float, scale: float) -> np.ndarray:
+    """The float64 masses of weighed blocks (`Sampler.draw_weighed`) relative to the largest logit `top`:
+    each block's sum of exp((logit − its largest) · scale) times exp((its largest − top) · scale)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return blocks[:, 1] * np.exp((blocks[:, 0].astype(np.float64) - top) * float(scale))
 
 
 def _search(weights: np.ndarray, u: float) -> int:

@@ -40,6 +40,7 @@ from llmc.abi import (
     TEAM_RUN,
     TEAM_STOP,
     TEAM_THREADS,
+    TEAM_WEIGH_GROUPS,
     TEAM_WEIGH_OUT,
     TEAM_WEIGH_ROWS,
     TEAM_WEIGH_SCALES,
@@ -47,6 +48,7 @@ from llmc.abi import (
     TEAM_WORK,
     WEIGH,
     WEIGH_BLOCK,
+    WEIGH_GROUP,
 )
 from llmc.errors import LlmcError
 from llmc.runtime import amx
@@ -501,12 +503,14 @@ class Session(Conversation):
         if hasattr(self.library, ARGMAX):  # team takes the argmax (`greedy`; a library from before it cannot)
             self._firsts = aligned_zeros(rows * self.threads, np.int64)
             self.team.words[TEAM_LOGIT_COUNT], self.team.words[TEAM_ARGMAX_OUT] = self.vocab_size, _ptr(self._firsts)
-        self._scales = self._blocks = None  # each row's scale and its blocks' (largest, sum), where the team weighs
-        if hasattr(self.library, WEIGH):  # the logits for a draw (`pick`; a library from before it cannot)
-            self._scales = aligned_zeros(rows, np.float32)
+        self._scales = self._blocks = self._groups = None  # each row's scale, its blocks' (largest, sum) and its
+        if hasattr(self.library, WEIGH):  # groups' largest, where the team weighs the logits for a draw (`pick`;
+            self._scales = aligned_zeros(rows, np.float32)  # a library from before it cannot)
             self._blocks = aligned_zeros((rows, -(-self.vocab_size // WEIGH_BLOCK), 2), np.float32)
-            self.team.words[TEAM_WEIGH_SCALES], self.team.words[TEAM_WEIGH_OUT] = (_ptr(self._scales),
-                                                                                  _ptr(self._blocks))
+            self._groups = aligned_zeros((rows, -(-self.vocab_size // WEIGH_GROUP)), np.float32)
+            words = self.team.words
+            words[TEAM_WEIGH_SCALES], words[TEAM_WEIGH_OUT], words[TEAM_WEIGH_GROUPS] = (
+                _ptr(self._scales), _ptr(self._blocks), _ptr(self._groups))
 
     def close(self) -> None:
         """Stop the worker threads."""
@@ -584,7 +588,7 @@ class Session(Conversation):
                         best = i
                 best = best if samplers is None or (best is not None and row[best] != -np.inf) else None
             elif drawn and samplers[r].plain_draw:
-                best = samplers[r].draw_weighed(row, self._blocks[r])
+                best = samplers[r].draw_weighed(row, self._blocks[r], self._groups[r])
             picks.append(best)
         return picks
 

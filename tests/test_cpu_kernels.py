@@ -36,7 +36,7 @@ from llvmlite import ir
 from xdsl.dialects.builtin import i32
 from xdsl.ir import Block
 
-from llmc.abi import AMX_FLAG, WEIGH_BLOCK
+from llmc.abi import AMX_FLAG, WEIGH_BLOCK, WEIGH_GROUP
 from llmc.backends.builder import FPTR, I64
 from llmc.backends.cpu import (
     KernelLibrary,
@@ -784,11 +784,12 @@ def test_the_threads_argmax_is_numpys(tm, tmp_path, nth) -> None:
 
 @pytest.mark.parametrize("nth", [1, 2, 3])
 def test_the_threads_weighing_is_numpys_and_draws_what_the_sampler_draws(tm, tmp_path, nth) -> None:
-    """`llmc_weigh` (the thread team's, for sampling): each `WEIGH_BLOCK` block's largest logit is numpy's, bit
-    for bit, and its sum of exp((logit − largest) · scale) numpy's in float64 to float32 rounding: whole blocks,
-    a row's last block of 3 vectors and 5 floats, a block where all but one logit are -inf, temperatures 1, 2
-    and 1/1000; a row of negative scale is not written, nor past the rows asked for. A draw from the blocks
-    (`Sampler.draw_weighed`) is the sampler's own (`draw(*weights(…))`) for 200 seeds a row."""
+    """`llmc_weigh` (the thread team's, for sampling): each `WEIGH_BLOCK` block's largest logit and each
+    `WEIGH_GROUP` group's are numpy's, bit for bit, and a block's sum of exp((logit − largest) · scale) numpy's
+    in float64 to float32 rounding: whole blocks, a row's last block of 3 vectors and 5 floats (a partial
+    group), a block where all but one logit are -inf, temperatures 1, 2 and 1/1000; a row of negative scale is
+    not written, nor past the rows asked for. A draw from them (`Sampler.draw_weighed`) is the sampler's own
+    (`draw(*weights(…))`) for 100 seeds a row, plain and with each filter."""
     from llmc.runtime.sampling import Sampler, SamplingOptions
 
     module = ir.Module(name="kernels")
@@ -796,18 +797,22 @@ def test_the_threads_weighing_is_numpys_and_draws_what_the_sampler_draws(tm, tmp
     library = ctypes.CDLL(str(link_shared([compile_to_object(module, tm.tm)], tmp_path / f"w_{uuid.uuid4().hex}.so")))
     run = getattr(library, fn.name)
     count = 4 * WEIGH_BLOCK + 53
-    blocks = -(-count // WEIGH_BLOCK)
+    blocks, groups = -(-count // WEIGH_BLOCK), -(-count // WEIGH_GROUP)
     logits = (3 * np.random.default_rng(3).standard_normal((5, count))).astype(np.float32)
     logits[1, WEIGH_BLOCK : 2 * WEIGH_BLOCK] = -np.inf
     logits[1, WEIGH_BLOCK + 700] = 4.5
     temperatures = {0: 1.0, 1: 2.0, 3: 1e-3}
-    scales = np.array([Sampler(SamplingOptions(temperatures.get(r, 1.0))).scale if r in temperatures else -1.0
+    scales = np.array([Sampler(SamplingOptions(temperatures[r])).scale if r in temperatures else -1.0
                        for r in range(5)], np.float32)
     out = np.full((5, blocks, 2), 7.0, np.float32)
+    maxima = np.full((5, groups), 7.0, np.float32)
     for tid in range(nth):
         run(ctypes.c_void_p(logits.ctypes.data), ctypes.c_int64(4), ctypes.c_int64(count), ctypes.c_int64(tid),
-            ctypes.c_int64(nth), ctypes.c_void_p(scales.ctypes.data), ctypes.c_void_p(out.ctypes.data))
+            ctypes.c_int64(nth), ctypes.c_void_p(scales.ctypes.data), ctypes.c_void_p(out.ctypes.data),
+            ctypes.c_void_p(maxima.ctypes.data))
+    padded = np.concatenate([logits, np.full((5, groups * WEIGH_GROUP - count), -np.inf, np.float32)], axis=1)
     for r, temperature in temperatures.items():
+        assert (maxima[r] == padded[r].reshape(groups, WEIGH_GROUP).max(axis=1)).all()
         for b in range(blocks):
             block = logits[r, b * WEIGH_BLOCK : (b + 1) * WEIGH_BLOCK].astype(np.float64)
             largest = block.max()
@@ -815,10 +820,11 @@ def test_the_threads_weighing_is_numpys_and_draws_what_the_sampler_draws(tm, tmp
                 mass = np.exp((block - largest) * float(scales[r])).sum()
             assert out[r, b, 0] == np.float32(largest)
             np.testing.assert_allclose(out[r, b, 1], mass, rtol=2e-6)
-        for seed in range(200):
-            ours, theirs = (Sampler(SamplingOptions(temperature, seed=seed)) for _ in range(2))
-            assert ours.draw_weighed(logits[r], out[r]) == theirs.draw(*theirs.weights(logits[r]))
-    assert (out[2] == 7.0).all() and (out[4] == 7.0).all()
+        for filters in ({}, {"top_k": 40}, {"top_p": 0.9}, {"min_p": 0.05}, {"top_k": 40, "top_p": 0.95, "min_p": 0.05}):
+            for seed in range(100):
+                ours, theirs = (Sampler(SamplingOptions(temperature, seed=seed, **filters)) for _ in range(2))
+                assert ours.draw_weighed(logits[r], out[r], maxima[r]) == theirs.draw(*theirs.weights(logits[r]))
+    assert (out[2] == 7.0).all() and (out[4] == 7.0).all() and (maxima[2] == 7.0).all() and (maxima[4] == 7.0).all()
 
 
 # the kernel cache ------------------------------------------------------------------

@@ -8,6 +8,7 @@ import pytest
 from test_speculate import _Oracle
 from tiny_models import TinySpec
 
+from llmc.abi import WEIGH_GROUP
 from llmc.runtime.codec import TextCodec
 from llmc.runtime.sampling import SEARCH_BLOCK, Sampler, SamplingOptions, _largest, _search, log_probs
 from llmc.runtime.session import Session
@@ -164,15 +165,21 @@ def test_draws_take_only_allowed_tokens_at_any_temperature() -> None:
 
 @pytest.mark.parametrize("size", [5, 63, 64, 65, 1000, 5000, 70_001])
 def test_largest_are_argpartitions(size) -> None:
+    """`_largest` finds the k largest, by its own groups' maxima or given the contiguous groups' (the thread
+    team's, `WEIGH_GROUP` values each, the last one partial), for k below, at and above the groups' count."""
     values = np.random.default_rng(size).standard_normal(size).astype(np.float32)
     values[::7] = -np.inf  # (tokens a grammar excludes)
-    for k in sorted({1, 2, 40, 63, 64, 65, 1000, size // 3, size - 1, size} & set(range(1, size + 1))):
-        got = _largest(values, k)
-        assert got.size == k and np.unique(got).size == k
-        assert np.sort(values[got]).tolist() == np.sort(values)[size - k :].tolist()
-    assert _largest(values, 0).size == 0
+    padded = np.concatenate([values, np.full(-size % WEIGH_GROUP, -np.inf, np.float32)])
+    maxima = padded.reshape(-1, WEIGH_GROUP).max(axis=1)
+    for k in sorted({1, 2, 40, 63, 64, 65, 1000, maxima.size, maxima.size + 1, size // 3, size - 1, size}
+                    & set(range(1, size + 1))):
+        for given in (None, maxima):
+            got = _largest(values, k, given)
+            assert got.size == k and np.unique(got).size == k
+            assert np.sort(values[got]).tolist() == np.sort(values)[size - k :].tolist()
+    assert _largest(values, 0).size == _largest(values, 0, maxima).size == 0
     values[size // 2] = np.nan  # (not a logit; still k indices)
-    assert _largest(values, min(3, size)).size == min(3, size)
+    assert _largest(values, min(3, size)).size == _largest(values, min(3, size), maxima).size == min(3, size)
 
 
 @pytest.mark.parametrize("size", [1, 5, SEARCH_BLOCK, SEARCH_BLOCK + 1, 4 * SEARCH_BLOCK - 3])

@@ -54,6 +54,7 @@ from llmc.abi import (
     WEIGH,
     WEIGH_ARGUMENTS,
     WEIGH_BLOCK,
+    WEIGH_GROUP,
     WORK_COUNTER_WORDS,
     WORK_COUNTERS,
     entry_symbol,
@@ -285,48 +286,65 @@ def argmax_kernel(module: ir.Module) -> ir.Function:
     return fn
 
 
-WEIGH_CHAINS = 4  # the weighing's independent maxima and sums (a block is 64 vectors: one chain waits on each add)
+WEIGH_CHAINS = 4  # the weighing's independent sums (a block is 64 vectors: one chain would wait on each add)
+assert WEIGH_GROUP == 16 * WEIGH_CHAINS and WEIGH_BLOCK % WEIGH_GROUP == 0  # (a group: one step of the chains)
 
 
 def weigh_kernel(module: ir.Module) -> ir.Function:
-    """`void llmc_weigh(i8* logits, i64 n, i64 count, i64 tid, i64 nth, i8* scales, i8* out)`: per row of `n`
-    rows of `count` floats whose scale s = scales[row] is >= 0, for each `WEIGH_BLOCK`-float block of thread
-    `tid`'s share of the row's blocks: the block's largest float m and Σ exp((x − m) · s) over it, as two floats
-    at out[2 · (row · blocks + block)] (`llmc.abi.WEIGH`). Each block is read twice from L1, the row once from
-    where the LM head left it. A sampled token's draw needs nothing else from the logits but its block's own
-    (`Sampler.draw_weighed`): the weights' pass over the vocabulary runs on every thread, in native code.
-    The thread team runs it after a call whose words ask (`team.py`)."""
+    """`void llmc_weigh(i8* logits, i64 n, i64 count, i64 tid, i64 nth, i8* scales, i8* out, i8* groups)`: per
+    row of `n` rows of `count` floats whose scale s = scales[row] is >= 0, for each `WEIGH_BLOCK`-float block of
+    thread `tid`'s share of the row's blocks: the block's largest float m and Σ exp((x − m) · s) over it, as two
+    floats at out[2 · (row · blocks + block)], and the largest of each `WEIGH_GROUP` floats of the block at
+    groups[row · ⌈count / WEIGH_GROUP⌉ + group] (`llmc.abi.WEIGH`). Each block is read twice from L1, the row
+    once from where the LM head left it. A sampled token's draw needs nothing else from the logits but its
+    block's own, or the groups that hold the likeliest (`Sampler.draw_weighed`): the passes over the vocabulary
+    run on every thread, in native code. The thread team runs it after a call whose words ask (`team.py`)."""
     types = [_parameter_type(name, kind) for name, kind in WEIGH_ARGUMENTS.items()]
     fn = ir.Function(module, ir.FunctionType(VOID, types), name=WEIGH)
     for arg, name in zip(fn.args, WEIGH_ARGUMENTS):
         arg.name = name
     f = KernelBuilder(module, fn)
     b = f.b
-    logits, n, count, tid, nth, scales, out = fn.args
-    x, s, o = (b.bitcast(p, F32.as_pointer()) for p in (logits, scales, out))
+    logits, n, count, tid, nth, scales, out, groups = fn.args
+    x, s, o, g = (b.bitcast(p, F32.as_pointer()) for p in (logits, scales, out, groups))
     floats = ir.VectorType(F32, 16)
     blocks = b.sdiv(f.add(count, WEIGH_BLOCK - 1), f.i64(WEIGH_BLOCK))
+    row_groups = b.sdiv(f.add(count, WEIGH_GROUP - 1), f.i64(WEIGH_GROUP))
     lo, hi = f.share(blocks, tid, nth)
     chains = [f.alloca(floats, name=f"chain{k}") for k in range(WEIGH_CHAINS)]
-    tail = f.alloca(F32, name="tail")
+    rest, tail = f.alloca(floats, name="rest"), f.alloca(F32, name="tail")
 
-    def fold(row: ir.Value, start: ir.Value, end: ir.Value, first: float, combine, term) -> ir.Value:
-        """combine(…, term(v)) over the floats [start, end) of `row`: `WEIGH_CHAINS` vectors side by side, one,
-        then one float at a time (`term` takes a float or a vector)."""
+    def steps(row: ir.Value, start: ir.Value, end: ir.Value, first: float, combine, term,
+              maxima: ir.Value | None = None) -> ir.Value:
+        """combine(…, term(v)) over the floats [start, end) of `row` (`start` a multiple of `WEIGH_GROUP`): a
+        group's `WEIGH_CHAINS` vectors side by side, then vectors and floats one at a time in a last partial
+        group (`term` takes a float or a vector). With `maxima`, each group's largest term goes to g[maxima +
+        group]."""
         for chain in chains:
             b.store(f.const(floats, first), chain)
         whole = f.add(start, f.mul(b.sdiv(f.sub(end, start), f.i64(16)), 16))
-        wide = f.add(start, f.mul(b.sdiv(f.sub(end, start), f.i64(16 * WEIGH_CHAINS)), 16 * WEIGH_CHAINS))
-        with f.loop(start, wide, 16 * WEIGH_CHAINS, name="c", unroll=False) as i:
-            for k, chain in enumerate(chains):
-                b.store(combine(b.load(chain), term(f.vload(row, f.add(i, 16 * k)))), chain)
+        wide = f.add(start, f.mul(b.sdiv(f.sub(end, start), f.i64(WEIGH_GROUP)), WEIGH_GROUP))
+
+        def group_at(i: ir.Value) -> ir.Value:
+            return f.add(maxima, b.sdiv(i, f.i64(WEIGH_GROUP)))
+
+        with f.loop(start, wide, WEIGH_GROUP, name="c", unroll=False) as i:
+            terms = [term(f.vload(row, f.add(i, 16 * k))) for k in range(WEIGH_CHAINS)]
+            if maxima is not None:
+                f.store(f.reduce_max(functools.reduce(f.fmax, terms)), g, group_at(i))
+            for chain, t in zip(chains, terms):
+                b.store(combine(b.load(chain), t), chain)
+        b.store(f.const(floats, first), rest)
         with f.loop(wide, whole, 16, name="v", unroll=False) as i:
-            b.store(combine(b.load(chains[0]), term(f.vload(row, i))), chains[0])
-        vector = functools.reduce(combine, (b.load(chain) for chain in chains))
-        b.store(functools.reduce(combine, (b.extract_element(vector, f.i64(j)) for j in range(16))), tail)
+            b.store(combine(b.load(rest), term(f.vload(row, i))), rest)
+        b.store(functools.reduce(combine, (b.extract_element(b.load(rest), f.i64(j)) for j in range(16))), tail)
         with f.loop(whole, end, name="t", unroll=False) as i:
             b.store(combine(b.load(tail), term(f.load(row, i))), tail)
-        return b.load(tail)
+        if maxima is not None:
+            with f.when(b.icmp_signed("<", wide, end)):
+                f.store(b.load(tail), g, group_at(wide))
+        vector = functools.reduce(combine, (b.load(chain) for chain in chains))
+        return functools.reduce(combine, [*(b.extract_element(vector, f.i64(j)) for j in range(16)), b.load(tail)])
 
     with f.loop(0, n, name="row", unroll=False) as r:
         scale = f.load(s, r)
@@ -335,14 +353,14 @@ def weigh_kernel(module: ir.Module) -> ir.Function:
             with f.loop(lo, hi, name="block", unroll=False) as j:
                 start = f.mul(j, WEIGH_BLOCK)
                 end = f.smin(f.add(start, WEIGH_BLOCK), count)
-                largest = fold(row, start, end, float("-inf"), f.fmax, lambda v: v)
+                largest = steps(row, start, end, float("-inf"), f.fmax, lambda v: v, f.mul(r, row_groups))
 
                 def weight(v: ir.Value) -> ir.Value:
                     ty = v.type
                     at = (lambda c: f.splat(c, ty)) if isinstance(ty, ir.VectorType) else (lambda c: c)
                     return f.exp(b.fmul(b.fsub(v, at(largest)), at(scale)))
 
-                total = fold(row, start, end, 0.0, f.fadd, weight)
+                total = steps(row, start, end, 0.0, f.fadd, weight)
                 at = f.mul(f.add(f.mul(r, blocks), j), 2)
                 f.store(largest, o, at)
                 f.store(total, o, f.add(at, 1))

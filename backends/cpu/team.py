@@ -34,6 +34,7 @@ from llmc.abi import (
     TEAM_SLEEPERS,
     TEAM_STOP,
     TEAM_THREADS,
+    TEAM_WEIGH_GROUPS,
     TEAM_WEIGH_OUT,
     TEAM_WEIGH_ROWS,
     TEAM_WEIGH_SCALES,
@@ -100,7 +101,8 @@ def _finish(lib: KernelLibrary, b: ir.IRBuilder, team: ir.Value, tid: ir.Value, 
                             address(TEAM_ARGMAX_OUT, argmax.args[5])])
         with b.if_then(b.icmp_signed(">", weighed, zero)):
             b.call(weigh, [address(TEAM_LOGITS, weigh.args[0]), weighed, count, tid, threads,
-                           address(TEAM_WEIGH_SCALES, weigh.args[5]), address(TEAM_WEIGH_OUT, weigh.args[6])])
+                           *(address(w, p) for w, p in zip((TEAM_WEIGH_SCALES, TEAM_WEIGH_OUT, TEAM_WEIGH_GROUPS),
+                                                             weigh.args[5:]))])
         lib.wait(b, _word(b, team, TEAM_DONE), threads)
 
 

@@ -132,6 +132,16 @@ WEIGH_ARGUMENTS: dict[str, str] = {"logits": POINTER, "n": INT64, "count": INT64
                                    "scales": POINTER, "out": POINTER, "groups": POINTER}
 WEIGH_BLOCK = 1024
 WEIGH_GROUP = 64
+# `void llmc_draw(float *logits, int64_t n, int64_t count, float *scales, float *out, double *uniforms,
+# int64_t *tokens)`: thread 0's after the weighing, for each of `n` rows whose scale is >= 0 and uniform u in
+# [0, 1): the token drawn with probability ∝ exp((logit − top) · scale) into tokens[row], found as
+# `Sampler.draw` finds it: the block where the running sum of the blocks' masses (each block's sum from `WEIGH`
+# times exp((its largest − top) · scale)) passes u times their total, then the logit where the block's running
+# sum of weights passes the rest (the block's last weight above 0 where rounding leaves none); -1 where the
+# total is not a finite number above 0 (a NaN logit). The runtime draws u before the call.
+DRAW = f"{ENTRY_PREFIX}draw"
+DRAW_ARGUMENTS: dict[str, str] = {"logits": POINTER, "n": INT64, "count": INT64, "scales": POINTER, "out": POINTER,
+                                  "uniforms": POINTER, "tokens": POINTER}
 AMX_FLAG = f"{ENTRY_PREFIX}amx"  # an int32 the runtime sets to 1 once the process may use AMX tiles
 
 # The native thread team (`backends/cpu/team.py`): the runtime's workers wait in
@@ -153,6 +163,8 @@ TEAM_ARGS = 16  # the job's arguments, in its function's order (every argument a
 TEAM_WEIGH_ROWS = TEAM_ARGS + 16  # rows of logits to weigh after the next call (`WEIGH`; the call zeroes it), …
 TEAM_WEIGH_SCALES = TEAM_WEIGH_ROWS + 1  # … with the float32 scales at this address, …
 TEAM_WEIGH_OUT = TEAM_WEIGH_ROWS + 2  # … the blocks' (largest, sum) to this address, …
-TEAM_WEIGH_GROUPS = TEAM_WEIGH_ROWS + 3  # … the groups' largest to this one
+TEAM_WEIGH_GROUPS = TEAM_WEIGH_ROWS + 3  # … the groups' largest to this one; then thread 0 draws (`DRAW`) …
+TEAM_WEIGH_UNIFORMS = TEAM_WEIGH_ROWS + 4  # … by the float64 uniforms at this address …
+TEAM_WEIGH_TOKENS = TEAM_WEIGH_ROWS + 5  # … the int64 tokens to this one
 TEAM_WORDS = TEAM_ARGS + 24
 TEAM_STOP = -1

@@ -495,7 +495,7 @@ class Engine:
         positions = np.array([s.position for s in ready], np.int32)
         slots = np.array([s.slot for s in ready], np.int32)
         start = time.perf_counter()  # (the same logits array every step: `run` checks it and takes its address once)
-        if any(s.sampler.plain or s.sampler.plain_draw for s in ready):  # the plain rows' tokens: the session's
+        if any(s.sampler.plain or s.sampler.weighed_draw for s in ready):  # the plain rows' tokens: the session's
             picks = self.session.decode_picks(tokens, positions, slots, self.logits, [s.sampler for s in ready])
         else:
             picks = [None] * len(ready)

@@ -9,7 +9,7 @@ temperature / top-k / top-p / min-p sampling; the chosen tokens' logprobs on req
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -169,11 +169,19 @@ class Sampler:
         return self.greedy and self._raw
 
     @property
-    def plain_draw(self) -> bool:
-        """A draw (temperature, top-k, top-p, min-p) from the raw logits, with nothing to process or record: a
-        caller may take the session's choice (`session.pick`, which may weigh the logits where they are:
-        `draw_weighed`) and then `take` it."""
-        return not self.greedy and self._raw
+    def weighed_draw(self) -> bool:
+        """A draw from the raw logits, with nothing to process or record, that weighs every token: temperature
+        alone (the draw's search), or top-p without top-k (the total mass). A caller may take the session's
+        choice (`session.pick`, which may weigh the logits where they are: `llmc.abi.WEIGH`, `draw_weighed`)
+        and then `take` it. (A top-k or min-p draw finds its head in a few cheaper passes: the sampler's.)"""
+        o = self.options
+        return not self.greedy and self._raw and not o.top_k and (o.top_p < 1 or o.min_p == 0)
+
+    @property
+    def filtered(self) -> bool:
+        """Whether top-k, top-p or min-p cut the tokens a draw may choose."""
+        o = self.options
+        return bool(o.top_k or o.top_p < 1 or o.min_p > 0)
 
     @property
     def _raw(self) -> bool:
@@ -266,22 +274,21 @@ class Sampler:
             weights = weights[ids].astype(np.float64)
         return ids, weights / weights.sum()
 
-    def weights(self, logits: np.ndarray, weighed: tuple[np.ndarray, np.ndarray] | None = None
+    def weights(self, logits: np.ndarray, weighed: tuple[float, float, np.ndarray] | None = None
                 ) -> tuple[np.ndarray | None, np.ndarray]:
         """What `distribution` normalizes, in the fewest passes over the vocabulary: where no filter applies,
         `(None, w)` with every token's float32 weight (the likeliest's 1; `exp((score - top) / temperature)`,
         0 for tokens at -inf); else the ids top-k, top-p and min-p keep and their float64 weights, likeliest
         first. Only top-p without top-k weighs every token (for the total mass); the filters find their heads
         among the largest scores (`_largest`), since the order of weights is the order of scores. `weighed`,
-        the team's weighing of raw `logits` (`draw_weighed`), gives the top, the total mass and the groups'
-        largest, so that no pass over the vocabulary is left for a filtered draw."""
+        from the team's weighing of raw `logits` (`draw_weighed`), gives the top, the total weight and the
+        groups' largest, so that no pass over the vocabulary is left for a filtered draw."""
         o = self.options
         scores = self.processed(logits)
-        blocks, maxima = weighed if weighed is not None else (None, None)
-        top = blocks[:, 0].max() if blocks is not None else scores.max()
+        top, total, maxima = weighed if weighed is not None else (scores.max(), None, None)
         if top == -np.inf:
             raise ValueError("no token is allowed next (the grammar and logit-bias exclude all)")
-        if not (o.top_k or o.top_p < 1 or o.min_p > 0):
+        if not self.filtered:
             return None, _float32_weights(scores, top, o.temperature)
 
         def weigh(ids: np.ndarray) -> np.ndarray:
@@ -295,7 +302,7 @@ class Sampler:
         else:  # a head of the likeliest, grown 4x at a time until it holds every token top-p or min-p may keep
             mass = np.inf
             if o.top_p < 1:
-                mass = o.top_p * float(_block_masses(blocks, top, self.scale).sum() if blocks is not None else
+                mass = o.top_p * float(total if total is not None else
                                        _float32_weights(scores, top, o.temperature).sum())
             size = HEAD
             while True:
@@ -314,24 +321,19 @@ class Sampler:
         return ids[:keep], weights[:keep]
 
     def draw_weighed(self, logits: np.ndarray, blocks: np.ndarray, maxima: np.ndarray) -> int | None:
-        """`choose` for a `plain_draw` sampler, from raw `logits` as the team weighed them (`llmc.abi.WEIGH`):
-        `blocks`, each `WEIGH_BLOCK` block's largest logit and its sum of exp((logit − largest) · `scale`)
-        (float32 [blocks, 2]), and `maxima`, each `WEIGH_GROUP` group's largest logit. Without a filter, the
-        blocks' masses relative to the largest logit find the draw's block (one `rng.random()`, as `draw`),
-        whose own weights (`_float32_weights`) find the token; with one, `weights` finds the head among the
-        groups that reach it. Either is what `draw(*weights(logits))` draws, up to the float32 rounding of the
-        blocks' sums. None, drawing nothing, where the masses are not finite numbers above 0 (a NaN logit, all
-        at -inf): `choose` then says why."""
-        top = blocks[:, 0].max()
-        masses = _block_masses(blocks, top, self.scale)
-        total = masses.sum()
+        """`choose` for a `weighed_draw` sampler that is `filtered`, from raw `logits` as the team weighed them
+        (`llmc.abi.WEIGH`): `blocks`, each `WEIGH_BLOCK` block's largest logit and its sum of exp((logit −
+        largest) · `scale`) (float32 [blocks, 2]), give the top and the total mass, and `maxima`, each
+        `WEIGH_GROUP` group's largest logit, the groups where the head is (`weights`): what
+        `draw(*weights(logits))` draws, up to the float32 rounding of the blocks' sums. None, drawing nothing,
+        where the masses are not finite numbers above 0 (a NaN logit, all at -inf): `choose` then says why.
+        (An unfiltered draw is the team's own, `llmc.abi.DRAW`.)"""
+        top = float(blocks[:, 0].max())
+        with np.errstate(over="ignore", invalid="ignore"):  # (each block's sum times exp((its largest − top) · scale))
+            total = float(blocks[:, 1] @ np.exp((blocks[:, 0].astype(np.float64) - top) * float(self.scale)))
         if not (math.isfinite(total) and total > 0):
             return None
-        o = self.options
-        if o.top_k or o.top_p < 1 or o.min_p > 0:
-            return self.draw(*self.weights(logits, (blocks, maxima)))
-        return _search_blocks(masses, self.rng.random(), lambda block: _float32_weights(
-            logits[block * WEIGH_BLOCK : (block + 1) * WEIGH_BLOCK], top, o.temperature))
+        return self.draw(*self.weights(logits, (top, total, maxima)))
 
     def draw(self, ids: np.ndarray | None, weights: np.ndarray) -> int:
         """One of `ids` (None: 0, 1, …), drawn with probabilities proportional to `weights`: what
@@ -343,6 +345,7 @@ class Sampler:
 
 HEAD = 64  # top-p and min-p without top-k: the likeliest tokens weighed first
 GROUP = 64  # `_largest`: values a group (at most), whose maxima bound the k-th largest from below
+GATHERED = 16  # `_largest`: the team's groups are read where k of them are at most 1/16 of the values
 SEARCH_BLOCK = WEIGH_BLOCK  # `_search`: weights whose sum is a step of its first, coarse search (the team's blocks)
 
 
@@ -371,7 +374,9 @@ def _largest(values: np.ndarray, k: int, maxima: np.ndarray | None = None) -> np
     values at or above the k-th largest maximum of groups of up to `GROUP` values (k values reach it, so the
     k largest do), a few passes over `values` where `np.argpartition` over all of them took 5x as long. Given
     `maxima`, the largest of each `WEIGH_GROUP` values in turn (the team's, `draw_weighed`), only the groups
-    whose largest reach the k-th are read.
+    whose largest reach the k-th are read, where they are at most a `GATHERED` part of `values` (gathered,
+    an element costs ~16x one of a pass: of 262k values, k = 256 took 65 µs against the passes' 103, k = 1024
+    200 against 97).
 
     >>> sorted(_largest(np.array([3.0, 9.0, 1.0, 7.0]), 2).tolist())
     [1, 3]
@@ -379,7 +384,7 @@ def _largest(values: np.ndarray, k: int, maxima: np.ndarray | None = None) -> np
     n = values.size
     if k >= n or k <= 0:
         return np.arange(n if k > 0 else 0)
-    if maxima is not None and k <= maxima.size:
+    if maxima is not None and k * WEIGH_GROUP * GATHERED <= n:
         least = np.partition(maxima, maxima.size - k)[maxima.size - k]
         ids = (np.flatnonzero(maxima >= least)[:, None] * WEIGH_GROUP + np.arange(WEIGH_GROUP)).ravel()
         ids = ids[ids < n]
@@ -396,18 +401,11 @@ def _largest(values: np.ndarray, k: int, maxima: np.ndarray | None = None) -> np
     return np.argpartition(values, n - k)[n - k :]
 
 
-def _block_masses(blocks: np.ndarray, top: float, scale: float) -> np.ndarray:
-    """The float64 masses of weighed blocks (`Sampler.draw_weighed`) relative to the largest logit `top`:
-    each block's sum of exp((logit − its largest) · scale) times exp((its largest − top) · scale)."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        return blocks[:, 1] * np.exp((blocks[:, 0].astype(np.float64) - top) * float(scale))
-
-
 def _search(weights: np.ndarray, u: float) -> int:
     """The first index where the running sum of `weights` (≥ 0, not all 0) exceeds `u` (in [0, 1)) times their
     total, as `np.searchsorted(np.cumsum(weights), u * total, side="right")` finds it; searched by the sums of
-    `SEARCH_BLOCK`-weight blocks, then a running sum within one block (`_search_blocks`; a running sum over 49k
-    weights took 115 µs).
+    `SEARCH_BLOCK`-weight blocks, then a running sum within one block (a running sum over 49k weights took
+    115 µs). Rounding at the last step lands on the last weight above 0 there (`llmc.abi.DRAW` searches alike).
 
     >>> _search(np.array([0.0, 1.0, 0.0, 3.0]), 0.5)
     3
@@ -416,21 +414,12 @@ def _search(weights: np.ndarray, u: float) -> int:
     sums = weights[:whole].reshape(-1, SEARCH_BLOCK).sum(axis=1)  # (float32's pairwise sums: 2x as fast)
     if whole < weights.size:
         sums = np.append(sums, weights[whole:].sum())
-    return _search_blocks(sums, u, lambda block: weights[block * SEARCH_BLOCK : (block + 1) * SEARCH_BLOCK])
-
-
-def _search_blocks(sums: np.ndarray, u: float, block_weights: Callable[[int], np.ndarray]) -> int:
-    """`_search` over weights given as the sums of their `SEARCH_BLOCK`-weight blocks (≥ 0, not all 0) and
-    the weights of any one block (`block_weights(b)`): the block where the blocks' running sum exceeds `u`
-    times their total, then the weight where the running sum within it exceeds the rest. Rounding at the last
-    step lands on the block's last weight above 0 (its largest where none is)."""
     running = np.cumsum(sums, dtype=np.float64)
     target = u * running[-1]
     block = int(np.searchsorted(running, target, side="right"))  # (< sums.size: u < 1)
-    part = block_weights(block)
+    part = weights[block * SEARCH_BLOCK : (block + 1) * SEARCH_BLOCK]
     i = int(np.searchsorted(np.cumsum(part, dtype=np.float64), target - (running[block - 1] if block else 0.0),
                             side="right"))
     if i == part.size:
-        above = np.flatnonzero(part)
-        i = int(above[-1]) if above.size else int(np.argmax(part))
+        i = int(np.flatnonzero(part)[-1])
     return block * SEARCH_BLOCK + i

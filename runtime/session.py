@@ -44,6 +44,8 @@ from llmc.abi import (
     TEAM_WEIGH_OUT,
     TEAM_WEIGH_ROWS,
     TEAM_WEIGH_SCALES,
+    TEAM_WEIGH_TOKENS,
+    TEAM_WEIGH_UNIFORMS,
     TEAM_WORDS,
     TEAM_WORK,
     WEIGH,
@@ -346,14 +348,14 @@ class Conversation:
         return int(np.argmax(self._last_logits(tokens)))
 
     def pick(self, tokens: list[int] | np.ndarray, sampler: Sampler) -> int:
-        """`feed`, then the next token of a `plain` sampler (the argmax) or a `plain_draw` one (a draw), not taken
+        """`feed`, then the next token of a `plain` sampler (the argmax) or a `weighed_draw` one (a draw), not taken
         (a target may choose it where the logits are)."""
         return self.greedy(tokens) if sampler.plain else sampler.choose(self._last_logits(tokens))
 
     def decode_picks(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, logits: np.ndarray,
                      samplers: Sequence[Sampler]) -> list[int | None]:
         """`run("decode", …)`, then the next token of each row whose sampler is `plain` (the argmax, the first
-        index of its largest logit) or `plain_draw` (a draw), not taken; None for the other rows, and for one
+        index of its largest logit) or `weighed_draw` (a draw), not taken; None for the other rows, and for one
         whose choice fails (every logit at -inf, NaN), which the caller's own `sampler(…)` then reports (a target
         may choose where the logits are)."""
         self.run("decode", tokens, positions, slots, logits)
@@ -362,7 +364,7 @@ class Conversation:
             token = None
             if sampler.plain:
                 token = int(np.argmax(row))
-            elif sampler.plain_draw and np.isfinite(row.max()):
+            elif sampler.weighed_draw and np.isfinite(row.max()):
                 token = sampler.choose(row)
             picks.append(None if token is None or row[token] == -np.inf else token)
         return picks
@@ -503,14 +505,19 @@ class Session(Conversation):
         if hasattr(self.library, ARGMAX):  # team takes the argmax (`greedy`; a library from before it cannot)
             self._firsts = aligned_zeros(rows * self.threads, np.int64)
             self.team.words[TEAM_LOGIT_COUNT], self.team.words[TEAM_ARGMAX_OUT] = self.vocab_size, _ptr(self._firsts)
-        self._scales = self._blocks = self._groups = None  # each row's scale, its blocks' (largest, sum) and its
-        if hasattr(self.library, WEIGH):  # groups' largest, where the team weighs the logits for a draw (`pick`;
-            self._scales = aligned_zeros(rows, np.float32)  # a library from before it cannot)
+        # where the team weighs the logits for a draw and draws (`pick`; a library from before it cannot): each
+        # row's scale, its blocks' (largest, sum), its groups' largest, its uniform and its token
+        self._scales = self._blocks = self._groups = self._uniforms = self._tokens = None
+        if hasattr(self.library, WEIGH):
+            self._scales = aligned_zeros(rows, np.float32)
             self._blocks = aligned_zeros((rows, -(-self.vocab_size // WEIGH_BLOCK), 2), np.float32)
             self._groups = aligned_zeros((rows, -(-self.vocab_size // WEIGH_GROUP)), np.float32)
-            words = self.team.words
-            words[TEAM_WEIGH_SCALES], words[TEAM_WEIGH_OUT], words[TEAM_WEIGH_GROUPS] = (
-                _ptr(self._scales), _ptr(self._blocks), _ptr(self._groups))
+            self._uniforms = aligned_zeros(rows, np.float64)
+            self._tokens = aligned_zeros(rows, np.int64)
+            for word, array in ((TEAM_WEIGH_SCALES, self._scales), (TEAM_WEIGH_OUT, self._blocks),
+                                (TEAM_WEIGH_GROUPS, self._groups), (TEAM_WEIGH_UNIFORMS, self._uniforms),
+                                (TEAM_WEIGH_TOKENS, self._tokens)):
+                self.team.words[word] = _ptr(array)
 
     def close(self) -> None:
         """Stop the worker threads."""
@@ -538,7 +545,7 @@ class Session(Conversation):
         return self._team_picks(self.logits, None, lambda: self._step(token, self.logits))[0]
 
     def pick(self, tokens: list[int] | np.ndarray, sampler: Sampler) -> int:
-        """`feed`, then the next token of a `plain` or `plain_draw` sampler: a decode step's by the thread team
+        """`feed`, then the next token of a `plain` or `weighed_draw` sampler: a decode step's by the thread team
         (`_team_picks`)."""
         if sampler.plain or self._scales is None or len(tokens) != 1 or self.position == 0:
             return super().pick(tokens, sampler)
@@ -560,16 +567,20 @@ class Session(Conversation):
         its share of each row, which its share of the LM head has just written, in its own caches: the argmax
         of every row (`samplers` None: greedy) or of each whose sampler is `plain` (`llmc.abi.ARGMAX`; each
         row's largest of the threads' firsts, the earliest's on ties), and the weighing of each row whose
-        sampler is `plain_draw` (`llmc.abi.WEIGH`, drawn from by `Sampler.draw_weighed`). numpy's argmax read
-        every logit, half of them from the other core's: 26 us of SmolLM2's 2 ms step, 100 us of the 270M
-        model's 8 ms; a draw's passes over the logits in numpy took 65 and 300 us. None for other rows, as
-        `decode_picks` (and for a draw where the library cannot weigh: one from before `WEIGH`)."""
+        sampler is `weighed_draw` (`llmc.abi.WEIGH`), its draw thread 0's (`llmc.abi.DRAW`, by the uniform its
+        sampler draws before the call) or, with a filter, `Sampler.draw_weighed`'s. numpy's argmax read every
+        logit, half of them from the other core's: 26 us of SmolLM2's 2 ms step, 100 us of the 270M model's
+        8 ms; a draw's passes over the logits in numpy took 65 and 300 us warm, ~100 more after a decode step
+        (every object Python touches a cache miss). None for other rows, as `decode_picks` (and for a draw
+        where the library cannot weigh: one from before `WEIGH`; or where the team's draw failed, after its
+        uniform was drawn)."""
         words = self.team.words
         rows = 1 if samplers is None else len(samplers)
         greedy = samplers is None or any(s.plain for s in samplers)
-        drawn = samplers is not None and self._scales is not None and any(s.plain_draw for s in samplers)
-        if drawn:
-            self._scales[:rows] = [s.scale if s.plain_draw else -1.0 for s in samplers]
+        drawn = samplers is not None and self._scales is not None and any(s.weighed_draw for s in samplers)
+        if drawn:  # (a draw with no filter is the team's: its one uniform drawn now, as `Sampler.draw` would)
+            self._scales[:rows] = [s.scale if s.weighed_draw else -1.0 for s in samplers]
+            self._uniforms[:rows] = [s.rng.random() if s.weighed_draw and not s.filtered else -1.0 for s in samplers]
         words[TEAM_LOGITS] = self._address(logits)
         words[TEAM_ARGMAX_ROWS] = rows if greedy else 0  # (the call zeroes both)
         words[TEAM_WEIGH_ROWS] = rows if drawn else 0
@@ -579,6 +590,7 @@ class Session(Conversation):
             words[TEAM_ARGMAX_ROWS] = words[TEAM_WEIGH_ROWS] = 0
             raise
         firsts = self._firsts[: rows * self.threads].tolist() if greedy else []
+        tokens = self._tokens[:rows].tolist() if drawn else []
         picks: list[int | None] = []
         for r in range(rows):
             row, best = logits[r], None
@@ -587,8 +599,11 @@ class Session(Conversation):
                     if i >= 0 and (best is None or row[i] > row[best]):
                         best = i
                 best = best if samplers is None or (best is not None and row[best] != -np.inf) else None
-            elif drawn and samplers[r].plain_draw:
-                best = samplers[r].draw_weighed(row, self._blocks[r], self._groups[r])
+            elif drawn and samplers[r].weighed_draw:
+                if samplers[r].filtered:
+                    best = samplers[r].draw_weighed(row, self._blocks[r], self._groups[r])
+                elif tokens[r] >= 0:
+                    best = tokens[r]
             picks.append(best)
         return picks
 

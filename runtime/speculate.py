@@ -34,9 +34,9 @@ from llmc.runtime.session import Conversation
 
 
 def next_token(session: Conversation, sampler: Sampler, tokens: list[int]) -> int:
-    """Feed `tokens` and choose (and take) the next one: where the sampler is `plain` or `plain_draw`, the
+    """Feed `tokens` and choose (and take) the next one: where the sampler is `plain` or `weighed_draw`, the
     session's choice (`Conversation.pick`: by the CPU's threads or on a GPU, where the logits are)."""
-    if sampler.plain or sampler.plain_draw:
+    if sampler.plain or sampler.weighed_draw:
         token = session.pick(tokens, sampler)
         sampler.take([token])
         return token

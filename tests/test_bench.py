@@ -130,11 +130,11 @@ def test_greedy_decode_steps_take_the_thread_teams_argmax(artifact, threads) -> 
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_a_batched_decodes_plain_rows_take_the_thread_teams_argmaxes_and_draws(artifact, threads) -> None:
-    """`decode_picks` (the engine's rows): a plain greedy row's token is numpy's argmax of its logits, a plain
-    sampled row's (filtered or not) the draw its sampler makes from those logits (the team's weighing,
-    `llmc.abi.WEIGH`), a row whose sampler processes the logits is left to the caller (None), for every row
-    count the artifact takes and a few steps of each sampler; a call that fails before it runs asks nothing of
-    the next."""
+    """`decode_picks` (the engine's rows): a plain greedy row's token is numpy's argmax of its logits, a row
+    drawn by temperature alone or with top-p the draw its sampler makes from those logits (the team's weighing,
+    `llmc.abi.WEIGH`, and draw, `llmc.abi.DRAW`), a row whose sampler processes the logits or takes top-k is
+    left to the caller (None), for every row count the artifact takes and a few steps of each sampler; a call
+    that fails before it runs asks nothing of the next."""
     from llmc.abi import TEAM_ARGMAX_ROWS, TEAM_WEIGH_ROWS
     from llmc.runtime.sampling import Sampler, SamplingOptions
 
@@ -152,7 +152,7 @@ def test_a_batched_decodes_plain_rows_take_the_thread_teams_argmaxes_and_draws(a
             picks = session.decode_picks(tokens, np.full(rows, rows + step, np.int32), slots, logits, ours)
             for row, (o, twin, pick) in enumerate(zip(options, twins, picks)):
                 expected = (int(np.argmax(logits[row])) if o.temperature == 0 else
-                            None if o.presence_penalty else twin.draw(*twin.weights(logits[row])))
+                            None if o.presence_penalty or o.top_k else twin.draw(*twin.weights(logits[row])))
                 assert pick == expected, (rows, step, row)
             assert session.team.words[TEAM_ARGMAX_ROWS] == session.team.words[TEAM_WEIGH_ROWS] == 0
     with pytest.raises(ValueError, match="C-contiguous float32"):
@@ -166,15 +166,15 @@ def test_a_batched_decodes_plain_rows_take_the_thread_teams_argmaxes_and_draws(a
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_a_sampled_decode_step_draws_from_the_thread_teams_weighing(artifact, threads) -> None:
-    """`pick` with a plain sampled sampler, filtered or not: a decode step's token is the draw its sampler makes
-    from the step's logits (the team's weighing), the prompt's the sampler's own; the read probe between steps
-    changes nothing."""
+    """`pick` with a sampler drawing by temperature alone or with top-p: a decode step's token is the draw its
+    sampler makes from the step's logits (the team's weighing), the prompt's the sampler's own; the read probe
+    between steps changes nothing."""
     from llmc.abi import TEAM_WEIGH_ROWS
     from llmc.runtime.sampling import Sampler, SamplingOptions
 
     session = Session(artifact("gguf"), threads=threads)
     assert session._scales is not None  # (the team weighs)
-    for options in (SamplingOptions(1.2, seed=7), SamplingOptions(0.8, top_k=20, top_p=0.9, seed=8)):
+    for options in (SamplingOptions(1.2, seed=7), SamplingOptions(0.8, top_p=0.9, min_p=0.01, seed=8)):
         session.rewind(0)
         ours, twin = (Sampler(options) for _ in range(2))
         tokens = [session.pick([1, 2, 3], ours)]

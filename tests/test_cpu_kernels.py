@@ -46,7 +46,7 @@ from llmc.backends.cpu import (
     target_machine,
 )
 from llmc.backends.cpu import amx as amx_tiles
-from llmc.backends.cpu.codegen import argmax_kernel, read_probe, weigh_kernel
+from llmc.backends.cpu.codegen import argmax_kernel, draw_kernel, read_probe, weigh_kernel
 from llmc.backends.cpu.gemm import CHUNK_BYTES, CHUNKS_PER_THREAD, DEALT_SHARE, PREFETCH_BYTES, TILE_COLS
 from llmc.backends.cpu.target import (
     CPUS,
@@ -788,30 +788,33 @@ def test_the_threads_weighing_is_numpys_and_draws_what_the_sampler_draws(tm, tmp
     `WEIGH_GROUP` group's are numpy's, bit for bit, and a block's sum of exp((logit − largest) · scale) numpy's
     in float64 to float32 rounding: whole blocks, a row's last block of 3 vectors and 5 floats (a partial
     group), a block where all but one logit are -inf, temperatures 1, 2 and 1/1000; a row of negative scale is
-    not written, nor past the rows asked for. A draw from them (`Sampler.draw_weighed`) is the sampler's own
-    (`draw(*weights(…))`) for 100 seeds a row, plain and with each filter."""
+    not written, nor past the rows asked for. A draw from them is the sampler's own (`draw(*weights(…))`) for
+    100 seeds a row: without a filter `llmc_draw`'s (by the uniform the sampler draws first), with each filter
+    `Sampler.draw_weighed`'s. A row all at -inf draws nothing (-1); a row of negative scale or uniform is left."""
     from llmc.runtime.sampling import Sampler, SamplingOptions
 
     module = ir.Module(name="kernels")
-    fn = weigh_kernel(module)
+    fn, draw_fn = weigh_kernel(module), draw_kernel(module)
     library = ctypes.CDLL(str(link_shared([compile_to_object(module, tm.tm)], tmp_path / f"w_{uuid.uuid4().hex}.so")))
-    run = getattr(library, fn.name)
+    run, draw = getattr(library, fn.name), getattr(library, draw_fn.name)
     count = 4 * WEIGH_BLOCK + 53
     blocks, groups = -(-count // WEIGH_BLOCK), -(-count // WEIGH_GROUP)
-    logits = (3 * np.random.default_rng(3).standard_normal((5, count))).astype(np.float32)
+    logits = (3 * np.random.default_rng(3).standard_normal((6, count))).astype(np.float32)
     logits[1, WEIGH_BLOCK : 2 * WEIGH_BLOCK] = -np.inf
     logits[1, WEIGH_BLOCK + 700] = 4.5
-    temperatures = {0: 1.0, 1: 2.0, 3: 1e-3}
+    logits[5] = -np.inf
+    temperatures = {0: 1.0, 1: 2.0, 3: 1e-3, 5: 1.0}
     scales = np.array([Sampler(SamplingOptions(temperatures[r])).scale if r in temperatures else -1.0
-                       for r in range(5)], np.float32)
-    out = np.full((5, blocks, 2), 7.0, np.float32)
-    maxima = np.full((5, groups), 7.0, np.float32)
+                       for r in range(6)], np.float32)
+    scales[4] = -1.0
+    out = np.full((6, blocks, 2), 7.0, np.float32)
+    maxima = np.full((6, groups), 7.0, np.float32)
+    pointers = [ctypes.c_void_p(a.ctypes.data) for a in (scales, out)]
     for tid in range(nth):
-        run(ctypes.c_void_p(logits.ctypes.data), ctypes.c_int64(4), ctypes.c_int64(count), ctypes.c_int64(tid),
-            ctypes.c_int64(nth), ctypes.c_void_p(scales.ctypes.data), ctypes.c_void_p(out.ctypes.data),
-            ctypes.c_void_p(maxima.ctypes.data))
-    padded = np.concatenate([logits, np.full((5, groups * WEIGH_GROUP - count), -np.inf, np.float32)], axis=1)
-    for r, temperature in temperatures.items():
+        run(ctypes.c_void_p(logits.ctypes.data), ctypes.c_int64(6), ctypes.c_int64(count), ctypes.c_int64(tid),
+            ctypes.c_int64(nth), *pointers, ctypes.c_void_p(maxima.ctypes.data))
+    padded = np.concatenate([logits, np.full((6, groups * WEIGH_GROUP - count), -np.inf, np.float32)], axis=1)
+    for r in (0, 1, 3):
         assert (maxima[r] == padded[r].reshape(groups, WEIGH_GROUP).max(axis=1)).all()
         for b in range(blocks):
             block = logits[r, b * WEIGH_BLOCK : (b + 1) * WEIGH_BLOCK].astype(np.float64)
@@ -820,11 +823,24 @@ def test_the_threads_weighing_is_numpys_and_draws_what_the_sampler_draws(tm, tmp
                 mass = np.exp((block - largest) * float(scales[r])).sum()
             assert out[r, b, 0] == np.float32(largest)
             np.testing.assert_allclose(out[r, b, 1], mass, rtol=2e-6)
-        for filters in ({}, {"top_k": 40}, {"top_p": 0.9}, {"min_p": 0.05}, {"top_k": 40, "top_p": 0.95, "min_p": 0.05}):
-            for seed in range(100):
-                ours, theirs = (Sampler(SamplingOptions(temperature, seed=seed, **filters)) for _ in range(2))
-                assert ours.draw_weighed(logits[r], out[r], maxima[r]) == theirs.draw(*theirs.weights(logits[r]))
     assert (out[2] == 7.0).all() and (out[4] == 7.0).all() and (maxima[2] == 7.0).all() and (maxima[4] == 7.0).all()
+    for seed in range(100):
+        ours = {r: Sampler(SamplingOptions(temperatures[r], seed=seed)) for r in temperatures}
+        uniforms = np.array([ours[r].rng.random() if r in ours else 0.5 for r in range(6)], np.float64)
+        uniforms[2] = -1.0
+        tokens = np.full(6, 77, np.int64)
+        draw(ctypes.c_void_p(logits.ctypes.data), ctypes.c_int64(6), ctypes.c_int64(count), *pointers,
+             ctypes.c_void_p(uniforms.ctypes.data), ctypes.c_void_p(tokens.ctypes.data))
+        for r in (0, 1, 3):
+            theirs = Sampler(SamplingOptions(temperatures[r], seed=seed))
+            assert tokens[r] == theirs.draw(*theirs.weights(logits[r])), (seed, r)
+        assert tokens[5] == -1 and tokens[2] == tokens[4] == 77
+    for r in (0, 1, 3):
+        for filters in ({"top_k": 40}, {"top_p": 0.9}, {"min_p": 0.05}, {"top_k": 40, "top_p": 0.95, "min_p": 0.05}):
+            for seed in range(100):
+                ours, theirs = (Sampler(SamplingOptions(temperatures[r], seed=seed, **filters)) for _ in range(2))
+                assert ours.draw_weighed(logits[r], out[r], maxima[r]) == theirs.draw(*theirs.weights(logits[r]))
+    assert Sampler(SamplingOptions(1.0, top_k=40)).draw_weighed(logits[5], out[5], maxima[5]) is None
 
 
 # the kernel cache ------------------------------------------------------------------

@@ -257,3 +257,19 @@ def test_greedy_speculation_with_penalties_gives_the_plain_tokens(artifact) -> N
     assert speculation.stats.verify_calls > 0 and 0 < speculation.stats.accepted < speculation.stats.drafted
     unpenalized, _ = _generate(session, prompt, 60, SamplingOptions(), None)
     assert unpenalized != plain  # (the penalties changed the text: the comparison above means something)
+
+
+def test_the_draws_a_session_may_weigh_where_the_logits_are() -> None:
+    """`weighed_draw`: a draw that weighs every token (temperature alone; top-p without top-k, for the total)
+    from the raw logits, with nothing to process or record; greedy is `plain`, and top-k and min-p alone find
+    their heads without weighing every token."""
+    def weighs(**options) -> bool:
+        return Sampler(SamplingOptions(**options)).weighed_draw
+
+    assert weighs(temperature=1.0) and weighs(temperature=0.7, top_p=0.9)
+    assert weighs(temperature=1.0, top_p=0.9, min_p=0.05)
+    assert not weighs() and not weighs(temperature=1.0, top_k=1) and Sampler(SamplingOptions(1.0, top_k=1)).plain
+    assert not weighs(temperature=1.0, top_k=40) and not weighs(temperature=1.0, min_p=0.05)
+    assert not weighs(temperature=1.0, top_k=40, top_p=0.9)
+    assert not weighs(temperature=1.0, presence_penalty=0.5) and not weighs(temperature=1.0, repetition_penalty=1.1)
+    assert not weighs(temperature=1.0, logprobs=0) and not weighs(temperature=1.0, logit_bias=((1, 2.0),))

@@ -14,7 +14,8 @@ of -1 (`TEAM_STOP`) makes every worker return. Where the runtime left rows in `T
 threads then take the argmax of those rows of logits (`llmc.abi.ARGMAX`: each thread its share, which its
 share of the LM head wrote) between two passes of the done barrier, and thread 0 zeroes the word: greedy
 decoding's token costs one more barrier, not a second call. Rows in `TEAM_WEIGH_ROWS` are weighed for a
-sampled token's draw the same way and in the same pass (`llmc.abi.WEIGH`).
+sampled token's draw the same way and in the same pass (`llmc.abi.WEIGH`), and thread 0 then draws their
+tokens where the runtime left a uniform (`llmc.abi.DRAW`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from llmc.abi import (
     TEAM_WEIGH_OUT,
     TEAM_WEIGH_ROWS,
     TEAM_WEIGH_SCALES,
+    TEAM_WEIGH_TOKENS,
+    TEAM_WEIGH_UNIFORMS,
     TEAM_WORK,
 )
 from llmc.backends.builder import I32, I64, VOID
@@ -49,6 +52,11 @@ SYS_FUTEX, FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 202, 128, 129  # x86-64 Linu
 
 def _word(b: ir.IRBuilder, team: ir.Value, index: int) -> ir.Value:
     return b.gep(team, [ir.Constant(I64, index)])
+
+
+def _address(b: ir.IRBuilder, team: ir.Value, index: int, param: ir.Argument) -> ir.Value:
+    """The address in the team's word `index`, as `param`'s pointer type."""
+    return b.inttoptr(b.load(_word(b, team, index)), param.type)
 
 
 def _futex(module: ir.Module, b: ir.IRBuilder, team: ir.Value, op: int, value: ir.Value) -> None:
@@ -90,19 +98,15 @@ def _finish(lib: KernelLibrary, b: ir.IRBuilder, team: ir.Value, tid: ir.Value, 
     weighed = b.load(_word(b, team, TEAM_WEIGH_ROWS))  # the next call's, only after every thread has arrived)
     lib.wait(b, _word(b, team, TEAM_DONE), threads)
     zero = ir.Constant(I64, 0)
-
-    def address(word: int, param: ir.Argument) -> ir.Value:
-        return b.inttoptr(b.load(_word(b, team, word)), param.type)
-
     with b.if_then(b.icmp_signed(">", b.or_(rows, weighed), zero)):
         count = b.load(_word(b, team, TEAM_LOGIT_COUNT))
         with b.if_then(b.icmp_signed(">", rows, zero)):
-            b.call(argmax, [address(TEAM_LOGITS, argmax.args[0]), rows, count, tid, threads,
-                            address(TEAM_ARGMAX_OUT, argmax.args[5])])
+            b.call(argmax, [_address(b, team, TEAM_LOGITS, argmax.args[0]), rows, count, tid, threads,
+                            _address(b, team, TEAM_ARGMAX_OUT, argmax.args[5])])
         with b.if_then(b.icmp_signed(">", weighed, zero)):
-            b.call(weigh, [address(TEAM_LOGITS, weigh.args[0]), weighed, count, tid, threads,
-                           *(address(w, p) for w, p in zip((TEAM_WEIGH_SCALES, TEAM_WEIGH_OUT, TEAM_WEIGH_GROUPS),
-                                                             weigh.args[5:]))])
+            outputs = zip((TEAM_WEIGH_SCALES, TEAM_WEIGH_OUT, TEAM_WEIGH_GROUPS), weigh.args[5:])
+            b.call(weigh, [_address(b, team, TEAM_LOGITS, weigh.args[0]), weighed, count, tid, threads,
+                           *(_address(b, team, word, param) for word, param in outputs)])
         lib.wait(b, _word(b, team, TEAM_DONE), threads)
 
 
@@ -162,9 +166,11 @@ def team_work(lib: KernelLibrary, jobs: list[ir.Function], argmax: ir.Function, 
     return fn
 
 
-def team_run(lib: KernelLibrary, jobs: list[ir.Function], argmax: ir.Function, weigh: ir.Function) -> ir.Function:
+def team_run(lib: KernelLibrary, jobs: list[ir.Function], argmax: ir.Function, weigh: ir.Function,
+             draw: ir.Function) -> ir.Function:
     """`llmc_team_run`: publish the job, wake sleeping workers, run it as thread 0, wait for the others
-    (`_finish`), zero the argmax's and the weighing's rows (every thread has read them)."""
+    (`_finish`), draw from the rows weighed (`draw`, thread 0 alone: the workers are done with them), zero the
+    argmax's and the weighing's rows (every thread has read them)."""
     module = lib.module
     fn = ir.Function(module, ir.FunctionType(VOID, [I64PTR, I64]), name=TEAM_RUN)
     team, job = fn.args
@@ -185,6 +191,12 @@ def team_run(lib: KernelLibrary, jobs: list[ir.Function], argmax: ir.Function, w
     b.position_at_end(run)
     _dispatch(b, team, job, ir.Constant(I64, 0), jobs)
     _finish(lib, b, team, ir.Constant(I64, 0), argmax, weigh)
+    weighed = b.load(_word(b, team, TEAM_WEIGH_ROWS))
+    with b.if_then(b.icmp_signed(">", weighed, ir.Constant(I64, 0))):
+        logits, _, _, scales, out, uniforms, tokens = draw.args
+        b.call(draw, [_address(b, team, TEAM_LOGITS, logits), weighed, b.load(_word(b, team, TEAM_LOGIT_COUNT)),
+                      *(_address(b, team, word, param) for word, param in ((TEAM_WEIGH_SCALES, scales),
+                        (TEAM_WEIGH_OUT, out), (TEAM_WEIGH_UNIFORMS, uniforms), (TEAM_WEIGH_TOKENS, tokens)))])
     b.store(ir.Constant(I64, 0), _word(b, team, TEAM_ARGMAX_ROWS))
     b.store(ir.Constant(I64, 0), _word(b, team, TEAM_WEIGH_ROWS))
     b.ret_void()

@@ -6,10 +6,10 @@ needs depends on how peaked they are): in Python, and in a decode step as a gene
 Decodes `--steps` tokens after each of three chat prompts (sampling at temperature 1, seed i), keeps every
 step's logits, then times `Sampler.__call__` (numpy's passes over the vocabulary) on each row in turn for each
 option set below (a fresh sampler per set, warmed on five rows): the mean, median and 99th percentile in µs.
-Then, for each set, 3 × `--steps` decode steps after the first prompt as `llmc run` and the engine take them
-(`next_token`: where the sampler is plain, the session's choice, which the thread team weighs for a draw in an
-artifact that has `llmc_weigh`), in ten turns of every set: the median µs a step, whose difference from
-greedy's is what the choice costs. Prints a Markdown table beside the artifact's vocabulary size.
+Then, for each set, 6 × `--steps` decode steps after the first prompt in ten turns of every set, every other
+step chosen as `llmc run` and the engine choose (the session's choice where the sampler allows: the thread
+team's argmax, or its weighing and draw) and the others by the sampler in numpy: the median µs a step of
+each, whose difference is what the team saves. Prints a Markdown table beside the artifact's vocabulary size.
 """
 
 from __future__ import annotations
@@ -54,22 +54,26 @@ def logits_rows(session: Conversation, codec: TextCodec, steps: int) -> np.ndarr
     return np.stack(rows)
 
 
-def step_times(session: Conversation, codec: TextCodec, steps: int, rounds: int = 10) -> dict[str, np.ndarray]:
+def step_times(session: Conversation, codec: TextCodec, steps: int, turns: int = 10) -> dict[str, np.ndarray]:
     """Seconds of `steps` decode steps per option set after the first prompt, the token chosen as a generation
-    does: `rounds` turns of each set in turn (a fresh generation each, seed = the turn), so that the host's
-    drift falls on every set alike."""
+    chooses it: every other step by the session (`next_token`: where the sampler is plain or weighs every token,
+    `session.pick`, the thread team's argmax, or its weighing and draw in an artifact with `llmc_weigh`), the
+    others by the sampler on a copy of the logits in numpy (`sampler(session.feed(…))`). `turns` of each
+    set in turn (a fresh generation each, seed = the turn): the host's drift falls on every set and path
+    alike. Keys (set name, True for the session's steps)."""
     prompt = codec.encode(codec.chat(PROMPTS[0]))
-    times: dict[str, list[float]] = {name: [] for name in OPTIONS}
-    for turn in range(rounds):
+    times: dict[tuple[str, bool], list[float]] = {}
+    for turn in range(turns):
         for name, options in OPTIONS.items():
             session.reset()
             sampler = Sampler(dataclasses.replace(options, seed=turn))
             token = next_token(session, sampler, prompt)
-            for _ in range(-(-steps // rounds)):
+            for i in range(-(-steps // turns)):
+                own = i % 2 == 0
                 start = time.perf_counter()
-                token = next_token(session, sampler, [token])
-                times[name].append(time.perf_counter() - start)
-    return {name: np.array(t) for name, t in times.items()}
+                token = next_token(session, sampler, [token]) if own else sampler(session.feed([token]))
+                times.setdefault((name, own), []).append(time.perf_counter() - start)
+    return {key: np.array(t) for key, t in times.items()}
 
 
 def main() -> int:
@@ -88,9 +92,9 @@ def main() -> int:
     try:
         rows = logits_rows(session, codec, args.steps)
         print(f"{len(rows)} rows of {rows.shape[1]} logits ({args.artifact.name})\n")
-        print("| options | Python: mean µs | median µs | p99 µs | a decode step: median µs |")
-        print("|---|--:|--:|--:|--:|")
-        steps = step_times(session, codec, 3 * args.steps)
+        print("| options | Python: mean µs | median µs | p99 µs | a decode step, median µs: the session's | numpy's |")
+        print("|---|--:|--:|--:|--:|--:|")
+        steps = step_times(session, codec, 6 * args.steps)
         for name, options in OPTIONS.items():
             sampler = Sampler(options)
             for row in rows[:5]:
@@ -101,8 +105,9 @@ def main() -> int:
                 sampler(row)
                 times.append(time.perf_counter() - start)
             us = np.array(times) * 1e6
-            step = np.median(steps[name]) * 1e6
-            print(f"| {name} | {us.mean():.1f} | {np.median(us):.1f} | {np.percentile(us, 99):.1f} | {step:.1f} |")
+            own, numpys = (np.median(steps[(name, path)]) * 1e6 for path in (True, False))
+            print(f"| {name} | {us.mean():.1f} | {np.median(us):.1f} | {np.percentile(us, 99):.1f} | {own:.1f} | "
+                  f"{numpys:.1f} |")
     finally:
         session.close()
     return 0

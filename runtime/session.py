@@ -547,8 +547,8 @@ class Session(Conversation):
     def pick(self, tokens: list[int] | np.ndarray, sampler: Sampler) -> int:
         """`feed`, then the next token of a `plain` or `weighed_draw` sampler: a decode step's by the thread team
         (`_team_picks`)."""
-        if sampler.plain or self._scales is None or len(tokens) != 1 or self.position == 0:
-            return super().pick(tokens, sampler)
+        if not sampler.weighed_draw or self._scales is None or len(tokens) != 1 or self.position == 0:
+            return super().pick(tokens, sampler)  # (greedy's: `greedy`)
         token = int(tokens[0])
         self._check_range(1, token, token)
         chosen = self._team_picks(self.logits, [sampler], lambda: self._step(token, self.logits))[0]

@@ -786,7 +786,7 @@ def test_the_threads_argmax_is_numpys(tm, tmp_path, nth) -> None:
 def test_the_threads_weighing_is_numpys_and_draws_what_the_sampler_draws(tm, tmp_path, nth) -> None:
     """`llmc_weigh` (the thread team's, for sampling): each `WEIGH_BLOCK` block's largest logit and each
     `WEIGH_GROUP` group's are numpy's, bit for bit, and a block's sum of exp((logit − largest) · scale) numpy's
-    in float64 to float32 rounding: whole blocks, a row's last block of 3 vectors and 5 floats (a partial
+    in float64 to float32 rounding: 17 whole blocks, a row's last block of 3 vectors and 5 floats (a partial
     group), a block where all but one logit are -inf, temperatures 1, 2 and 1/1000; a row of negative scale is
     not written, nor past the rows asked for. A draw from them is the sampler's own (`draw(*weights(…))`) for
     100 seeds a row: without a filter `llmc_draw`'s (by the uniform the sampler draws first), with each filter
@@ -797,7 +797,7 @@ def test_the_threads_weighing_is_numpys_and_draws_what_the_sampler_draws(tm, tmp
     fn, draw_fn = weigh_kernel(module), draw_kernel(module)
     library = ctypes.CDLL(str(link_shared([compile_to_object(module, tm.tm)], tmp_path / f"w_{uuid.uuid4().hex}.so")))
     run, draw = getattr(library, fn.name), getattr(library, draw_fn.name)
-    count = 4 * WEIGH_BLOCK + 53
+    count = 17 * WEIGH_BLOCK + 53  # (18 blocks: the draw's masses 16 at a time, then one at a time)
     blocks, groups = -(-count // WEIGH_BLOCK), -(-count // WEIGH_GROUP)
     logits = (3 * np.random.default_rng(3).standard_normal((6, count))).astype(np.float32)
     logits[1, WEIGH_BLOCK : 2 * WEIGH_BLOCK] = -np.inf

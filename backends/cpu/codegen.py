@@ -178,6 +178,16 @@ class _EntryEmitter:
             raise LlmcError(f"cpu codegen: no emitter for {op.name}")
 
 
+def _exported(module: ir.Module, name: str, arguments: Mapping[str, str]) -> tuple[ir.Function, KernelBuilder]:
+    """A function the library exports besides the entry points (`llmc.abi`'s `name` and `arguments`), and a
+    builder for its body."""
+    types = [_parameter_type(argument, kind) for argument, kind in arguments.items()]
+    fn = ir.Function(module, ir.FunctionType(VOID, types), name=name)
+    for arg, argument in zip(fn.args, arguments):
+        arg.name = argument
+    return fn, KernelBuilder(module, fn)
+
+
 READ_PROBE_STREAMS = 4  # the read probe's streams per thread: a projection reads 4 to 8 at once
 ARGMAX_CHAINS = 4  # the argmax's independent (largest, index) vectors (one: 42 GB/s from L2; four: 54)
 
@@ -188,11 +198,7 @@ def read_probe(module: ir.Module) -> ir.Function:
     by side (as a decode step streams the weights: codes and scale planes, gate and up), and
     leaves the xor of what it read in out[tid]. The buffer may start anywhere. `llmc bench`
     times it: the read bandwidth the decode kernels are measured against."""
-    types = [_parameter_type(name, kind) for name, kind in READ_PROBE_ARGUMENTS.items()]
-    fn = ir.Function(module, ir.FunctionType(VOID, types), name=READ_PROBE)
-    for arg, name in zip(fn.args, READ_PROBE_ARGUMENTS):
-        arg.name = name
-    f = KernelBuilder(module, fn)
+    fn, f = _exported(module, READ_PROBE, READ_PROBE_ARGUMENTS)
     p, nbytes, tid, nth, out = fn.args
     lanes = ir.VectorType(ir.IntType(32), 16)
     accs = [f.alloca(lanes, name=f"acc{i}") for i in range(READ_PROBE_STEP // 64)]
@@ -233,11 +239,7 @@ def argmax_kernel(module: ir.Module) -> ir.Function:
     is the largest of the threads' (`Session._team_picks`): each reads the logits its share of the LM head wrote, in
     its own caches, where numpy's argmax read them all from the other core's too (SmolLM2: 26 us a token).
     The thread team runs it after a call whose words ask (`team.py`)."""
-    types = [_parameter_type(name, kind) for name, kind in ARGMAX_ARGUMENTS.items()]
-    fn = ir.Function(module, ir.FunctionType(VOID, types), name=ARGMAX)
-    for arg, name in zip(fn.args, ARGMAX_ARGUMENTS):
-        arg.name = name
-    f = KernelBuilder(module, fn)
+    fn, f = _exported(module, ARGMAX, ARGMAX_ARGUMENTS)
     b = f.b
     logits, n, count, tid, nth, out = fn.args
     x = b.bitcast(logits, F32.as_pointer())
@@ -301,11 +303,7 @@ def weigh_kernel(module: ir.Module) -> ir.Function:
     once from where the LM head left it. A sampled token's draw needs nothing else from the logits but its
     block's own, or the groups that hold the likeliest (`Sampler.draw_weighed`): the passes over the vocabulary
     run on every thread, in native code. The thread team runs it after a call whose words ask (`team.py`)."""
-    types = [_parameter_type(name, kind) for name, kind in WEIGH_ARGUMENTS.items()]
-    fn = ir.Function(module, ir.FunctionType(VOID, types), name=WEIGH)
-    for arg, name in zip(fn.args, WEIGH_ARGUMENTS):
-        arg.name = name
-    f = KernelBuilder(module, fn)
+    fn, f = _exported(module, WEIGH, WEIGH_ARGUMENTS)
     b = f.b
     logits, n, count, tid, nth, scales, out, groups = fn.args
     x, s, o, g = (b.bitcast(p, F32.as_pointer()) for p in (logits, scales, out, groups))
@@ -380,11 +378,7 @@ def draw_kernel(module: ir.Module) -> ir.Function:
     (`llmc.abi.DRAW`). Two passes over the blocks and one over a block, their exps 16 at a time: 9 µs a row of
     49k logits, 12.5 of 262k (one exp at a time: 14), where the same in Python after a decode step (each object
     it touches a cache miss) took ~100."""
-    types = [_parameter_type(name, kind) for name, kind in DRAW_ARGUMENTS.items()]
-    fn = ir.Function(module, ir.FunctionType(VOID, types), name=DRAW)
-    for arg, name in zip(fn.args, DRAW_ARGUMENTS):
-        arg.name = name
-    f = KernelBuilder(module, fn)
+    fn, f = _exported(module, DRAW, DRAW_ARGUMENTS)
     b = f.b
     logits, n, count, scales, out, uniforms, tokens = fn.args
     x, s, o = (b.bitcast(p, F32.as_pointer()) for p in (logits, scales, out))

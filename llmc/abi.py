@@ -124,9 +124,9 @@ ARGMAX_ARGUMENTS: dict[str, str] = {"logits": POINTER, "n": INT64, "count": INT6
 # of `nth` leaves, for each of its share of the row's `WEIGH_BLOCK`-logit blocks b, the block's largest logit m in
 # out[2·(row · blocks + b)] and the sum of exp((logit − m) · scale) over the block in the float after it, and the
 # largest logit of each `WEIGH_GROUP` of the block's in groups[row · ⌈count / WEIGH_GROUP⌉ + group] (blocks =
-# ⌈count / WEIGH_BLOCK⌉). The thread team runs it after a call when the team's words ask (`TEAM_WEIGH_ROWS`); the
-# runtime draws a sampled token from the blocks' masses, then within one block, or among the likeliest tokens,
-# found in the groups whose largest reach them (`Sampler.draw_weighed`).
+# ⌈count / WEIGH_BLOCK⌉). The thread team runs it after a call when the team's words ask (`TEAM_WEIGH_ROWS`); thread
+# 0 then draws from the blocks (`DRAW`), or the runtime takes top-p's total from them and its head from the groups
+# whose largest reach it (`Sampler.draw_weighed`).
 WEIGH = f"{ENTRY_PREFIX}weigh"
 WEIGH_ARGUMENTS: dict[str, str] = {"logits": POINTER, "n": INT64, "count": INT64, "tid": INT64, "nth": INT64,
                                    "scales": POINTER, "out": POINTER, "groups": POINTER}

@@ -150,6 +150,8 @@ class Sampler:
         self.options = options
         self.constraint = constraint
         self.rng = np.random.default_rng(options.seed)
+        # what the logits' differences are multiplied by before `exp`: 1 / temperature in float32 (`_temperature`)
+        self.scale = np.float32(1.0 / _temperature(options.temperature))
         self.bias_ids = np.array([token for token, _ in options.logit_bias], np.int64)
         self.biases = np.array([bias for _, bias in options.logit_bias], np.float32)
         penalized = options.presence_penalty != 0 or options.frequency_penalty != 0
@@ -189,12 +191,6 @@ class Sampler:
         o = self.options
         return (self.constraint is None and self.generated is None and self.occurred is None and not o.logit_bias
                 and o.logprobs is None)
-
-    @property
-    def scale(self) -> np.float32:
-        """What the logits' differences are multiplied by before `exp`: 1 / temperature, in float32
-        (`_temperature`)."""
-        return np.float32(1.0 / _temperature(self.options.temperature))
 
     def __call__(self, logits: np.ndarray) -> int:
         """Choose the next token after `logits`, record its logprobs (if asked) and take it."""

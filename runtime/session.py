@@ -575,35 +575,41 @@ class Session(Conversation):
         where the library cannot weigh: one from before `WEIGH`; or where the team's draw failed, after its
         uniform was drawn)."""
         words = self.team.words
-        rows = 1 if samplers is None else len(samplers)
-        greedy = samplers is None or any(s.plain for s in samplers)
-        drawn = samplers is not None and self._scales is not None and any(s.weighed_draw for s in samplers)
-        if drawn:  # (a draw with no filter is the team's: its one uniform drawn now, as `Sampler.draw` would)
-            self._scales[:rows] = [s.scale if s.weighed_draw else -1.0 for s in samplers]
-            self._uniforms[:rows] = [s.rng.random() if s.weighed_draw and not s.filtered else -1.0 for s in samplers]
+        if samplers is None:
+            kinds = ["argmax"]
+        else:  # (each row's kind once: after the call every attribute Python reads is a cache miss)
+            weighs = self._scales is not None
+            kinds = ["argmax" if s.plain else ("top-p" if s.filtered else "draw") if weighs and s.weighed_draw
+                     else None for s in samplers]
+        argmaxes = 1 + max((r for r, kind in enumerate(kinds) if kind == "argmax"), default=-1)
+        weighed = 1 + max((r for r, kind in enumerate(kinds) if kind in ("draw", "top-p")), default=-1)
+        if weighed:  # (a draw with no filter is the team's: its one uniform drawn now, as `Sampler.draw` would)
+            self._scales[:weighed] = [s.scale if kind in ("draw", "top-p") else -1.0
+                                      for s, kind in zip(samplers, kinds[:weighed])]
+            self._uniforms[:weighed] = [s.rng.random() if kind == "draw" else -1.0
+                                        for s, kind in zip(samplers, kinds[:weighed])]
         words[TEAM_LOGITS] = self._address(logits)
-        words[TEAM_ARGMAX_ROWS] = rows if greedy else 0  # (the call zeroes both)
-        words[TEAM_WEIGH_ROWS] = rows if drawn else 0
+        words[TEAM_ARGMAX_ROWS] = argmaxes  # (rows up to the last that asks; the call zeroes both)
+        words[TEAM_WEIGH_ROWS] = weighed
         try:
             call()
         except BaseException:
             words[TEAM_ARGMAX_ROWS] = words[TEAM_WEIGH_ROWS] = 0
             raise
-        firsts = self._firsts[: rows * self.threads].tolist() if greedy else []
-        tokens = self._tokens[:rows].tolist() if drawn else []
+        firsts = self._firsts[: argmaxes * self.threads].tolist()
+        tokens = self._tokens[:weighed].tolist()
         picks: list[int | None] = []
-        for r in range(rows):
+        for r, kind in enumerate(kinds):
             row, best = logits[r], None
-            if samplers is None or samplers[r].plain:
+            if kind == "argmax":
                 for i in firsts[r * self.threads : (r + 1) * self.threads]:
                     if i >= 0 and (best is None or row[i] > row[best]):
                         best = i
                 best = best if samplers is None or (best is not None and row[best] != -np.inf) else None
-            elif drawn and samplers[r].weighed_draw:
-                if samplers[r].filtered:
-                    best = samplers[r].draw_weighed(row, self._blocks[r], self._groups[r])
-                elif tokens[r] >= 0:
-                    best = tokens[r]
+            elif kind == "top-p":
+                best = samplers[r].draw_weighed(row, self._blocks[r], self._groups[r])
+            elif kind == "draw" and tokens[r] >= 0:
+                best = tokens[r]
             picks.append(best)
         return picks
 

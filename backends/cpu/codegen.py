@@ -290,6 +290,11 @@ def argmax_kernel(module: ir.Module) -> ir.Function:
     return fn
 
 
+def _exp_from(f: KernelBuilder, v: ir.Value, top: ir.Value, scale: ir.Value) -> ir.Value:
+    """exp((v − top) · scale) for a float or a float vector `v` (`top` and `scale` floats): a weight."""
+    return f.exp(f.b.fmul(f.b.fsub(v, f.splat(top, v.type)), f.splat(scale, v.type)))
+
+
 WEIGH_CHAINS = 4  # the weighing's independent sums (a block is 64 vectors: one chain would wait on each add)
 assert WEIGH_GROUP == 16 * WEIGH_CHAINS and WEIGH_BLOCK % WEIGH_GROUP == 0  # (a group: one step of the chains)
 
@@ -355,12 +360,7 @@ def weigh_kernel(module: ir.Module) -> ir.Function:
                 end = f.smin(f.add(start, WEIGH_BLOCK), count)
                 largest = steps(row, start, end, float("-inf"), f.fmax, lambda v: v, f.mul(r, row_groups))
 
-                def weight(v: ir.Value) -> ir.Value:
-                    ty = v.type
-                    at = (lambda c: f.splat(c, ty)) if isinstance(ty, ir.VectorType) else (lambda c: c)
-                    return f.exp(b.fmul(b.fsub(v, at(largest)), at(scale)))
-
-                total = steps(row, start, end, 0.0, f.fadd, weight)
+                total = steps(row, start, end, 0.0, f.fadd, lambda v: _exp_from(f, v, largest, scale))
                 at = f.mul(f.add(f.mul(r, blocks), j), 2)
                 f.store(largest, o, at)
                 f.store(total, o, f.add(at, 1))
@@ -426,9 +426,6 @@ def draw_kernel(module: ir.Module) -> ir.Function:
         b.store(b.select(missed, b.load(last), b.load(chosen)), chosen)
         b.store(b.select(missed, b.load(last_before), b.load(before)), before)
 
-    def splat(value: ir.Value, width: int) -> ir.Value:
-        return f.splat(value, ir.VectorType(F32, width)) if width > 1 else value
-
     with f.loop(0, n, name="row", unroll=False) as r:
         scale, u = f.load(s, r), f.load(us, r)
         with f.when(b.and_(b.fcmp_ordered(">=", scale, f.f32(0.0)), b.fcmp_ordered(">=", u, zero))):
@@ -448,7 +445,7 @@ def draw_kernel(module: ir.Module) -> ir.Function:
                     pairs = f.vload(o, at, 16), f.vload(o, f.add(at, 16), 16)
                     largest, sums = (b.shuffle_vector(*pairs, ir.Constant(ir.VectorType(I32, 16), list(range(k, 32, 2))))
                                      for k in (0, 1))
-                return b.fmul(sums, f.exp(b.fmul(b.fsub(largest, splat(top, width)), splat(scale, width))))
+                return b.fmul(sums, _exp_from(f, largest, top, scale))
 
             b.store(zero, total)
             each(f.i64(0), blocks, mass, lambda _, w: b.store(b.fadd(b.load(total), b.fpext(w, F64)), total))
@@ -464,9 +461,8 @@ def draw_kernel(module: ir.Module) -> ir.Function:
                 def weight(i: ir.Value, width: int) -> ir.Value:
                     """The float32 weights of logits i … i + width − 1 (a logit at -inf weighs 0)."""
                     v = f.vload(row, i, 16) if width > 1 else f.load(row, i)
-                    w = f.exp(b.fmul(b.fsub(v, splat(top, width)), splat(scale, width)))
-                    excluded = b.fcmp_ordered("==", v, splat(f.f32(float("-inf")), width))
-                    return b.select(excluded, splat(f.f32(0.0), width), w)
+                    excluded = b.fcmp_ordered("==", v, f.const(v.type, float("-inf")))
+                    return b.select(excluded, f.const(v.type, 0.0), _exp_from(f, v, top, scale))
 
                 first_passing(start, f.smin(f.add(start, WEIGH_BLOCK), count), weight, rest)
                 f.store(b.load(chosen), ts, r)

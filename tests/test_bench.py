@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import stat
 import subprocess
@@ -422,3 +423,34 @@ def test_the_aligned_buffers_benchmark_times_both_placements(artifact) -> None:
         bad = subprocess.run([sys.executable, str(script), *options], capture_output=True, text=True, timeout=300)
         last = bad.stderr.strip().splitlines()[-1]
         assert bad.returncode == 2 and last.startswith("aligned_buffers.py: error:") and message in last, bad.stderr
+
+
+def test_the_phase_trace_patch_applies_and_traces_a_decode_step(tiny, tmp_path) -> None:
+    """`benchmarks/phase_trace.patch` applies to the sources as they are (a copy of the package, which it patches),
+    a model compiled from the patched copy keeps the barriers' time stamps, and `benchmarks/phase_trace.py` finds
+    each layer's five phases (q/k/v, attention, o, SwiGLU, down) in every step and three more a step."""
+    repo = Path(__file__).parents[1]
+    package = tmp_path / "pkg" / "llmc"
+    shutil.copytree(repo / "llmc", package, ignore=shutil.ignore_patterns("__pycache__"))
+    for part in ("frontend", "ir", "passes", "backends", "runtime"):
+        shutil.copytree(repo / part, package / part, ignore=shutil.ignore_patterns("__pycache__"))
+    applied = subprocess.run(["git", "apply", "--directory=llmc", str(repo / "benchmarks" / "phase_trace.patch")],
+                             cwd=package.parent, capture_output=True, text=True, timeout=60)
+    assert applied.returncode == 0, applied.stderr
+    # (run from tmp_path: `python -m` puts the working directory first on the path, and the repository's holds `llmc`)
+    env = {**os.environ, "PYTHONPATH": str(package.parent), "LLMC_CACHE_DIR": str(tmp_path / "kernels")}
+    traced = tmp_path / "traced.llmc"
+    built = subprocess.run([sys.executable, "-m", "llmc", "compile", str(tiny(SPEC, "gguf")), "-o", str(traced),
+                            "--max-seq", "32"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert built.returncode == 0, built.stderr
+    steps = 4
+    run = subprocess.run([sys.executable, str(repo / "benchmarks" / "phase_trace.py"), str(traced), "--layers",
+                          str(SPEC.layers), "--steps", str(steps), "--depth", "9"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith(f"{5 * SPEC.layers + 3} barriers a step, "), lines
+    for place in range(5):
+        line = next(line for line in lines if line.startswith(f"layer barrier {place} "))
+        assert 0 < float(line.split("phase")[1].split("us")[0]) < 1e6
+        assert line.endswith(f"(median of {SPEC.layers * steps})"), line

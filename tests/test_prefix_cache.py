@@ -284,3 +284,45 @@ def test_logprobs_of_accepted_drafts_are_the_plain_decodes(artifact) -> None:
     for (_, a), (_, b) in zip(plain, speculated):
         assert b.logprob == pytest.approx(a.logprob, abs=1e-4) and [t for t, _ in b.top] == [t for t, _ in a.top]
     session.close()
+
+
+def test_fault_in_cache_maps_the_rows_of_the_slots_and_positions_in_use(artifact) -> None:
+    """`Session.fault_in_cache(slots, announce)` (`llmc serve` calls it before it listens) tells `announce` the bytes
+    of the K and V rows of the first `slots` sequences up to the `--ctx` limit, then maps every 4 KB page of them
+    (`mincore`: resident), and none of the rows of the positions past the limit's page or of the other sequences. The cache's pages are first unmapped (and kept off
+    2 MB pages, which would map their neighbours too)."""
+    import ctypes
+    from dataclasses import replace
+
+    from llmc.runtime.session import PAGE
+
+    spec = replace(SPEC, context_length=2048)
+    session = Session(artifact(spec, max_seq=2048, max_batch=4, kv_type="f16"))
+    session.limit_context(600)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    MADV_DONTNEED, MADV_NOHUGEPAGE = 4, 14
+
+    def resident(cache: np.ndarray) -> np.ndarray:
+        """Per element of `cache`: whether its page is mapped."""
+        pages = np.zeros(-(-cache.nbytes // PAGE), np.uint8)
+        assert libc.mincore(cache.ctypes.data, cache.nbytes, pages.ctypes.data) == 0, ctypes.get_errno()
+        per_byte = np.repeat(pages & 1, PAGE)[: cache.nbytes].astype(bool)
+        return per_byte.reshape(*cache.shape, cache.itemsize)[..., 0]
+
+    whole = [cache.nbytes // PAGE * PAGE for cache in (session.k_cache, session.v_cache)]
+    for cache, size in zip((session.k_cache, session.v_cache), whole):  # (the arrays start on a page)
+        for advice in (MADV_NOHUGEPAGE, MADV_DONTNEED):
+            assert libc.madvise(cache.ctypes.data, size, advice) == 0, ctypes.get_errno()
+        assert not resident(cache).reshape(-1)[: size // cache.itemsize].any()
+    announced = []
+    session.fault_in_cache(2, announced.append)
+    layers, _, heads, _, width = session.k_cache.shape
+    assert announced == [2 * layers * 2 * heads * 600 * width * session.k_cache.itemsize]
+    rows_a_page = PAGE // (session.k_cache.shape[-1] * session.k_cache.itemsize)
+    for cache in (session.k_cache, session.v_cache):  # [layers, slots, kv heads, positions, row]
+        mapped = resident(cache)
+        assert cache.shape[1] == 4 and mapped[:, :2, :, :600].all()
+        assert not mapped[:, :2, :, -(-600 // rows_a_page) * rows_a_page :].any() and not mapped[:, 2:].any()
+        assert not cache.any()  # (zeros, as before)
+    session.close()

@@ -217,6 +217,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server = Server(session, codec, name, args.queue, args.max_batch, aliases=(directory.resolve().name,),
                         limits=limits, speculate=args.speculate, options=options)
 
+        def mapping(size: int) -> None:
+            if size > 1e9:
+                progress(f"llmc serve: mapping the KV cache's rows in use ({size / 1e9:.1f} GB)")
+
+        session.fault_in_cache(server.engine.max_active, mapping)  # (not by the first requests)
+
         def ready(url: str) -> None:
             key = "; an API key is required" if options.api_key else ""
             print(f"llmc serve: listening on {url} (model '{name}', {server.engine.max_active} sequences at once, "

@@ -525,11 +525,11 @@ class Session(Conversation):
                 self.team.words[word] = _ptr(array)
 
     def fault_in_cache(self, slots: int | None = None, announce: Callable[[int], None] | None = None) -> None:
-        """The cache's pages mapped now: a zero written where each 4 KB of the rows `capacity` positions hold
-        begins (every 2 MB page where Linux gives them: numpy asks for them for arrays of 4 MB and more). Linux
-        zeroes a page at its first write, and a fresh process's first prompt paid for every (layer, kv head)'s
-        first pages: SmolLM2, 39 tokens, 37–200 ms where later ones take 24 (`--max-batch 8` too). `llmc serve` calls this before it
-        listens, as llama.cpp clears its whole cache when it creates a context."""
+        """The cache's pages mapped now: a zero written every 4 KB of the rows of `capacity` positions (every
+        2 MB page where Linux gives them: numpy asks for them for arrays of 4 MB and more). Linux zeroes a page at
+        its first write, and a fresh process's first prompt paid for every (layer, kv head)'s first pages:
+        SmolLM2, 39 tokens, 37–200 ms where later ones take 24 (`--max-batch 8` too). `llmc serve` calls this
+        before it listens, as llama.cpp clears its whole cache when it creates a context."""
         step = max(1, PAGE // (self.k_cache.shape[-1] * self.k_cache.itemsize))  # (positions a 4 KB holds)
         used = [(cache[:, :slots] if cache.ndim == 5 else cache)[..., : self.capacity, :]  # ([layers, slots, kv
                 for cache in (self.k_cache, self.v_cache)]                                 # heads, positions, row])

@@ -6,6 +6,7 @@ against llama.cpp on the same file: 8 layers, hidden 512, 16 experts of width 51
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ SPEC = TinySpec(arch="qwen3moe", hidden=512, layers=8, heads=8, kv_heads=4, head
                 experts_used=2, context_length=4096, gguf_storage=tuple((m, "q8_0") for m in MATRICES))
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit(__doc__.strip().splitlines()[-1].strip())
-    path = write_gguf(SPEC, random_weights(SPEC), Path(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="the GGUF file to write")
+    path = write_gguf(SPEC, random_weights(SPEC), parser.parse_args().out)
     print(f"{path}: {path.stat().st_size / 1e6:.1f} MB")

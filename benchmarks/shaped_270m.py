@@ -2,6 +2,7 @@
 (llama architecture): 18 layers, hidden 640, ffn 2048, 4 heads of 256, 1 KV head, 262144 tokens, tied; q8_0
 embedding, q5_0 q/k/gate/up, q8_0 v, q4_k attn_output (K 1024), q6_k ffn_down (K 2048), f32 norms (issue 27's
 compile-time model)."""
+import argparse
 import sys
 from pathlib import Path
 
@@ -49,4 +50,6 @@ def main(path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="the GGUF file to write (257 MB)")
+    main(parser.parse_args().out)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -20,7 +21,10 @@ OTHER = TinySpec(hidden=64, layers=1, heads=4, kv_heads=2, head_dim=16, ffn=128,
                  seed=3)
 
 if __name__ == "__main__":
-    root = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/llmc-tiny-pair")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("dir", type=Path, nargs="?", default=Path("/tmp/llmc-tiny-pair"),
+                        help="where the models and artifacts go (default /tmp/llmc-tiny-pair)")
+    root = parser.parse_args().dir
     root.mkdir(parents=True, exist_ok=True)
     for spec, name in ((TARGET, "target"), (OTHER, "other")):
         write_gguf(spec, random_weights(spec), root / f"{name}.gguf")

@@ -454,3 +454,19 @@ def test_the_phase_trace_patch_applies_and_traces_a_decode_step(tiny, tmp_path) 
         line = next(line for line in lines if line.startswith(f"layer barrier {place} "))
         assert 0 < float(line.split("phase")[1].split("us")[0]) < 1e6
         assert line.endswith(f"(median of {SPEC.layers * steps})"), line
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (Path(__file__).parents[1] / "benchmarks").glob("*.py")))
+def test_each_benchmark_script_answers_help_and_refuses_an_unknown_option(script, tmp_path) -> None:
+    """Every `benchmarks/*.py` script prints its usage for `--help` and writes nothing (three of them once took
+    `--help` for the file or folder to write, and wrote a 114 MB model there), and ends an unknown option in
+    argparse's one error line with exit 2."""
+    path = Path(__file__).parents[1] / "benchmarks" / script
+    helped = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, cwd=tmp_path,
+                            timeout=120)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: "), helped.stderr
+    assert not list(tmp_path.iterdir())
+    bad = subprocess.run([sys.executable, str(path), "--no-such-option"], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(f"{script}: error: "), bad.stderr
+    assert not list(tmp_path.iterdir())

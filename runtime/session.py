@@ -157,6 +157,24 @@ def aligned_zeros(shape: int | Sequence[int], dtype) -> np.ndarray:
     return raw[start : start + size].view(dtype).reshape(shape)
 
 
+def available_memory() -> int | None:
+    """The bytes this process can still be given without swapping: Linux's `MemAvailable`, or less where a
+    cgroup's limit (v2 `memory.max`, v1 `memory.limit_in_bytes`) leaves less; None where neither is readable."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit, used in (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes",
+                                                           "memory/memory.usage_in_bytes")):
+        try:
+            found.append(int(Path("/sys/fs/cgroup", limit).read_text()) - int(Path("/sys/fs/cgroup", used).read_text()))
+        except (OSError, ValueError):  # (no such cgroup file, or "max": no limit)
+            pass
+    return min(found) if found else None
+
+
 def load_weights(path: Path) -> np.ndarray:
     """`weights.bin` read into memory that Linux backs with 2 MB pages where it can
     (`madvise(MADV_HUGEPAGE)`: transparent huge pages in `madvise` or `always` mode), read-only.
@@ -269,10 +287,14 @@ class Conversation:
         self.rewind(kept)
         return kept
 
-    def fault_in_cache(self, slots: int | None = None, announce: Callable[[int], None] | None = None) -> None:
-        """Have the memory of the KV cache's first `slots` sequences (all by default), up to `capacity` positions
-        each, mapped now rather than by the first prompts, `announce` told its bytes first (a target whose cache is
-        mapped when it is allocated has nothing to do)."""
+    def unmapped_cache_bytes(self, slots: int | None = None) -> int:
+        """The bytes of the KV cache's rows of its first `slots` sequences (all by default), up to `capacity`
+        positions each, that `fault_in_cache` would map: 0 for a target whose cache is mapped when it is
+        allocated."""
+        return 0
+
+    def fault_in_cache(self, slots: int | None = None) -> None:
+        """Have those rows' memory mapped now rather than by the first prompts."""
 
     def close(self) -> None:
         pass
@@ -524,18 +546,22 @@ class Session(Conversation):
                                 (TEAM_WEIGH_TOKENS, self._tokens)):
                 self.team.words[word] = _ptr(array)
 
-    def fault_in_cache(self, slots: int | None = None, announce: Callable[[int], None] | None = None) -> None:
+    def _rows_in_use(self, slots: int | None) -> list[np.ndarray]:
+        """The K and V cache's rows of the first `slots` sequences, `capacity` positions each."""
+        return [(cache[:, :slots] if cache.ndim == 5 else cache)[..., : self.capacity, :]  # ([layers, slots, kv
+                for cache in (self.k_cache, self.v_cache)]                                 # heads, positions, row])
+
+    def unmapped_cache_bytes(self, slots: int | None = None) -> int:
+        return sum(rows.size * rows.itemsize for rows in self._rows_in_use(slots))
+
+    def fault_in_cache(self, slots: int | None = None) -> None:
         """The cache's pages mapped now: a zero written every 4 KB of the rows of `capacity` positions (every
         2 MB page where Linux gives them: numpy asks for them for arrays of 4 MB and more). Linux zeroes a page at
         its first write, and a fresh process's first prompt paid for every (layer, kv head)'s first pages:
         SmolLM2, 39 tokens, 37–200 ms where later ones take 24 (`--max-batch 8` too). `llmc serve` calls this
         before it listens, as llama.cpp clears its whole cache when it creates a context."""
         step = max(1, PAGE // (self.k_cache.shape[-1] * self.k_cache.itemsize))  # (positions a 4 KB holds)
-        used = [(cache[:, :slots] if cache.ndim == 5 else cache)[..., : self.capacity, :]  # ([layers, slots, kv
-                for cache in (self.k_cache, self.v_cache)]                                 # heads, positions, row])
-        if announce is not None:
-            announce(sum(rows.size * rows.itemsize for rows in used))
-        for rows in used:
+        for rows in self._rows_in_use(slots):
             rows[..., ::step, 0] = 0
 
     def close(self) -> None:

@@ -287,9 +287,10 @@ def test_logprobs_of_accepted_drafts_are_the_plain_decodes(artifact) -> None:
 
 
 def test_fault_in_cache_maps_the_rows_of_the_slots_and_positions_in_use(artifact) -> None:
-    """`Session.fault_in_cache(slots, announce)` (`llmc serve` calls it before it listens) tells `announce` the bytes
-    of the K and V rows of the first `slots` sequences up to the `--ctx` limit, then maps every 4 KB page of them
-    (`mincore`: resident), and none of the rows of the positions past the limit's page or of the other sequences. The cache's pages are first unmapped (and kept off
+    """`Session.fault_in_cache(slots)` (`llmc serve` calls it before it listens, where `unmapped_cache_bytes(slots)`
+    fit the memory available) maps every 4 KB page of the K and V rows of the first `slots` sequences up to the
+    `--ctx` limit (`mincore`: resident), and none of the rows of the positions past the limit's page or of the other
+    sequences. The cache's pages are first unmapped (and kept off
     2 MB pages, which would map their neighbours too)."""
     import ctypes
     from dataclasses import replace
@@ -315,10 +316,9 @@ def test_fault_in_cache_maps_the_rows_of_the_slots_and_positions_in_use(artifact
         for advice in (MADV_NOHUGEPAGE, MADV_DONTNEED):
             assert libc.madvise(cache.ctypes.data, size, advice) == 0, ctypes.get_errno()
         assert not resident(cache).reshape(-1)[: size // cache.itemsize].any()
-    announced = []
-    session.fault_in_cache(2, announced.append)
     layers, _, heads, _, width = session.k_cache.shape
-    assert announced == [2 * layers * 2 * heads * 600 * width * session.k_cache.itemsize]
+    assert session.unmapped_cache_bytes(2) == 2 * layers * 2 * heads * 600 * width * session.k_cache.itemsize
+    session.fault_in_cache(2)
     rows_a_page = PAGE // (session.k_cache.shape[-1] * session.k_cache.itemsize)
     for cache in (session.k_cache, session.v_cache):  # [layers, slots, kv heads, positions, row]
         mapped = resident(cache)
@@ -326,3 +326,13 @@ def test_fault_in_cache_maps_the_rows_of_the_slots_and_positions_in_use(artifact
         assert not mapped[:, :2, :, -(-600 // rows_a_page) * rows_a_page :].any() and not mapped[:, 2:].any()
         assert not cache.any()  # (zeros, as before)
     session.close()
+
+
+def test_available_memory_is_what_linux_can_still_give() -> None:
+    """`available_memory` (which `llmc serve` weighs the cache's rows against before it maps them) is Linux's
+    `MemAvailable` or a cgroup's smaller room: more than nothing, no more than `MemAvailable`."""
+    from llmc.runtime.session import available_memory
+
+    meminfo = dict(line.split(":") for line in open("/proc/meminfo").read().splitlines())
+    free = available_memory()
+    assert free is not None and 0 < free <= int(meminfo["MemAvailable"].split()[0]) * 1024 * 1.01

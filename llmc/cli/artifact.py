@@ -216,12 +216,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limits = Limits.for_capacity(session.capacity, head_seconds=args.head_timeout, body_seconds=args.body_timeout)
         server = Server(session, codec, name, args.queue, args.max_batch, aliases=(directory.resolve().name,),
                         limits=limits, speculate=args.speculate, options=options)
-
-        def mapping(size: int) -> None:
-            if size > 1e9:
-                progress(f"llmc serve: mapping the KV cache's rows in use ({size / 1e9:.1f} GB)")
-
-        session.fault_in_cache(server.engine.max_active, mapping)  # (not by the first requests)
+        _map_cache(session, server.engine.max_active)
 
         def ready(url: str) -> None:
             key = "; an API key is required" if options.api_key else ""
@@ -235,6 +230,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
             pass
         progress("llmc serve: stopped")
     return 0
+
+
+def _map_cache(session, slots: int) -> None:
+    """Map the KV cache's rows of the server's `slots` sequences before it listens, not by its first requests
+    (`Session.fault_in_cache`), where the memory available holds them (past it, a line says they are mapped as
+    requests reach them, as before); a line says so first above 1 GB."""
+    from llmc.runtime.session import available_memory
+
+    size, free = session.unmapped_cache_bytes(slots), available_memory()
+    if free is not None and size > free:
+        progress(f"llmc serve: the KV cache's rows in use ({size / 1e9:.1f} GB) exceed the memory available "
+                 f"({free / 1e9:.1f} GB): requests map them as they reach them")
+        return
+    if size > 1e9:
+        progress(f"llmc serve: mapping the KV cache's rows in use ({size / 1e9:.1f} GB)")
+    session.fault_in_cache(slots)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

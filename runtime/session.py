@@ -287,7 +287,7 @@ class Conversation:
         self.rewind(kept)
         return kept
 
-    def unmapped_cache_bytes(self, slots: int | None = None) -> int:
+    def cache_rows_bytes(self, slots: int | None = None) -> int:
         """The bytes of the KV cache's rows of its first `slots` sequences (all by default), up to `capacity`
         positions each, that `fault_in_cache` would map: 0 for a target whose cache is mapped when it is
         allocated."""
@@ -551,7 +551,7 @@ class Session(Conversation):
         return [(cache[:, :slots] if cache.ndim == 5 else cache)[..., : self.capacity, :]  # ([layers, slots, kv
                 for cache in (self.k_cache, self.v_cache)]                                 # heads, positions, row])
 
-    def unmapped_cache_bytes(self, slots: int | None = None) -> int:
+    def cache_rows_bytes(self, slots: int | None = None) -> int:
         return sum(rows.size * rows.itemsize for rows in self._rows_in_use(slots))
 
     def fault_in_cache(self, slots: int | None = None) -> None:

@@ -287,7 +287,7 @@ def test_logprobs_of_accepted_drafts_are_the_plain_decodes(artifact) -> None:
 
 
 def test_fault_in_cache_maps_the_rows_of_the_slots_and_positions_in_use(artifact) -> None:
-    """`Session.fault_in_cache(slots)` (`llmc serve` calls it before it listens, where `unmapped_cache_bytes(slots)`
+    """`Session.fault_in_cache(slots)` (`llmc serve` calls it before it listens, where `cache_rows_bytes(slots)`
     fit the memory available) maps every 4 KB page of the K and V rows of the first `slots` sequences up to the
     `--ctx` limit (`mincore`: resident), and none of the rows of the positions past the limit's page or of the other
     sequences. The cache's pages are first unmapped (and kept off
@@ -317,7 +317,7 @@ def test_fault_in_cache_maps_the_rows_of_the_slots_and_positions_in_use(artifact
             assert libc.madvise(cache.ctypes.data, size, advice) == 0, ctypes.get_errno()
         assert not resident(cache).reshape(-1)[: size // cache.itemsize].any()
     layers, _, heads, _, width = session.k_cache.shape
-    assert session.unmapped_cache_bytes(2) == 2 * layers * 2 * heads * 600 * width * session.k_cache.itemsize
+    assert session.cache_rows_bytes(2) == 2 * layers * 2 * heads * 600 * width * session.k_cache.itemsize
     session.fault_in_cache(2)
     rows_a_page = PAGE // (session.k_cache.shape[-1] * session.k_cache.itemsize)
     for cache in (session.k_cache, session.v_cache):  # [layers, slots, kv heads, positions, row]

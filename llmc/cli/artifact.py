@@ -238,7 +238,7 @@ def _map_cache(session, slots: int) -> None:
     requests reach them, as before); a line says so first above 1 GB."""
     from llmc.runtime.session import available_memory
 
-    size, free = session.unmapped_cache_bytes(slots), available_memory()
+    size, free = session.cache_rows_bytes(slots), available_memory()
     if free is not None and size > free:
         progress(f"llmc serve: the KV cache's rows in use ({size / 1e9:.1f} GB) exceed the memory available "
                  f"({free / 1e9:.1f} GB): requests map them as they reach them")

@@ -457,16 +457,11 @@ def test_the_phase_trace_patch_applies_and_traces_a_decode_step(tiny, tmp_path) 
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (Path(__file__).parents[1] / "benchmarks").glob("*.py")))
-def test_each_benchmark_script_answers_help_and_refuses_an_unknown_option(script, tmp_path) -> None:
-    """Every `benchmarks/*.py` script prints its usage for `--help` and writes nothing (three of them once took
-    `--help` for the file or folder to write, and wrote a 114 MB model there), and ends an unknown option in
-    argparse's one error line with exit 2."""
+def test_each_benchmark_script_answers_help(script, tmp_path) -> None:
+    """Every `benchmarks/*.py` script prints argparse's usage for `--help` and writes nothing (three of them once
+    took `--help` for the file or folder to write, and wrote a 114 MB model there)."""
     path = Path(__file__).parents[1] / "benchmarks" / script
     helped = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, cwd=tmp_path,
                             timeout=120)
-    assert helped.returncode == 0 and helped.stdout.startswith("usage: "), helped.stderr
-    assert not list(tmp_path.iterdir())
-    bad = subprocess.run([sys.executable, str(path), "--no-such-option"], capture_output=True, text=True,
-                         cwd=tmp_path, timeout=120)
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(f"{script}: error: "), bad.stderr
+    assert helped.returncode == 0 and helped.stdout.startswith(f"usage: {script} "), helped.stderr
     assert not list(tmp_path.iterdir())

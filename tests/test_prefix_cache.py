@@ -8,6 +8,7 @@ what the same request gives on an empty cache, and its logits the same within fl
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -290,8 +291,8 @@ def test_fault_in_cache_maps_the_rows_of_the_slots_and_positions_in_use(artifact
     """`Session.fault_in_cache(slots)` (`llmc serve` calls it before it listens, where `cache_rows_bytes(slots)`
     fit the memory available) maps every 4 KB page of the K and V rows of the first `slots` sequences up to the
     `--ctx` limit (`mincore`: resident), and none of the rows of the positions past the limit's page or of the other
-    sequences. The cache's pages are first unmapped (and kept off
-    2 MB pages, which would map their neighbours too)."""
+    sequences. The cache's pages are first unmapped (and kept off 2 MB pages, which would map their neighbours
+    too)."""
     import ctypes
     from dataclasses import replace
 
@@ -333,6 +334,6 @@ def test_available_memory_is_what_linux_can_still_give() -> None:
     `MemAvailable` or a cgroup's smaller room: more than nothing, no more than `MemAvailable`."""
     from llmc.runtime.session import available_memory
 
-    meminfo = dict(line.split(":") for line in open("/proc/meminfo").read().splitlines())
+    meminfo = dict(line.split(":") for line in Path("/proc/meminfo").read_text().splitlines())
     free = available_memory()
     assert free is not None and 0 < free <= int(meminfo["MemAvailable"].split()[0]) * 1024 * 1.01

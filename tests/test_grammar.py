@@ -134,7 +134,7 @@ def test_rollback_restores_the_mask_and_admissible_counts_a_prefix(codec) -> Non
     assert "\n" not in str(caught.value) and "<state>" not in str(caught.value)  # (llguidance appends its state)
 
 
-def test_greedy_speculation_under_a_grammar_gives_the_plain_tokens(session, codec) -> None:
+def test_greedy_speculation_under_a_grammar_gives_the_plain_tokens(session, codec, every_draft) -> None:
     grammar = Grammar.json_schema(codec, PERSON)
     prompt = codec.encode("a person:")
     plain, ended = _generate(session, codec, prompt, Sampler(SamplingOptions(), grammar.constraint()), 480)

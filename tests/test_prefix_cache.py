@@ -164,10 +164,12 @@ def test_the_free_slot_with_the_longest_common_prefix_is_taken_and_the_one_free_
 
 def test_speculation_counts_only_the_accepted_rows_as_cached(artifact, monkeypatch) -> None:
     """Drafts verify rejects are left in the cache's rows but not among the slot's tokens: the next request
-    reuses only what was fed and accepted, and its text is a plain fresh decode's. Every draft is verified
-    (`MARGIN` 0): whether verifying pays is timed, and a tiny model's calls take microseconds, so after the
-    first rejection the engine would otherwise decode plainly on a quiet machine."""
+    reuses only what was fed and accepted, and its text is a plain fresh decode's. Drafts are verified however
+    unlikely (`MARGIN` 0, in the engine and in `worth_verifying`): whether verifying pays is timed, and a tiny
+    model's calls take microseconds, so after the first rejection the engine would otherwise decode plainly on a
+    quiet machine."""
     monkeypatch.setattr(batch, "MARGIN", 0.0)
+    monkeypatch.setattr("llmc.runtime.speculate.MARGIN", 0.0)
     session, fresh = (Session(artifact(SPEC, max_batch=2, max_seq=64, speculate=8)) for _ in range(2))
     engine = Engine(session, end_ids=(), speculate=True)
     prompt = [150, 150, 7, 9, 11, 150]  # (after 150 150, the drafter proposes 7; the model says 150)

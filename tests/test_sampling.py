@@ -242,7 +242,7 @@ def _generate(session: Session, prompt: list[int], n: int, options: SamplingOpti
     return out[:n], sampler
 
 
-def test_greedy_speculation_with_penalties_gives_the_plain_tokens(artifact) -> None:
+def test_greedy_speculation_with_penalties_gives_the_plain_tokens(artifact, every_draft) -> None:
     session = Session(artifact(TinySpec(context_length=128, tied=False), chunk=8, max_seq=128), threads=1)
     codec = TextCodec.from_artifact(session.manifest)
     prompt = codec.encode("one two three one two three one two three one two")

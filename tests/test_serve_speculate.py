@@ -16,21 +16,19 @@ import pytest
 from test_batch import PROMPTS, SPEC, into
 from tiny_models import TinySpec
 
-from llmc.runtime.batch import CallCost, Engine, Request, _Sequence
+from llmc.runtime.batch import Engine, Request, _Sequence
 from llmc.runtime.sampling import Sampler, SamplingOptions
 from llmc.runtime.session import Session
+from llmc.runtime.speculate import CallCost, PromptLookup, Speculation
 
 CAPACITY = 64
 COPIES = [[5, 17, 42, 9, 5, 17, 42], [100, 150, 7, 100, 150], [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]]
 
 
-def every_draft(engine: Engine, drafted: list, others: int) -> int:
-    """`Engine._worth_verifying` for tests of what verifying gives, not of when it pays: every draft."""
-    return len(drafted)
-
-
 # a served engine's `every_draft` (a `start_server` prelude)
-EVERY_DRAFT = "from llmc.runtime.batch import Engine\nEngine._worth_verifying = lambda self, drafted, others: len(drafted)"
+EVERY_DRAFT = ("from llmc.runtime import speculate\nfrom llmc.runtime.batch import Engine\n"
+               "speculate.worth_verifying = lambda acceptance, cost, drafted: drafted\n"
+               "Engine._worth_verifying = lambda self, drafted, others: len(drafted)")
 
 
 def _streams(session: Session, requests: list[tuple[list[int], int]], speculate: bool, eos: int | None = None,
@@ -49,13 +47,12 @@ def _streams(session: Session, requests: list[tuple[list[int], int]], speculate:
 @pytest.mark.parametrize("spec", [SPEC, TinySpec(hidden=64, heads=4, kv_heads=2, head_dim=32, ffn=128,
                                                  context_length=64)], ids=["small", "gqa"])
 @pytest.mark.parametrize("verify", [8, 0], ids=["verify", "score"])
-def test_greedy_streams_with_speculation_are_plain_decodes(artifact, monkeypatch, spec: TinySpec,
+def test_greedy_streams_with_speculation_are_plain_decodes(artifact, every_draft, spec: TinySpec,
                                                            verify: int) -> None:
     """More requests than slots, several drafting at once beside plain decode rows (in one verify call of every
     slot's rows, or, where `score` stands in for `verify`, a call per draft); then alone. Every draft is verified:
-    whether verifying pays is timed (`Engine._worth_verifying`), and on a loaded machine a tiny model's timings
+    whether verifying pays is timed (`Engine._worth_verifying`, `Speculation.worth`), and on a loaded machine a tiny model's timings
     could say it never does (4 of 8 runs beside two busy processes verified nothing in some case)."""
-    monkeypatch.setattr(Engine, "_worth_verifying", every_draft)
     session = Session(artifact(spec, max_batch=4, max_seq=CAPACITY, speculate=verify))
     requests = [(prompt, 12 + i) for i, prompt in enumerate(PROMPTS + COPIES)]
     plain, _ = _streams(session, requests, speculate=False)
@@ -94,10 +91,9 @@ def test_one_verify_call_of_several_slots_is_each_slot_alone(artifact) -> None:
 
 
 @pytest.mark.parametrize("verify", [8, 0], ids=["verify", "score"])
-def test_ends_mid_draft_are_plain_decodes(artifact, monkeypatch, verify: int) -> None:
+def test_ends_mid_draft_are_plain_decodes(artifact, every_draft, verify: int) -> None:
     """An end-of-sequence token, `max_tokens` and the cache's capacity each cut a stream where plain decode
     does, whatever the draft beyond them (every draft verified: `every_draft`)."""
-    monkeypatch.setattr(Engine, "_worth_verifying", every_draft)
     session = Session(artifact(SPEC, max_batch=4, max_seq=CAPACITY, speculate=verify))
     stream, _ = _streams(session, [(COPIES[2], 40)], speculate=False)
     tokens = stream[0][0]
@@ -114,13 +110,15 @@ def test_ends_mid_draft_are_plain_decodes(artifact, monkeypatch, verify: int) ->
 
 
 def test_drafts_are_verified_as_far_as_the_call_costs_say_they_pay(artifact) -> None:
-    """`_worth_verifying` on fixed call costs, two drafts of 4 (2 tokens each expected) beside 2 plain rows: where
+    """`_worth_verifying` on fixed call costs, two drafts of 4 (1.94 tokens each expected before any verify: one
+    draft in two taken, `Acceptance`) beside 2 plain rows: where
     rows cost nothing more (a tiny model's calls), both drafts in the one verify call; where each row costs a
     one-row call, neither; in calls of their own (`score` standing in for `verify`), a draft pays alone, not beside
     others whose decode call it adds to."""
     engine = Engine(Session(artifact(SPEC, max_batch=4, max_seq=CAPACITY, speculate=8)), (), speculate=True)
     assert engine.together
-    drafted = [(_Sequence(Request([1], 10), slot, Sampler(SamplingOptions()), []), [5, 6, 7, 8]) for slot in range(2)]
+    drafted = [(_Sequence(Request([1], 10), slot, Sampler(SamplingOptions()), [], speculation=Speculation(PromptLookup())),
+                [5, 6, 7, 8]) for slot in range(2)]
 
     def costs(nine_rows: float) -> CallCost:
         """A call of one row taking 1 s, of 9 rows `nine_rows`, and a line through them."""
@@ -137,10 +135,9 @@ def test_drafts_are_verified_as_far_as_the_call_costs_say_they_pay(artifact) -> 
     engine.session.close()
 
 
-def test_sampled_requests_speculate_unless_seeded(artifact, monkeypatch) -> None:
+def test_sampled_requests_speculate_unless_seeded(artifact, every_draft) -> None:
     """Sampling speculates (the acceptance rule keeps the distribution: tests/test_speculate.py), except with a
     seed, whose text must not depend on what else runs (every draft verified: `every_draft`)."""
-    monkeypatch.setattr(Engine, "_worth_verifying", every_draft)
     session = Session(artifact(SPEC, max_batch=4, max_seq=CAPACITY))
     requests = [(prompt, 20) for prompt in COPIES]
     for seed in (None, 1):
@@ -211,11 +208,10 @@ def test_served_text_is_plain_decodes(clients) -> None:
 
 
 @pytest.mark.real_model
-def test_smollm2_copying_a_passage_accepts_drafts_and_keeps_its_text(smollm2_path, tmp_path, monkeypatch) -> None:
+def test_smollm2_copying_a_passage_accepts_drafts_and_keeps_its_text(smollm2_path, tmp_path, every_draft) -> None:
     """The real model copying a passage beside a request that does not: drafts accepted, several tokens a verify
     call, the texts plain decode's (every draft verified, `every_draft`: beside two busy processes the timed
     choice verified too few in 1 of 3 runs)."""
-    monkeypatch.setattr(Engine, "_worth_verifying", every_draft)
     from llmc.driver import BackendOptions, compile_model
     from llmc.passes.pipeline import CompileOptions
     from llmc.runtime.codec import TextCodec

@@ -16,11 +16,25 @@ from llmc.runtime.codec import TextCodec
 from llmc.runtime.generate import generate
 from llmc.runtime.sampling import Sampler, SamplingOptions
 from llmc.runtime.session import Session
-from llmc.runtime.speculate import DraftLength, DraftModel, PromptLookup, Speculation, step
+from llmc.runtime.speculate import (
+    Acceptance,
+    CallCost,
+    DraftLength,
+    DraftModel,
+    PromptLookup,
+    Speculation,
+    step,
+    worth_verifying,
+)
 
 TARGET = TinySpec(context_length=64, tied=False)  # (untied: random weights then say varied text, not one token)
 OTHER = TinySpec(context_length=64, tied=False, layers=1, seed=3)  # the same vocabulary, other weights
 GREEDY = SamplingOptions()
+
+
+@pytest.fixture(autouse=True)
+def _verify_every_draft(every_draft) -> None:
+    """Each test here but those of `worth_verifying` itself, which call it directly: every draft verified."""
 
 
 def _session(artifact, spec: TinySpec = TARGET, **options) -> Session:
@@ -71,6 +85,61 @@ def test_draft_length_backs_off_to_plain_decode_and_probes_again() -> None:
     assert length.next() == 2
     length.update(2, 1)  # half accepted: the length stays
     assert length.next() == 2
+
+
+class _Costs(CallCost):
+    """Calls whose seconds are `seconds(rows)`, whatever the calls timed (`record` keeps nothing)."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds_of = seconds
+
+    def record(self, rows: int, seconds: float) -> None:
+        pass
+
+    def __call__(self, rows: int) -> float:
+        return self.seconds_of(rows)
+
+
+def test_worth_verifying_follows_what_rows_cost_and_how_often_drafts_are_taken() -> None:
+    """Where a call's rows cost nothing more, every draft; where each row costs a one-row call, none, however
+    likely; between (this round's Xeon: 9 rows 4.8 one-row calls), none before drafts have been taken, a few
+    after, and fewer again once they are rejected. A draft left unverified makes the next likelier (`hope`)."""
+    likely, fresh = Acceptance(), Acceptance()
+    for _ in range(5):
+        likely.record(8, 8)
+    assert likely.rate > 0.95 and fresh.rate == 0.5
+    flat, per_row, xeon = _Costs(lambda rows: 1.0), _Costs(lambda rows: float(rows)), CallCost()
+    xeon.record(1, 2.03)
+    xeon.record(9, 9.78)
+    assert worth_verifying(fresh, flat, 8) == worth_verifying(likely, flat, 8) == 8
+    assert worth_verifying(fresh, per_row, 8) == worth_verifying(likely, per_row, 8) == 0
+    assert worth_verifying(fresh, xeon, 8) == 0 and worth_verifying(likely, xeon, 8) == 8
+    likely.record(8, 2)
+    lengths = [worth_verifying(likely, xeon, 8)]
+    for _ in range(5):
+        likely.record(8, 0)
+        lengths.append(worth_verifying(likely, xeon, 8))
+    assert 0 < lengths[0] < 8 and lengths == sorted(lengths, reverse=True) and lengths[-1] == 0
+    before = fresh.rate
+    fresh.hope()
+    assert fresh.rate > before
+
+
+def test_single_stream_speculation_verifies_only_what_pays(artifact, monkeypatch) -> None:
+    """Through `step` (`llmc run`'s path): with rows that each cost a one-row call, the drafts of a text that
+    repeats itself are never verified (plain decode steps, the same text); with rows that cost nothing more,
+    they are."""
+    monkeypatch.setattr(speculate, "worth_verifying", worth_verifying)  # (the module's `every_draft` undone)
+    session = _session(artifact)
+    codec = TextCodec.from_artifact(session.manifest)
+    prompt = codec.encode("one two three one two three one two")
+    for cost, verified in ((_Costs(lambda rows: float(rows)), False), (_Costs(lambda rows: 1.0), True)):
+        speculation = Speculation(PromptLookup(min_ngram=1), cost=cost)
+        plain, fast = _plain_and_speculative(session, codec, prompt, 40, speculation)
+        stats = speculation.stats
+        assert fast == plain and (stats.verify_calls > 0) == verified and (stats.accepted > 0) == verified
+        assert stats.accepted + stats.verify_calls + stats.decode_calls == len(plain) - 1
 
 
 def _plain_and_speculative(session, codec, prompt: list[int], n: int, speculation: Speculation):

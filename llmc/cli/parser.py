@@ -339,8 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     speculate_args = argparse.ArgumentParser(add_help=False)
     speculate_args.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=None,  # (None: on)
                                 help="draft the next tokens by prompt lookup (or --draft) and check them in one "
-                                     "verify call: greedy text is unchanged, drafting backs off where drafts are "
-                                     "rejected (default: on)")
+                                     "verify call: greedy text is unchanged; only as many drafts are checked as "
+                                     "the calls' timings say pay, and drafting backs off where they are rejected "
+                                     "(default: on)")
     speculate_args.add_argument("--draft", type=_name, metavar="DIR",
                                 help="draft with this artifact (a smaller model with the same vocabulary) instead "
                                      "of prompt lookup")
@@ -368,7 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a slot; beyond them the server answers 429 (default: 64)")
     p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True,
                    help="draft each sequence's next tokens by prompt lookup and check them in one verify call "
-                        "(greedy text is unchanged; drafting backs off where drafts are rejected) (default: on)")
+                        "(greedy text is unchanged; only as many drafts are checked as the calls' timings say pay, "
+                        "and drafting backs off where they are rejected) (default: on)")
     for part, default, slower in (("head", 10.0, "are disconnected"), ("body", 30.0, "get 408")):
         p.add_argument(f"--{part}-timeout", type=_seconds, default=default, metavar="S",
                        help=f"seconds a client has to send a whole request {part}; slower ones {slower} "

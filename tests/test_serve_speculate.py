@@ -51,8 +51,9 @@ def test_greedy_streams_with_speculation_are_plain_decodes(artifact, every_draft
                                                            verify: int) -> None:
     """More requests than slots, several drafting at once beside plain decode rows (in one verify call of every
     slot's rows, or, where `score` stands in for `verify`, a call per draft); then alone. Every draft is verified:
-    whether verifying pays is timed (`Engine._worth_verifying`, `Speculation.worth`), and on a loaded machine a tiny model's timings
-    could say it never does (4 of 8 runs beside two busy processes verified nothing in some case)."""
+    whether verifying pays is timed (`Engine._worth_verifying`, `Speculation.worth`), and on a loaded machine a
+    tiny model's timings could say it never does (4 of 8 runs beside two busy processes verified nothing in some
+    case)."""
     session = Session(artifact(spec, max_batch=4, max_seq=CAPACITY, speculate=verify))
     requests = [(prompt, 12 + i) for i, prompt in enumerate(PROMPTS + COPIES)]
     plain, _ = _streams(session, requests, speculate=False)
@@ -111,14 +112,13 @@ def test_ends_mid_draft_are_plain_decodes(artifact, every_draft, verify: int) ->
 
 def test_drafts_are_verified_as_far_as_the_call_costs_say_they_pay(artifact) -> None:
     """`_worth_verifying` on fixed call costs, two drafts of 4 (1.94 tokens each expected before any verify: one
-    draft in two taken, `Acceptance`) beside 2 plain rows: where
-    rows cost nothing more (a tiny model's calls), both drafts in the one verify call; where each row costs a
-    one-row call, neither; in calls of their own (`score` standing in for `verify`), a draft pays alone, not beside
-    others whose decode call it adds to."""
+    draft in two taken, `Acceptance`) beside 2 plain rows: where rows cost nothing more (a tiny model's calls), both
+    drafts in the one verify call; where each row costs a one-row call, neither; in calls of their own (`score`
+    standing in for `verify`), a draft pays alone, not beside others whose decode call it adds to."""
     engine = Engine(Session(artifact(SPEC, max_batch=4, max_seq=CAPACITY, speculate=8)), (), speculate=True)
     assert engine.together
-    drafted = [(_Sequence(Request([1], 10), slot, Sampler(SamplingOptions()), [], speculation=Speculation(PromptLookup())),
-                [5, 6, 7, 8]) for slot in range(2)]
+    drafted = [(_Sequence(Request([1], 10), slot, Sampler(SamplingOptions()), [],
+                          speculation=Speculation(PromptLookup())), [5, 6, 7, 8]) for slot in range(2)]
 
     def costs(nine_rows: float) -> CallCost:
         """A call of one row taking 1 s, of 9 rows `nine_rows`, and a line through them."""

@@ -41,7 +41,10 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    reader = gguf.GGUFReader(args.model)
+    try:
+        reader = gguf.GGUFReader(args.model)
+    except (ValueError, OSError) as e:
+        parser.error(f"{args.model}: not a GGUF file this reads ({e})")
     tensors = {t.name: t for t in reader.tensors}
     head = tensors.get("output.weight") or tensors.get("token_embd.weight")
     if head is None or head.tensor_type != gguf.GGMLQuantizationType.Q8_0:

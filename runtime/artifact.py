@@ -272,10 +272,11 @@ def _check_launches(name: str, launches: object) -> None:
             raise ValueError(f"entry point {name} has a malformed launch of {launch.get('kernel')!r}")
 
 
-def load_manifest(directory: Path, check_files: bool = True, verified_later: Collection[str] = ()) -> Manifest:
+def load_manifest(directory: Path | str, check_files: bool = True, verified_later: Collection[str] = ()) -> Manifest:
     """Read and check `manifest.json`: its schema, and every file inside the directory with the size
     the manifest gives; with `check_files`, every file's sha256 too, but those of the roles in
     `verified_later`, which the caller checks on the bytes it reads (`check_sha256`): each read once."""
+    directory = Path(directory)
     path = directory / MANIFEST
     if not path.is_file():
         if not directory.exists():

@@ -465,7 +465,7 @@ class Conversation:
 SESSION_VERIFIED = ("kernels", "weights")  # what a session checks the sha256 of as it reads it, not before
 
 
-def open_session(directory: Path, check_files: bool = True, threads: int | None = None) -> Conversation:
+def open_session(directory: Path | str, check_files: bool = True, threads: int | None = None) -> Conversation:
     """A session on the artifact in `directory`, for its target: CPU threads, or the GPU."""
     manifest = load_manifest(directory, check_files, SESSION_VERIFIED)
     if manifest.target == "cuda":
@@ -480,7 +480,7 @@ def open_session(directory: Path, check_files: bool = True, threads: int | None 
 class Session(Conversation):
     """One conversation's state on a CPU artifact."""
 
-    def __init__(self, manifest: Manifest | Path, check_files: bool = True, threads: int | None = None):
+    def __init__(self, manifest: Manifest | Path | str, check_files: bool = True, threads: int | None = None):
         if not isinstance(manifest, Manifest):
             manifest = load_manifest(manifest, check_files, SESSION_VERIFIED)
         directory, kernels = manifest.directory, manifest.file("kernels")

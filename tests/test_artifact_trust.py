@@ -209,10 +209,14 @@ def test_crafted_tokenizer_facts_are_one_line(artifact, tmp_path, capsys, case: 
 
 
 def test_untouched_copy_runs_with_and_without_hashing(artifact, tmp_path, capsys) -> None:
-    """The control of the cases above: the same copy, not crafted, runs."""
+    """The control of the cases above: the same copy, not crafted, runs, named as a `Path` or as a string."""
     copy = _copy(artifact(SPEC), tmp_path / "copy")
     for extra in ([], ["--no-verify"]):
         assert main(["run", str(copy), "-p", "x", "-n", "1", *extra]) == 0, capsys.readouterr().err
+    for name in (copy, str(copy)):
+        session = open_session(name, threads=1)
+        assert session.manifest.directory == copy and 0 <= session.greedy([1, 2, 3]) < session.vocab_size
+        session.close()
 
 
 @pytest.mark.parametrize("size", [0, 1, 4095, (1 << 21) + 77])

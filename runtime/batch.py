@@ -247,7 +247,7 @@ class Engine:
                 sampler = Sampler(request.sampling, request.constraint, request.prompt)
                 seq = _Sequence(request, slot, sampler, self.cached[slot], fed=reuse)
                 if self.speculate and (seq.sampler.greedy or request.sampling.seed is None):
-                    seq.speculation = Speculation(PromptLookup())
+                    seq.speculation = Speculation(PromptLookup(), cost=self.cost)
                     seq.speculation.start(self.session, request.prompt)
                 self.running.append(seq)
         for request in dropped:  # (outside the lock, on this thread, as every callback)
@@ -374,7 +374,7 @@ class Engine:
             return []
         room = min(seq.request.max_tokens - seq.generated - 1, self.session.capacity - seq.position - 1)
         k = min(speculation.length.next(), room)
-        return speculation.worth(seq.sampler.drafts(speculation.drafter.draft(k)) if k > 0 else [], self.cost)
+        return speculation.worth(seq.sampler.drafts(speculation.drafter.draft(k)) if k > 0 else [])
 
     def _verify(self, groups: list[tuple[_Sequence, list[int]]]) -> None:
         """Run each sequence's next token and its draft in one `verify` call; take the drafts the model agrees

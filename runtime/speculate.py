@@ -292,7 +292,7 @@ class Speculation:
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     length: DraftLength | None = None
     acceptance: Acceptance = field(default_factory=Acceptance)
-    cost: CallCost = field(default_factory=CallCost)
+    cost: CallCost = field(default_factory=CallCost)  # (an engine's sequences share the engine's: one call, all rows)
 
     def start(self, session: Conversation, context: list[int]) -> None:
         """Begin a generation after `context`, the tokens already in the session's cache."""
@@ -300,10 +300,10 @@ class Speculation:
             self.length = DraftLength(min(self.most, session.max_verify - 1))
         self.drafter.start(context)
 
-    def worth(self, drafts: list[int], cost: CallCost) -> list[int]:
+    def worth(self, drafts: list[int]) -> list[int]:
         """The first of `drafts` that pay for their rows in a call of their own (`worth_verifying` by `cost`);
         none, and a little more hope (`Acceptance.hope`), where none does."""
-        keep = worth_verifying(self.acceptance, cost, len(drafts)) if drafts else 0
+        keep = worth_verifying(self.acceptance, self.cost, len(drafts)) if drafts else 0
         if drafts and not keep:
             self.acceptance.hope()
         return drafts[:keep]
@@ -328,12 +328,12 @@ def step(session: Conversation, sampler: Sampler, tokens: list[int], most: int,
     k = min(speculation.length.next(), most - 1, session.capacity - session.position - len(tokens))
     speculation.drafter.extend(tokens)
     drafts = sampler.drafts(speculation.drafter.draft(k)) if draft and len(tokens) == 1 and k > 0 else []
-    drafts = speculation.worth(drafts, speculation.cost)
+    drafts = speculation.worth(drafts)
     if not drafts:
-        start = time.perf_counter()
+        began = time.perf_counter()
         token = next_token(session, sampler, tokens)
         if draft and len(tokens) == 1:
-            speculation.cost.record(1, time.perf_counter() - start)
+            speculation.cost.record(1, time.perf_counter() - began)
             speculation.stats.decode_calls += 1
         return [token]
     start = session.position
